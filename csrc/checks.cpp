@@ -1,0 +1,247 @@
+#include "checks.h"
+
+#include <atomic>
+#include <cmath>
+#include <sstream>
+
+namespace specdec {
+namespace checks {
+namespace {
+
+std::atomic<bool> g_strict{false};
+
+// Values are read on the host: a CPU tensor as is, a CUDA tensor only in strict mode.
+bool want_values(const at::Tensor& t) { return t.device().is_cpu() || strict(); }
+at::Tensor host(const at::Tensor& t) { return t.device().is_cpu() ? t.contiguous() : t.to(at::kCPU).contiguous(); }
+
+bool is_float_dtype(at::ScalarType s) {
+  return s == at::kFloat || s == at::kHalf || s == at::kBFloat16;
+}
+
+void check_same_device(const char* op, const char* name, const at::Tensor& t, const at::Tensor& ref) {
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " must be on ", ref.device(), " like the other inputs, got ",
+              t.device());
+}
+
+void check_int_vector(const char* op, const char* name, const at::Tensor& t, int64_t B, at::ScalarType dtype) {
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == B && t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, " [", B,
+              "], got ", t.scalar_type(), " ", t.sizes());
+}
+
+void check_cache(const char* op, const char* name, const at::Tensor& c) {
+  TORCH_CHECK(c.dim() == 4, op, ": ", name, " must be [B, Hkv, S, D], got ", c.sizes());
+  TORCH_CHECK(is_float_dtype(c.scalar_type()), op, ": ", name, " must be float32, float16 or bfloat16, got ",
+              c.scalar_type());
+  TORCH_CHECK(c.is_contiguous(), op, ": ", name, " must be contiguous, got strides ", c.strides());
+}
+
+// 0 <= cache_lens[b] <= S - N for every request.
+void check_lens_fit(const char* op, const at::Tensor& cache_lens, int64_t S, int64_t N) {
+  if (!want_values(cache_lens)) return;
+  at::Tensor h = host(cache_lens);
+  const int32_t* lens = h.data_ptr<int32_t>();
+  for (int64_t b = 0; b < h.size(0); ++b) {
+    TORCH_CHECK(lens[b] >= 0 && lens[b] + N <= S, op, ": cache_lens[", b, "] = ", lens[b],
+                " leaves no room for N = ", N, " new nodes in a cache of capacity S = ", S,
+                " (expected 0 <= cache_lens <= S - N)");
+  }
+}
+
+void check_tree(const char* op, const at::Tensor& tokens, const at::Tensor& parents, int64_t V) {
+  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong, op, ": tokens must be int64 [B, N], got ",
+              tokens.scalar_type(), " ", tokens.sizes());
+  TORCH_CHECK(tokens.size(1) >= 1, op, ": tokens must hold at least the root node (N >= 1), got ", tokens.sizes());
+  TORCH_CHECK(parents.dim() == 2 && parents.scalar_type() == at::kInt && parents.sizes() == tokens.sizes(), op,
+              ": parents must be int32 [B, N] = ", tokens.sizes(), ", got ", parents.scalar_type(), " ",
+              parents.sizes());
+  check_same_device(op, "parents", parents, tokens);
+  if (!want_values(parents)) return;
+  at::Tensor ht = host(tokens), hp = host(parents);
+  const int64_t* tok = ht.data_ptr<int64_t>();
+  const int32_t* par = hp.data_ptr<int32_t>();
+  const int64_t B = tokens.size(0), N = tokens.size(1);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(par[b * N] == -1, op, ": parents[", b, ", 0] must be -1 (node 0 is the root), got ", par[b * N]);
+    for (int64_t i = 1; i < N; ++i) {
+      const int32_t p = par[b * N + i];
+      TORCH_CHECK(p >= -1 && p < i, op, ": parents[", b, ", ", i, "] = ", p,
+                  " must be -1 (padding) or a node index < ", i, " (topological order)");
+      if (p >= 0) {
+        const int64_t t = tok[b * N + i];
+        TORCH_CHECK(t >= 0 && t < V, op, ": tokens[", b, ", ", i, "] = ", t, " is out of range [0, ", V,
+                    ") for vocabulary size V = ", V);
+      }
+    }
+  }
+}
+
+void check_probs(const char* op, const char* name, const at::Tensor& t, int64_t B, int64_t N) {
+  TORCH_CHECK(t.dim() == 3 && t.size(0) == B && t.size(1) == N && t.scalar_type() == at::kFloat, op, ": ", name,
+              " must be float32 [B, N, V] with B = ", B, ", N = ", N, ", got ", t.scalar_type(), " ", t.sizes());
+  TORCH_CHECK(t.size(2) >= 1, op, ": ", name, " must have a vocabulary of at least 1, got ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous, got strides ", t.strides());
+  if (strict()) {
+    TORCH_CHECK(at::isfinite(t).all().item<bool>() && (t >= 0).all().item<bool>(), op, ": ", name,
+                " must hold finite, non-negative probabilities (found NaN, inf or a negative value)");
+  }
+}
+
+}  // namespace
+
+bool strict() { return g_strict.load(std::memory_order_relaxed); }
+void set_strict(bool on) { g_strict.store(on, std::memory_order_relaxed); }
+
+void verify_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& cache_lens, const std::optional<at::Tensor>& tree_mask, double scale) {
+  const char* op = "verify_attention";
+  TORCH_CHECK(q.dim() == 4, op, ": q must be [B, N, Hq, D], got ", q.sizes());
+  TORCH_CHECK(is_float_dtype(q.scalar_type()), op, ": q must be float32, float16 or bfloat16, got ", q.scalar_type());
+  check_cache(op, "k_cache", k_cache);
+  check_cache(op, "v_cache", v_cache);
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": v_cache must have the shape of k_cache ", k_cache.sizes(),
+              ", got ", v_cache.sizes());
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(), op,
+              ": k_cache and v_cache must have q's dtype ", q.scalar_type(), ", got ", k_cache.scalar_type(), " and ",
+              v_cache.scalar_type());
+  const int64_t B = q.size(0), N = q.size(1), Hq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k_cache.size(1), S = k_cache.size(2);
+  TORCH_CHECK(N >= 1, op, ": q must hold at least one node (N >= 1), got ", q.sizes());
+  TORCH_CHECK(k_cache.size(0) == B, op, ": k_cache batch must equal q's B = ", B, ", got ", k_cache.sizes());
+  TORCH_CHECK(k_cache.size(3) == D, op, ": k_cache head dim must equal q's D = ", D, ", got ", k_cache.sizes());
+  TORCH_CHECK(Hkv >= 1 && Hq % Hkv == 0, op, ": q heads Hq = ", Hq, " must be a multiple of the KV heads Hkv = ", Hkv);
+  TORCH_CHECK(N <= S, op, ": N = ", N, " new nodes exceed the cache capacity S = ", S);
+  TORCH_CHECK(std::isfinite(scale), op, ": scale must be finite, got ", scale);
+  check_same_device(op, "k_cache", k_cache, q);
+  check_same_device(op, "v_cache", v_cache, q);
+  check_same_device(op, "cache_lens", cache_lens, q);
+  check_int_vector(op, "cache_lens", cache_lens, B, at::kInt);
+  if (tree_mask.has_value()) {
+    const at::Tensor& m = *tree_mask;
+    TORCH_CHECK(m.dim() == 3 && m.size(0) == B && m.size(1) == N && m.size(2) == N && m.scalar_type() == at::kBool,
+                op, ": tree_mask must be bool [B, N, N] = [", B, ", ", N, ", ", N, "], got ", m.scalar_type(), " ",
+                m.sizes());
+    check_same_device(op, "tree_mask", m, q);
+  }
+  check_lens_fit(op, cache_lens, S, N);
+}
+
+void append_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_new,
+               const at::Tensor& v_new, const at::Tensor& cache_lens) {
+  const char* op = "append_kv";
+  check_cache(op, "k_cache", k_cache);
+  check_cache(op, "v_cache", v_cache);
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(), op,
+              ": v_cache must match k_cache ", k_cache.scalar_type(), " ", k_cache.sizes(), ", got ",
+              v_cache.scalar_type(), " ", v_cache.sizes());
+  const int64_t B = k_cache.size(0), Hkv = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3);
+  TORCH_CHECK(k_new.dim() == 4 && k_new.size(0) == B && k_new.size(1) == Hkv && k_new.size(3) == D, op,
+              ": k_new must be [B, Hkv, N, D] = [", B, ", ", Hkv, ", N, ", D, "], got ", k_new.sizes());
+  TORCH_CHECK(v_new.sizes() == k_new.sizes(), op, ": v_new must have the shape of k_new ", k_new.sizes(), ", got ",
+              v_new.sizes());
+  TORCH_CHECK(k_new.scalar_type() == k_cache.scalar_type() && v_new.scalar_type() == k_cache.scalar_type(), op,
+              ": k_new and v_new must have the cache dtype ", k_cache.scalar_type(), ", got ", k_new.scalar_type(),
+              " and ", v_new.scalar_type());
+  const int64_t N = k_new.size(2);
+  TORCH_CHECK(N >= 1 && N <= S, op, ": k_new must hold 1 <= N <= S = ", S, " nodes, got N = ", N);
+  check_same_device(op, "v_cache", v_cache, k_cache);
+  check_same_device(op, "k_new", k_new, k_cache);
+  check_same_device(op, "v_new", v_new, k_cache);
+  check_same_device(op, "cache_lens", cache_lens, k_cache);
+  check_int_vector(op, "cache_lens", cache_lens, B, at::kInt);
+  check_lens_fit(op, cache_lens, S, N);
+}
+
+void rejection_sample(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& target_probs,
+                      const std::optional<at::Tensor>& draft_probs, const at::Tensor& uniforms) {
+  const char* op = "rejection_sample";
+  TORCH_CHECK(target_probs.dim() == 3, op, ": target_probs must be float32 [B, N, V], got ", target_probs.sizes());
+  check_tree(op, tokens, parents, target_probs.size(2));
+  const int64_t B = tokens.size(0), N = tokens.size(1);
+  check_probs(op, "target_probs", target_probs, B, N);
+  check_same_device(op, "target_probs", target_probs, tokens);
+  if (draft_probs.has_value()) {
+    check_probs(op, "draft_probs", *draft_probs, B, N);
+    TORCH_CHECK(draft_probs->size(2) == target_probs.size(2), op, ": draft_probs vocabulary must equal target_probs' V = ",
+                target_probs.size(2), ", got ", draft_probs->sizes());
+    check_same_device(op, "draft_probs", *draft_probs, tokens);
+  }
+  TORCH_CHECK(uniforms.dim() == 2 && uniforms.size(0) == B && uniforms.size(1) == N &&
+                  uniforms.scalar_type() == at::kDouble,
+              op, ": uniforms must be float64 [B, N] = [", B, ", ", N, "], got ", uniforms.scalar_type(), " ",
+              uniforms.sizes());
+  check_same_device(op, "uniforms", uniforms, tokens);
+  if (want_values(uniforms)) {
+    at::Tensor h = host(uniforms);
+    const double* u = h.data_ptr<double>();
+    for (int64_t i = 0; i < B * N; ++i) {
+      TORCH_CHECK(u[i] >= 0.0 && u[i] <= 1.0, op, ": uniforms[", i / N, ", ", i % N, "] = ", u[i],
+                  " must lie in [0, 1]");
+    }
+  }
+}
+
+void greedy_verify(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& target_logits) {
+  const char* op = "greedy_verify";
+  TORCH_CHECK(target_logits.dim() == 3, op, ": target_logits must be [B, N, V], got ", target_logits.sizes());
+  check_tree(op, tokens, parents, target_logits.size(2));
+  const int64_t B = tokens.size(0), N = tokens.size(1);
+  TORCH_CHECK(target_logits.size(0) == B && target_logits.size(1) == N && target_logits.size(2) >= 1, op,
+              ": target_logits must be [B, N, V] with B = ", B, ", N = ", N, ", got ", target_logits.sizes());
+  TORCH_CHECK(is_float_dtype(target_logits.scalar_type()), op,
+              ": target_logits must be float32, float16 or bfloat16, got ", target_logits.scalar_type());
+  TORCH_CHECK(target_logits.is_contiguous(), op, ": target_logits must be contiguous, got strides ",
+              target_logits.strides());
+  check_same_device(op, "target_logits", target_logits, tokens);
+}
+
+void kv_commit(at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cache_lens,
+               const at::Tensor& accepted, const at::Tensor& num_accepted) {
+  const char* op = "kv_commit";
+  TORCH_CHECK(!k_caches.empty(), op, ": k_caches must hold at least one layer, got an empty list");
+  TORCH_CHECK(v_caches.size() == k_caches.size(), op, ": v_caches must hold as many layers as k_caches (",
+              k_caches.size(), "), got ", v_caches.size());
+  const at::Tensor& ref = k_caches[0];
+  check_cache(op, "k_caches[0]", ref);
+  const int64_t B = ref.size(0), S = ref.size(2);
+  for (size_t l = 0; l < k_caches.size(); ++l) {
+    for (int kv = 0; kv < 2; ++kv) {
+      const at::Tensor& c = kv == 0 ? k_caches[l] : v_caches[l];
+      const std::string name = std::string(kv == 0 ? "k_caches[" : "v_caches[") + std::to_string(l) + "]";
+      check_cache(op, name.c_str(), c);
+      TORCH_CHECK(c.size(0) == B && c.size(2) == S, op, ": ", name, " must have batch ", B, " and capacity ", S,
+                  " like k_caches[0], got ", c.sizes());
+      TORCH_CHECK(c.scalar_type() == ref.scalar_type(), op, ": ", name, " must have dtype ", ref.scalar_type(),
+                  " like k_caches[0], got ", c.scalar_type());
+      check_same_device(op, name.c_str(), c, ref);
+    }
+  }
+  check_int_vector(op, "cache_lens", cache_lens, B, at::kInt);
+  check_int_vector(op, "num_accepted", num_accepted, B, at::kInt);
+  TORCH_CHECK(accepted.dim() == 2 && accepted.size(0) == B && accepted.scalar_type() == at::kInt, op,
+              ": accepted must be int32 [B, N] with B = ", B, ", got ", accepted.scalar_type(), " ", accepted.sizes());
+  const int64_t N = accepted.size(1);
+  TORCH_CHECK(N >= 1 && N <= S, op, ": accepted must have 1 <= N <= S = ", S, " columns, got ", accepted.sizes());
+  check_same_device(op, "cache_lens", cache_lens, ref);
+  check_same_device(op, "accepted", accepted, ref);
+  check_same_device(op, "num_accepted", num_accepted, ref);
+  if (!want_values(cache_lens)) return;
+  at::Tensor hl = host(cache_lens), ha = host(accepted), hn = host(num_accepted);
+  const int32_t* lens = hl.data_ptr<int32_t>();
+  const int32_t* acc = ha.data_ptr<int32_t>();
+  const int32_t* num = hn.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t n = num[b];
+    TORCH_CHECK(n >= 0 && n < N, op, ": num_accepted[", b, "] = ", n, " must lie in [0, N - 1] = [0, ", N - 1, "]");
+    TORCH_CHECK(acc[b * N] == 0, op, ": accepted[", b, ", 0] must be 0 (the root), got ", acc[b * N]);
+    for (int32_t i = 1; i <= n; ++i) {
+      TORCH_CHECK(acc[b * N + i] > acc[b * N + i - 1] && acc[b * N + i] < N, op, ": accepted[", b, ", ", i, "] = ",
+                  acc[b * N + i], " must be a node index in (accepted[", b, ", ", i - 1, "] = ", acc[b * N + i - 1],
+                  ", N) (a root path in topological order)");
+    }
+    TORCH_CHECK(lens[b] >= 0 && int64_t(lens[b]) + acc[b * N + n] < S, op, ": cache_lens[", b, "] = ", lens[b],
+                " + accepted node ", acc[b * N + n], " lies past the cache capacity S = ", S);
+  }
+}
+
+}  // namespace checks
+}  // namespace specdec

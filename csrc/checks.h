@@ -1,0 +1,33 @@
+// Argument validation shared by every backend of every op.
+//
+// Metadata (rank, shape, dtype, device, layout) is always checked. Values held in
+// tensors (lengths, tokens, parents, accepted paths, uniforms) are checked for CPU
+// tensors always; for CUDA tensors only in strict mode (specdec.ops.set_strict_checks),
+// because reading them costs a device -> host copy and a synchronization that the
+// ops otherwise never do (CUDA-graph capture). The CUDA kernels stay memory-safe for
+// any value: out-of-range indices are treated as padding, never dereferenced.
+// All checks run before an op writes anything, so bad input changes nothing.
+#pragma once
+
+#include <optional>
+
+#include <ATen/ATen.h>
+
+namespace specdec {
+namespace checks {
+
+bool strict();
+void set_strict(bool on);
+
+void verify_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& cache_lens, const std::optional<at::Tensor>& tree_mask, double scale);
+void append_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_new,
+               const at::Tensor& v_new, const at::Tensor& cache_lens);
+void rejection_sample(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& target_probs,
+                      const std::optional<at::Tensor>& draft_probs, const at::Tensor& uniforms);
+void greedy_verify(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& target_logits);
+void kv_commit(at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cache_lens,
+               const at::Tensor& accepted, const at::Tensor& num_accepted);
+
+}  // namespace checks
+}  // namespace specdec

@@ -1,0 +1,46 @@
+// Host entry points of every specdec op, per backend. Registered as torch ops in
+// csrc/torch_bindings.cpp. Every function validates its arguments first
+// (csrc/checks.h) and writes nothing before all checks pass.
+#pragma once
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+namespace specdec {
+
+using SampleResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;  // accepted, num_accepted, out_tokens
+
+// ---------------------------------------------------------------- CPU (csrc/cpu/*.cpp)
+at::Tensor verify_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& cache_lens, const std::optional<at::Tensor>& tree_mask,
+                                double scale);
+void append_kv_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k_new, const at::Tensor& v_new,
+                   const at::Tensor& cache_lens);
+SampleResult rejection_sample_cpu(const at::Tensor& tokens, const at::Tensor& parents,
+                                  const at::Tensor& target_probs, const std::optional<at::Tensor>& draft_probs,
+                                  const at::Tensor& uniforms);
+SampleResult greedy_verify_cpu(const at::Tensor& tokens, const at::Tensor& parents,
+                               const at::Tensor& target_logits);
+void kv_commit_cpu(at::TensorList k_caches, at::TensorList v_caches, at::Tensor& cache_lens,
+                   const at::Tensor& accepted, const at::Tensor& num_accepted);
+
+#ifdef SPECDEC_WITH_CUDA
+// ---------------------------------------------------------------- CUDA (csrc/cuda/*.cu)
+at::Tensor verify_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 const at::Tensor& cache_lens, const std::optional<at::Tensor>& tree_mask,
+                                 double scale);
+void append_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k_new, const at::Tensor& v_new,
+                    const at::Tensor& cache_lens);
+SampleResult rejection_sample_cuda(const at::Tensor& tokens, const at::Tensor& parents,
+                                   const at::Tensor& target_probs, const std::optional<at::Tensor>& draft_probs,
+                                   const at::Tensor& uniforms);
+SampleResult greedy_verify_cuda(const at::Tensor& tokens, const at::Tensor& parents,
+                                const at::Tensor& target_logits);
+void kv_commit_cuda(at::TensorList k_caches, at::TensorList v_caches, at::Tensor& cache_lens,
+                    const at::Tensor& accepted, const at::Tensor& num_accepted);
+#endif
+
+}  // namespace specdec

@@ -1,0 +1,70 @@
+// The one registration file: every op schema of the `specdec` torch library, its
+// CPU and CUDA implementations, and the pybind11 module `specdec._C`.
+#include <pybind11/pybind11.h>
+#include <torch/library.h>
+
+#include "checks.h"
+#include "ops.h"
+
+#ifndef SPECDEC_TORCH_VERSION
+#define SPECDEC_TORCH_VERSION "unknown"
+#endif
+#ifndef SPECDEC_CUDA_VERSION
+#define SPECDEC_CUDA_VERSION ""
+#endif
+#ifndef SPECDEC_CUDA_ARCHS
+#define SPECDEC_CUDA_ARCHS ""
+#endif
+
+TORCH_LIBRARY(specdec, m) {
+  // Attention of N tree nodes over the committed KV prefix + the tree (mask among the new nodes).
+  m.def("verify_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, Tensor? tree_mask, "
+        "float scale) -> Tensor");
+  // Write the new nodes' K/V at cache_lens[b] + j (cache_lens unchanged).
+  m.def("append_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k_new, Tensor v_new, Tensor cache_lens) -> ()");
+  // Tree speculative sampling (min(1, p/q), residual norm(max(0, p - q)), bonus draw).
+  m.def("rejection_sample(Tensor tokens, Tensor parents, Tensor target_probs, Tensor? draft_probs, "
+        "Tensor uniforms) -> (Tensor, Tensor, Tensor)");
+  // Greedy tree verification: accept the child equal to the target argmax.
+  m.def("greedy_verify(Tensor tokens, Tensor parents, Tensor target_logits) -> (Tensor, Tensor, Tensor)");
+  // In-place compaction of the accepted path in every layer's cache; cache_lens += num_accepted + 1.
+  m.def("kv_commit(Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor(c!) cache_lens, Tensor accepted, "
+        "Tensor num_accepted) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("verify_attention", &specdec::verify_attention_cpu);
+  m.impl("append_kv", &specdec::append_kv_cpu);
+  m.impl("rejection_sample", &specdec::rejection_sample_cpu);
+  m.impl("greedy_verify", &specdec::greedy_verify_cpu);
+  m.impl("kv_commit", &specdec::kv_commit_cpu);
+}
+
+#ifdef SPECDEC_WITH_CUDA
+TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
+  m.impl("verify_attention", &specdec::verify_attention_cuda);
+  m.impl("append_kv", &specdec::append_kv_cuda);
+  m.impl("rejection_sample", &specdec::rejection_sample_cuda);
+  m.impl("greedy_verify", &specdec::greedy_verify_cuda);
+  m.impl("kv_commit", &specdec::kv_commit_cuda);
+}
+#endif
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "specdec compiled ops (registered as torch.ops.specdec.*)";
+  m.def("build_info", []() {
+    pybind11::dict info;
+#ifdef SPECDEC_WITH_CUDA
+    info["cuda"] = true;
+#else
+    info["cuda"] = false;
+#endif
+    info["cuda_archs"] = std::string(SPECDEC_CUDA_ARCHS);
+    info["cuda_version"] = std::string(SPECDEC_CUDA_VERSION);
+    info["torch_version"] = std::string(SPECDEC_TORCH_VERSION);
+    return info;
+  }, "What this build of specdec._C contains: CUDA kernels or not, archs, torch/CUDA versions.");
+  m.def("set_strict_checks", &specdec::checks::set_strict, pybind11::arg("on"),
+        "Check tensor VALUES (lengths, tokens, paths) of CUDA inputs too (costs a host sync per op).");
+  m.def("strict_checks", &specdec::checks::strict, "Whether strict value checks are on.");
+}

@@ -1,0 +1,39 @@
+"""specdec: speculative decoding for causal LMs.
+
+Compiled ops (``specdec.ops``, registered as ``torch.ops.specdec.*``) under a thin
+decoding loop. The high-level API is imported lazily so that ``import specdec``
+stays cheap and does not pull in transformers.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from specdec import _C, ops
+from specdec.ops import build_info
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY = {
+    "StaticKVCache": "specdec.cache",
+    "TokenTree": "specdec.tree",
+    "HFCausalLM": "specdec.models.hf",
+    "load_bundled": "specdec.models.bundled",
+    "SpeculativeDecoder": "specdec.decoding",
+    "GenerateOutput": "specdec.decoding",
+    "DraftModel": "specdec.drafters.draft_model",
+    "PromptLookup": "specdec.drafters.prompt_lookup",
+}
+
+__all__ = ["ops", "build_info", "__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'specdec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

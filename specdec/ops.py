@@ -1,0 +1,199 @@
+"""Typed wrappers of the compiled ops: the ONLY Python door to ``torch.ops.specdec``.
+
+Each op is registered by ``specdec._C`` (C++ CPU kernels, and CUDA kernels when the
+build has them) and has a fake (meta) implementation here so that
+``torch.compile(fullgraph=True)`` and CUDA-graph capture can trace it. The pure-torch
+oracle of every op is ``specdec.reference``.
+
+Shape letters: B requests, N tree nodes per request (node 0 = root), V vocabulary,
+Hq / Hkv query / KV heads, D head dim, S cache capacity, L layers.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from specdec import _C  # noqa: F401  (loads the library that registers torch.ops.specdec)
+
+__all__ = [
+    "verify_attention",
+    "append_kv",
+    "rejection_sample",
+    "greedy_verify",
+    "kv_commit",
+    "set_strict_checks",
+    "strict_checks",
+    "build_info",
+]
+
+_ops = torch.ops.specdec
+
+
+def build_info() -> dict:
+    """What the compiled module holds: ``cuda`` (bool), ``cuda_archs``, ``cuda_version``, ``torch_version``."""
+    return dict(_C.build_info())
+
+
+def set_strict_checks(on: bool) -> None:
+    """Also validate tensor VALUES of CUDA inputs (lengths, tokens, parents, paths, probabilities).
+
+    CPU inputs are always value-checked. On CUDA the check costs a device -> host copy
+    and a synchronization per op, so it is off by default (the kernels stay
+    memory-safe for any value); turn it on while debugging an integration.
+    """
+    _C.set_strict_checks(bool(on))
+
+
+def strict_checks() -> bool:
+    """Whether strict value checks are on."""
+    return bool(_C.strict_checks())
+
+
+def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     cache_lens: torch.Tensor, tree_mask: Optional[torch.Tensor] = None,
+                     scale: Optional[float] = None) -> torch.Tensor:
+    """Attention of N new (tree) nodes over a KV cache.
+
+    Parameters
+    ----------
+    q : Tensor [B, N, Hq, D], float16 / bfloat16 / float32
+        Queries of the N new nodes of each request.
+    k_cache, v_cache : Tensor [B, Hkv, S, D], q's dtype, contiguous
+        The caches. The new nodes' K/V must already sit at positions
+        ``cache_lens[b] + j``, j < N (see :func:`append_kv`). Hq % Hkv == 0 (GQA).
+    cache_lens : Tensor [B], int32
+        Committed prefix length of each request; 0 <= cache_lens[b] <= S - N.
+    tree_mask : Tensor [B, N, N], bool, optional
+        ``tree_mask[b, i, j]``: query i sees new node j. None means a causal chain
+        (j <= i). The prefix (positions < cache_lens[b]) is always visible and never
+        materialised as a mask.
+    scale : float, optional
+        Softmax scale, default ``D ** -0.5``.
+
+    Returns
+    -------
+    Tensor [B, N, Hq, D] in q's dtype. fp32 accumulation and softmax. A query that
+    sees no key at all (empty prefix, all-false mask row) gets zeros.
+    """
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return _ops.verify_attention(q, k_cache, v_cache, cache_lens, tree_mask, float(scale))
+
+
+def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+              cache_lens: torch.Tensor) -> None:
+    """Write the new nodes' K/V into the caches, in place.
+
+    k_cache, v_cache : [B, Hkv, S, D]; k_new, v_new : [B, Hkv, N, D] (cache dtype);
+    cache_lens : [B] int32, unchanged. ``cache[b, :, cache_lens[b] + j] = new[b, :, j]``.
+    Requires 0 <= cache_lens[b] <= S - N.
+    """
+    _ops.append_kv(k_cache, v_cache, k_new, v_new, cache_lens)
+
+
+def rejection_sample(tokens: torch.Tensor, parents: torch.Tensor, target_probs: torch.Tensor,
+                     draft_probs: Optional[torch.Tensor], uniforms: torch.Tensor
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact speculative sampling over a token tree (SpecInfer multi-step sampling).
+
+    Parameters
+    ----------
+    tokens : Tensor [B, N], int64
+        Node tokens. Node 0 is the root (the last committed token, not checked).
+        Padding nodes (parent -1 beyond the root) are ignored.
+    parents : Tensor [B, N], int32
+        ``parents[b, 0] == -1``; ``-1 <= parents[b, i] < i`` (topological order).
+    target_probs : Tensor [B, N, V], float32, contiguous
+        ``p`` after node i: the target's next-token distribution given the path to i,
+        already warped (temperature / top-k / top-p). Rows need not be normalised.
+    draft_probs : Tensor [B, N, V], float32, optional
+        ``q_i``: the distribution node i's token was drawn from (row 0 unused).
+        None: every node is a deterministic candidate (q one-hot on its token).
+    uniforms : Tensor [B, N], float64 in [0, 1]
+        ``uniforms[b, c]`` decides child c; ``uniforms[b, 0]`` the final draw.
+
+    Semantics
+    ---------
+    From the root, try the current node's children in index order with the current
+    distribution p (p <- target_probs[b, node] on entering a node): child c with
+    token x is accepted iff ``q_c(x) > 0`` and ``u_c * q_c(x) < p(x)`` (i.e.
+    u < p/q); after a rejection p <- norm(max(0, p - q_c)). When no child is
+    accepted (or the node is a leaf) one token is drawn from p by inverse CDF with
+    ``uniforms[b, 0]``: the first index whose float64 running sum exceeds
+    ``u * sum(p)``; if rounding leaves no such index, the last index with p > 0.
+    If the residual has zero mass (rounding only, as p == q accepts surely) the
+    draw uses the node's own target row; if that too has zero mass, token 0.
+    All sums are float64, so backends differ only on exact ties.
+
+    Returns
+    -------
+    accepted : Tensor [B, N], int32 — node indices of the accepted path, root first, -1 padded
+    num_accepted : Tensor [B], int32 — accepted DRAFT nodes (root excluded)
+    out_tokens : Tensor [B, N], int64 — accepted draft tokens then the drawn token, -1 padded
+    """
+    return _ops.rejection_sample(tokens, parents, target_probs, draft_probs, uniforms)
+
+
+def greedy_verify(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy tree verification.
+
+    tokens [B, N] int64, parents [B, N] int32 as in :func:`rejection_sample`;
+    target_logits [B, N, V] float32 / float16 / bfloat16 (any monotone transform of
+    the target scores). From the root, accept the first child (index order) whose
+    token equals the argmax at the current node (first maximal index; NaN counts as
+    maximal, like ``torch.argmax``); stop when none does. Returns ``(accepted,
+    num_accepted, out_tokens)`` as :func:`rejection_sample`; the last out token is
+    the argmax at the last accepted node.
+    """
+    return _ops.greedy_verify(tokens, parents, target_logits)
+
+
+def kv_commit(k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor], cache_lens: torch.Tensor,
+              accepted: torch.Tensor, num_accepted: torch.Tensor) -> None:
+    """Compact the accepted tree path in every layer's cache, in place.
+
+    k_caches, v_caches : L tensors [B, Hkv, S, D] (same dtype, device, B and S);
+    cache_lens : [B] int32, updated in place; accepted : [B, N] int32;
+    num_accepted : [B] int32 (outputs of rejection_sample / greedy_verify).
+    For every layer and request, position ``cache_lens[b] + i`` takes the K/V at
+    ``cache_lens[b] + accepted[b, i]`` for i = 0..num_accepted[b] (root included),
+    then ``cache_lens[b] += num_accepted[b] + 1``. Overlap-safe; identity moves
+    (chains) cost nothing. Also rolls back a drafter's cache.
+    """
+    _ops.kv_commit(list(k_caches), list(v_caches), cache_lens, accepted, num_accepted)
+
+
+# ----------------------------------------------------------------------------- fake impls
+@torch.library.register_fake("specdec::verify_attention")
+def _verify_attention_fake(q, k_cache, v_cache, cache_lens, tree_mask, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("specdec::append_kv")
+def _append_kv_fake(k_cache, v_cache, k_new, v_new, cache_lens):
+    return None
+
+
+def _sample_fake(tokens, parents):
+    B, N = tokens.shape
+    accepted = tokens.new_empty((B, N), dtype=torch.int32)
+    num_accepted = tokens.new_empty((B,), dtype=torch.int32)
+    out_tokens = tokens.new_empty((B, N), dtype=torch.int64)
+    return accepted, num_accepted, out_tokens
+
+
+@torch.library.register_fake("specdec::rejection_sample")
+def _rejection_sample_fake(tokens, parents, target_probs, draft_probs, uniforms):
+    return _sample_fake(tokens, parents)
+
+
+@torch.library.register_fake("specdec::greedy_verify")
+def _greedy_verify_fake(tokens, parents, target_logits):
+    return _sample_fake(tokens, parents)
+
+
+@torch.library.register_fake("specdec::kv_commit")
+def _kv_commit_fake(k_caches, v_caches, cache_lens, accepted, num_accepted):
+    return None
