@@ -1,0 +1,116 @@
+// verify_attention / append_kv, CPU backend. The kernel lives in
+// csrc/include/specdec/cpu_attention.h (no torch); this file validates, packs the
+// tree mask into bits, picks the ISA and runs the (request, KV head) tasks with
+// at::parallel_for.
+#include <ATen/Parallel.h>
+
+#include <cstring>
+
+#include "checks.h"
+#include "ops.h"
+
+#define SPECDEC_CPU_ISA base
+#include "specdec/cpu_attention.h"
+
+namespace specdec {
+namespace cpu {
+void attention_range_avx2(const AttentionParams& P, int64_t begin, int64_t end);  // attention_avx2.cpp
+
+namespace {
+
+void attention_range_base(const AttentionParams& P, int64_t begin, int64_t end) {
+  base::AttentionScratch scratch;
+  for (int64_t t = begin; t < end; ++t) base::attention_task(P, t / P.Hkv, t % P.Hkv, scratch);
+}
+
+bool cpu_has_avx2_fma() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+#else
+  return false;
+#endif
+}
+
+DType to_dtype(at::ScalarType s) {
+  switch (s) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    default: TORCH_CHECK(false, "specdec: unsupported dtype ", s);
+  }
+}
+
+}  // namespace
+}  // namespace cpu
+
+at::Tensor verify_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& cache_lens, const std::optional<at::Tensor>& tree_mask,
+                                double scale) {
+  checks::verify_attention(q_in, k_cache, v_cache, cache_lens, tree_mask, scale);
+  const at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
+  const int64_t B = q.size(0), N = q.size(1), Hq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k_cache.size(1), S = k_cache.size(2);
+  at::Tensor out = at::empty({B, N, Hq, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  const at::Tensor lens = cache_lens.contiguous();
+
+  // Bit-pack the [B, N, N] bool mask: W words of 64 bits per row.
+  const int64_t W = (N + 63) / 64;
+  std::vector<uint64_t> packed;
+  if (tree_mask.has_value()) {
+    const at::Tensor m = tree_mask->contiguous();
+    const bool* mp = m.data_ptr<bool>();
+    packed.assign(B * N * W, 0);
+    for (int64_t r = 0; r < B * N; ++r)
+      for (int64_t j = 0; j < N; ++j)
+        if (mp[r * N + j]) packed[r * W + (j >> 6)] |= uint64_t(1) << (j & 63);
+  }
+
+  cpu::AttentionParams P;
+  P.q = q.data_ptr();
+  P.q_stride_b = q.stride(0);
+  P.q_stride_n = q.stride(1);
+  P.q_stride_h = q.stride(2);
+  P.k_cache = k_cache.data_ptr();
+  P.v_cache = v_cache.data_ptr();
+  P.out = out.data_ptr();
+  P.lens = lens.data_ptr<int32_t>();
+  P.mask = tree_mask.has_value() ? packed.data() : nullptr;
+  P.B = B; P.N = N; P.Hq = Hq; P.Hkv = Hkv; P.S = S; P.D = D; P.W = W;
+  P.scale = static_cast<float>(scale);
+  P.dtype = cpu::to_dtype(q.scalar_type());
+
+  const bool avx2 = cpu::cpu_has_avx2_fma();
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    if (avx2) cpu::attention_range_avx2(P, begin, end);
+    else cpu::attention_range_base(P, begin, end);
+  });
+  return out;
+}
+
+void append_kv_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k_new_in, const at::Tensor& v_new_in,
+                   const at::Tensor& cache_lens) {
+  checks::append_kv(k_cache, v_cache, k_new_in, v_new_in, cache_lens);
+  const at::Tensor k_new = k_new_in.stride(3) == 1 ? k_new_in : k_new_in.contiguous();
+  const at::Tensor v_new = v_new_in.stride(3) == 1 ? v_new_in : v_new_in.contiguous();
+  const int64_t B = k_cache.size(0), H = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3);
+  const int64_t N = k_new.size(2);
+  const int64_t es = k_cache.element_size();
+  const int32_t* lens = cache_lens.data_ptr<int32_t>();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kn = static_cast<const char*>(k_new.data_ptr());
+  const char* vn = static_cast<const char*>(v_new.data_ptr());
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / H, h = t % H;
+      for (int64_t j = 0; j < N; ++j) {
+        const int64_t dst = ((b * H + h) * S + lens[b] + j) * D * es;
+        std::memcpy(kc + dst, kn + (b * k_new.stride(0) + h * k_new.stride(1) + j * k_new.stride(2)) * es, D * es);
+        std::memcpy(vc + dst, vn + (b * v_new.stride(0) + h * v_new.stride(1) + j * v_new.stride(2)) * es, D * es);
+      }
+    }
+  });
+}
+
+}  // namespace specdec

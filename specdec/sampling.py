@@ -1,0 +1,124 @@
+"""Logits -> warped probabilities, and the random numbers of a generate call.
+
+Warping is what plain sampling does (the order and the rules of transformers'
+``TemperatureLogitsWarper`` -> ``TopKLogitsWarper`` -> ``TopPLogitsWarper``):
+
+1. divide by the temperature;
+2. top-k: keep the tokens whose logit is >= the k-th largest (ties at the boundary kept);
+3. top-p: sort ascending, drop the tokens whose cumulative probability is <= 1 - top_p
+   (the most likely token is always kept);
+4. softmax.
+
+The speculative loop applies exactly this function to the target logits (p) and, when a
+draft model samples, to the draft logits (q), and plain decoding (``drafter=None``)
+draws from the same p: plain and speculative sampling share one definition.
+
+Everything runs in place on a float32 tensor the caller owns (the logits a forward
+just returned, or a row of a preallocated buffer), so a decoding step allocates no
+[B, N, V] temporaries beyond what top-p sorting needs. No Python loop touches the
+vocabulary. Uniforms for ``rejection_sample`` are float64 (the op compares
+``u * q(x) * Z < r(x)`` and scans an inverse CDF in float64; float32 uniforms would
+quantise the draw to 2^-24 and bias tokens whose mass sits below that).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = ["SamplingParams", "warp_", "warp", "make_generator", "draw_uniforms", "sample_tokens"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature == 0 means greedy (argmax; top_k / top_p are ignored)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            raise TypeError(f"temperature must be a float, got {type(self.temperature).__name__}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise TypeError(f"top_k must be an int, got {type(self.top_k).__name__}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
+            raise TypeError(f"top_p must be a float, got {type(self.top_p).__name__}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def warp_(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Turn float32 logits [..., V] into warped probabilities IN PLACE and return them.
+
+    Rows are normalised (sum 1). ``params`` must be a sampling (non-greedy) setting.
+    The tensor may be a non-contiguous view as long as its last dimension is dense.
+    """
+    if logits.dtype != torch.float32:
+        raise TypeError(f"warp_: logits must be float32, got {logits.dtype}")
+    if params.greedy:
+        raise ValueError("warp_: temperature 0 is greedy decoding; there is nothing to warp")
+    x = logits
+    V = x.shape[-1]
+    if params.temperature != 1.0:
+        x.div_(params.temperature)
+    top_k = params.top_k if 0 < params.top_k < V else 0
+    if top_k:
+        # [..., k] sorted descending; the k-th value is the threshold (ties kept, like transformers)
+        vals, idx = torch.topk(x, top_k, dim=-1)
+        x.masked_fill_(x < vals[..., -1:], -math.inf)
+        if params.top_p < 1.0:
+            # After top-k only these k logits are finite: top-p needs to sort just them.
+            vals = vals.flip(-1)  # ascending
+            idx = idx.flip(-1)
+            _top_p_(x, vals, idx, params.top_p)
+    elif params.top_p < 1.0:
+        vals, idx = torch.sort(x, dim=-1)  # ascending
+        _top_p_(x, vals, idx, params.top_p)
+    # softmax in place: exp(x - max) / sum
+    x.sub_(x.amax(dim=-1, keepdim=True)).exp_()
+    x.div_(x.sum(dim=-1, keepdim=True))
+    return x
+
+
+def _top_p_(x: torch.Tensor, sorted_vals: torch.Tensor, sorted_idx: torch.Tensor, top_p: float) -> None:
+    """transformers' TopPLogitsWarper on ascending (values, indices); writes -inf into x."""
+    cum = torch.softmax(sorted_vals, dim=-1).cumsum_(dim=-1)
+    remove = cum <= (1.0 - top_p)
+    remove[..., -1] = False  # keep at least the most likely token
+    x.scatter_(-1, sorted_idx, sorted_vals.masked_fill(remove, -math.inf))
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Out-of-place :func:`warp_` (float32 copy of the logits)."""
+    return warp_(logits.to(torch.float32, copy=True), params)
+
+
+def make_generator(seed: Optional[int], device: torch.device | str) -> torch.Generator:
+    """A torch.Generator on ``device`` seeded with ``seed`` (None: a fresh nondeterministic seed)."""
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(int(seed))
+    return g
+
+
+def draw_uniforms(batch: int, nodes: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """[batch, nodes] float64 uniforms in [0, 1) for ``rejection_sample``."""
+    return torch.rand(batch, nodes, dtype=torch.float64, device=device, generator=generator)
+
+
+def sample_tokens(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of probs [b, V] (normalised) -> int64 [b]."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -1,0 +1,235 @@
+"""TokenTree: the candidate tokens of one speculative step, for a batch of requests.
+
+Layout (DESIGN.md): B requests, N nodes each, node 0 = the ROOT (the last emitted
+token, whose K/V is not in the cache yet). Nodes are in topological order
+(``parents[b, i] < i``, ``parents[b, 0] == -1``). Requests with fewer nodes are
+padded: padding nodes have token -1, parent -1, depth 0 and sit after every real node.
+
+* ``tokens``  [B, N] int64
+* ``parents`` [B, N] int32
+* ``depths``  [B, N] int32, depth below the root (root 0): the target places node i
+  at position ``cache_lens[b] + depths[b, i]``.
+* ``num_nodes``: host list, real nodes per request (root included).
+* ``is_chain``: every request is a chain (node i's parent is i - 1) followed by
+  padding, so the causal mask (``tree_mask=None``) is exact: padding nodes are
+  never anyone's child and are never accepted, whatever they attend to.
+
+Builders: :meth:`TokenTree.chain` (device tensors, no host work),
+:meth:`TokenTree.from_lists` (host lists of tokens + parents),
+:meth:`TokenTree.from_candidates` (trie of candidate continuations),
+:meth:`TokenTree.top_k_shape` (the static shape of a top-k tree).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import torch
+
+__all__ = ["TokenTree"]
+
+
+@dataclass
+class TokenTree:
+    tokens: torch.Tensor   # [B, N] int64, -1 = padding
+    parents: torch.Tensor  # [B, N] int32, -1 = root / padding
+    depths: torch.Tensor   # [B, N] int32
+    num_nodes: List[int]   # real nodes per request, root included
+    is_chain: bool = False
+    _mask: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def batch(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def size(self) -> int:
+        """N: nodes per request including the root and padding."""
+        return self.tokens.shape[1]
+
+    @property
+    def num_drafted(self) -> List[int]:
+        """Draft nodes per request (root excluded)."""
+        return [n - 1 for n in self.num_nodes]
+
+    # ------------------------------------------------------------------ masks
+    def mask(self) -> torch.Tensor:
+        """[B, N, N] bool: node i sees node j iff j is i or an ancestor of i (padding: itself only)."""
+        if self._mask is None:
+            self._mask = ancestor_mask(self.parents)
+        return self._mask
+
+    def attention_mask(self) -> Optional[torch.Tensor]:
+        """What the target's forward takes: None (causal chain) when the tree is a chain, else :meth:`mask`."""
+        return None if self.is_chain else self.mask()
+
+    def packed_mask(self) -> torch.Tensor:
+        """[B, N, ceil(N / 32)] int32 bit-packed :meth:`mask`: bit (j % 32) of word j // 32 is mask[..., j]."""
+        m = self.mask()
+        B, N, _ = m.shape
+        W = (N + 31) // 32
+        padded = torch.zeros(B, N, W * 32, dtype=torch.int64, device=m.device)
+        padded[..., :N] = m.to(torch.int64)
+        weights = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int64, device=m.device),
+                                           torch.arange(32, device=m.device))
+        words = (padded.view(B, N, W, 32) * weights).sum(-1)  # [B, N, W] in [0, 2^32)
+        words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)
+        return words.to(torch.int32)
+
+    # ------------------------------------------------------------------ builders
+    @staticmethod
+    def root_only(roots: torch.Tensor) -> "TokenTree":
+        """A 0-length draft: [B, 1] holding the roots (plain decoding step)."""
+        B = roots.shape[0]
+        tokens = roots.reshape(B, 1).to(torch.int64)
+        parents = torch.full((B, 1), -1, dtype=torch.int32, device=roots.device)
+        depths = torch.zeros((B, 1), dtype=torch.int32, device=roots.device)
+        return TokenTree(tokens, parents, depths, [1] * B, is_chain=True)
+
+    @staticmethod
+    def chain(tokens: torch.Tensor, num_nodes: Optional[Sequence[int]] = None,
+              parents: Optional[torch.Tensor] = None, depths: Optional[torch.Tensor] = None) -> "TokenTree":
+        """Chains: tokens [B, N] = root then drafts; request b uses its first ``num_nodes[b]`` nodes.
+
+        Nodes past ``num_nodes[b]`` become padding (token -1, parent -1, depth 0). ``parents`` /
+        ``depths`` may be passed precomputed (a full chain's [B, N] constants) to skip building them.
+        """
+        B, N = tokens.shape
+        dev = tokens.device
+        if num_nodes is None:
+            num_nodes = [N] * B
+        full = all(n == N for n in num_nodes)
+        if parents is None or depths is None or not full:
+            ar = torch.arange(N, device=dev)
+            parents = (ar - 1).to(torch.int32).expand(B, N)
+            depths = ar.to(torch.int32).expand(B, N)
+            if not full:
+                real = ar.unsqueeze(0) < torch.tensor(list(num_nodes), device=dev).unsqueeze(1)  # [B, N]
+                tokens = torch.where(real, tokens, -1)
+                parents = torch.where(real, parents, -1)
+                depths = torch.where(real, depths, 0)
+            parents = parents.contiguous()
+            depths = depths.contiguous()
+        return TokenTree(tokens.contiguous(), parents, depths, list(num_nodes), is_chain=True)
+
+    @staticmethod
+    def from_lists(tokens: Sequence[Sequence[int]], parents: Sequence[Sequence[int]],
+                   device: torch.device | str = "cpu", size: Optional[int] = None) -> "TokenTree":
+        """Host lists (one per request, root first, topologically ordered) -> padded TokenTree."""
+        if len(tokens) != len(parents):
+            raise ValueError(f"TokenTree.from_lists: {len(tokens)} token lists but {len(parents)} parent lists")
+        B = len(tokens)
+        N = max([len(t) for t in tokens] + [size or 1])
+        tok = [[-1] * N for _ in range(B)]
+        par = [[-1] * N for _ in range(B)]
+        dep = [[0] * N for _ in range(B)]
+        chain = True
+        for b, (ts, ps) in enumerate(zip(tokens, parents)):
+            if len(ts) != len(ps) or len(ts) < 1:
+                raise ValueError(f"TokenTree.from_lists: request {b} has {len(ts)} tokens and {len(ps)} parents "
+                                 "(need the same number, >= 1)")
+            if ps[0] != -1:
+                raise ValueError(f"TokenTree.from_lists: request {b}: node 0 must be the root (parent -1), got {ps[0]}")
+            for i, (t, p) in enumerate(zip(ts, ps)):
+                if i > 0 and not 0 <= p < i:
+                    raise ValueError(f"TokenTree.from_lists: request {b} node {i}: parent must lie in [0, {i}), "
+                                     f"got {p}")
+                tok[b][i] = int(t)
+                par[b][i] = int(p)
+                dep[b][i] = 0 if i == 0 else dep[b][p] + 1
+                chain = chain and (i == 0 or p == i - 1)
+        return TokenTree(torch.tensor(tok, dtype=torch.int64, device=device),
+                         torch.tensor(par, dtype=torch.int32, device=device),
+                         torch.tensor(dep, dtype=torch.int32, device=device),
+                         [len(t) for t in tokens], is_chain=chain)
+
+    @staticmethod
+    def from_candidates(roots: Sequence[int], candidates: Sequence[Sequence[Sequence[int]]], merge: bool = True,
+                        device: torch.device | str = "cpu", max_nodes: Optional[int] = None) -> "TokenTree":
+        """One tree per request from candidate continuations of its root.
+
+        ``candidates[b]`` is a list of token lists (continuations after ``roots[b]``).
+        ``merge=True`` builds a trie: equal prefixes share nodes (right for deterministic
+        candidates and for greedy verification). ``merge=False`` keeps every candidate as
+        its own branch under the root, so equal tokens drawn by different samples stay
+        separate siblings (required for exact sampling with sampled drafts). Nodes are
+        numbered breadth-first (topological). ``max_nodes`` caps nodes per request
+        (root included), dropping the deepest nodes first.
+        """
+        if len(roots) != len(candidates):
+            raise ValueError(f"TokenTree.from_candidates: {len(roots)} roots but {len(candidates)} candidate lists")
+        all_tokens: List[List[int]] = []
+        all_parents: List[List[int]] = []
+        for root, cands in zip(roots, candidates):
+            # build the trie as (token, parent) nodes; node 0 = root
+            nodes_tok = [int(root)]
+            nodes_par = [-1]
+            nodes_dep = [0]
+            child_of = {}  # (parent, token) -> node (merge mode)
+            for cand in cands:
+                parent = 0
+                for t in cand:
+                    t = int(t)
+                    key = (parent, t)
+                    if merge and key in child_of:
+                        parent = child_of[key]
+                        continue
+                    nodes_tok.append(t)
+                    nodes_par.append(parent)
+                    nodes_dep.append(nodes_dep[parent] + 1)
+                    child_of[key] = len(nodes_tok) - 1
+                    parent = len(nodes_tok) - 1
+            # breadth-first renumbering (stable: by depth, then creation order)
+            order = sorted(range(len(nodes_tok)), key=lambda i: (nodes_dep[i], i))
+            if max_nodes is not None:
+                order = order[:max(1, int(max_nodes))]
+            new_index = {old: new for new, old in enumerate(order)}
+            all_tokens.append([nodes_tok[i] for i in order])
+            all_parents.append([-1 if nodes_par[i] < 0 else new_index[nodes_par[i]] for i in order])
+        return TokenTree.from_lists(all_tokens, all_parents, device=device)
+
+    @staticmethod
+    def top_k_shape(top_k: int, depth: int, node_budget: Optional[int] = None) -> List[List[int]]:
+        """Parent lists per level of a top-k tree of the given depth (root excluded).
+
+        Level d holds ``top_k ** d`` nodes (each node of level d - 1 gets top_k children),
+        truncated so that the total stays within ``node_budget - 1`` draft nodes. Returns
+        ``levels[d] = list of parent indices`` (global node indices, root = 0).
+        """
+        levels: List[List[int]] = []
+        budget = None if node_budget is None else max(0, int(node_budget) - 1)
+        frontier = [0]
+        next_index = 1
+        for _ in range(depth):
+            level = []
+            for p in frontier:
+                for _c in range(top_k):
+                    if budget is not None and next_index - 1 >= budget:
+                        break
+                    level.append(p)
+                    next_index += 1
+            if not level:
+                break
+            levels.append(level)
+            frontier = list(range(next_index - len(level), next_index))
+        return levels
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """[B, N] int32 parents -> [B, N, N] bool ancestor-or-self mask, vectorised (no host sync).
+
+    Walks every node up one generation per iteration; N iterations at most (depth <= N - 1).
+    """
+    B, N = parents.shape
+    dev = parents.device
+    mask = torch.eye(N, dtype=torch.bool, device=dev).expand(B, N, N).clone()
+    par = parents.to(torch.int64)
+    self_index = torch.arange(N, device=dev).expand(B, N)
+    cur = par  # [B, N]: current ancestor of each node (-1: none left)
+    for _ in range(N - 1):
+        valid = cur >= 0
+        # mark the ancestor; nodes without one re-mark themselves (already True)
+        mask.scatter_(2, torch.where(valid, cur, self_index).unsqueeze(-1), True)
+        cur = torch.where(valid, torch.gather(par, 1, cur.clamp(min=0)), -1)
+    return mask
