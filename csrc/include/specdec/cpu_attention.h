@@ -53,6 +53,38 @@ struct AttentionScratch {
   std::vector<float> m, l;
 };
 
+// acc[0 : 8 NV] = acc * corr + sum_k p[k] * V[k, 0 : 8 NV], accumulators held in registers.
+template <int NV>
+inline void pv_chunk(float* acc, const float* V, int64_t Dp, const float* p, int64_t nk, float corr) {
+  v8f a[NV];
+  const v8f cv = v8_set1(corr);
+  for (int v = 0; v < NV; ++v) a[v] = v8_load(acc + 8 * v) * cv;
+  for (int64_t k = 0; k < nk; ++k) {
+    if (p[k] == 0.f) continue;  // masked key: skip (its V may hold anything, even inf)
+    const v8f pk = v8_set1(p[k]);
+    const float* vr = V + k * Dp;
+    for (int v = 0; v < NV; ++v) a[v] += pk * v8_load(vr + 8 * v);
+  }
+  for (int v = 0; v < NV; ++v) v8_store(acc + 8 * v, a[v]);
+}
+
+// One query row: chunks of up to 8 vectors (64 floats) of the head dim.
+inline void pv_accumulate(float* acc, const float* V, int64_t Dp, const float* p, int64_t nk, float corr) {
+  for (int64_t c = 0; c < Dp; c += 64) {
+    const int64_t rem = std::min<int64_t>(8, (Dp - c) / 8);
+    switch (rem) {
+      case 1: pv_chunk<1>(acc + c, V + c, Dp, p, nk, corr); break;
+      case 2: pv_chunk<2>(acc + c, V + c, Dp, p, nk, corr); break;
+      case 3: pv_chunk<3>(acc + c, V + c, Dp, p, nk, corr); break;
+      case 4: pv_chunk<4>(acc + c, V + c, Dp, p, nk, corr); break;
+      case 5: pv_chunk<5>(acc + c, V + c, Dp, p, nk, corr); break;
+      case 6: pv_chunk<6>(acc + c, V + c, Dp, p, nk, corr); break;
+      case 7: pv_chunk<7>(acc + c, V + c, Dp, p, nk, corr); break;
+      default: pv_chunk<8>(acc + c, V + c, Dp, p, nk, corr); break;
+    }
+  }
+}
+
 inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, AttentionScratch& W) {
   const int64_t G = P.Hq / P.Hkv, N = P.N, D = P.D, R = G * N;
   const int64_t Dp = (D + 7) / 8 * 8;  // padded head dim (zero tail)
@@ -139,15 +171,7 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, Atten
       }
       W.l[r] = W.l[r] * corr + v8_hsum(psum);
       W.m[r] = m_new;
-      float* acc = W.acc.data() + r * Dp;
-      const v8f cv = v8_set1(corr);
-      for (int64_t d = 0; d < Dp; d += 8) v8_store(acc + d, v8_load(acc + d) * cv);
-      for (int64_t k = 0; k < nk; ++k) {
-        if (s[k] == 0.f) continue;
-        const v8f pk = v8_set1(s[k]);
-        const float* vr = W.v.data() + k * Dp;
-        for (int64_t d = 0; d < Dp; d += 8) v8_store(acc + d, v8_load(acc + d) + pk * v8_load(vr + d));
-      }
+      pv_accumulate(W.acc.data() + r * Dp, W.v.data(), Dp, s, nk, corr);
     }
   }
 
