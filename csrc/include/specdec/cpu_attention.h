@@ -50,55 +50,72 @@ constexpr int64_t kKeyBlock = 64;  // keys per block: 8 vectors of 8 scores per 
 // Scratch of one task, reused across tasks of a thread.
 struct AttentionScratch {
   std::vector<float> q, acc, kt, v, s, row;
-  std::vector<float> m, l;
+  std::vector<float> m, l, corr;
 };
 
-// acc[0 : 8 NV] = acc * corr + sum_k p[k] * V[k, 0 : 8 NV], accumulators held in registers.
-template <int NV>
-inline void pv_chunk(float* acc, const float* V, int64_t Dp, const float* p, int64_t nk, float corr) {
-  v8f a[NV];
-  const v8f cv = v8_set1(corr);
-  for (int v = 0; v < NV; ++v) a[v] = v8_load(acc + 8 * v) * cv;
-  for (int64_t k = 0; k < nk; ++k) {
-    if (p[k] == 0.f) continue;  // masked key: skip (its V may hold anything, even inf)
-    const v8f pk = v8_set1(p[k]);
-    const float* vr = V + k * Dp;
-    for (int v = 0; v < NV; ++v) a[v] += pk * v8_load(vr + 8 * v);
+constexpr int64_t kRowTile = 3;     // query rows per micro-kernel call (3 x 4 accumulators)
+
+// scores[r0 + t, 0:64] = q[r0 + t] . Kt[:, 0:64] for t < 3; 4 vectors (32 keys) at a time, so
+// each K load feeds 3 FMAs and each q broadcast 4 (12 accumulators in registers).
+inline void qk_tile(const float* q, int64_t Dp, const float* kt, int64_t D, float* scores) {
+  for (int64_t kc = 0; kc < kKeyBlock; kc += 32) {
+    v8f a[kRowTile][4];
+    for (int t = 0; t < kRowTile; ++t)
+      for (int c = 0; c < 4; ++c) a[t][c] = v8_set1(0.f);
+    for (int64_t d = 0; d < D; ++d) {
+      const float* kr = kt + d * kKeyBlock + kc;
+      const v8f k0 = v8_load(kr), k1 = v8_load(kr + 8), k2 = v8_load(kr + 16), k3 = v8_load(kr + 24);
+      for (int t = 0; t < kRowTile; ++t) {
+        const v8f qd = v8_set1(q[t * Dp + d]);
+        a[t][0] += qd * k0;
+        a[t][1] += qd * k1;
+        a[t][2] += qd * k2;
+        a[t][3] += qd * k3;
+      }
+    }
+    for (int t = 0; t < kRowTile; ++t)
+      for (int c = 0; c < 4; ++c) v8_store(scores + t * kKeyBlock + kc + 8 * c, a[t][c]);
   }
-  for (int v = 0; v < NV; ++v) v8_store(acc + 8 * v, a[v]);
 }
 
-// One query row: chunks of up to 8 vectors (64 floats) of the head dim.
-inline void pv_accumulate(float* acc, const float* V, int64_t Dp, const float* p, int64_t nk, float corr) {
-  for (int64_t c = 0; c < Dp; c += 64) {
-    const int64_t rem = std::min<int64_t>(8, (Dp - c) / 8);
-    switch (rem) {
-      case 1: pv_chunk<1>(acc + c, V + c, Dp, p, nk, corr); break;
-      case 2: pv_chunk<2>(acc + c, V + c, Dp, p, nk, corr); break;
-      case 3: pv_chunk<3>(acc + c, V + c, Dp, p, nk, corr); break;
-      case 4: pv_chunk<4>(acc + c, V + c, Dp, p, nk, corr); break;
-      case 5: pv_chunk<5>(acc + c, V + c, Dp, p, nk, corr); break;
-      case 6: pv_chunk<6>(acc + c, V + c, Dp, p, nk, corr); break;
-      case 7: pv_chunk<7>(acc + c, V + c, Dp, p, nk, corr); break;
-      default: pv_chunk<8>(acc + c, V + c, Dp, p, nk, corr); break;
+// acc[r0 + t, dims] = acc * corr[t] + sum_k p[t, k] V[k, dims] for t < 3, 4 vectors (32 dims)
+// at a time (12 accumulators in registers); NV < 4 for the tail of the head dim.
+template <int NV>
+inline void pv_tile(float* acc, int64_t Dp, const float* p, const float* V, int64_t nk, const float* corr) {
+  v8f a[kRowTile][NV];
+  for (int t = 0; t < kRowTile; ++t) {
+    const v8f cv = v8_set1(corr[t]);
+    for (int c = 0; c < NV; ++c) a[t][c] = v8_load(acc + t * Dp + 8 * c) * cv;
+  }
+  for (int64_t k = 0; k < nk; ++k) {
+    v8f vk[NV];
+    for (int c = 0; c < NV; ++c) vk[c] = v8_load(V + k * Dp + 8 * c);
+    for (int t = 0; t < kRowTile; ++t) {
+      const v8f pk = v8_set1(p[t * kKeyBlock + k]);
+      for (int c = 0; c < NV; ++c) a[t][c] += pk * vk[c];
     }
   }
+  for (int t = 0; t < kRowTile; ++t)
+    for (int c = 0; c < NV; ++c) v8_store(acc + t * Dp + 8 * c, a[t][c]);
 }
 
 inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, AttentionScratch& W) {
   const int64_t G = P.Hq / P.Hkv, N = P.N, D = P.D, R = G * N;
-  const int64_t Dp = (D + 7) / 8 * 8;  // padded head dim (zero tail)
+  const int64_t Rp = (R + kRowTile - 1) / kRowTile * kRowTile;  // rows padded to the tile (zero rows)
+  const int64_t Dp = (D + 7) / 8 * 8;                              // head dim padded to 8 (zero tail)
   const int64_t len = P.lens[b];
   const int64_t total = len + N;
   const int64_t es = dtype_size(P.dtype);
-  W.q.assign(R * Dp, 0.f);
-  W.acc.assign(R * Dp, 0.f);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  W.q.assign(Rp * Dp, 0.f);
+  W.acc.assign(Rp * Dp, 0.f);
   W.kt.assign(Dp * kKeyBlock, 0.f);
   W.v.assign(kKeyBlock * Dp, 0.f);
-  W.s.resize(kKeyBlock);
-  W.row.resize(Dp);
-  W.m.assign(R, -std::numeric_limits<float>::infinity());
-  W.l.assign(R, 0.f);
+  W.s.assign(Rp * kKeyBlock, 0.f);
+  W.row.assign(Dp, 0.f);
+  W.m.assign(Rp, ninf);
+  W.l.assign(Rp, 0.f);
+  W.corr.assign(Rp, 0.f);
 
   // Query rows r = g * N + i  <->  head h * G + g, node i; pre-scaled.
   const char* qbase = static_cast<const char*>(P.q);
@@ -113,7 +130,6 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, Atten
 
   const char* kbase = static_cast<const char*>(P.k_cache) + ((b * P.Hkv + h) * P.S) * D * es;
   const char* vbase = static_cast<const char*>(P.v_cache) + ((b * P.Hkv + h) * P.S) * D * es;
-  const float ninf = -std::numeric_limits<float>::infinity();
 
   for (int64_t s0 = 0; s0 < total; s0 += kKeyBlock) {
     const int64_t nk = std::min(kKeyBlock, total - s0);
@@ -128,20 +144,18 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, Atten
         for (int64_t d = 0; d < Dp; ++d) W.v[k * Dp + d] = 0.f;
       }
     }
+    // 1) scores of every row against the block
+    for (int64_t r0 = 0; r0 < Rp; r0 += kRowTile)
+      qk_tile(W.q.data() + r0 * Dp, Dp, W.kt.data(), D, W.s.data() + r0 * kKeyBlock);
+    // 2) mask + online softmax per row: s <- p = exp(s - m_new), corr = exp(m_old - m_new)
     const bool touches_tree = s0 + nk > len;
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t i = r % N;
-      // scores for the 64 keys of the block: 8 accumulators of 8 lanes
-      v8f sc[8];
-      for (int c = 0; c < 8; ++c) sc[c] = v8_set1(0.f);
-      const float* qr = W.q.data() + r * Dp;
-      for (int64_t d = 0; d < D; ++d) {
-        const v8f qd = v8_set1(qr[d]);
-        const float* kt = W.kt.data() + d * kKeyBlock;
-        for (int c = 0; c < 8; ++c) sc[c] += qd * v8_load(kt + 8 * c);
+    for (int64_t r = 0; r < Rp; ++r) {
+      float* s = W.s.data() + r * kKeyBlock;
+      if (r >= R) {  // padding row of the last tile
+        for (int64_t k = 0; k < kKeyBlock; ++k) s[k] = 0.f;
+        continue;
       }
-      float* s = W.s.data();
-      for (int c = 0; c < 8; ++c) v8_store(s + 8 * c, sc[c]);
+      const int64_t i = r % N;
       for (int64_t k = nk; k < kKeyBlock; ++k) s[k] = ninf;
       if (touches_tree) {
         const uint64_t* mrow = P.mask ? P.mask + (b * N + i) * P.W : nullptr;
@@ -151,14 +165,19 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, Atten
           if (!visible) s[k] = ninf;
         }
       }
-      float bmax = ninf;
-      for (int c = 0; c < 8; ++c) {
-        const float mc = v8_hmax(v8_load(s + 8 * c));
-        bmax = mc > bmax ? mc : bmax;
+      v8f vmax = v8_load(s);
+      for (int c = 1; c < 8; ++c) {
+        const v8f x = v8_load(s + 8 * c);
+        vmax = x > vmax ? x : vmax;
       }
+      const float bmax = v8_hmax(vmax);
       const float m_old = W.m[r];
       const float m_new = bmax > m_old ? bmax : m_old;
-      if (m_new == ninf) continue;  // nothing visible yet
+      if (m_new == ninf) {  // nothing visible yet: keep acc and l as they are
+        for (int64_t k = 0; k < kKeyBlock; ++k) s[k] = 0.f;
+        W.corr[r] = 1.f;
+        continue;
+      }
       const float corr = m_old == ninf ? 0.f : std::exp(m_old - m_new);
       const v8f mv = v8_set1(m_new);
       v8f psum = v8_set1(0.f);
@@ -171,7 +190,21 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, Atten
       }
       W.l[r] = W.l[r] * corr + v8_hsum(psum);
       W.m[r] = m_new;
-      pv_accumulate(W.acc.data() + r * Dp, W.v.data(), Dp, s, nk, corr);
+      W.corr[r] = corr;
+    }
+    // 3) acc = acc * corr + P V
+    for (int64_t r0 = 0; r0 < Rp; r0 += kRowTile) {
+      float* acc = W.acc.data() + r0 * Dp;
+      const float* p = W.s.data() + r0 * kKeyBlock;
+      const float* corr = W.corr.data() + r0;
+      int64_t c = 0;
+      for (; c + 32 <= Dp; c += 32) pv_tile<4>(acc + c, Dp, p, W.v.data() + c, nk, corr);
+      switch ((Dp - c) / 8) {
+        case 1: pv_tile<1>(acc + c, Dp, p, W.v.data() + c, nk, corr); break;
+        case 2: pv_tile<2>(acc + c, Dp, p, W.v.data() + c, nk, corr); break;
+        case 3: pv_tile<3>(acc + c, Dp, p, W.v.data() + c, nk, corr); break;
+        default: break;
+      }
     }
   }
 
