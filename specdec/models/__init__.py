@@ -1,0 +1,5 @@
+"""Model adapters: transformers causal LMs on specdec's static KV cache, and the bundled pretrained model."""
+from specdec.models.bundled import load_bundled
+from specdec.models.hf import HFCausalLM
+
+__all__ = ["HFCausalLM", "load_bundled"]

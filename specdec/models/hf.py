@@ -1,0 +1,569 @@
+"""HFCausalLM: drive a Hugging Face ``transformers`` causal LM with specdec's static KV cache.
+
+Hooked path (every model whose attention goes through ``ALL_ATTENTION_FUNCTIONS``: Llama /
+SmolLM2, Qwen2, Mistral, Gemma / Gemma3, GPT-2, GPT-NeoX, OPT, Phi, ...). At import this module
+registers one attention function, ``"specdec"``, in transformers' ``AttentionInterface``.
+During :meth:`HFCausalLM.forward` the model's attention implementation is switched to it, the
+model runs with ``use_cache=False`` (HF keeps no cache of its own) and, in every layer, the
+function receives the new nodes' query / key / value (after RoPE) and does
+
+    ops.append_kv(cache.k[l], cache.v[l], key, value, cache.lens)         # new K/V at lens[b] + j
+    ops.verify_attention(query.transpose(1, 2), cache.k[l], cache.v[l], cache.lens, tree_mask, scaling)
+
+Position ids are ``cache.lens[b] + depths[b, j]``. No attention mask is ever built: "specdec" is
+deliberately NOT registered in ``AttentionMaskInterface``, and transformers 5.x returns from
+``create_causal_mask`` / ``create_sliding_window_causal_mask`` before doing any work for an
+implementation that has no mask function (``masking_utils._preprocess_mask_arguments``:
+"For TGI/vLLM backends, or other custom attention without equivalent mask creation"). So a
+step costs what the model's own layers cost plus the two ops: no host sync, no ``.item()``,
+no O(prefix) work outside verify_attention.
+
+The per-call state (cache, tree mask) reaches the attention function through the model's
+forward kwargs (``specdec_call=...``) when the model forwards ``**kwargs`` down to its attention
+modules (checked once at construction), otherwise through a ``contextvars.ContextVar`` set for
+the duration of the call. The switch of ``config._attn_implementation`` lasts for one call too,
+so outside :meth:`forward` / :meth:`prefill` the wrapped model behaves exactly as before (e.g.
+``model.generate(assistant_model=...)`` for a baseline). Not thread-safe for concurrent use of
+one model object from several threads.
+
+Sliding-window layers (Mistral, Gemma2/3, Qwen2 with ``use_sliding_window``): while every
+position of the call is inside the window (always when ``cache.capacity <= window``: checked
+with no host read) the window changes nothing and verify_attention is exact. Past the window
+(one host read of ``max(cache.lens)`` per call, sliding models only) the sliding layers switch
+for that call to a masked attention over the cache (correct, slower) with a one-time warning.
+
+Generic fallback (models that cannot be hooked: attention that bypasses the registry,
+attention-logit softcapping (Gemma2), non-causal or sink / position-bias attention, or
+``hook=False``): the model runs with its own attention implementation on a transformers ``Cache``
+whose ``update`` writes into the same :class:`StaticKVCache` (``append_kv``) and returns the
+first ``max(lens) + N`` positions, plus a 4-D additive float mask (prefix < lens[b], tree_mask
+among the new nodes, sliding windows per layer type). Same cache layout, same commit, same
+results; one host read per call and O(N x (max_len + N)) mask work. A ``warnings.warn`` says
+why it is used.
+"""
+from __future__ import annotations
+
+import contextvars
+import inspect
+import warnings
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from specdec import ops
+from specdec.cache import StaticKVCache
+
+try:
+    from transformers import PretrainedConfig
+    from transformers.cache_utils import Cache
+    from transformers.modeling_utils import AttentionInterface
+except ImportError as exc:  # pragma: no cover - transformers is a dependency of this module
+    raise ImportError("specdec.models.hf needs transformers (pip install 'transformers==5.24.0')") from exc
+
+__all__ = ["HFCausalLM"]
+
+ATTN_NAME = "specdec"
+_CALL_KWARG = "specdec_call"
+# kwargs of an attention call that change its math in ways verify_attention does not do
+_UNSUPPORTED_ATTN_KWARGS = ("softcap", "s_aux", "sinks", "position_bias", "attention_chunk_size")
+
+# The state of the HFCausalLM call in flight (fallback route when the model drops **kwargs).
+_ACTIVE_CALL: contextvars.ContextVar[Optional["_Call"]] = contextvars.ContextVar("specdec_active_call", default=None)
+
+
+@dataclass
+class _Call:
+    """What the attention function needs for one forward: the cache, the tree mask, window info."""
+
+    cache: Optional[StaticKVCache]
+    tree_mask: Optional[torch.Tensor]            # [B, N, N] bool or None (causal chain)
+    depths: Optional[torch.Tensor] = None        # [B, N] int64 (window masks only)
+    window_ok: bool = True                       # every position of this call is inside every window
+    total_len: int = 0                           # max(lens) + N, host value (window path only)
+    masks: Dict[Optional[int], torch.Tensor] = field(default_factory=dict)  # window -> additive bias
+    probe: Optional[dict] = None                 # construction-time probe record
+    kwarg_seen: bool = False
+
+
+def _specdec_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+                       scaling: Optional[float] = None, sliding_window: Optional[int] = None, **kwargs):
+    """The "specdec" attention function: query [B, Hq, N, D], key / value [B, Hkv, N, D] (after RoPE).
+
+    Returns (out [B, N, Hq, D], None) as every transformers attention function does.
+    """
+    call = kwargs.get(_CALL_KWARG)
+    if call is not None:
+        call.kwarg_seen = True
+    else:
+        call = _ACTIVE_CALL.get()
+    if call is None:
+        raise RuntimeError("specdec attention was called outside HFCausalLM.forward/prefill; the model's attention "
+                           "implementation is only switched to 'specdec' for the duration of those calls")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if call.probe is not None:
+        return _probe_attention(call.probe, module, query, key, value, scaling, sliding_window, kwargs)
+    for name in _UNSUPPORTED_ATTN_KWARGS:  # construction-time probe routes such models to the fallback
+        if kwargs.get(name) is not None:
+            raise RuntimeError(f"specdec attention: unsupported attention argument {name!r} at run time "
+                               f"(use HFCausalLM(model, hook=False))")
+    cache = call.cache
+    layer = module.layer_idx
+    k_cache, v_cache = cache.k[layer], cache.v[layer]
+    ops.append_kv(k_cache, v_cache, key, value, cache.lens)
+    if sliding_window is not None and not call.window_ok:
+        return _masked_attention(call, query, k_cache, v_cache, scaling, int(sliding_window)), None
+    out = ops.verify_attention(query.transpose(1, 2), k_cache, v_cache, cache.lens, call.tree_mask, scaling)
+    return out, None
+
+
+# Registered once, at import: the registry is process-wide and keyed by name.
+AttentionInterface.register(ATTN_NAME, _specdec_attention)
+
+
+def _slices(logits_to_keep) -> bool:
+    """Whether a logits_to_keep value selects positions (0 keeps all of them)."""
+    return isinstance(logits_to_keep, torch.Tensor) or logits_to_keep != 0
+
+
+def _probe_attention(record: dict, module, query, key, value, scaling, sliding_window, kwargs):
+    """Construction-time probe: note what each layer passes, answer with plain causal attention."""
+    layer = getattr(module, "layer_idx", None)
+    unsupported = [n for n in _UNSUPPORTED_ATTN_KWARGS if kwargs.get(n) is not None]
+    if not getattr(module, "is_causal", True):
+        unsupported.append("is_causal=False")
+    record.setdefault("layers", []).append(
+        dict(layer=layer, kv_shape=tuple(key.shape[1:2]) + tuple(key.shape[3:]), dtype=key.dtype,
+             window=sliding_window, unsupported=unsupported))
+    groups = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(groups, dim=1)
+    v = value.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(query, k, v, is_causal=True, scale=scaling)
+    return out.transpose(1, 2), None
+
+
+def _visibility(lens: torch.Tensor, depths: torch.Tensor, tree_mask: Optional[torch.Tensor], total_len: int,
+                window: Optional[int]) -> torch.Tensor:
+    """[B, N, T] bool: query i of request b sees cache position s (T = max(lens) + N).
+
+    Prefix s < lens[b] (within ``window`` of the query position when given); new node j at
+    lens[b] + j iff tree_mask[b, i, j] (causal chain when None). Positions are lens + depth.
+    """
+    B, N = depths.shape
+    dev = depths.device
+    s = torch.arange(total_len, device=dev)                        # [T]
+    start = lens.to(torch.long).view(B, 1, 1)                      # [B, 1, 1]
+    depth = depths.to(torch.long)                                  # [B, N]
+    vis = (s < start).expand(B, N, total_len)                      # prefix
+    j = s - start                                                  # [B, 1, T] node index of s
+    inside = (j >= 0) & (j < N)
+    jc = j.clamp(0, N - 1).expand(B, N, total_len)
+    if tree_mask is None:
+        tree_mask = torch.ones(N, N, dtype=torch.bool, device=dev).tril().expand(B, N, N)
+    tree = torch.gather(tree_mask.to(torch.bool), 2, jc) & inside  # [B, N, T]
+    if window is not None:
+        q_pos = start.view(B, 1) + depth                           # [B, N]
+        vis = vis & (q_pos.unsqueeze(2) - s < window)
+        k_depth = torch.gather(depth.unsqueeze(1).expand(B, N, N), 2, jc)
+        tree = tree & (depth.unsqueeze(2) - k_depth < window)
+    return vis | tree
+
+
+def _additive_mask(vis: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, N, T] bool -> [B, 1, N, T] additive bias (0 / finfo.min: finite, so masked keys never yield NaN)."""
+    bias = torch.zeros(vis.shape, dtype=dtype, device=vis.device)
+    return bias.masked_fill_(~vis, torch.finfo(dtype).min).unsqueeze(1)
+
+
+def _masked_attention(call: _Call, query, k_cache, v_cache, scaling: float, window: int) -> torch.Tensor:
+    """Sliding-window layer past its window: masked attention over the first max(lens) + N positions."""
+    bias = call.masks.get(window)
+    if bias is None:  # built once per call and window, shared by all layers
+        vis = _visibility(call.cache.lens, call.depths, call.tree_mask, call.total_len, window)
+        bias = call.masks[window] = _additive_mask(vis, query.dtype)
+    T = call.total_len
+    k, v = k_cache[:, :, :T], v_cache[:, :, :T]
+    out = F.scaled_dot_product_attention(query, k, v, attn_mask=bias, scale=scaling,
+                                         enable_gqa=query.shape[1] != k.shape[1])
+    return out.transpose(1, 2)
+
+
+class _StaticCacheBridge(Cache):
+    """A transformers ``Cache`` over a StaticKVCache, for the generic (unhooked) path.
+
+    ``update`` writes the new K/V at lens[b] + j (append_kv, lens unchanged) and returns the
+    first ``total_len`` positions; the caller's 4-D mask hides everything that is not visible.
+    With ``cache=None`` it only records the per-layer K/V shapes (construction-time probe).
+    """
+
+    is_compileable = False
+
+    def __init__(self, cache: Optional[StaticKVCache], total_len: int) -> None:
+        super().__init__(layers=[])
+        self.static = cache
+        self.total_len = total_len
+        self.seen: List[dict] = []
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self.static is None:
+            self.seen.append(dict(layer=layer_idx, kv_shape=(key_states.shape[1], key_states.shape[3]),
+                                  dtype=key_states.dtype))
+            return key_states, value_states
+        k_cache, v_cache = self.static.k[layer_idx], self.static.v[layer_idx]
+        ops.append_kv(k_cache, v_cache, key_states, value_states, self.static.lens)
+        return k_cache[:, :, :self.total_len], v_cache[:, :, :self.total_len]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if self.static is None else self.total_len
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0):
+        return (query_length, 0) if self.static is None else (self.total_len, 0)
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+class HFCausalLM:
+    """Adapter of a transformers causal LM to specdec's cache and tree verification.
+
+    Parameters
+    ----------
+    model : transformers ``PreTrainedModel`` with a causal-LM head (``...ForCausalLM``), any
+        dtype / device, int8 dynamic-quantized Linear layers included. Put in eval mode here.
+    hook : bool, default True
+        False forces the generic fallback path (for comparison and debugging).
+    prefill_chunk : int, default 512
+        Prompt positions per forward during :meth:`prefill` (bounds activation memory).
+
+    Attributes: ``model, config, vocab_size, device, dtype, num_layers, num_kv_heads, head_dim,
+    hooked`` (True: "specdec" attention path; False: generic fallback, warned).
+    """
+
+    def __init__(self, model: torch.nn.Module, hook: bool = True, prefill_chunk: int = 512) -> None:
+        if not isinstance(getattr(model, "config", None), PretrainedConfig):
+            raise TypeError(f"HFCausalLM: expected a transformers PreTrainedModel, got {type(model).__name__}")
+        if int(prefill_chunk) < 1:
+            raise ValueError(f"HFCausalLM: prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.model = model.eval()
+        self.config = model.config
+        self.prefill_chunk = int(prefill_chunk)
+        self.device = model.get_input_embeddings().weight.device
+        params = inspect.signature(model.forward).parameters
+        self._keep_logits = "logits_to_keep" in params
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        # Every config object the model's modules read (a multimodal model has text / vision sub-configs).
+        configs = {id(model.config): model.config}
+        for module in model.modules():
+            cfg = getattr(module, "config", None)
+            if isinstance(cfg, PretrainedConfig):
+                configs.setdefault(id(cfg), cfg)
+        self._configs = list(configs.values())
+        self._pass_kwarg = False
+        self._windows: List[Optional[int]] = []
+        self._warned_window = False
+
+        reason = self._hook_blocker() if hook else "hook=False was requested"
+        layers = None
+        if reason is None:
+            layers, reason = self._probe_hooked()
+        self.hooked = reason is None
+        if not self.hooked:
+            warnings.warn(f"HFCausalLM: {type(model).__name__} runs on the generic fallback path (its own attention "
+                          f"with a 4-D mask over the static cache; slower, one host sync per call): {reason}",
+                          stacklevel=2)
+            layers = self._probe_generic()
+            self._generic_windows = self._config_windows()
+        self._init_shapes(layers)
+
+    # ------------------------------------------------------------------ construction
+    def _hook_blocker(self) -> Optional[str]:
+        text = self.config.get_text_config()
+        if getattr(text, "attn_logit_softcapping", None) is not None:
+            return (f"attention logit softcapping ({text.attn_logit_softcapping}) is not supported by "
+                    f"verify_attention")
+        if not getattr(text, "is_causal", True) or getattr(text, "use_bidirectional_attention", False):
+            return "the model's attention is not causal"
+        return None
+
+    def _probe_tokens(self) -> torch.Tensor:
+        return torch.tensor([[1, 2, 3]], dtype=torch.long, device=self.device)
+
+    def _probe_hooked(self):
+        """Run 3 tokens with the "specdec" function in probe mode; see which layers reach it."""
+        expected = getattr(self.config.get_text_config(), "num_hidden_layers", None)
+        call = _Call(cache=None, tree_mask=None, probe={})
+        try:
+            with torch.no_grad():
+                try:
+                    self._call_model(call, self._probe_tokens(), None, pass_kwarg=True, logits_to_keep=1)
+                    self._pass_kwarg = call.kwarg_seen
+                except TypeError:  # the model rejects unknown kwargs: ContextVar route
+                    call.probe = {}
+                    self._call_model(call, self._probe_tokens(), None, pass_kwarg=False, logits_to_keep=1)
+        except Exception as exc:  # noqa: BLE001 - any failure means "cannot hook", reported in the warning
+            return None, f"the hooked probe forward failed ({type(exc).__name__}: {exc})"
+        seen = call.probe.get("layers", [])
+        if not seen:
+            return None, "its attention does not go through transformers' ALL_ATTENTION_FUNCTIONS"
+        bad = sorted({u for s in seen for u in s["unsupported"]})
+        if bad:
+            return None, f"its attention uses {', '.join(bad)}, which verify_attention does not implement"
+        idx = [s["layer"] for s in seen]
+        if None in idx or sorted(idx) != list(range(len(idx))) or (expected is not None and len(idx) != expected):
+            return None, (f"only some attention layers go through ALL_ATTENTION_FUNCTIONS (saw layer_idx {idx}, "
+                          f"expected {expected} layers)")
+        seen = sorted(seen, key=lambda s: s["layer"])
+        self._windows = [s["window"] for s in seen]
+        return seen, None
+
+    def _probe_generic(self) -> List[dict]:
+        bridge = _StaticCacheBridge(None, 0)
+        ids = self._probe_tokens()
+        mask = _additive_mask(torch.ones(1, 3, 3, dtype=torch.bool, device=self.device).tril(),
+                              self.model.get_input_embeddings().weight.dtype)
+        with torch.no_grad():
+            self.model(input_ids=ids, position_ids=torch.arange(3, device=self.device).unsqueeze(0),
+                       attention_mask=mask, use_cache=True, **{self._cache_kwarg: bridge})
+        if not bridge.seen:
+            raise TypeError(f"HFCausalLM: {type(self.model).__name__} neither routes attention through "
+                            f"ALL_ATTENTION_FUNCTIONS nor uses the transformers Cache API; it cannot be driven")
+        return sorted(bridge.seen, key=lambda s: s["layer"])
+
+    def _config_windows(self) -> dict:
+        """Sliding-window layout from the config, for the generic path's masks."""
+        text = self.config.get_text_config()
+        window = getattr(text, "sliding_window", None)
+        types = getattr(text, "layer_types", None)
+        if window is None or (types is not None and "sliding_attention" not in types):
+            return {"window": None, "mixed": False}
+        if types is not None and set(types) - {"full_attention", "sliding_attention"}:
+            raise ValueError(f"HFCausalLM: layer types {sorted(set(types))} are not supported by the generic path")
+        mixed = types is not None and "full_attention" in types
+        return {"window": int(window), "mixed": mixed}
+
+    def _init_shapes(self, layers: List[dict]) -> None:
+        shapes = {s["kv_shape"] for s in layers}
+        if len(shapes) != 1:
+            raise ValueError(f"HFCausalLM: layers have different (KV heads, head dim) {sorted(shapes)}; "
+                             f"StaticKVCache needs one shape for all layers")
+        self.num_layers = len(layers)
+        self.num_kv_heads, self.head_dim = shapes.pop()
+        self.dtype = layers[0]["dtype"]
+        with torch.no_grad():
+            emb = self.model.get_output_embeddings()
+            weight = getattr(emb, "weight", None)
+            weight = weight() if callable(weight) else weight  # int8 dynamic-quantized Linear: weight()
+            if weight is not None:
+                self.vocab_size = int(weight.shape[0])
+            else:
+                self.vocab_size = int(self.config.get_text_config().vocab_size)
+        windows = [w for w in self._windows if w is not None]
+        self._min_window = min(windows) if windows else None
+
+    # ------------------------------------------------------------------ public
+    def new_cache(self, batch: int, capacity: int) -> StaticKVCache:
+        """A StaticKVCache sized for this model: [batch, Hkv, capacity, D] per layer, the model's dtype / device."""
+        return StaticKVCache(self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity,
+                             dtype=self.dtype, device=self.device)
+
+    @torch.no_grad()
+    def forward(self, cache: StaticKVCache, tokens: torch.Tensor, depths: torch.Tensor,
+                tree_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Score N new nodes per request: logits float32 [B, N, V].
+
+        tokens [B, N] (-1 = padding, fed as token 0, output garbage); depths [B, N] int, depth below
+        the root (root 0); tree_mask [B, N, N] bool (node i sees node j) or None (causal chain).
+        The nodes' K/V are written at cache.lens[b] + j; cache.lens is NOT advanced (the caller
+        commits). Position ids are cache.lens[b] + depths[b, j].
+        """
+        self._check_call(cache, tokens, depths, tree_mask)
+        return self._forward(cache, tokens, depths, tree_mask, logits_to_keep=0)
+
+    __call__ = forward
+
+    @torch.no_grad()
+    def prefill(self, cache: StaticKVCache, prompts: Sequence[Sequence[int]],
+                rows: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """Write each prompt's K/V into its cache row and return float32 logits [len(prompts), V] after its last token.
+
+        rows[i] is the cache row of prompts[i] (default 0..len-1); each row is reset first and
+        ends with cache.lens[row] = len(prompt). Ragged prompts: prompts whose rows are
+        consecutive are run together, right-padded to the longest (padding sits after every real
+        token, so the causal mask hides it; its K/V lands past lens and is overwritten later)
+        while padding stays <= 25 % of the tokens, else one request at a time; each group in
+        chunks of ``prefill_chunk`` positions. Logits are computed only at each prompt's last
+        position. Prompt lengths are host values: no device sync.
+        """
+        prompts = [list(p) for p in prompts]
+        rows = list(range(len(prompts))) if rows is None else [int(r) for r in rows]
+        self._check_prefill(cache, prompts, rows)
+        out = torch.empty(len(prompts), self.vocab_size, dtype=torch.float32, device=self.device)
+        for group in self._prefill_groups(prompts, rows):
+            self._prefill_group(cache, prompts, rows, group, out)
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _check_call(self, cache, tokens, depths, tree_mask) -> None:
+        if not isinstance(cache, StaticKVCache):
+            raise TypeError(f"HFCausalLM.forward: cache must be a StaticKVCache, got {type(cache).__name__}")
+        if cache.num_layers != self.num_layers or cache.num_kv_heads != self.num_kv_heads or \
+                cache.head_dim != self.head_dim or cache.dtype != self.dtype:
+            raise ValueError(f"HFCausalLM.forward: cache (layers {cache.num_layers}, KV heads {cache.num_kv_heads}, "
+                             f"head dim {cache.head_dim}, {cache.dtype}) does not match the model (layers "
+                             f"{self.num_layers}, KV heads {self.num_kv_heads}, head dim {self.head_dim}, "
+                             f"{self.dtype}); build it with new_cache()")
+        if tokens.dim() != 2 or tokens.shape[0] != cache.batch:
+            raise ValueError(f"HFCausalLM.forward: tokens must be [B, N] with B = cache.batch = {cache.batch}, "
+                             f"got {tuple(tokens.shape)}")
+        if depths.shape != tokens.shape:
+            raise ValueError(f"HFCausalLM.forward: depths must have the shape of tokens {tuple(tokens.shape)}, "
+                             f"got {tuple(depths.shape)}")
+        B, N = tokens.shape
+        if tree_mask is not None and (tree_mask.shape != (B, N, N) or tree_mask.dtype != torch.bool):
+            raise ValueError(f"HFCausalLM.forward: tree_mask must be bool [B, N, N] = [{B}, {N}, {N}], got "
+                             f"{tree_mask.dtype} {tuple(tree_mask.shape)}")
+        if N > cache.capacity:
+            raise ValueError(f"HFCausalLM.forward: N = {N} nodes exceed the cache capacity {cache.capacity}")
+
+    def _forward(self, cache, tokens, depths, tree_mask, logits_to_keep) -> torch.Tensor:
+        """Shared by forward and prefill; logits_to_keep as transformers' slice_logits_to_keep."""
+        B, N = tokens.shape
+        call = _Call(cache=cache, tree_mask=tree_mask)
+        if not self.hooked:
+            return self._forward_generic(call, tokens, depths, logits_to_keep)
+        if self._min_window is not None and cache.capacity > self._min_window:
+            # Sliding-window model whose cache can outgrow the window: one host read per call.
+            max_len = int(cache.lens.max())
+            if max_len + N > self._min_window:
+                if not self._warned_window:
+                    warnings.warn(f"HFCausalLM: positions past the sliding window ({self._min_window}); "
+                                  f"sliding layers use a masked attention path (correct, slower)", stacklevel=3)
+                    self._warned_window = True
+                call.window_ok = False
+                call.total_len = max_len + N
+                call.depths = depths
+        logits = self._call_model(call, tokens, depths, pass_kwarg=self._pass_kwarg, logits_to_keep=logits_to_keep)
+        return logits.float()
+
+    def _call_model(self, call: _Call, tokens, depths, pass_kwarg: bool, logits_to_keep) -> torch.Tensor:
+        """Run the model with the "specdec" attention implementation for this call only."""
+        ids = tokens.clamp(min=0)
+        if call.cache is None:  # probe
+            positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+        else:
+            positions = call.cache.lens.to(torch.long).unsqueeze(1) + depths.to(torch.long)  # [B, N]
+        kwargs = {}
+        if _slices(logits_to_keep) and self._keep_logits:
+            kwargs["logits_to_keep"] = logits_to_keep
+        if pass_kwarg:
+            kwargs[_CALL_KWARG] = call
+        saved = [cfg._attn_implementation_internal for cfg in self._configs]
+        token = _ACTIVE_CALL.set(call)
+        try:
+            for cfg in self._configs:
+                cfg._attn_implementation_internal = ATTN_NAME
+            out = self.model(input_ids=ids, position_ids=positions, use_cache=False, **kwargs)
+        finally:
+            for cfg, impl in zip(self._configs, saved):
+                cfg._attn_implementation_internal = impl
+            _ACTIVE_CALL.reset(token)
+        return self._select_logits(out.logits, logits_to_keep)
+
+    def _select_logits(self, logits: torch.Tensor, logits_to_keep) -> torch.Tensor:
+        if self._keep_logits or not _slices(logits_to_keep):
+            return logits
+        from transformers.modeling_utils import slice_logits_to_keep
+        return slice_logits_to_keep(logits, logits_to_keep)
+
+    def _forward_generic(self, call: _Call, tokens, depths, logits_to_keep) -> torch.Tensor:
+        cache = call.cache
+        B, N = tokens.shape
+        total = int(cache.lens.max()) + N  # host read: the generic path sizes its mask and K/V views
+        dtype = self.model.get_input_embeddings().weight.dtype
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            dtype = self.dtype
+        layout = self._generic_windows
+        window = layout["window"]
+        if window is not None and total <= window:
+            window = None  # every position inside the window: the plain mask is exact for all layers
+        full = _additive_mask(_visibility(cache.lens, depths, call.tree_mask, total, None), dtype)
+        if window is None:
+            mask = full
+        else:
+            sliding = _additive_mask(_visibility(cache.lens, depths, call.tree_mask, total, window), dtype)
+            mask = {"full_attention": full, "sliding_attention": sliding} if layout["mixed"] else sliding
+        positions = cache.lens.to(torch.long).unsqueeze(1) + depths.to(torch.long)
+        kwargs = {}
+        if _slices(logits_to_keep) and self._keep_logits:
+            kwargs["logits_to_keep"] = logits_to_keep
+        bridge = _StaticCacheBridge(cache, total)
+        out = self.model(input_ids=tokens.clamp(min=0), position_ids=positions, attention_mask=mask,
+                         use_cache=True, **{self._cache_kwarg: bridge}, **kwargs)
+        return self._select_logits(out.logits, logits_to_keep).float()
+
+    def _check_prefill(self, cache, prompts, rows) -> None:
+        if not isinstance(cache, StaticKVCache):
+            raise TypeError(f"HFCausalLM.prefill: cache must be a StaticKVCache, got {type(cache).__name__}")
+        if len(rows) != len(prompts):
+            raise ValueError(f"HFCausalLM.prefill: {len(prompts)} prompts but {len(rows)} rows")
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"HFCausalLM.prefill: rows must be distinct, got {rows}")
+        for i, (p, r) in enumerate(zip(prompts, rows)):
+            if not 0 <= r < cache.batch:
+                raise ValueError(f"HFCausalLM.prefill: row {r} of prompt {i} is outside the cache's {cache.batch} rows")
+            if len(p) == 0:
+                raise ValueError(f"HFCausalLM.prefill: prompt {i} is empty")
+            if len(p) > cache.capacity:
+                raise ValueError(f"HFCausalLM.prefill: prompt {i} has {len(p)} tokens, more than the cache capacity "
+                                 f"{cache.capacity}")
+            lo, hi = min(p), max(p)
+            if lo < 0 or hi >= self.vocab_size:
+                raise ValueError(f"HFCausalLM.prefill: prompt {i} holds token {lo if lo < 0 else hi}, outside "
+                                 f"[0, {self.vocab_size})")
+
+    @staticmethod
+    def _prefill_groups(prompts, rows) -> List[List[int]]:
+        """Prompt indices grouped by consecutive cache rows, padding <= 25 % of the group's tokens."""
+        groups: List[List[int]] = []
+        for i in sorted(range(len(prompts)), key=lambda i: rows[i]):
+            if groups:
+                g = groups[-1]
+                if rows[g[-1]] + 1 == rows[i]:
+                    lengths = [len(prompts[k]) for k in g] + [len(prompts[i])]
+                    if max(lengths) * len(lengths) <= 1.25 * sum(lengths):
+                        g.append(i)
+                        continue
+            groups.append([i])
+        return groups
+
+    def _prefill_group(self, cache, prompts, rows, group, out) -> None:
+        view = cache.rows(rows[group[0]], rows[group[-1]] + 1)
+        lengths = [len(prompts[i]) for i in group]
+        T = max(lengths)
+        ids = torch.zeros(len(group), T, dtype=torch.long)
+        for k, i in enumerate(group):
+            ids[k, :lengths[k]] = torch.tensor(prompts[i], dtype=torch.long)
+        ids = ids.to(self.device)
+        view.lens.zero_()
+        depths_all = torch.arange(T, device=self.device).expand(len(group), T)
+        for c0 in range(0, T, self.prefill_chunk):
+            c1 = min(T, c0 + self.prefill_chunk)
+            ending = [k for k, n in enumerate(lengths) if c0 < n <= c1]
+            if ending:
+                last = torch.tensor([[min(max(n - 1 - c0, 0), c1 - c0 - 1)] for n in lengths], dtype=torch.long,
+                                    device=self.device)  # [g, 1] position whose logits we keep
+                logits = self._forward(view, ids[:, c0:c1], depths_all[:, : c1 - c0], None, logits_to_keep=last)
+                idx = torch.tensor([group[k] for k in ending], device=self.device)
+                out[idx] = logits[ending, 0]
+            else:
+                self._forward(view, ids[:, c0:c1], depths_all[:, : c1 - c0], None, logits_to_keep=1)
+            view.lens.add_(c1 - c0)
+        view.lens.copy_(torch.tensor(lengths, dtype=torch.int32))
+
+    def __repr__(self) -> str:
+        path = "hooked" if self.hooked else "generic fallback"
+        return (f"HFCausalLM({type(self.model).__name__}, {path}, layers={self.num_layers}, "
+                f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, vocab={self.vocab_size}, {self.dtype})")
