@@ -218,6 +218,38 @@ def test_verify_attention_noncontiguous_q(device, dtype):
     assert_attention_close(run(device, q_t, k, v, cl, mask), q, k, v, cl, mask, D ** -0.5)
 
 
+def misaligned(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of t whose data pointer is one element past a 16-byte boundary
+    (a view into a larger buffer): vectorized loads must fall back, not fault."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    out = buf[1:].view(t.shape)
+    out.copy_(t)
+    assert out.is_contiguous() and out.data_ptr() % 16 != 0
+    return out
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_verify_attention_misaligned_inputs(device, dtype):
+    B, N, Hq, Hkv, D = 3, 13, 6, 2, 80
+    q, k, v, cl = make_case(B, N, Hq, Hkv, D, [0, 1, 300], dtype, seed=18)
+    mask = make_mask("tree", B, N, seed=18)
+    out = ops.verify_attention(misaligned(q.to(device)), misaligned(k.to(device)), misaligned(v.to(device)),
+                               cl.to(device), mask.to(device))
+    assert_attention_close(out, q.to(device), k, v, cl, mask, D ** -0.5)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_append_kv_misaligned(device, dtype):
+    k_cache, v_cache, k_new, v_new, lens = _append_case(dtype, seed=24, B=3, N=13, D=64)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    reference.append_kv(want_k, want_v, k_new, v_new, lens)
+    kc, vc = misaligned(k_cache.to(device)), misaligned(v_cache.to(device))
+    ops.append_kv(kc, vc, misaligned(k_new.to(device)), misaligned(v_new.to(device)), lens.to(device))
+    assert torch.equal(kc.cpu(), want_k) and torch.equal(vc.cpu(), want_v)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_verify_attention_inputs_unchanged(device):
     B, N, Hq, Hkv, D = 3, 13, 6, 2, 64

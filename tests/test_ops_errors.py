@@ -413,7 +413,7 @@ def test_every_op_has_error_cases():
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (two devices to mismatch)")
 @pytest.mark.parametrize("op,where,name", DEVICE_CASES, ids=[f"{o}-{n}" for o, _, n in DEVICE_CASES])
-def test_device_mismatch_raises(op, where, name):
+def test_cuda_device_mismatch_raises(op, where, name):
     args = to_device(BASE[op](), "cuda")
     if op == "verify_attention" and name == "tree_mask":
         args["tree_mask"] = torch.ones(2, 3, 3, dtype=torch.bool)
@@ -436,6 +436,7 @@ def test_cuda_unsupported_head_dim_raises():
                 tree_mask=None, scale=None)
     args = to_device(args, "cuda")
     before = snapshot(args)
-    with pytest.raises(RuntimeError, match=r"verify_attention: .*head dim.*72"):
+    with pytest.raises(RuntimeError, match=re.escape(
+            "verify_attention: head dim D must be one of 64, 80, 96, 128, 256 on CUDA, got 72")):
         ops.verify_attention(**args)
     assert_unchanged(before, args)

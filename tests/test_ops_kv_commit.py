@@ -152,6 +152,38 @@ def test_kv_commit_heterogeneous_layers(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_kv_commit_many_layers(device):
+    """70 layers = 140 caches: more than one launch's worth on CUDA (64 layers per launch)."""
+    g = gen(47)
+    B, N, S = 3, 6, 20
+    _, parents, _ = make_trees(B, N, 5, "random", g=g)
+    accepted, num = random_paths(parents, g=g, force="full")
+    k, v = make_caches(70, B, 1, S, 64, torch.bfloat16, g=g)
+    check_commit(device, k, v, _lens(B, S, N, g), accepted, num)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kv_commit_misaligned_caches(device):
+    """Contiguous caches whose data pointer is not 16-byte aligned (views into a buffer)."""
+    from test_ops_attention import misaligned
+
+    g = gen(48)
+    _, parents, _ = make_trees(B7, N13, 5, "random", g=g)
+    accepted, num = random_paths(parents, g=g, force="full")
+    k, v = make_caches(2, B7, 2, 40, 80, torch.float16, g=g)
+    want_k, want_v, want_l = [c.clone() for c in k], [c.clone() for c in v], _lens(B7, 40, N13, g)
+    lens = want_l.clone()
+    reference.kv_commit(want_k, want_v, want_l, accepted, num)
+    ks = [misaligned(c.to(device)) for c in k]
+    vs = [misaligned(c.to(device)) for c in v]
+    cl = lens.to(device, copy=True)
+    ops.kv_commit(ks, vs, cl, accepted.to(device), num.to(device))
+    assert torch.equal(cl.cpu(), want_l)
+    for a, b in zip(ks + vs, want_k + want_v):
+        assert torch.equal(a.cpu(), b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_kv_commit_single_layer_single_request(device):
     g = gen(44)
     k, v = make_caches(1, 1, 1, 16, 64, torch.float32, g=g)

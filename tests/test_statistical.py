@@ -33,7 +33,7 @@ reference exactly on a subset.
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import pytest
 import torch

@@ -1,0 +1,183 @@
+"""Run every CUDA op once on small cases: the workload for compute-sanitizer.
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize_ops.py
+    compute-sanitizer --tool racecheck --error-exitcode 1 python benchmarks/sanitize_ops.py --ops verify_attention
+
+Cases cover every head dim / dtype instantiation of the attention kernel, masks
+present and absent, prefix 0 / 1 / a few hundred (several key tiles and the split-KV
+combine path), N = 1 / 13 / 64, sampling with and without draft rows, greedy in the three
+logit dtypes, kv_commit with real moves. Then, with strict checks OFF (their default on
+CUDA), inputs whose VALUES are invalid (lengths past capacity, out-of-range parents,
+tokens, paths, uniforms): the contract says the kernels stay memory-safe for any value,
+and memcheck is what can tell. Inputs are built on the CPU and copied, so the sanitized
+launches are the specdec kernels (plus copies). Results are compared with the reference
+on the valid cases as a smoke check (the real comparisons live in tests/).
+
+Uses PYTORCH_NO_CUDA_MEMORY_CACHING=1 when run by gpu_check.sh so that an out-of-bounds
+access is not hidden inside a larger cached block.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+import specdec
+from specdec import ops, reference
+
+DEV = "cuda"
+QUICK = False
+FAILURES = []
+
+
+def sync() -> None:
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def check(name: str, ok: bool) -> None:
+    print(f"  {'ok  ' if ok else 'FAIL'} {name}", flush=True)
+    if not ok:
+        FAILURES.append(name)
+
+
+def tree(B, N, g, ragged=True):
+    parents = torch.full((B, N), -1, dtype=torch.int32)
+    for b in range(B):
+        n = int(torch.randint(1, N + 1, (1,), generator=g)) if ragged else N
+        for i in range(1, n):
+            parents[b, i] = int(torch.randint(max(0, i - 3), i, (1,), generator=g))
+    return parents
+
+
+def run_attention(g):
+    print("verify_attention / append_kv")
+    for D in (64, 80, 96, 128, 256):
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            configs = ((13, [0, 1, 300], True), (1, [5, 0, 700], False), (64, [0, 129, 40], True))
+            for N, lens, masked in configs[:1] if QUICK else configs:
+                B, Hq, Hkv = len(lens), 4, 2
+                S = max(lens) + N + 3
+                q = torch.randn(B, N, Hq, D, generator=g).to(dtype)
+                k = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+                v = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+                kn = torch.randn(B, Hkv, N, D, generator=g).to(dtype)
+                vn = torch.randn(B, Hkv, N, D, generator=g).to(dtype)
+                cl = torch.tensor(lens, dtype=torch.int32)
+                mask = reference.tree_attention_mask(tree(B, N, g)) if masked else None
+                kd, vd = k.to(DEV, copy=True), v.to(DEV, copy=True)
+                ops.append_kv(kd, vd, kn.to(DEV), vn.to(DEV), cl.to(DEV))
+                out = ops.verify_attention(q.to(DEV), kd, vd, cl.to(DEV), None if mask is None else mask.to(DEV))
+                sync()
+                reference.append_kv(k, v, kn, vn, cl)
+                want = reference.verify_attention(q, k, v, cl, mask, D ** -0.5)
+                err = (out.cpu().float() - want.float()).abs().max().item()
+                check(f"D={D} {dtype} N={N} mask={masked}: max |err| {err:.2e}", err < (1e-4 if dtype == torch.float32 else 5e-2))
+
+
+def run_sampling(g):
+    print("rejection_sample / greedy_verify")
+    for B, N, V in ((3, 13, 111), (2, 64, 4097), (1, 1, 7)):
+        parents = tree(B, N, g)
+        tokens = torch.randint(0, V, (B, N), generator=g)
+        tokens[parents < 0] = -1
+        tokens[:, 0] = 0
+        p = torch.softmax(torch.randn(B, N, V, generator=g) * 3, -1)
+        q = torch.softmax(torch.randn(B, N, V, generator=g) * 3, -1)
+        u = torch.rand(B, N, generator=g, dtype=torch.float64)
+        for qq in (q, None):
+            got = ops.rejection_sample(tokens.to(DEV), parents.to(DEV), p.to(DEV), None if qq is None else qq.to(DEV),
+                                       u.to(DEV))
+            want = reference.rejection_sample(tokens, parents, p, qq, u)
+            check(f"rejection_sample B={B} N={N} V={V} q={'yes' if qq is not None else 'None'}",
+                  all(torch.equal(a.cpu(), b) for a, b in zip(got, want)))
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            logits = torch.randn(B, N, V, generator=g).to(dtype)
+            got = ops.greedy_verify(tokens.to(DEV), parents.to(DEV), logits.to(DEV))
+            want = reference.greedy_verify(tokens, parents, logits)
+            check(f"greedy_verify B={B} N={N} V={V} {dtype}", all(torch.equal(a.cpu(), b) for a, b in zip(got, want)))
+
+
+def run_commit(g):
+    print("kv_commit")
+    B, N, S = 4, 9, 40
+    accepted = torch.tensor([[0, 2, 3, 4, 5, 6, 7, 8, -1], [0, -1, -1, -1, -1, -1, -1, -1, -1],
+                             [0, 1, 2, 3, 4, 5, 6, 7, 8], [0, 3, 8, -1, -1, -1, -1, -1, -1]], dtype=torch.int32)
+    num = torch.tensor([7, 0, 8, 2], dtype=torch.int32)
+    for L in (1, 3, 70):
+        for dtype in (torch.float32, torch.bfloat16):
+            ks = [torch.randn(B, 2, S, 80, generator=g).to(dtype) for _ in range(L)]
+            vs = [torch.randn(B, 2, S, 64, generator=g).to(dtype) for _ in range(L)]
+            lens = torch.tensor([0, 5, S - N, 17], dtype=torch.int32)
+            kd, vd, ld = [t.to(DEV, copy=True) for t in ks], [t.to(DEV, copy=True) for t in vs], lens.to(DEV, copy=True)
+            ops.kv_commit(kd, vd, ld, accepted.to(DEV), num.to(DEV))
+            reference.kv_commit(ks, vs, lens, accepted, num)
+            ok = torch.equal(ld.cpu(), lens) and all(torch.equal(a.cpu(), b) for a, b in zip(kd + vd, ks + vs))
+            check(f"kv_commit L={L} {dtype}", ok)
+
+
+def run_bad_values(g):
+    """Strict checks off: invalid VALUES must not make any kernel touch memory out of bounds
+    (outputs are unspecified; compute-sanitizer judges)."""
+    print("invalid values, strict checks off (memory safety only)")
+    ops.set_strict_checks(False)
+    B, N, Hq, Hkv, D, S, V = 2, 5, 4, 2, 64, 16, 11
+    q = torch.randn(B, N, Hq, D, device=DEV)
+    k = torch.randn(B, Hkv, S, D, device=DEV)
+    v = torch.randn(B, Hkv, S, D, device=DEV)
+    for lens in ([-7, 3], [S, 0], [S - 1, 2], [2 ** 30, -2 ** 30]):
+        cl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+        ops.verify_attention(q, k, v, cl, None)
+        ops.append_kv(k, v, torch.randn(B, Hkv, N, D, device=DEV), torch.randn(B, Hkv, N, D, device=DEV), cl)
+        torch.cuda.synchronize()
+        check(f"attention / append_kv with cache_lens {lens}", True)
+    tokens = torch.tensor([[0, 3, 99, -5, 2], [1, 2, 3, 4, 5]], device=DEV)
+    bad_parents = [[[-1, 0, 7, -9, 3], [4, 0, 0, 1, 1]], [[-1, 0, 0, 0, 0], [-1, 2 ** 30, -2 ** 30, 1, 4]]]
+    for par in bad_parents:
+        parents = torch.tensor(par, dtype=torch.int32, device=DEV)
+        p = torch.rand(B, N, V, device=DEV)
+        qd = torch.rand(B, N, V, device=DEV)
+        u = torch.tensor([[2.0, -1.0, float("nan"), 1e300, 0.5], [0.1] * 5], dtype=torch.float64, device=DEV)
+        ops.rejection_sample(tokens, parents, p, qd, u)
+        ops.rejection_sample(tokens, parents, p, None, u)
+        ops.greedy_verify(tokens, parents, p)
+        torch.cuda.synchronize()
+        check(f"sampling with parents {par}", True)
+    for acc, num, lens in (([[0, 9, 2, -1, -1], [3, 1, 0, 0, 0]], [4, 2], [0, 0]),
+                           ([[0, 1, 2, 3, 4], [0, 1, 2, 3, 4]], [9, -3], [15, 14]),
+                           ([[0, 1, 2, 3, 4], [0, 2 ** 30, -2 ** 30, 3, 4]], [4, 4], [-5, 2 ** 30])):
+        ks = [torch.randn(B, Hkv, S, D, device=DEV) for _ in range(2)]
+        vs = [torch.randn(B, Hkv, S, D, device=DEV) for _ in range(2)]
+        ops.kv_commit(ks, vs, torch.tensor(lens, dtype=torch.int32, device=DEV),
+                      torch.tensor(acc, dtype=torch.int32, device=DEV), torch.tensor(num, dtype=torch.int32, device=DEV))
+        torch.cuda.synchronize()
+        check(f"kv_commit with accepted {acc} num {num} lens {lens}", True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ops", nargs="*", default=["verify_attention", "sampling", "kv_commit", "bad_values"],
+                    help="subset of: verify_attention sampling kv_commit bad_values")
+    ap.add_argument("--quick", action="store_true", help="attention: one case per head dim x dtype (for racecheck)")
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself (bad_values skipped)")
+    args = ap.parse_args(argv)
+    global DEV, QUICK
+    DEV, QUICK = args.device, args.quick
+    if DEV == "cuda" and not (torch.cuda.is_available() and specdec.build_info().get("cuda")):
+        print("needs a GPU and a CUDA build of specdec", file=sys.stderr)
+        return 2
+    if DEV != "cuda" and "bad_values" in args.ops:
+        args.ops.remove("bad_values")  # CPU always value-checks: those inputs raise there
+    g = torch.Generator().manual_seed(0)
+    steps = {"verify_attention": run_attention, "sampling": run_sampling, "kv_commit": run_commit,
+             "bad_values": run_bad_values}
+    for name in args.ops:
+        steps[name](g)
+    sync()
+    print(f"{len(FAILURES)} failing checks" + (": " + "; ".join(FAILURES) if FAILURES else ""))
+    return 1 if FAILURES else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
