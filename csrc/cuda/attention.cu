@@ -33,9 +33,11 @@
 // Napkin math (H200, ~4.3 TB/s): the kernel must read K and V of prefix + N once per
 // (request, KV head): B * Hkv * (len + N) * D * 2 * sizeof(dtype) bytes. Llama-3-8B
 // layer, B = 1, len = 4096, N = 16, Hkv = 8, D = 128, bf16: 16.8 MB -> ~3.9 us at the
-// roofline; the split partials add splits * B * N * Hq * D * 4 * 2 bytes (8 splits:
-// 1 MB). Row tiles of the same (b, h, split) are adjacent in the grid so that repeated
-// K/V reads of large R (G * N > 64) hit L2. Q K^T + P V cost 4 * R * D FLOP per key:
+// roofline (R = G * N = 64 rows, 17 splits of 256 keys); the split partials add
+// splits * B * N * Hq * D * 4 bytes written and read back, mostly from L2 (4.5 MB here;
+// a split covers at least 8 * rows / sizeof(dtype) keys to keep this <= half the K/V).
+// Row tiles of the same (b, h, split) are adjacent in the grid so that repeated K/V
+// reads of large R (G * N > 64) hit L2. Q K^T + P V cost 4 * R * D FLOP per key:
 // at R = 64 that is 64 FLOP / byte of bf16 K/V, well under the tensor-core ridge.
 //
 // append_kv: a strided 16-byte (or element-wise when unaligned) copy of
@@ -113,6 +115,7 @@ struct AttnParams {
   int B, N, Hq, Hkv, S, G, R;  // R = G * N query rows per (request, KV head)
   int W;                  // mask words per node row = ceil(N / 64)
   int splits, row_tiles;  // grid = B * Hkv * splits * row_tiles
+  int min_chunk;          // fewest keys per split (multiple of the key block), see launch_verify_attention
   int wm, wk;             // warps over rows x warps over keys (wm * wk <= 4)
   float scale_log2;       // scale * log2(e)
 };
@@ -375,7 +378,7 @@ struct SimtEngine {
       sP[r * 32 + lane] = pv;
     }
     __syncwarp();
-#pragma unroll 2
+#pragma unroll 1
     for (int j = 0; j < 32; j += 4) {
       float4 pj[RPW];
 #pragma unroll
@@ -449,7 +452,8 @@ __global__ void __launch_bounds__(128) verify_attention_kernel(const AttnParams 
   // Unchecked lengths (strict checks off) are clamped so that no read leaves the cache.
   const int len = max(0, min(p.lens[b], p.S - N));
   const int total = len + N;  // keys [0, total): prefix then the N tree nodes
-  const int64_t chunk = ceil_div(ceil_div(total, p.splits), BK) * BK;
+  const int64_t even = ceil_div(ceil_div(total, p.splits), BK) * BK;
+  const int64_t chunk = even > p.min_chunk ? even : int64_t(p.min_chunk);
   const int64_t kbeg64 = int64_t(split) * chunk;
   if (kbeg64 >= total) {  // empty split (short request): contributes nothing to the combine
     for (int lr = tid; lr < RT; lr += nthreads) {
@@ -662,12 +666,17 @@ void launch_verify_attention(AttnParams p, const at::Tensor& out, cudaStream_t s
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(lay.total)));
 
   // Split the keys until the grid fills the GPU once (one wave at the achievable occupancy).
+  // Each split writes rows_per_tile * D fp32 partials that the combine reads back (mostly
+  // from L2): a split covers at least 8 * rows_per_tile / sizeof(T) keys, so that this traffic
+  // stays at most half of the K/V bytes it reads. Splits past a short request's keys exit at once.
   int per_sm = 1;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, lay.total));
+  p.min_chunk = int(ceil_div(std::max<int64_t>(Pol::kBK, 8 * rows_per_tile / int64_t(sizeof(T))), Pol::kBK) *
+                    Pol::kBK);
   const int64_t base = int64_t(p.B) * p.Hkv * p.row_tiles;
   const int64_t target = int64_t(std::max(per_sm, 1)) * prop->multiProcessorCount;
   int64_t splits = base >= target ? 1 : ceil_div(target, base);
-  splits = std::min<int64_t>({splits, ceil_div(p.S, Pol::kBK), 64});
+  splits = std::min<int64_t>({splits, ceil_div(p.S, p.min_chunk), 64});
   p.splits = int(std::max<int64_t>(splits, 1));
 
   const int64_t rows = int64_t(p.B) * p.N * p.Hq;

@@ -214,6 +214,15 @@ __device__ __forceinline__ double residual_at(const Residual& R, int x) {
 template <bool kHasQ>
 __device__ double mass(const Residual& R, int V, double* s) {
   double acc = 0.0;
+  if (R.level == 0) {  // the pass every visited node makes: plain loads, several in flight
+#pragma unroll 4
+    for (int i = kVec * int(threadIdx.x); i < V; i += kVec * kThreads) {
+      float pf[kVec];
+      load4(R.p, i, V, R.vp, pf);
+      acc = __dadd_rn(acc, __dadd_rn(__dadd_rn(double(pf[0]), double(pf[1])), __dadd_rn(double(pf[2]), double(pf[3]))));
+    }
+    return block_sum(acc, s);
+  }
   for (int i = kVec * int(threadIdx.x); i < V; i += kVec * kThreads) {
     double r[kVec];
     residual4<kHasQ>(R, i, V, r);
@@ -391,6 +400,7 @@ __device__ int block_argmax(const T* __restrict__ row, int V, float* sv, int* si
   const bool vec = row_aligned16(row);
   float bv = kNegInf;
   int bi = INT_MAX, nan_i = INT_MAX;
+#pragma unroll 2
   for (int i = E * int(threadIdx.x); i < V; i += E * kThreads) {
     float x[E];
     if (vec && i + E <= V) {
