@@ -36,11 +36,14 @@ def build_info() -> dict:
 
 
 def set_strict_checks(on: bool) -> None:
-    """Also validate tensor VALUES of CUDA inputs (lengths, tokens, parents, paths, probabilities).
+    """Strict value checks: also validate tensor VALUES of CUDA inputs, and probabilities everywhere.
 
-    CPU inputs are always value-checked. On CUDA the check costs a device -> host copy
-    and a synchronization per op, so it is off by default (the kernels stay
-    memory-safe for any value); turn it on while debugging an integration.
+    The small integer/uniform inputs (cache_lens, tokens, parents, accepted,
+    num_accepted, uniforms) of CPU ops are always value-checked. On CUDA those checks
+    cost a device -> host copy and a synchronization per op, so they run only in strict
+    mode (the kernels stay memory-safe for any value). Probability rows (NaN, inf,
+    negative entries) cost a full pass over [B, N, V] and are checked only in strict
+    mode, on both backends. Turn it on while debugging an integration.
     """
     _C.set_strict_checks(bool(on))
 
@@ -109,7 +112,9 @@ def rejection_sample(tokens: torch.Tensor, parents: torch.Tensor, target_probs: 
         already warped (temperature / top-k / top-p). Rows need not be normalised.
     draft_probs : Tensor [B, N, V], float32, optional
         ``q_i``: the distribution node i's token was drawn from (row 0 unused).
-        None: every node is a deterministic candidate (q one-hot on its token).
+        Rows must be normalised (they are used as given: an unnormalised q skews
+        the acceptance test). None: every node is a deterministic candidate (q
+        one-hot on its token).
     uniforms : Tensor [B, N], float64 in [0, 1]
         ``uniforms[b, c]`` decides child c; ``uniforms[b, 0]`` the final draw.
 
