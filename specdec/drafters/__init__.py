@@ -1,6 +1,6 @@
 """Drafters: where candidate tokens come from (see :mod:`specdec.drafters.base`)."""
-from specdec.drafters.base import Draft, Drafter, StepContext
+from specdec.drafters.base import CallableDrafter, Draft, Drafter, StepContext
 from specdec.drafters.draft_model import DraftModel
 from specdec.drafters.prompt_lookup import PromptLookup
 
-__all__ = ["Draft", "Drafter", "StepContext", "DraftModel", "PromptLookup"]
+__all__ = ["Draft", "Drafter", "StepContext", "CallableDrafter", "DraftModel", "PromptLookup"]

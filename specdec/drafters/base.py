@@ -28,7 +28,7 @@ import torch
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
 
-__all__ = ["Draft", "StepContext", "Drafter", "move_cache_rows"]
+__all__ = ["Draft", "StepContext", "Drafter", "CallableDrafter", "move_cache_rows"]
 
 
 @dataclass
@@ -76,3 +76,47 @@ def move_cache_rows(cache, moves: Sequence[Tuple[int, int, int]]) -> None:
         for t in cache.k + cache.v:
             t[dst, :, :n].copy_(t[src, :, :n])
         cache.lens[dst] = cache.lens[src]
+
+
+class CallableDrafter(Drafter):
+    """Draft with a user function: ``fn(context) -> list of candidate continuations``.
+
+    ``context`` is the request's prompt + generated tokens (its last token is the root);
+    each candidate is a list of token ids that would follow it (e.g. from a retriever).
+    Candidates are merged into a trie (equal prefixes share nodes), cut to the tokens
+    still worth drafting and to ``max_nodes`` nodes (root included). They are
+    deterministic candidates, so the proposal is exact under sampling too.
+    """
+
+    def __init__(self, fn, max_nodes: int = 16) -> None:
+        if not callable(fn):
+            raise TypeError(f"CallableDrafter: fn must be callable, got {type(fn).__name__}")
+        if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
+            raise ValueError(f"CallableDrafter: max_nodes must be an int >= 1, got {max_nodes!r}")
+        self.fn = fn
+        self.max_nodes = max_nodes
+        self.device = torch.device("cpu")
+        self.vocab_size = None
+
+    def bind(self, target, max_batch: int, max_len: int) -> None:
+        self.device = torch.device(target.device)
+        self.vocab_size = int(target.vocab_size)
+
+    def propose(self, ctx: StepContext) -> Draft:
+        roots: List[int] = []
+        cands: List[List[List[int]]] = []
+        for r, (seq, budget) in enumerate(zip(ctx.sequences, ctx.budgets)):
+            got = self.fn(list(seq))
+            rows = []
+            for c in got or []:
+                c = [int(t) for t in c][:max(0, budget)]
+                for t in c:
+                    if not 0 <= t < self.vocab_size:
+                        raise ValueError(f"CallableDrafter: request {ctx.request_ids[r]}: candidate token {t} "
+                                         f"outside the vocabulary [0, {self.vocab_size})")
+                if c:
+                    rows.append(c)
+            roots.append(seq[-1])
+            cands.append(rows)
+        tree = TokenTree.from_candidates(roots, cands, merge=True, device=self.device, max_nodes=self.max_nodes)
+        return Draft(tree)

@@ -1,0 +1,310 @@
+"""End-to-end decoding speed on the bundled SmolLM2-135M-Instruct: specdec vs transformers.
+
+Same model, same prompts, same process, interleaved (for every prompt every method runs
+once, in an order rotated from prompt to prompt, so drifts of the machine hit all
+methods alike). Greedy decoding, batch 1, stop at EOS or --max-new-tokens.
+
+Methods
+  specdec_plain      SpeculativeDecoder(target, None): one target pass per token (the fair baseline)
+  specdec_int8       DraftModel(int8 dynamic-quantized copy, k)
+  specdec_bf16       DraftModel(bfloat16 copy, k)
+  specdec_lookup     PromptLookup(ngram, k_lookup)
+  hf_plain           model.generate(do_sample=False)
+  hf_assisted_int8   model.generate(assistant_model=int8 copy), k constant (num_assistant_tokens)
+  hf_assisted_bf16   model.generate(assistant_model=bf16 copy), k constant
+  hf_lookup          model.generate(prompt_lookup_num_tokens=k_lookup, max_matching_ngram_size=ngram)
+
+Prompt sets (chat template applied): "grounded" -- the answer copies from the input
+(repeat a passage, edit code, rename, reformat: where prompt lookup shines) -- and
+"open" -- open-ended questions.
+
+Prints one table per set (tokens/s, acceptance, mean accepted length, ratios) and writes
+benchmarks/results/e2e_<date>.json (git commit, machine, settings, per-method numbers,
+whether every method's greedy output equals hf_plain's).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from specdec.decoding import SpeculativeDecoder  # noqa: E402
+from specdec.drafters import DraftModel, PromptLookup  # noqa: E402
+from specdec.models.bundled import load_bundled  # noqa: E402
+from specdec.models.hf import HFCausalLM  # noqa: E402
+
+PASSAGE = (
+    "The Great Barrier Reef is the world's largest coral reef system, composed of over 2,900 individual reefs "
+    "and 900 islands stretching for over 2,300 kilometres over an area of approximately 344,400 square "
+    "kilometres. The reef is located in the Coral Sea, off the coast of Queensland, Australia. It can be seen "
+    "from outer space and is the world's biggest single structure made by living organisms. This reef structure "
+    "is composed of and built by billions of tiny organisms, known as coral polyps.")
+
+CODE = '''def compute_total(prices, tax_rate):
+    total = 0
+    for price in prices:
+        total = total + price
+    total = total * (1 + tax_rate)
+    return round(total, 2)
+
+
+def apply_discount(total, discount):
+    if discount > 0.5:
+        raise ValueError("discount too large")
+    return total * (1 - discount)
+'''
+
+EMAIL = ("Hi Sarah,\n\nThank you for your message. I will be out of the office on Monday, so I suggest we meet on "
+         "Monday afternoon instead of Monday morning. Please bring the quarterly report and the budget "
+         "spreadsheet. Let me know if that works for you.\n\nBest regards,\nTom")
+
+CSV = ("name,age,city\nAlice,34,London\nBob,29,Paris\nCharlie,41,Berlin\nDiana,25,Madrid\nEthan,38,Rome")
+
+GROUNDED = [
+    f"Repeat the following text exactly, word for word:\n\n{PASSAGE}",
+    f"Rename the function compute_total to sum_prices in this code and output the full code:\n\n{CODE}",
+    f"Here is an email:\n\n{EMAIL}\n\nRewrite the email exactly, but replace every 'Monday' with 'Friday'.",
+    f"Convert this CSV data to a markdown table:\n\n{CSV}",
+    f"Add a docstring to each function and output the full code:\n\n{CODE}",
+    f"Quote the first two sentences of this passage:\n\n{PASSAGE}",
+]
+
+OPEN = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain how vaccines work in simple terms.",
+    "Give me five tips for a successful job interview.",
+    "What are the health benefits of regular exercise?",
+    "Describe the city of Paris to someone who has never been there.",
+    "Write a poem about the sea at night.",
+]
+
+
+def git_commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def encode(tok, text: str) -> List[int]:
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+RunResult = Tuple[List[int], float, Dict]  # new tokens, seconds, specdec metrics (or {})
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=4, help="draft-model tokens per step (specdec and transformers)")
+    ap.add_argument("--k-lookup", type=int, default=5, help="prompt-lookup tokens per step (both)")
+    ap.add_argument("--ngram", type=int, default=3, help="prompt-lookup n-gram size (both)")
+    ap.add_argument("--rounds", type=int, default=1, help="passes over the prompts")
+    ap.add_argument("--sets", default="grounded,open")
+    ap.add_argument("--methods", default="all", help="comma list (default all)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--quick", action="store_true", help="2 prompts per set, 24 tokens (smoke test)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/e2e_<date>.json)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.quick:
+        args.max_new_tokens = min(args.max_new_tokens, 24)
+
+    t0 = time.perf_counter()
+    model, tok, int8_model = load_bundled("smollm2-135m", draft="int8")
+    _, _, bf16_model = load_bundled("smollm2-135m", draft="bf16")
+    print(f"loaded models in {time.perf_counter() - t0:.1f} s; torch threads {torch.get_num_threads()}")
+    eos = tok.eos_token_id
+    target = HFCausalLM(model)
+    drafts = {"int8": int8_model, "bf16": bf16_model}
+    for d in drafts.values():  # transformers' assisted generation: constant k, no early stop on low confidence
+        d.generation_config.num_assistant_tokens = args.k
+        d.generation_config.num_assistant_tokens_schedule = "constant"
+        d.generation_config.assistant_confidence_threshold = 0.0
+
+    sets = {"grounded": GROUNDED, "open": OPEN}
+    sets = {name: sets[name] for name in args.sets.split(",")}
+    if args.quick:
+        sets = {k: v[:2] for k, v in sets.items()}
+    prompts = {name: [encode(tok, t) for t in texts] for name, texts in sets.items()}
+    max_len = max(len(p) for ps in prompts.values() for p in ps) + args.max_new_tokens + 8
+
+    decoders = {
+        "specdec_plain": SpeculativeDecoder(target, None, max_batch=1, max_len=max_len),
+        "specdec_int8": SpeculativeDecoder(target, DraftModel(HFCausalLM(int8_model), k=args.k), max_batch=1,
+                                           max_len=max_len),
+        "specdec_bf16": SpeculativeDecoder(target, DraftModel(HFCausalLM(bf16_model), k=args.k), max_batch=1,
+                                           max_len=max_len),
+        "specdec_lookup": SpeculativeDecoder(target, PromptLookup(ngram=args.ngram, k=args.k_lookup), max_batch=1,
+                                             max_len=max_len),
+    }
+
+    def run_specdec(name: str) -> Callable[[List[int]], RunResult]:
+        dec = decoders[name]
+
+        def run(ids: List[int]) -> RunResult:
+            t = time.perf_counter()
+            out = dec.generate([ids], max_new_tokens=args.max_new_tokens, eos_token_id=eos)
+            return out.tokens[0], time.perf_counter() - t, out.metrics
+        return run
+
+    def run_hf(**extra) -> Callable[[List[int]], RunResult]:
+        def run(ids: List[int]) -> RunResult:
+            x = torch.tensor([ids])
+            t = time.perf_counter()
+            with torch.no_grad():
+                g = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                   max_new_tokens=args.max_new_tokens, eos_token_id=eos, pad_token_id=eos, **extra)
+            return g[0, len(ids):].tolist(), time.perf_counter() - t, {}
+        return run
+
+    methods: Dict[str, Callable[[List[int]], RunResult]] = {
+        "specdec_plain": run_specdec("specdec_plain"),
+        "specdec_int8": run_specdec("specdec_int8"),
+        "specdec_bf16": run_specdec("specdec_bf16"),
+        "specdec_lookup": run_specdec("specdec_lookup"),
+        "hf_plain": run_hf(),
+        "hf_assisted_int8": run_hf(assistant_model=int8_model),
+        "hf_assisted_bf16": run_hf(assistant_model=bf16_model),
+        "hf_lookup": run_hf(prompt_lookup_num_tokens=args.k_lookup, max_matching_ngram_size=args.ngram),
+    }
+    if args.methods != "all":
+        methods = {k: methods[k] for k in args.methods.split(",")}
+    names = list(methods)
+
+    # warm-up: every method once on a short prompt (first-call allocations, lazy inits)
+    warm = encode(tok, "Say hello.")
+    for name in names:
+        methods[name](warm)
+
+    records: Dict[str, Dict[str, List[dict]]] = {s: {n: [] for n in names} for s in prompts}
+    for r in range(args.rounds):
+        for s, plist in prompts.items():
+            for i, ids in enumerate(plist):
+                shift = (i + r) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    toks, secs, m = methods[name](ids)
+                    records[s][name].append(dict(prompt=i, round=r, tokens=toks, seconds=secs, metrics=m))
+                print(f"  [{s} {i + 1}/{len(plist)} round {r + 1}] done ({time.perf_counter() - t0:.0f} s)",
+                      flush=True)
+
+    # ------------------------------------------------------------------ summary
+    summary: Dict[str, Dict[str, dict]] = {}
+    for s in prompts:
+        summary[s] = {}
+        ref = {(x["prompt"], x["round"]): x["tokens"] for x in records[s].get("hf_plain", [])}
+        for name in names:
+            rows = records[s][name]
+            n_tok = sum(len(x["tokens"]) for x in rows)
+            secs = sum(x["seconds"] for x in rows)
+            row = dict(new_tokens=n_tok, seconds=secs, tokens_per_second=n_tok / secs if secs else 0.0)
+            if ref:
+                row["same_output_as_hf_plain"] = sum(x["tokens"] == ref[(x["prompt"], x["round"])] for x in rows)
+                row["runs"] = len(rows)
+            ms = [x["metrics"] for x in rows if x["metrics"]]
+            if ms:
+                drafted = sum(m["drafted_tokens"] for m in ms)
+                accepted = sum(m["accepted_tokens"] for m in ms)
+                passes = sum(sum(m["per_request"]["target_passes"]) for m in ms)
+                depth = max(len(m["accepted_per_position"]) for m in ms)
+                row.update(
+                    acceptance_rate=accepted / drafted if drafted else 0.0,
+                    mean_accepted_length=(accepted + passes) / passes if passes else 0.0,
+                    target_passes=passes,
+                    accepted_per_position=[
+                        sum(m["accepted_per_position"][i] for m in ms if len(m["accepted_per_position"]) > i) /
+                        max(1, sum(1 for m in ms if len(m["accepted_per_position"]) > i)) for i in range(depth)],
+                    draft_seconds=sum(m["draft_seconds"] for m in ms),
+                    verify_seconds=sum(m["verify_seconds"] for m in ms),
+                    commit_seconds=sum(m["commit_seconds"] for m in ms),
+                    ttft_seconds_mean=sum(m["ttft_seconds"] for m in ms) / len(ms),
+                    peak_memory_bytes=max(m["peak_memory_bytes"] for m in ms),
+                )
+            summary[s][name] = row
+        tps = {n: summary[s][n]["tokens_per_second"] for n in names}
+
+        def ratio(a: str, b: str):
+            return tps[a] / tps[b] if a in tps and b in tps and tps[b] else None
+
+        summary[s]["ratios"] = {k: v for k, v in {
+            "specdec_lookup/specdec_plain": ratio("specdec_lookup", "specdec_plain"),
+            "specdec_int8/specdec_plain": ratio("specdec_int8", "specdec_plain"),
+            "specdec_bf16/specdec_plain": ratio("specdec_bf16", "specdec_plain"),
+            "specdec_plain/hf_plain": ratio("specdec_plain", "hf_plain"),
+            "specdec_int8/hf_assisted_int8": ratio("specdec_int8", "hf_assisted_int8"),
+            "specdec_bf16/hf_assisted_bf16": ratio("specdec_bf16", "hf_assisted_bf16"),
+            "specdec_lookup/hf_lookup": ratio("specdec_lookup", "hf_lookup"),
+            "hf_lookup/hf_plain": ratio("hf_lookup", "hf_plain"),
+            "hf_assisted_int8/hf_plain": ratio("hf_assisted_int8", "hf_plain"),
+            "hf_assisted_bf16/hf_plain": ratio("hf_assisted_bf16", "hf_plain"),
+        }.items() if v is not None}
+
+        print(f"\n== {s} ({len(prompts[s])} prompts x {args.rounds} rounds, up to {args.max_new_tokens} new tokens, "
+              f"greedy, batch 1)")
+        print(f"{'method':<18} {'tok/s':>7} {'tokens':>7} {'accept':>7} {'mean len':>8} {'vs plain':>8} "
+              f"{'same out':>8}")
+        for name in names:
+            row = summary[s][name]
+            acc = f"{100 * row['acceptance_rate']:.1f}%" if "acceptance_rate" in row else "-"
+            ml = f"{row['mean_accepted_length']:.2f}" if "mean_accepted_length" in row else "-"
+            base = "specdec_plain" if name.startswith("specdec") else "hf_plain"
+            vs = ratio(name, base)
+            same = f"{row.get('same_output_as_hf_plain', '-')}/{row.get('runs', '-')}"
+            print(f"{name:<18} {row['tokens_per_second']:7.1f} {row['new_tokens']:7d} {acc:>7} {ml:>8} "
+                  f"{(f'{vs:.2f}x' if vs else '-'):>8} {same:>8}")
+        for k, v in summary[s]["ratios"].items():
+            print(f"  {k:<32} {v:.2f}x")
+
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"e2e_{_dt.date.today().isoformat()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = dict(
+        benchmark="e2e", date=_dt.datetime.now().isoformat(timespec="seconds"), git_commit=git_commit(),
+        machine=dict(cpu=cpu_name(), cores=os.cpu_count(), torch_threads=torch.get_num_threads(),
+                     torch=torch.__version__, python=platform.python_version(),
+                     transformers=__import__("transformers").__version__,
+                     loadavg_end=os.getloadavg() if hasattr(os, "getloadavg") else None),
+        settings=dict(model="smollm2-135m (SmolLM2-135M-Instruct, fp32)", max_new_tokens=args.max_new_tokens,
+                      k=args.k, k_lookup=args.k_lookup, ngram=args.ngram, rounds=args.rounds, greedy=True, batch=1,
+                      hf_assisted="num_assistant_tokens=k, schedule constant, assistant_confidence_threshold=0",
+                      chat_template=True, eos_token_id=eos),
+        prompts={s: sets[s] for s in sets},
+        summary=summary,
+        runs={s: {n: [dict(prompt=x["prompt"], round=x["round"], new_tokens=len(x["tokens"]), seconds=x["seconds"])
+                      for x in records[s][n]] for n in names} for s in prompts},
+    )
+    out.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

