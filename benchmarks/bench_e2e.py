@@ -4,15 +4,19 @@ Same model, same prompts, same process, interleaved (for every prompt every meth
 once, in an order rotated from prompt to prompt, so drifts of the machine hit all
 methods alike). Greedy decoding, batch 1, stop at EOS or --max-new-tokens.
 
-Methods
-  specdec_plain      SpeculativeDecoder(target, None): one target pass per token (the fair baseline)
-  specdec_int8       DraftModel(int8 dynamic-quantized copy, k)
-  specdec_bf16       DraftModel(bfloat16 copy, k)
-  specdec_lookup     PromptLookup(ngram, k_lookup)
-  hf_plain           model.generate(do_sample=False)
-  hf_assisted_int8   model.generate(assistant_model=int8 copy), k constant (num_assistant_tokens)
-  hf_assisted_bf16   model.generate(assistant_model=bf16 copy), k constant
-  hf_lookup          model.generate(prompt_lookup_num_tokens=k_lookup, max_matching_ngram_size=ngram)
+Methods (the drafters' settings are command-line options; defaults = the best measured here)
+  specdec_plain             SpeculativeDecoder(target, None): one target pass per token (the fair baseline)
+  specdec_int8              DraftModel(int8 dynamic-quantized copy, k=6, top_k=4, stop_threshold=0.3)
+  specdec_bf16              DraftModel(bfloat16 copy, k=8)
+  specdec_lookup            PromptLookup(ngram=3, k=10) (min_ngram 2)
+  hf_plain                  model.generate(do_sample=False)
+  hf_assisted_int8          generate(assistant_model=int8 copy), constant --hf-k-int8 (4) tokens, no confidence stop
+  hf_assisted_int8_default  generate(assistant_model=int8 copy) with transformers' defaults (20 tokens,
+                            assistant_confidence_threshold 0.4)
+  hf_assisted_bf16(_default) the same with the bf16 copy (constant --hf-k-bf16 = 8 tokens)
+  hf_lookup                 generate(prompt_lookup_num_tokens=10, max_matching_ngram_size=3): the same k and n-gram
+
+Ratios against transformers use its BEST variant for that drafter on that prompt set.
 
 Prompt sets (chat template applied): "grounded" -- the answer copies from the input
 (repeat a passage, edit code, rename, reformat: where prompt lookup shines) -- and
@@ -123,13 +127,21 @@ RunResult = Tuple[List[int], float, Dict]  # new tokens, seconds, specdec metric
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--k", type=int, default=4, help="draft-model tokens per step (specdec and transformers)")
-    ap.add_argument("--k-lookup", type=int, default=5, help="prompt-lookup tokens per step (both)")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--k-int8", type=int, default=6, help="specdec int8 draft depth")
+    ap.add_argument("--tree-int8", type=int, default=4, help="specdec int8 candidates per depth (top_k)")
+    ap.add_argument("--stop-int8", type=float, default=0.3, help="specdec int8 confidence stop (0 = off)")
+    ap.add_argument("--k-bf16", type=int, default=8, help="specdec bf16 draft depth")
+    ap.add_argument("--tree-bf16", type=int, default=1)
+    ap.add_argument("--stop-bf16", type=float, default=0.0)
+    ap.add_argument("--hf-k-int8", type=int, default=4, help="transformers' constant num_assistant_tokens (int8)")
+    ap.add_argument("--hf-k-bf16", type=int, default=8, help="transformers' constant num_assistant_tokens (bf16)")
+    ap.add_argument("--k-lookup", type=int, default=10, help="prompt-lookup tokens per step (both)")
     ap.add_argument("--ngram", type=int, default=3, help="prompt-lookup n-gram size (both)")
     ap.add_argument("--rounds", type=int, default=1, help="passes over the prompts")
     ap.add_argument("--sets", default="grounded,open")
     ap.add_argument("--methods", default="all", help="comma list (default all)")
+    ap.add_argument("--skip", default="", help="comma list of methods to leave out")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="2 prompts per set, 24 tokens (smoke test)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/e2e_<date>.json)")
@@ -145,11 +157,6 @@ def main() -> int:
     print(f"loaded models in {time.perf_counter() - t0:.1f} s; torch threads {torch.get_num_threads()}")
     eos = tok.eos_token_id
     target = HFCausalLM(model)
-    drafts = {"int8": int8_model, "bf16": bf16_model}
-    for d in drafts.values():  # transformers' assisted generation: constant k, no early stop on low confidence
-        d.generation_config.num_assistant_tokens = args.k
-        d.generation_config.num_assistant_tokens_schedule = "constant"
-        d.generation_config.assistant_confidence_threshold = 0.0
 
     sets = {"grounded": GROUNDED, "open": OPEN}
     sets = {name: sets[name] for name in args.sets.split(",")}
@@ -160,10 +167,12 @@ def main() -> int:
 
     decoders = {
         "specdec_plain": SpeculativeDecoder(target, None, max_batch=1, max_len=max_len),
-        "specdec_int8": SpeculativeDecoder(target, DraftModel(HFCausalLM(int8_model), k=args.k), max_batch=1,
-                                           max_len=max_len),
-        "specdec_bf16": SpeculativeDecoder(target, DraftModel(HFCausalLM(bf16_model), k=args.k), max_batch=1,
-                                           max_len=max_len),
+        "specdec_int8": SpeculativeDecoder(
+            target, DraftModel(HFCausalLM(int8_model), k=args.k_int8, top_k=args.tree_int8,
+                               stop_threshold=args.stop_int8 or None), max_batch=1, max_len=max_len),
+        "specdec_bf16": SpeculativeDecoder(
+            target, DraftModel(HFCausalLM(bf16_model), k=args.k_bf16, top_k=args.tree_bf16,
+                               stop_threshold=args.stop_bf16 or None), max_batch=1, max_len=max_len),
         "specdec_lookup": SpeculativeDecoder(target, PromptLookup(ngram=args.ngram, k=args.k_lookup), max_batch=1,
                                              max_len=max_len),
     }
@@ -177,8 +186,14 @@ def main() -> int:
             return out.tokens[0], time.perf_counter() - t, out.metrics
         return run
 
-    def run_hf(**extra) -> Callable[[List[int]], RunResult]:
+    def run_hf(assistant=None, k=None, **extra) -> Callable[[List[int]], RunResult]:
         def run(ids: List[int]) -> RunResult:
+            if assistant is not None:  # the assistant's generation_config drives transformers' drafting
+                gc = assistant.generation_config
+                gc.num_assistant_tokens = 20 if k is None else k
+                gc.num_assistant_tokens_schedule = "constant"
+                gc.assistant_confidence_threshold = 0.4 if k is None else 0.0
+                extra["assistant_model"] = assistant
             x = torch.tensor([ids])
             t = time.perf_counter()
             with torch.no_grad():
@@ -193,12 +208,15 @@ def main() -> int:
         "specdec_bf16": run_specdec("specdec_bf16"),
         "specdec_lookup": run_specdec("specdec_lookup"),
         "hf_plain": run_hf(),
-        "hf_assisted_int8": run_hf(assistant_model=int8_model),
-        "hf_assisted_bf16": run_hf(assistant_model=bf16_model),
+        "hf_assisted_int8": run_hf(int8_model, args.hf_k_int8),
+        "hf_assisted_int8_default": run_hf(int8_model, None),
+        "hf_assisted_bf16": run_hf(bf16_model, args.hf_k_bf16),
+        "hf_assisted_bf16_default": run_hf(bf16_model, None),
         "hf_lookup": run_hf(prompt_lookup_num_tokens=args.k_lookup, max_matching_ngram_size=args.ngram),
     }
     if args.methods != "all":
         methods = {k: methods[k] for k in args.methods.split(",")}
+    methods = {k: v for k, v in methods.items() if k not in set(args.skip.split(","))}
     names = list(methods)
 
     # warm-up: every method once on a short prompt (first-call allocations, lazy inits)
@@ -248,29 +266,39 @@ def main() -> int:
                     commit_seconds=sum(m["commit_seconds"] for m in ms),
                     ttft_seconds_mean=sum(m["ttft_seconds"] for m in ms) / len(ms),
                     peak_memory_bytes=max(m["peak_memory_bytes"] for m in ms),
+                    static_memory_bytes=max(m["static_memory_bytes"] for m in ms),
                 )
+                row["peak_over_static"] = row["peak_memory_bytes"] / row["static_memory_bytes"] - 1.0
             summary[s][name] = row
         tps = {n: summary[s][n]["tokens_per_second"] for n in names}
 
         def ratio(a: str, b: str):
             return tps[a] / tps[b] if a in tps and b in tps and tps[b] else None
 
+        def best(*names_):
+            got = [n for n in names_ if n in tps]
+            return max(got, key=lambda n: tps[n]) if got else None
+
+        hf_int8 = best("hf_assisted_int8", "hf_assisted_int8_default")
+        hf_bf16 = best("hf_assisted_bf16", "hf_assisted_bf16_default")
         summary[s]["ratios"] = {k: v for k, v in {
             "specdec_lookup/specdec_plain": ratio("specdec_lookup", "specdec_plain"),
             "specdec_int8/specdec_plain": ratio("specdec_int8", "specdec_plain"),
             "specdec_bf16/specdec_plain": ratio("specdec_bf16", "specdec_plain"),
             "specdec_plain/hf_plain": ratio("specdec_plain", "hf_plain"),
-            "specdec_int8/hf_assisted_int8": ratio("specdec_int8", "hf_assisted_int8"),
-            "specdec_bf16/hf_assisted_bf16": ratio("specdec_bf16", "hf_assisted_bf16"),
+            f"specdec_int8/{hf_int8} (best transformers int8)": ratio("specdec_int8", hf_int8) if hf_int8 else None,
+            f"specdec_bf16/{hf_bf16} (best transformers bf16)": ratio("specdec_bf16", hf_bf16) if hf_bf16 else None,
             "specdec_lookup/hf_lookup": ratio("specdec_lookup", "hf_lookup"),
             "hf_lookup/hf_plain": ratio("hf_lookup", "hf_plain"),
             "hf_assisted_int8/hf_plain": ratio("hf_assisted_int8", "hf_plain"),
+            "hf_assisted_int8_default/hf_plain": ratio("hf_assisted_int8_default", "hf_plain"),
             "hf_assisted_bf16/hf_plain": ratio("hf_assisted_bf16", "hf_plain"),
+            "hf_assisted_bf16_default/hf_plain": ratio("hf_assisted_bf16_default", "hf_plain"),
         }.items() if v is not None}
 
         print(f"\n== {s} ({len(prompts[s])} prompts x {args.rounds} rounds, up to {args.max_new_tokens} new tokens, "
               f"greedy, batch 1)")
-        print(f"{'method':<18} {'tok/s':>7} {'tokens':>7} {'accept':>7} {'mean len':>8} {'vs plain':>8} "
+        print(f"{'method':<25} {'tok/s':>7} {'tokens':>7} {'accept':>7} {'mean len':>8} {'vs plain':>8} "
               f"{'same out':>8}")
         for name in names:
             row = summary[s][name]
@@ -279,10 +307,10 @@ def main() -> int:
             base = "specdec_plain" if name.startswith("specdec") else "hf_plain"
             vs = ratio(name, base)
             same = f"{row.get('same_output_as_hf_plain', '-')}/{row.get('runs', '-')}"
-            print(f"{name:<18} {row['tokens_per_second']:7.1f} {row['new_tokens']:7d} {acc:>7} {ml:>8} "
+            print(f"{name:<25} {row['tokens_per_second']:7.1f} {row['new_tokens']:7d} {acc:>7} {ml:>8} "
                   f"{(f'{vs:.2f}x' if vs else '-'):>8} {same:>8}")
         for k, v in summary[s]["ratios"].items():
-            print(f"  {k:<32} {v:.2f}x")
+            print(f"  {k:<60} {v:.2f}x")
 
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"e2e_{_dt.date.today().isoformat()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -293,9 +321,15 @@ def main() -> int:
                      transformers=__import__("transformers").__version__,
                      loadavg_end=os.getloadavg() if hasattr(os, "getloadavg") else None),
         settings=dict(model="smollm2-135m (SmolLM2-135M-Instruct, fp32)", max_new_tokens=args.max_new_tokens,
-                      k=args.k, k_lookup=args.k_lookup, ngram=args.ngram, rounds=args.rounds, greedy=True, batch=1,
-                      hf_assisted="num_assistant_tokens=k, schedule constant, assistant_confidence_threshold=0",
-                      chat_template=True, eos_token_id=eos),
+                      specdec_int8=dict(k=args.k_int8, top_k=args.tree_int8, stop_threshold=args.stop_int8),
+                      specdec_bf16=dict(k=args.k_bf16, top_k=args.tree_bf16, stop_threshold=args.stop_bf16),
+                      specdec_lookup=dict(ngram=args.ngram, k=args.k_lookup, min_ngram=min(2, args.ngram)),
+                      hf_assisted=dict(int8_k=args.hf_k_int8, bf16_k=args.hf_k_bf16, schedule="constant",
+                                       assistant_confidence_threshold=0.0),
+                      hf_assisted_default=dict(num_assistant_tokens=20, schedule="constant",
+                                               assistant_confidence_threshold=0.4),
+                      hf_lookup=dict(prompt_lookup_num_tokens=args.k_lookup, max_matching_ngram_size=args.ngram),
+                      rounds=args.rounds, greedy=True, batch=1, chat_template=True, eos_token_id=eos),
         prompts={s: sets[s] for s in sets},
         summary=summary,
         runs={s: {n: [dict(prompt=x["prompt"], round=x["round"], new_tokens=len(x["tokens"]), seconds=x["seconds"])

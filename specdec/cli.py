@@ -37,7 +37,12 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft", default="int8", choices=["int8", "bf16", "lookup", "none"],
                    help="drafter: int8 / bf16 copy of the model, prompt lookup (n-gram), or none (plain decoding)")
     g.add_argument("--k", type=int, default=None,
-                   help="draft tokens per step (default 4 for a draft model, 5 for lookup)")
+                   help="draft tokens per step (default: int8 6, bf16 8, lookup 10)")
+    g.add_argument("--tree", type=int, default=None,
+                   help="draft model: candidates per depth (1 = chain; default: int8 4, bf16 1)")
+    g.add_argument("--stop", type=float, default=None,
+                   help="draft model: stop drafting after a token with draft probability below this "
+                        "(default: int8 0.3, bf16 off; 0 = off)")
     g.add_argument("--ngram", type=int, default=3, help="prompt lookup: longest n-gram to match (default 3)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="top-k sampling (0 = off)")
@@ -94,9 +99,12 @@ def _generate(args: argparse.Namespace) -> int:
     model, tok = loaded[0], loaded[1]
     target = HFCausalLM(model)
     if args.draft in ("int8", "bf16"):
-        drafter = DraftModel(HFCausalLM(loaded[2]), k=args.k or 4)
+        # defaults measured on a 2-core CPU (benchmarks/bench_e2e.py); see the README's benchmark table
+        k, tree, stop = (6, 4, 0.3) if args.draft == "int8" else (8, 1, None)
+        stop = stop if args.stop is None else (args.stop or None)
+        drafter = DraftModel(HFCausalLM(loaded[2]), k=args.k or k, top_k=args.tree or tree, stop_threshold=stop)
     elif args.draft == "lookup":
-        drafter = PromptLookup(ngram=args.ngram, k=args.k or 5)
+        drafter = PromptLookup(ngram=args.ngram, k=args.k or 10)
     else:
         drafter = None
     if args.raw:

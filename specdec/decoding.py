@@ -385,6 +385,7 @@ class _Run:
                 roots = self._retire(finished_rows, roots)
 
         t_end = time.perf_counter()
+        self.static_bytes = mem.static
         return GenerateOutput(self.new, self._metrics(t_start, t_first, t_end, mem.peak()))
 
     def _metrics(self, t_start: float, t_first: float, t_end: float, peak: int) -> Dict[str, object]:
@@ -412,6 +413,7 @@ class _Run:
             "total_seconds": t_end - t_start,
             "new_tokens": new_tokens,
             "peak_memory_bytes": peak,
+            "static_memory_bytes": self.static_bytes,
             "per_request": {
                 "new_tokens": [len(t) for t in self.new],
                 "target_passes": list(self.passes),
@@ -428,7 +430,7 @@ def _empty_metrics(B: int) -> Dict[str, object]:
             "mean_accepted_length": 0.0, "accepted_per_position": [], "draft_seconds": 0.0, "verify_seconds": 0.0,
             "commit_seconds": 0.0, "prefill_seconds": 0.0, "ttft_seconds": 0.0, "itl_p50_seconds": 0.0,
             "itl_p99_seconds": 0.0, "tokens_per_second": 0.0, "total_seconds": 0.0, "new_tokens": 0,
-            "peak_memory_bytes": 0,
+            "peak_memory_bytes": 0, "static_memory_bytes": 0,
             "per_request": {"new_tokens": [0] * B, "target_passes": [0] * B, "drafted_tokens": [0] * B,
                             "accepted_tokens": [0] * B, "mean_accepted_length": [0.0] * B,
                             "finish_reason": ["length"] * B}}
@@ -515,9 +517,6 @@ class _MemoryProbe:
     def __init__(self, dec: SpeculativeDecoder) -> None:
         self.dec = dec
         self.cuda = dec.device.type == "cuda"
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(dec.device)
-            return
         self.static = _state_bytes(dec.target) + dec.cache.nbytes()
         drafter = dec.drafter
         lm = getattr(drafter, "lm", None)
@@ -526,6 +525,9 @@ class _MemoryProbe:
             cache = getattr(drafter, "cache", None)
             if cache is not None:
                 self.static += cache.nbytes()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(dec.device)
+            return
         self.hwm_reset = False
         try:
             with open("/proc/self/clear_refs", "w") as f:

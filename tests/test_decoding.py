@@ -80,13 +80,18 @@ def toy_drafters(target, draft):
         "plain": None,
         "self-draft": DraftModel(target, k=4),
         "small-draft": DraftModel(draft, k=3),
+        "draft-stop": DraftModel(draft, k=5, stop_threshold=0.6),
+        "draft-tree": DraftModel(draft, k=3, top_k=3),
+        "draft-tree-stop": DraftModel(draft, k=4, top_k=2, stop_threshold=0.6),
         "lookup": PromptLookup(ngram=2, k=4),
+        "lookup-tree": PromptLookup(ngram=2, k=4, min_ngram=1, matches=3),
         "tree": CallableDrafter(lambda ctx: [[ctx[-1], ctx[-2]], [ctx[-1]], list(ctx[:3])], max_nodes=8),
     }
 
 
 # ============================================================================ greedy
-@pytest.mark.parametrize("name", ["plain", "self-draft", "small-draft", "lookup", "tree"])
+@pytest.mark.parametrize("name", ["plain", "self-draft", "small-draft", "draft-stop", "draft-tree",
+                                  "draft-tree-stop", "lookup", "lookup-tree", "tree"])
 def test_toy_greedy_equals_plain_greedy(toy, name):
     target, draft, refs = toy
     dec = SpeculativeDecoder(target, toy_drafters(target, draft)[name], max_batch=8, max_len=64)
@@ -171,6 +176,30 @@ def test_toy_ragged_batch_with_retirement(toy):
             assert got == ref[:cut]
 
 
+def test_prompt_lookup_proposals():
+    lookup = PromptLookup(ngram=3, k=4, min_ngram=1, matches=2)
+    lookup.start([], None, None)
+
+    def propose(seq, budget=10):
+        ctx = StepContext(roots=torch.tensor([seq[-1]]), sequences=[seq], request_ids=[0], budgets=[budget])
+        lookup._index.clear()
+        return lookup.propose(ctx).tree
+
+    # longest n-gram first, latest occurrence first: "1 2 3" -> followed by 7 8 (latest), then 4 5 6 9
+    tree = propose([1, 2, 3, 4, 5, 6, 9, 1, 2, 3, 7, 8, 0, 1, 2, 3])
+    assert tree.tokens[0].tolist()[:1] == [3]
+    assert sorted(tree.tokens[0, 1:3].tolist()) == [4, 7]
+    assert tree.num_nodes == [9]
+    # budget caps the proposal; no match -> root only
+    assert propose([5, 6, 7, 5, 6, 7, 8, 9, 5, 6, 7], budget=2).tokens[0].tolist() == [7, 8, 5, 9, 6]
+    assert propose([1, 2, 3]).size == 1
+    # min_ngram=2 ignores 1-token matches
+    strict = PromptLookup(ngram=3, k=4)
+    strict.start([], None, None)
+    ctx = StepContext(roots=torch.tensor([9]), sequences=[[9, 4, 1, 9]], request_ids=[0], budgets=[10])
+    assert strict.propose(ctx).tree.size == 1
+
+
 # ============================================================================ sampling: exact distribution
 def _warped(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """transformers' own warpers (an implementation independent of specdec.sampling)."""
@@ -204,13 +233,15 @@ def _tv_bound(exact: Dict[tuple, float], n: int, delta: float = 1e-4) -> float:
     return mean + math.sqrt(math.log(1 / delta) / (2 * n))
 
 
-@pytest.mark.parametrize("name", ["plain", "small-draft", "lookup", "tree"])
+@pytest.mark.parametrize("name", ["plain", "small-draft", "draft-stop", "draft-tree", "lookup", "tree"])
 def test_sampled_distribution_is_exact(name):
     temperature, top_k, top_p = 0.7, 5, 0.9
     target = ToyLM(vocab=8, seed=3, scale=1.0, hidden=16, heads=2, kv_heads=1)
     draft = ToyLM(vocab=8, seed=4, scale=1.0, hidden=16, layers=1, heads=2, kv_heads=1)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
-    drafter = {"plain": None, "small-draft": DraftModel(draft, k=3), "lookup": PromptLookup(ngram=2, k=3),
+    drafter = {"plain": None, "small-draft": DraftModel(draft, k=3), "lookup": PromptLookup(ngram=2, k=3, min_ngram=1),
+               "draft-stop": DraftModel(draft, k=4, stop_threshold=0.5),
+               "draft-tree": DraftModel(draft, k=3, top_k=3, stop_threshold=0.4),
                "tree": CallableDrafter(lambda ctx: [[ctx[-3], ctx[-2]], [ctx[-1], ctx[-1], ctx[-1]], [0]],
                                        max_nodes=8)}[name]
     exact = _exact_first3(target, prompt, temperature, top_k, top_p)
