@@ -24,8 +24,6 @@ always fits.
 """
 from __future__ import annotations
 
-import math
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -34,6 +32,7 @@ import torch
 
 from specdec import ops
 from specdec.drafters.base import Draft, Drafter, StepContext, move_cache_rows
+from specdec.metrics import MemoryProbe, MetricsRecorder, empty_metrics, static_memory_bytes
 from specdec.sampling import SamplingParams, draw_uniforms, make_generator, warp_
 from specdec.tree import TokenTree
 
@@ -100,6 +99,8 @@ class SpeculativeDecoder:
         self.max_nodes = drafter.max_nodes if drafter is not None else 1
         self.cache = target.new_cache(max_batch, max_len + self.max_nodes)
         self._views: Dict[int, object] = {}
+        #: weights (target + draft model) + KV caches, for the peak-memory metric
+        self.static_memory_bytes = static_memory_bytes(target, drafter, [self.cache, getattr(drafter, "cache", None)])
 
     def __repr__(self) -> str:
         return (f"SpeculativeDecoder(drafter={self.drafter!r}, max_batch={self.max_batch}, "
@@ -199,9 +200,7 @@ class SpeculativeDecoder:
             raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"generate: seed must be an int or None, got {type(seed).__name__}")
-        params = SamplingParams(float(temperature) if isinstance(temperature, int) and not isinstance(temperature, bool)
-                                else temperature, top_k, float(top_p) if isinstance(top_p, int)
-                                and not isinstance(top_p, bool) else top_p)
+        params = SamplingParams(_int_to_float(temperature), top_k, _int_to_float(top_p))
         eos = self._eos_set(eos_token_id)
         prompts = self._prompts(input_ids)
         too_long = [(i, len(p)) for i, p in enumerate(prompts) if len(p) + max_new_tokens > self.max_len]
@@ -212,7 +211,7 @@ class SpeculativeDecoder:
                              + (f" ({len(too_long)} requests too long)" if len(too_long) > 1 else ""))
         B = len(prompts)
         if max_new_tokens == 0:
-            return GenerateOutput([[] for _ in range(B)], _empty_metrics(B))
+            return GenerateOutput([[] for _ in range(B)], empty_metrics(B))
         return _Run(self, prompts, max_new_tokens, params, eos, seed, callback).run()
 
 
@@ -236,15 +235,7 @@ class _Run:
         self.new: List[List[int]] = [[] for _ in range(B)]
         self.finish = [""] * B
         self.rows = list(range(B))                       # row -> request id (active rows only)
-        # metrics
-        self.passes = [0] * B
-        self.drafted = [0] * B
-        self.accepted = [0] * B
-        self.pos_drafted: List[int] = []
-        self.pos_accepted: List[int] = []
-        self.itl: List[float] = []
-        self.target_passes = 0
-        self.clock = _Clock(dev)
+        self.rec = MetricsRecorder(B, dev)
 
     # ------------------------------------------------------------------ bookkeeping
     def _emit(self, rid: int, toks: Sequence[int]) -> Tuple[int, bool]:
@@ -296,10 +287,11 @@ class _Run:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> GenerateOutput:
-        dec, params, clock = self.dec, self.params, self.clock
+        dec, params, rec = self.dec, self.params, self.rec
+        clock = rec.clock
         target, drafter = dec.target, dec.drafter
         B = self.B
-        mem = _MemoryProbe(dec)
+        mem = MemoryProbe(dec.device, dec.static_memory_bytes)
         t_start = time.perf_counter()
 
         # ---- prefill the target; the first token is drawn exactly like a plain step
@@ -357,199 +349,29 @@ class _Run:
             clock.add("verify", c1, c2)
             clock.add("commit", c2, c3)
             clock.add("commit", c4, c5)
-            self.target_passes += 1
 
             t_now = time.perf_counter()
             finished_rows = []
-            drafted_host = tree.num_drafted
+            emitted = []
             for r, rid in enumerate(self.rows):
                 a = num_host[r]
-                d = drafted_host[r]
-                self.passes[rid] += 1
-                self.drafted[rid] += d
-                self.accepted[rid] += a
-                if d > len(self.pos_drafted):
-                    self.pos_drafted += [0] * (d - len(self.pos_drafted))
-                    self.pos_accepted += [0] * (d - len(self.pos_accepted))
-                for i in range(d):
-                    self.pos_drafted[i] += 1
-                for i in range(a):
-                    self.pos_accepted[i] += 1
                 n, done = self._emit(rid, host[r][1:a + 2])
-                if n:
-                    self.itl += [(t_now - t_prev) / n] * n
+                emitted.append(n)
                 if done:
                     finished_rows.append(r)
+            rec.step(self.rows, tree.num_drafted, tree.depth_per_request() if drafter is not None else
+                     tree.num_drafted, num_host, emitted, t_now - t_prev)
             t_prev = t_now
             if finished_rows:
                 roots = self._retire(finished_rows, roots)
 
         t_end = time.perf_counter()
-        self.static_bytes = mem.static
-        return GenerateOutput(self.new, self._metrics(t_start, t_first, t_end, mem.peak()))
-
-    def _metrics(self, t_start: float, t_first: float, t_end: float, peak: int) -> Dict[str, object]:
-        times = self.clock.totals()
-        drafted = sum(self.drafted)
-        accepted = sum(self.accepted)
-        request_steps = sum(self.passes)
-        new_tokens = sum(len(t) for t in self.new)
-        itl = sorted(self.itl)
-        return {
-            "target_passes": self.target_passes,
-            "drafted_tokens": drafted,
-            "accepted_tokens": accepted,
-            "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "mean_accepted_length": (accepted + request_steps) / request_steps if request_steps else 0.0,
-            "accepted_per_position": [a / d if d else 0.0 for a, d in zip(self.pos_accepted, self.pos_drafted)],
-            "draft_seconds": times.get("draft", 0.0) + times.get("draft_prefill", 0.0),
-            "verify_seconds": times.get("verify", 0.0),
-            "commit_seconds": times.get("commit", 0.0),
-            "prefill_seconds": times.get("prefill", 0.0),
-            "ttft_seconds": t_first - t_start,
-            "itl_p50_seconds": _percentile(itl, 50),
-            "itl_p99_seconds": _percentile(itl, 99),
-            "tokens_per_second": new_tokens / (t_end - t_start) if t_end > t_start else 0.0,
-            "total_seconds": t_end - t_start,
-            "new_tokens": new_tokens,
-            "peak_memory_bytes": peak,
-            "static_memory_bytes": self.static_bytes,
-            "per_request": {
-                "new_tokens": [len(t) for t in self.new],
-                "target_passes": list(self.passes),
-                "drafted_tokens": list(self.drafted),
-                "accepted_tokens": list(self.accepted),
-                "mean_accepted_length": [(a + p) / p if p else 0.0 for a, p in zip(self.accepted, self.passes)],
-                "finish_reason": list(self.finish),
-            },
-        }
+        return GenerateOutput(self.new, rec.summary(self.new, self.finish, t_start, t_first, t_end, mem.peak(),
+                                                    mem.static))
 
 
-def _empty_metrics(B: int) -> Dict[str, object]:
-    return {"target_passes": 0, "drafted_tokens": 0, "accepted_tokens": 0, "acceptance_rate": 0.0,
-            "mean_accepted_length": 0.0, "accepted_per_position": [], "draft_seconds": 0.0, "verify_seconds": 0.0,
-            "commit_seconds": 0.0, "prefill_seconds": 0.0, "ttft_seconds": 0.0, "itl_p50_seconds": 0.0,
-            "itl_p99_seconds": 0.0, "tokens_per_second": 0.0, "total_seconds": 0.0, "new_tokens": 0,
-            "peak_memory_bytes": 0, "static_memory_bytes": 0,
-            "per_request": {"new_tokens": [0] * B, "target_passes": [0] * B, "drafted_tokens": [0] * B,
-                            "accepted_tokens": [0] * B, "mean_accepted_length": [0.0] * B,
-                            "finish_reason": ["length"] * B}}
+def _int_to_float(x):
+    """Accept ints for float parameters (temperature=1), leave everything else to SamplingParams' checks."""
+    return float(x) if isinstance(x, int) and not isinstance(x, bool) else x
 
 
-def _percentile(sorted_vals: List[float], q: float) -> float:
-    if not sorted_vals:
-        return 0.0
-    pos = (len(sorted_vals) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_vals) - 1)
-    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
-
-
-class _Clock:
-    """Phase timers: host wall clock on CPU (ops are synchronous); CUDA events on CUDA, read once at the end."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self._totals: Dict[str, float] = {}
-        self._events: List[Tuple[str, object, object]] = []
-
-    def mark(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def add(self, name: str, start, end) -> None:
-        if self.cuda:
-            self._events.append((name, start, end))
-        else:
-            self._totals[name] = self._totals.get(name, 0.0) + (end - start)
-
-    def totals(self) -> Dict[str, float]:
-        if self.cuda and self._events:
-            torch.cuda.synchronize()
-            for name, s, e in self._events:
-                self._totals[name] = self._totals.get(name, 0.0) + s.elapsed_time(e) / 1000.0
-            self._events = []
-        return self._totals
-
-
-def _state_bytes(lm) -> int:
-    """Bytes of a model's weights (parameters, buffers and packed quantized weights), each storage once."""
-    module = getattr(lm, "model", lm)
-    if not isinstance(module, torch.nn.Module):
-        return 0
-    seen = set()
-    total = 0
-
-    def visit(v) -> None:
-        nonlocal total
-        if isinstance(v, torch.Tensor):
-            try:
-                key = (v.untyped_storage().data_ptr(), v.device)
-                size = v.untyped_storage().nbytes()
-            except (RuntimeError, NotImplementedError):  # quantized / opaque tensors
-                key, size = (id(v), v.device), v.numel() * v.element_size()
-            if key not in seen:
-                seen.add(key)
-                total += size
-        elif isinstance(v, (tuple, list)):
-            for x in v:
-                visit(x)
-
-    for v in module.state_dict(keep_vars=True).values():
-        visit(v)
-    return total
-
-
-class _MemoryProbe:
-    """Peak memory of a generate call.
-
-    CUDA: ``torch.cuda.max_memory_allocated`` (reset at the start of the call; it counts
-    weights and caches since they live in the caching allocator).
-    CPU: tracemalloc does not see torch's allocations, so the figure is weights (target +
-    draft) + KV caches (their ``nbytes``) + the growth of the process's peak resident set
-    during the call (``VmHWM`` after resetting it through ``/proc/self/clear_refs``; when the
-    reset is not permitted, the RSS sampled at the end of the call).
-    """
-
-    def __init__(self, dec: SpeculativeDecoder) -> None:
-        self.dec = dec
-        self.cuda = dec.device.type == "cuda"
-        self.static = _state_bytes(dec.target) + dec.cache.nbytes()
-        drafter = dec.drafter
-        lm = getattr(drafter, "lm", None)
-        if lm is not None:
-            self.static += _state_bytes(lm)
-            cache = getattr(drafter, "cache", None)
-            if cache is not None:
-                self.static += cache.nbytes()
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(dec.device)
-            return
-        self.hwm_reset = False
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.hwm_reset = True
-        except OSError:
-            pass
-        self.rss0 = _proc_status("VmRSS")
-
-    def peak(self) -> int:
-        if self.cuda:
-            return int(torch.cuda.max_memory_allocated(self.dec.device))
-        end = _proc_status("VmHWM") if self.hwm_reset else _proc_status("VmRSS")
-        return int(self.static + max(0, end - self.rss0))
-
-
-def _proc_status(key: str) -> int:
-    try:
-        with open(f"/proc/{os.getpid()}/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0

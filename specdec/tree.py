@@ -37,6 +37,7 @@ class TokenTree:
     num_nodes: List[int]   # real nodes per request, root included
     is_chain: bool = False
     _mask: Optional[torch.Tensor] = field(default=None, repr=False)
+    max_depths: Optional[List[int]] = None  # host: deepest node per request (known to most builders)
 
     # ------------------------------------------------------------------ shape
     @property
@@ -52,6 +53,15 @@ class TokenTree:
     def num_drafted(self) -> List[int]:
         """Draft nodes per request (root excluded)."""
         return [n - 1 for n in self.num_nodes]
+
+    def depth_per_request(self) -> List[int]:
+        """Deepest node of each request (= drafted tokens for a chain). Host values; reads the device only
+        when the builder did not record them."""
+        if self.max_depths is not None:
+            return list(self.max_depths)
+        if self.is_chain:
+            return self.num_drafted
+        return self.depths.amax(dim=1).tolist()
 
     # ------------------------------------------------------------------ masks
     def mask(self) -> torch.Tensor:
@@ -142,7 +152,7 @@ class TokenTree:
         return TokenTree(torch.tensor(tok, dtype=torch.int64, device=device),
                          torch.tensor(par, dtype=torch.int32, device=device),
                          torch.tensor(dep, dtype=torch.int32, device=device),
-                         [len(t) for t in tokens], is_chain=chain)
+                         [len(t) for t in tokens], is_chain=chain, max_depths=[max(d) for d in dep])
 
     @staticmethod
     def from_candidates(roots: Sequence[int], candidates: Sequence[Sequence[Sequence[int]]], merge: bool = True,

@@ -424,3 +424,15 @@ def test_smollm2_eos_and_max_new_inside_accepted_draft(smol):
     out = dec.generate(prompts, max_new_tokens=4)
     assert out.tokens == [refs[0][:4], refs[1][:4]]
     assert out.metrics["per_request"]["accepted_tokens"][0] >= 4  # the 6-token draft was accepted past the limit
+
+
+def test_smollm2_cli_generate(smol, capsys):
+    from specdec.cli import main
+    rc = main(["generate", "Repeat exactly: the cat sat on the mat. The cat sat on the mat.", "--draft", "lookup",
+               "--max-new-tokens", "12", "--compare"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0
+    stats = out[-1]
+    assert stats.startswith("[specdec] ") and "tok/s" in stats and "acceptance" in stats
+    assert "mean accepted length" in stats and "speedup" in stats and "same text" in stats
+    assert sum(line.startswith("[specdec]") for line in out) == 1

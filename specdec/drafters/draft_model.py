@@ -242,12 +242,13 @@ class DraftModel(Drafter):
         n = 1 + k_run * w
         parents, depths, mask = self._shape(b, k_run)
         if stop is None:
-            tree = TokenTree(tokens, parents, depths, [N] * b, is_chain=w == 1, _mask=mask)
+            tree = TokenTree(tokens, parents, depths, [N] * b, is_chain=w == 1, _mask=mask, max_depths=[k] * b)
             return Draft(tree, probs)
         real = depths <= lengths.view(b, 1)  # [b, n]: nodes within the row's spine
+        spine = lengths.tolist()
         tree = TokenTree(torch.where(real, tokens[:, :n], -1), torch.where(real, parents, -1),
-                         torch.where(real, depths, 0), [1 + int(x) * w for x in lengths.tolist()],
-                         is_chain=w == 1, _mask=mask)
+                         torch.where(real, depths, 0), [1 + x * w for x in spine],
+                         is_chain=w == 1, _mask=mask, max_depths=spine)
         return Draft(tree, None if probs is None else probs[:, :n].contiguous())
 
     def accept(self, accepted: torch.Tensor, num_accepted: torch.Tensor, num_host: Sequence[int]) -> None:
