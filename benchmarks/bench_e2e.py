@@ -11,12 +11,14 @@ Methods (the drafters' settings are command-line options; defaults = the best me
   specdec_lookup            PromptLookup(ngram=3, k=10) (min_ngram 2)
   hf_plain                  model.generate(do_sample=False)
   hf_assisted_int8          generate(assistant_model=int8 copy), constant --hf-k-int8 (4) tokens, no confidence stop
-  hf_assisted_int8_default  generate(assistant_model=int8 copy) with transformers' defaults (20 tokens,
-                            assistant_confidence_threshold 0.4)
-  hf_assisted_bf16(_default) the same with the bf16 copy (constant --hf-k-bf16 = 8 tokens)
+  hf_assisted_bf16          the same with the bf16 copy (constant --hf-k-bf16 = 8 tokens)
+  hf_assisted_*_default     (--hf-defaults) transformers' default assisted settings: 20 tokens,
+                            assistant_confidence_threshold 0.4 (about 3x slower than the tuned variant here)
   hf_lookup                 generate(prompt_lookup_num_tokens=10, max_matching_ngram_size=3): the same k and n-gram
 
-Ratios against transformers use its BEST variant for that drafter on that prompt set.
+Ratios against transformers use its BEST variant for that drafter on that prompt set. Besides
+the ratio of total tokens/s, the median over prompts of the per-prompt ratio is reported (robust
+to load changes of a shared machine: the methods of one prompt run back to back).
 
 Prompt sets (chat template applied): "grounded" -- the answer copies from the input
 (repeat a passage, edit code, rename, reformat: where prompt lookup shines) -- and
@@ -142,6 +144,8 @@ def main() -> int:
     ap.add_argument("--sets", default="grounded,open")
     ap.add_argument("--methods", default="all", help="comma list (default all)")
     ap.add_argument("--skip", default="", help="comma list of methods to leave out")
+    ap.add_argument("--hf-defaults", action="store_true",
+                    help="also run transformers' assisted generation with its default settings")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="2 prompts per set, 24 tokens (smoke test)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/e2e_<date>.json)")
@@ -151,6 +155,7 @@ def main() -> int:
     if args.quick:
         args.max_new_tokens = min(args.max_new_tokens, 24)
 
+    load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     t0 = time.perf_counter()
     model, tok, int8_model = load_bundled("smollm2-135m", draft="int8")
     _, _, bf16_model = load_bundled("smollm2-135m", draft="bf16")
@@ -209,11 +214,12 @@ def main() -> int:
         "specdec_lookup": run_specdec("specdec_lookup"),
         "hf_plain": run_hf(),
         "hf_assisted_int8": run_hf(int8_model, args.hf_k_int8),
-        "hf_assisted_int8_default": run_hf(int8_model, None),
         "hf_assisted_bf16": run_hf(bf16_model, args.hf_k_bf16),
-        "hf_assisted_bf16_default": run_hf(bf16_model, None),
         "hf_lookup": run_hf(prompt_lookup_num_tokens=args.k_lookup, max_matching_ngram_size=args.ngram),
     }
+    if args.hf_defaults:
+        methods["hf_assisted_int8_default"] = run_hf(int8_model, None)
+        methods["hf_assisted_bf16_default"] = run_hf(bf16_model, None)
     if args.methods != "all":
         methods = {k: methods[k] for k in args.methods.split(",")}
     methods = {k: v for k, v in methods.items() if k not in set(args.skip.split(","))}
@@ -281,6 +287,27 @@ def main() -> int:
 
         hf_int8 = best("hf_assisted_int8", "hf_assisted_int8_default")
         hf_bf16 = best("hf_assisted_bf16", "hf_assisted_bf16_default")
+        per_prompt = {}
+        for n in names:
+            for x in records[s][n]:
+                per_prompt.setdefault((x["prompt"], x["round"]), {})[n] = len(x["tokens"]) / x["seconds"]
+
+        def median_ratio(a: str, b):
+            vals = sorted(v[a] / v[b] for v in per_prompt.values() if a in v and b in v and v[b] > 0)
+            if not vals:
+                return None
+            mid = len(vals) // 2
+            return vals[mid] if len(vals) % 2 else 0.5 * (vals[mid - 1] + vals[mid])
+
+        summary[s]["median_prompt_ratios"] = {k: v for k, v in {
+            "specdec_lookup/specdec_plain": median_ratio("specdec_lookup", "specdec_plain"),
+            "specdec_int8/specdec_plain": median_ratio("specdec_int8", "specdec_plain"),
+            "specdec_bf16/specdec_plain": median_ratio("specdec_bf16", "specdec_plain"),
+            "specdec_plain/hf_plain": median_ratio("specdec_plain", "hf_plain"),
+            "specdec_int8/hf_assisted_int8": median_ratio("specdec_int8", "hf_assisted_int8"),
+            "specdec_bf16/hf_assisted_bf16": median_ratio("specdec_bf16", "hf_assisted_bf16"),
+            "specdec_lookup/hf_lookup": median_ratio("specdec_lookup", "hf_lookup"),
+        }.items() if v is not None}
         summary[s]["ratios"] = {k: v for k, v in {
             "specdec_lookup/specdec_plain": ratio("specdec_lookup", "specdec_plain"),
             "specdec_int8/specdec_plain": ratio("specdec_int8", "specdec_plain"),
@@ -310,7 +337,8 @@ def main() -> int:
             print(f"{name:<25} {row['tokens_per_second']:7.1f} {row['new_tokens']:7d} {acc:>7} {ml:>8} "
                   f"{(f'{vs:.2f}x' if vs else '-'):>8} {same:>8}")
         for k, v in summary[s]["ratios"].items():
-            print(f"  {k:<60} {v:.2f}x")
+            med = summary[s]["median_prompt_ratios"].get(k.split(" ")[0].replace("_default", ""))
+            print(f"  {k:<60} {v:.2f}x" + (f"   (median per prompt {med:.2f}x)" if med else ""))
 
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"e2e_{_dt.date.today().isoformat()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -319,7 +347,8 @@ def main() -> int:
         machine=dict(cpu=cpu_name(), cores=os.cpu_count(), torch_threads=torch.get_num_threads(),
                      torch=torch.__version__, python=platform.python_version(),
                      transformers=__import__("transformers").__version__,
-                     loadavg_end=os.getloadavg() if hasattr(os, "getloadavg") else None),
+                     loadavg_start=load_start, loadavg_end=os.getloadavg() if hasattr(os, "getloadavg") else None,
+                     note="2 shared cores: other processes may run at the same time; see loadavg"),
         settings=dict(model="smollm2-135m (SmolLM2-135M-Instruct, fp32)", max_new_tokens=args.max_new_tokens,
                       specdec_int8=dict(k=args.k_int8, top_k=args.tree_int8, stop_threshold=args.stop_int8),
                       specdec_bf16=dict(k=args.k_bf16, top_k=args.tree_bf16, stop_threshold=args.stop_bf16),
