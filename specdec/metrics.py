@@ -203,8 +203,9 @@ class MemoryProbe:
     weights and caches since they live in the caching allocator).
     CPU: tracemalloc does not see torch's allocations, so the figure is weights (target +
     draft) + KV caches (their ``nbytes``) + the growth of the process's peak resident set
-    during the call (``VmHWM`` after resetting it through ``/proc/self/clear_refs``; when the
-    reset is not permitted, the RSS sampled at the end of the call).
+    during the call (``VmHWM`` after ``malloc_trim(0)`` and a reset through
+    ``/proc/self/clear_refs``; when the reset is not permitted, the RSS sampled at the end of
+    the call). Resetting VmHWM affects anyone else reading it in this process.
     """
 
     def __init__(self, device: torch.device, static: int) -> None:
@@ -214,6 +215,7 @@ class MemoryProbe:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
             return
+        _malloc_trim()  # hand freed heap pages back first, so that reusing them shows up as growth
         self.hwm_reset = False
         try:  # reset the process' peak RSS (VmHWM) to its current RSS
             with open("/proc/self/clear_refs", "w") as f:
@@ -228,6 +230,25 @@ class MemoryProbe:
             return int(torch.cuda.max_memory_allocated(self.device))
         end = _proc_status("VmHWM") if self.hwm_reset else _proc_status("VmRSS")
         return int(self.static + max(0, end - self.rss0))
+
+
+def _malloc_trim() -> None:
+    """glibc's malloc_trim(0): return free heap memory to the OS (no-op elsewhere)."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            import ctypes
+            _LIBC = ctypes.CDLL("libc.so.6")
+        except OSError:
+            _LIBC = False
+    if _LIBC:
+        try:
+            _LIBC.malloc_trim(0)
+        except AttributeError:
+            pass
+
+
+_LIBC = None
 
 
 def _proc_status(key: str) -> int:
