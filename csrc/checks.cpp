@@ -243,5 +243,39 @@ void kv_commit(at::TensorList k_caches, at::TensorList v_caches, const at::Tenso
   }
 }
 
+void linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+            const std::optional<at::Tensor>& weight_scale) {
+  const char* op = "linear";
+  TORCH_CHECK(x.dim() >= 1, op, ": x must be [..., K], got a 0-d tensor");
+  TORCH_CHECK(is_float_dtype(x.scalar_type()), op, ": x must be float32, float16 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(weight.dim() == 2, op, ": weight must be [N, K], got ", weight.sizes());
+  check_same_device(op, "weight", weight, x);
+  TORCH_CHECK(weight.size(1) == x.size(-1), op, ": weight must be [N, K] with K = x.size(-1) = ", x.size(-1),
+              ", got ", weight.sizes());
+  const int64_t N = weight.size(0);
+  const bool quantized = weight.scalar_type() == at::kChar;
+  if (quantized) {
+    TORCH_CHECK(weight_scale.has_value(), op, ": an int8 weight needs weight_scale (float32 [", N,
+                "], one scale per output row), got None");
+  } else {
+    TORCH_CHECK(weight.scalar_type() == x.scalar_type(), op, ": weight must have the dtype of x (", x.scalar_type(),
+                ") or be int8 with weight_scale, got ", weight.scalar_type());
+    TORCH_CHECK(!weight_scale.has_value(), op, ": weight_scale is only for int8 weights, got a ",
+                weight.scalar_type(), " weight with a weight_scale");
+  }
+  if (weight_scale.has_value()) {
+    const at::Tensor& s = *weight_scale;
+    TORCH_CHECK(s.dim() == 1 && s.size(0) == N && s.scalar_type() == at::kFloat, op,
+                ": weight_scale must be float32 [", N, "], got ", s.scalar_type(), " ", s.sizes());
+    check_same_device(op, "weight_scale", s, x);
+  }
+  if (bias.has_value()) {
+    const at::Tensor& b = *bias;
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == N && b.scalar_type() == x.scalar_type(), op, ": bias must be ",
+                x.scalar_type(), " [", N, "], got ", b.scalar_type(), " ", b.sizes());
+    check_same_device(op, "bias", b, x);
+  }
+}
+
 }  // namespace checks
 }  // namespace specdec

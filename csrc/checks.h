@@ -28,6 +28,8 @@ void rejection_sample(const at::Tensor& tokens, const at::Tensor& parents, const
 void greedy_verify(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& target_logits);
 void kv_commit(at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cache_lens,
                const at::Tensor& accepted, const at::Tensor& num_accepted);
+void linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+            const std::optional<at::Tensor>& weight_scale);
 
 }  // namespace checks
 }  // namespace specdec

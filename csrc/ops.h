@@ -26,6 +26,8 @@ SampleResult greedy_verify_cpu(const at::Tensor& tokens, const at::Tensor& paren
                                const at::Tensor& target_logits);
 void kv_commit_cpu(at::TensorList k_caches, at::TensorList v_caches, at::Tensor& cache_lens,
                    const at::Tensor& accepted, const at::Tensor& num_accepted);
+at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                      const std::optional<at::Tensor>& weight_scale);
 
 #ifdef SPECDEC_WITH_CUDA
 // ---------------------------------------------------------------- CUDA (csrc/cuda/*.cu)
@@ -41,6 +43,8 @@ SampleResult greedy_verify_cuda(const at::Tensor& tokens, const at::Tensor& pare
                                 const at::Tensor& target_logits);
 void kv_commit_cuda(at::TensorList k_caches, at::TensorList v_caches, at::Tensor& cache_lens,
                     const at::Tensor& accepted, const at::Tensor& num_accepted);
+at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& weight_scale);
 #endif
 
 }  // namespace specdec

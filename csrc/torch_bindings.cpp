@@ -30,6 +30,8 @@ TORCH_LIBRARY(specdec, m) {
   // In-place compaction of the accepted path in every layer's cache; cache_lens += num_accepted + 1.
   m.def("kv_commit(Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor(c!) cache_lens, Tensor accepted, "
         "Tensor num_accepted) -> ()");
+  // y = x W^T (* weight_scale per output row for int8 W) (+ bias), float32 accumulation; few-row x.
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias, Tensor? weight_scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
@@ -38,6 +40,7 @@ TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("rejection_sample", &specdec::rejection_sample_cpu);
   m.impl("greedy_verify", &specdec::greedy_verify_cpu);
   m.impl("kv_commit", &specdec::kv_commit_cpu);
+  m.impl("linear", &specdec::linear_cpu);
 }
 
 #ifdef SPECDEC_WITH_CUDA
@@ -47,6 +50,7 @@ TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
   m.impl("rejection_sample", &specdec::rejection_sample_cuda);
   m.impl("greedy_verify", &specdec::greedy_verify_cuda);
   m.impl("kv_commit", &specdec::kv_commit_cuda);
+  m.impl("linear", &specdec::linear_cuda);
 }
 #endif
 

@@ -22,6 +22,8 @@ __all__ = [
     "rejection_sample",
     "greedy_verify",
     "kv_commit",
+    "linear",
+    "quantize_weight_int8",
     "set_strict_checks",
     "strict_checks",
     "build_info",
@@ -170,6 +172,37 @@ def kv_commit(k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor]
     _ops.kv_commit(list(k_caches), list(v_caches), cache_lens, accepted, num_accepted)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           weight_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ weight.T (* weight_scale) (+ bias)`` for few-row activations (decode, tree verification).
+
+    x : [..., K] float32 / float16 / bfloat16; weight : [N, K] of x's dtype, or int8 with
+    weight_scale float32 [N] (weight-only quantisation, one scale per output row, see
+    :func:`quantize_weight_int8`); bias : [N] of x's dtype. Returns [..., N] in x's dtype.
+    Accumulates in float32 and rounds once. The kernels stream the weight from memory
+    once for all rows of x (M = x.numel() / K): on CPU for M <= 32 (larger M with a
+    float weight is compute-bound and goes to the BLAS GEMM; int8 weights always use the
+    kernel), on CUDA for M <= 16 (larger M: cuBLAS, int8 weights dequantised first).
+    """
+    return _ops.linear(x, weight, bias, weight_scale)
+
+
+def quantize_weight_int8(weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-row int8 quantisation of a [N, K] weight for :func:`linear`.
+
+    scale[n] = max|W[n]| / 127 (1 where the row is all zeros); q = round(W / scale)
+    clamped to [-127, 127]. Returns (q int8 [N, K], scale float32 [N]).
+    """
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"quantize_weight_int8: weight must be a floating [N, K] tensor, got "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
 # ----------------------------------------------------------------------------- fake impls
 @torch.library.register_fake("specdec::verify_attention")
 def _verify_attention_fake(q, k_cache, v_cache, cache_lens, tree_mask, scale):
@@ -202,3 +235,8 @@ def _greedy_verify_fake(tokens, parents, target_logits):
 @torch.library.register_fake("specdec::kv_commit")
 def _kv_commit_fake(k_caches, v_caches, cache_lens, accepted, num_accepted):
     return None
+
+
+@torch.library.register_fake("specdec::linear")
+def _linear_fake(x, weight, bias, weight_scale):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))

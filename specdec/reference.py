@@ -28,6 +28,7 @@ __all__ = [
     "rejection_sample",
     "greedy_verify",
     "kv_commit",
+    "linear",
     "sample_from",
     "tree_attention_mask",
 ]
@@ -234,3 +235,19 @@ def kv_commit(k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor]
                 if src[i] != L + i:
                     cache[b, :, L + i] = cache[b, :, src[i]]
         cache_lens[b] = L + n + 1
+
+
+# --------------------------------------------------------------------------- linear
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           weight_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K].T (* weight_scale[N] for int8 weights) (+ bias[N]).
+
+    Accumulated in float64 here (the kernels accumulate in float32 in their own order),
+    rounded once to x's dtype.
+    """
+    y = x.double() @ weight.double().T
+    if weight_scale is not None:
+        y = y * weight_scale.double()
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(x.dtype)

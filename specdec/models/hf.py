@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextvars
 import inspect
+import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
@@ -71,6 +72,33 @@ _UNSUPPORTED_ATTN_KWARGS = ("softcap", "s_aux", "sinks", "position_bias", "atten
 
 # The state of the HFCausalLM call in flight (fallback route when the model drops **kwargs).
 _ACTIVE_CALL: contextvars.ContextVar[Optional["_Call"]] = contextvars.ContextVar("specdec_active_call", default=None)
+# True while an HFCausalLM with fast_linear=True runs its model: nn.Linear layers then call ops.linear.
+_FAST_LINEAR: contextvars.ContextVar[bool] = contextvars.ContextVar("specdec_fast_linear", default=False)
+
+
+def _linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    """nn.Linear.forward, routed to specdec's weight-streaming ops.linear inside HFCausalLM calls."""
+    if _FAST_LINEAR.get() and input.dtype == self.weight.dtype and input.device == self.weight.device:
+        return ops.linear(input, self.weight, self.bias)
+    return F.linear(input, self.weight, self.bias)
+
+
+def _install_fast_linear(model: torch.nn.Module) -> int:
+    """Route every plain nn.Linear of ``model`` through :func:`_linear_forward`; returns how many.
+
+    Outside an HFCausalLM call the routed forward is ``F.linear`` exactly as before, so the
+    model object keeps working everywhere else (e.g. transformers' ``generate``).
+    Subclasses of nn.Linear (quantized, LoRA, ...) keep their own forward.
+    """
+    count = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and module.weight.dim() == 2 and \
+                module.weight.dtype in (torch.float32, torch.float16, torch.bfloat16):
+            if not getattr(module, "_specdec_fast_linear", False):
+                module.forward = types.MethodType(_linear_forward, module)
+                module._specdec_fast_linear = True
+            count += 1
+    return count
 
 
 @dataclass
@@ -237,12 +265,18 @@ class HFCausalLM:
         False forces the generic fallback path (for comparison and debugging).
     prefill_chunk : int, default 512
         Prompt positions per forward during :meth:`prefill` (bounds activation memory).
+    fast_linear : bool, default True
+        Run the model's plain ``nn.Linear`` layers through :func:`specdec.ops.linear` during
+        this adapter's calls (the weight is streamed once for all rows of a decode / verify
+        step; the BLAS GEMM keeps larger row counts). The layers' forward is replaced by one
+        that is ``F.linear`` outside those calls.
 
     Attributes: ``model, config, vocab_size, device, dtype, num_layers, num_kv_heads, head_dim,
     hooked`` (True: "specdec" attention path; False: generic fallback, warned).
     """
 
-    def __init__(self, model: torch.nn.Module, hook: bool = True, prefill_chunk: int = 512) -> None:
+    def __init__(self, model: torch.nn.Module, hook: bool = True, prefill_chunk: int = 512,
+                 fast_linear: bool = True) -> None:
         if not isinstance(getattr(model, "config", None), PretrainedConfig):
             raise TypeError(f"HFCausalLM: expected a transformers PreTrainedModel, got {type(model).__name__}")
         if int(prefill_chunk) < 1:
@@ -250,6 +284,7 @@ class HFCausalLM:
         self.model = model.eval()
         self.config = model.config
         self.prefill_chunk = int(prefill_chunk)
+        self.fast_linear = bool(fast_linear) and _install_fast_linear(model) > 0
         self.device = model.get_input_embeddings().weight.device
         params = inspect.signature(model.forward).parameters
         self._keep_logits = "logits_to_keep" in params
@@ -430,6 +465,13 @@ class HFCausalLM:
 
     def _forward(self, cache, tokens, depths, tree_mask, logits_to_keep) -> torch.Tensor:
         """Shared by forward and prefill; logits_to_keep as transformers' slice_logits_to_keep."""
+        token = _FAST_LINEAR.set(self.fast_linear)
+        try:
+            return self._forward_impl(cache, tokens, depths, tree_mask, logits_to_keep)
+        finally:
+            _FAST_LINEAR.reset(token)
+
+    def _forward_impl(self, cache, tokens, depths, tree_mask, logits_to_keep) -> torch.Tensor:
         B, N = tokens.shape
         call = _Call(cache=cache, tree_mask=tree_mask)
         if not self.hooked:

@@ -1,0 +1,105 @@
+// linear, CPU backend: y = x W^T (* weight_scale) (+ bias) for few-row activations
+// (decode and tree verification). The kernel lives in csrc/include/specdec/cpu_linear.h;
+// this file validates, converts half/bf16 activations to float32 once, splits the output
+// columns over threads and converts the result back.
+//
+// Rows: up to kSmallM rows of x go through the kernel (the weight is streamed once).
+// Larger M (prefill) with a float weight is compute-bound: it goes to at::linear (the
+// BLAS GEMM), same contract. int8 weights always use the kernel, kSmallM rows at a time.
+#include <ATen/Parallel.h>
+
+#include "checks.h"
+#include "ops.h"
+
+#define SPECDEC_CPU_ISA base
+#include "specdec/cpu_linear.h"
+
+namespace specdec {
+namespace cpu {
+void linear_rows_avx2(const LinearParams& P, int64_t n_begin, int64_t n_end);  // linear_avx2.cpp
+
+namespace {
+
+constexpr int64_t kSmallM = 32;
+constexpr int64_t kNr = base::kNr;  // same tile in both ISAs
+
+bool cpu_has_avx2_fma_f16c() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
+  return has;
+#else
+  return false;
+#endif
+}
+
+WType to_wtype(at::ScalarType s) {
+  switch (s) {
+    case at::kFloat: return WType::kFloat32;
+    case at::kHalf: return WType::kFloat16;
+    case at::kBFloat16: return WType::kBFloat16;
+    default: return WType::kInt8;
+  }
+}
+
+// y[:, :] for all M rows of P (M <= kSmallM), output columns split over threads.
+void run(const LinearParams& P) {
+  const bool avx2 = cpu_has_avx2_fma_f16c();
+  const int64_t blocks = (P.N + kNr - 1) / kNr;
+  // At least ~256 KiB of weight per task so that small layers do not pay the fork.
+  const int64_t es = P.wtype == WType::kFloat32 ? 4 : (P.wtype == WType::kInt8 ? 1 : 2);
+  const int64_t grain = std::max<int64_t>(1, (int64_t(256) << 10) / std::max<int64_t>(1, kNr * P.K * es));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    const int64_t n0 = begin * kNr, n1 = std::min(end * kNr, P.N);
+    if (avx2) linear_rows_avx2(P, n0, n1);
+    else base::linear_rows(P, n0, n1);
+  });
+}
+
+}  // namespace
+}  // namespace cpu
+
+at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                      const std::optional<at::Tensor>& weight_scale) {
+  checks::linear(x, weight, bias, weight_scale);
+  const int64_t K = weight.size(1), N = weight.size(0);
+  const int64_t M = x.numel() / K;
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  const bool quantized = weight.scalar_type() == at::kChar;
+  if (!quantized && M > cpu::kSmallM) {
+    return at::linear(x, weight, bias);
+  }
+  if (M == 0) return at::zeros(out_shape, x.options());
+
+  const at::Tensor w = weight.contiguous();
+  at::Tensor x2 = x.reshape({M, K});
+  if (x2.scalar_type() != at::kFloat) x2 = x2.to(at::kFloat);
+  if (x2.stride(1) != 1) x2 = x2.contiguous();
+  std::optional<at::Tensor> b32, s32;
+  if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
+  if (weight_scale.has_value()) s32 = weight_scale->contiguous();
+
+  const bool direct = x.scalar_type() == at::kFloat;
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+
+  cpu::LinearParams P;
+  P.w = w.data_ptr();
+  P.scale = s32.has_value() ? s32->data_ptr<float>() : nullptr;
+  P.bias = b32.has_value() ? b32->data_ptr<float>() : nullptr;
+  P.N = N;
+  P.K = K;
+  P.wtype = cpu::to_wtype(w.scalar_type());
+  P.x_stride = x2.stride(0);
+  P.y_stride = N;
+  for (int64_t m0 = 0; m0 < M; m0 += cpu::kSmallM) {
+    P.M = std::min(cpu::kSmallM, M - m0);
+    P.x = x2.data_ptr<float>() + m0 * x2.stride(0);
+    P.y = y.data_ptr<float>() + m0 * N;
+    cpu::run(P);
+  }
+  if (!direct) y = y.to(x.scalar_type());
+  return y.view(out_shape);
+}
+
+}  // namespace specdec

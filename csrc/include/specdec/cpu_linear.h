@@ -1,0 +1,206 @@
+// linear (y = x W^T * scale + bias) on the CPU for the few-row activations of decoding
+// and tree verification: M = 1..32 rows of x against a weight that is far larger than
+// any cache. The weight is streamed from memory exactly once per call; every weight
+// vector loaded into a register feeds up to kMr rows of x.
+//
+// Layout: W is [N, K] row-major (torch's nn.Linear layout), so output y[m, n] is the dot
+// product of two contiguous rows. A micro-tile is kNr = 4 weight rows x kMr = 3 x rows:
+// 12 vector accumulators of 8 partial sums, reduced horizontally once per tile. The 4
+// weight rows (<= 4 * K * 4 bytes) stay in L1/L2 while the x row-triples pass over them.
+// Weight dtypes: float32, float16, bfloat16 (widened to fp32 on load) and int8 with a
+// per-output-row float32 scale (weight-only quantisation; applied after the dot product).
+// x is float32 here; the host converts half/bf16 activations once (M * K values).
+//
+// Napkin math (SmolLM2-135M, 2 cores, ~20 GB/s): fp32 weights 538 MB -> 27 ms per forward
+// at any M while 2*M*N*K flops stay under the FMA roof (M <= ~8); torch's MKL sgemm
+// reaches ~8 GB/s at M = 1 and ~3 GB/s at M = 8 on the same shapes.
+//
+// This header is compiled once per ISA (SPECDEC_CPU_ISA names the namespace).
+#pragma once
+
+#include <cstdint>
+#include <algorithm>
+#include <cstring>
+
+#include "specdec/cpu_vec.h"
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#ifndef SPECDEC_CPU_ISA
+#error "define SPECDEC_CPU_ISA before including cpu_linear.h"
+#endif
+
+namespace specdec {
+namespace cpu {
+
+enum class WType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kInt8 = 3 };
+
+struct LinearParams {
+  const float* x;       // [M, K] float32, row stride x_stride
+  int64_t x_stride;
+  const void* w;        // [N, K] contiguous, wtype
+  const float* scale;   // [N] float32 (int8 weights) or nullptr
+  const float* bias;    // [N] float32 or nullptr
+  float* y;             // [M, N] float32, row stride y_stride
+  int64_t y_stride;
+  int64_t M, N, K;
+  WType wtype;
+};
+
+namespace SPECDEC_CPU_ISA {
+
+constexpr int kNr = 4;  // weight rows per micro-tile
+constexpr int kMr = 3;  // x rows per micro-tile
+
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+typedef int8_t v8i8 __attribute__((vector_size(8)));
+
+// 8 weights at w + k (element index) widened to float.
+template <WType WT>
+inline v8f load_w(const void* w, int64_t k) {
+  if constexpr (WT == WType::kFloat32) {
+    return v8_load(static_cast<const float*>(w) + k);
+  } else if constexpr (WT == WType::kBFloat16) {
+#if defined(__AVX2__)
+    const __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+        static_cast<const uint16_t*>(w) + k))), 16);
+    v8f f;
+    std::memcpy(&f, &u, sizeof(f));
+    return f;
+#else
+    v8u16 h;
+    std::memcpy(&h, static_cast<const uint16_t*>(w) + k, sizeof(h));
+    const v8u32 u = __builtin_convertvector(h, v8u32) << 16;
+    v8f f;
+    std::memcpy(&f, &u, sizeof(f));
+    return f;
+#endif
+  } else if constexpr (WT == WType::kFloat16) {
+#if defined(__F16C__)
+    const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+        static_cast<const uint16_t*>(w) + k)));
+    v8f r;
+    std::memcpy(&r, &f, sizeof(r));
+    return r;
+#else
+    const uint16_t* p = static_cast<const uint16_t*>(w) + k;
+    return v8f{half_to_float(p[0]), half_to_float(p[1]), half_to_float(p[2]), half_to_float(p[3]),
+               half_to_float(p[4]), half_to_float(p[5]), half_to_float(p[6]), half_to_float(p[7])};
+#endif
+  } else {
+#if defined(__AVX2__)
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(
+        static_cast<const int8_t*>(w) + k))));
+    v8f r;
+    std::memcpy(&r, &f, sizeof(r));
+    return r;
+#else
+    v8i8 b;
+    std::memcpy(&b, static_cast<const int8_t*>(w) + k, sizeof(b));
+    return __builtin_convertvector(b, v8f);
+#endif
+  }
+}
+
+template <WType WT>
+inline float load_w1(const void* w, int64_t k) {
+  if constexpr (WT == WType::kFloat32) return static_cast<const float*>(w)[k];
+  else if constexpr (WT == WType::kBFloat16) return bf16_to_float(static_cast<const uint16_t*>(w)[k]);
+  else if constexpr (WT == WType::kFloat16) return half_to_float(static_cast<const uint16_t*>(w)[k]);
+  else return float(static_cast<const int8_t*>(w)[k]);
+}
+
+template <WType WT>
+inline const void* w_row(const void* w, int64_t n, int64_t K) {
+  constexpr int64_t es = WT == WType::kFloat32 ? 4 : (WT == WType::kInt8 ? 1 : 2);
+  return static_cast<const char*>(w) + n * K * es;
+}
+
+// Dot products of NR weight rows (starting at n0) with MR x rows (starting at m0);
+// writes the finished outputs (scale, bias applied).
+template <WType WT, int NR, int MR>
+inline void micro_tile(const LinearParams& P, int64_t n0, int64_t m0, const char* pf, int64_t pf_lines) {
+  const int64_t K = P.K;
+  const int64_t K8 = K & ~int64_t(7);
+  const void* wr[NR];
+  for (int r = 0; r < NR; ++r) wr[r] = w_row<WT>(P.w, n0 + r, K);
+  const float* xr[MR];
+  for (int m = 0; m < MR; ++m) xr[m] = P.x + (m0 + m) * P.x_stride;
+  v8f acc[NR][MR];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) acc[r][m] = v8_set1(0.0f);
+  // Prefetch [pf, pf + pf_lines * 64) (a share of the next weight block) spread evenly over
+  // the k loop, so that DRAM streams while this tile computes: the rows are too short
+  // (K * es bytes) for the hardware prefetchers, which stop at page boundaries, alone.
+  const int64_t ksteps = K8 / 8;
+  const int64_t per_step = ksteps > 0 ? (pf_lines + ksteps - 1) / ksteps : 0;
+  int64_t issued = 0;
+  for (int64_t k = 0; k < K8; k += 8) {
+    for (int64_t j = 0; j < per_step && issued < pf_lines; ++j, ++issued) __builtin_prefetch(pf + issued * 64, 0, 2);
+    v8f xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = v8_load(xr[m] + k);
+    for (int r = 0; r < NR; ++r) {
+      const v8f wv = load_w<WT>(wr[r], k);
+      for (int m = 0; m < MR; ++m) acc[r][m] += wv * xv[m];
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    const int64_t n = n0 + r;
+    const float s = P.scale ? P.scale[n] : 1.0f;
+    const float b = P.bias ? P.bias[n] : 0.0f;
+    for (int m = 0; m < MR; ++m) {
+      float dot = v8_hsum(acc[r][m]);
+      for (int64_t k = K8; k < K; ++k) dot += load_w1<WT>(wr[r], k) * xr[m][k];
+      P.y[(m0 + m) * P.y_stride + n] = dot * s + b;
+    }
+  }
+}
+
+// Rows of x in tiles of kMr (remainder 1 or 2) against NR weight rows; the tiles share
+// the prefetch of the next block of NR rows.
+template <WType WT, int NR>
+inline void row_block(const LinearParams& P, int64_t n0, int64_t n_end) {
+  constexpr int64_t es = WT == WType::kFloat32 ? 4 : (WT == WType::kInt8 ? 1 : 2);
+  const int64_t tiles = (P.M + kMr - 1) / kMr;
+  const int64_t next_rows = std::min<int64_t>(NR, n_end - (n0 + NR));
+  const int64_t lines = next_rows > 0 ? (next_rows * P.K * es + 63) / 64 : 0;
+  const char* next = lines ? static_cast<const char*>(w_row<WT>(P.w, n0 + NR, P.K)) : nullptr;
+  auto share = [&](int64_t t, int64_t& count) {
+    const int64_t a = lines * t / tiles, b = lines * (t + 1) / tiles;
+    count = b - a;
+    return next ? next + a * 64 : nullptr;
+  };
+  int64_t m = 0, t = 0, count = 0;
+  for (; m + kMr <= P.M; m += kMr, ++t) {
+    const char* pf = share(t, count);
+    micro_tile<WT, NR, kMr>(P, n0, m, pf, count);
+  }
+  const int64_t rest = P.M - m;
+  const char* pf = share(t, count);
+  if (rest == 2) micro_tile<WT, NR, 2>(P, n0, m, pf, count);
+  else if (rest == 1) micro_tile<WT, NR, 1>(P, n0, m, pf, count);
+}
+
+template <WType WT>
+inline void linear_rows_t(const LinearParams& P, int64_t n_begin, int64_t n_end) {
+  int64_t n = n_begin;
+  for (; n + kNr <= n_end; n += kNr) row_block<WT, kNr>(P, n, n_end);
+  for (; n < n_end; ++n) row_block<WT, 1>(P, n, n_end);
+}
+
+// Outputs y[:, n_begin:n_end].
+inline void linear_rows(const LinearParams& P, int64_t n_begin, int64_t n_end) {
+  switch (P.wtype) {
+    case WType::kFloat32: linear_rows_t<WType::kFloat32>(P, n_begin, n_end); break;
+    case WType::kFloat16: linear_rows_t<WType::kFloat16>(P, n_begin, n_end); break;
+    case WType::kBFloat16: linear_rows_t<WType::kBFloat16>(P, n_begin, n_end); break;
+    case WType::kInt8: linear_rows_t<WType::kInt8>(P, n_begin, n_end); break;
+  }
+}
+
+}  // namespace SPECDEC_CPU_ISA
+}  // namespace cpu
+}  // namespace specdec
