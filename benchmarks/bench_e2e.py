@@ -8,10 +8,13 @@ Methods (the drafters' settings are command-line options; defaults = the best me
   specdec_plain             SpeculativeDecoder(target, None): one target pass per token (the fair baseline)
   specdec_int8              DraftModel(int8 dynamic-quantized copy, k=6, top_k=4, stop_threshold=0.3)
   specdec_bf16              DraftModel(bfloat16 copy, k=8)
+  specdec_w8                DraftModel(weight-only int8 copy run by specdec.ops.linear, k=6)
   specdec_lookup            PromptLookup(ngram=3, k=10) (min_ngram 2)
   hf_plain                  model.generate(do_sample=False)
   hf_assisted_int8          generate(assistant_model=int8 copy), constant --hf-k-int8 (4) tokens, no confidence stop
   hf_assisted_bf16          the same with the bf16 copy (constant --hf-k-bf16 = 8 tokens)
+  hf_assisted_w8            the same with the weight-only int8 copy (constant --hf-k-w8 = 6 tokens; its
+                            Int8Linear layers run specdec.ops.linear inside transformers too)
   hf_assisted_*_default     (--hf-defaults) transformers' default assisted settings: 20 tokens,
                             assistant_confidence_threshold 0.4 (about 3x slower than the tuned variant here)
   hf_lookup                 generate(prompt_lookup_num_tokens=10, max_matching_ngram_size=3): the same k and n-gram
@@ -136,6 +139,12 @@ def main() -> int:
     ap.add_argument("--k-bf16", type=int, default=8, help="specdec bf16 draft depth")
     ap.add_argument("--tree-bf16", type=int, default=1)
     ap.add_argument("--stop-bf16", type=float, default=0.0)
+    ap.add_argument("--k-w8", type=int, default=6, help="specdec w8 draft depth")
+    ap.add_argument("--tree-w8", type=int, default=1)
+    ap.add_argument("--stop-w8", type=float, default=0.0)
+    ap.add_argument("--hf-k-w8", type=int, default=6, help="transformers' constant num_assistant_tokens (w8)")
+    ap.add_argument("--no-fast-linear", action="store_true",
+                    help="specdec runs the models' nn.Linear with torch's F.linear (engine overhead only)")
     ap.add_argument("--hf-k-int8", type=int, default=4, help="transformers' constant num_assistant_tokens (int8)")
     ap.add_argument("--hf-k-bf16", type=int, default=8, help="transformers' constant num_assistant_tokens (bf16)")
     ap.add_argument("--k-lookup", type=int, default=10, help="prompt-lookup tokens per step (both)")
@@ -159,9 +168,11 @@ def main() -> int:
     t0 = time.perf_counter()
     model, tok, int8_model = load_bundled("smollm2-135m", draft="int8")
     _, _, bf16_model = load_bundled("smollm2-135m", draft="bf16")
+    _, _, w8_model = load_bundled("smollm2-135m", draft="w8")
+    fast = not args.no_fast_linear
     print(f"loaded models in {time.perf_counter() - t0:.1f} s; torch threads {torch.get_num_threads()}")
     eos = tok.eos_token_id
-    target = HFCausalLM(model)
+    target = HFCausalLM(model, fast_linear=fast)
 
     sets = {"grounded": GROUNDED, "open": OPEN}
     sets = {name: sets[name] for name in args.sets.split(",")}
@@ -173,11 +184,14 @@ def main() -> int:
     decoders = {
         "specdec_plain": SpeculativeDecoder(target, None, max_batch=1, max_len=max_len),
         "specdec_int8": SpeculativeDecoder(
-            target, DraftModel(HFCausalLM(int8_model), k=args.k_int8, top_k=args.tree_int8,
+            target, DraftModel(HFCausalLM(int8_model, fast_linear=fast), k=args.k_int8, top_k=args.tree_int8,
                                stop_threshold=args.stop_int8 or None), max_batch=1, max_len=max_len),
         "specdec_bf16": SpeculativeDecoder(
-            target, DraftModel(HFCausalLM(bf16_model), k=args.k_bf16, top_k=args.tree_bf16,
+            target, DraftModel(HFCausalLM(bf16_model, fast_linear=fast), k=args.k_bf16, top_k=args.tree_bf16,
                                stop_threshold=args.stop_bf16 or None), max_batch=1, max_len=max_len),
+        "specdec_w8": SpeculativeDecoder(
+            target, DraftModel(HFCausalLM(w8_model, fast_linear=fast), k=args.k_w8, top_k=args.tree_w8,
+                               stop_threshold=args.stop_w8 or None), max_batch=1, max_len=max_len),
         "specdec_lookup": SpeculativeDecoder(target, PromptLookup(ngram=args.ngram, k=args.k_lookup), max_batch=1,
                                              max_len=max_len),
     }
@@ -211,10 +225,12 @@ def main() -> int:
         "specdec_plain": run_specdec("specdec_plain"),
         "specdec_int8": run_specdec("specdec_int8"),
         "specdec_bf16": run_specdec("specdec_bf16"),
+        "specdec_w8": run_specdec("specdec_w8"),
         "specdec_lookup": run_specdec("specdec_lookup"),
         "hf_plain": run_hf(),
         "hf_assisted_int8": run_hf(int8_model, args.hf_k_int8),
         "hf_assisted_bf16": run_hf(bf16_model, args.hf_k_bf16),
+        "hf_assisted_w8": run_hf(w8_model, args.hf_k_w8),
         "hf_lookup": run_hf(prompt_lookup_num_tokens=args.k_lookup, max_matching_ngram_size=args.ngram),
     }
     if args.hf_defaults:
@@ -306,6 +322,8 @@ def main() -> int:
             "specdec_plain/hf_plain": median_ratio("specdec_plain", "hf_plain"),
             "specdec_int8/hf_assisted_int8": median_ratio("specdec_int8", "hf_assisted_int8"),
             "specdec_bf16/hf_assisted_bf16": median_ratio("specdec_bf16", "hf_assisted_bf16"),
+            "specdec_w8/specdec_plain": median_ratio("specdec_w8", "specdec_plain"),
+            "specdec_w8/hf_assisted_w8": median_ratio("specdec_w8", "hf_assisted_w8"),
             "specdec_lookup/hf_lookup": median_ratio("specdec_lookup", "hf_lookup"),
         }.items() if v is not None}
         summary[s]["ratios"] = {k: v for k, v in {
@@ -315,7 +333,10 @@ def main() -> int:
             "specdec_plain/hf_plain": ratio("specdec_plain", "hf_plain"),
             f"specdec_int8/{hf_int8} (best transformers int8)": ratio("specdec_int8", hf_int8) if hf_int8 else None,
             f"specdec_bf16/{hf_bf16} (best transformers bf16)": ratio("specdec_bf16", hf_bf16) if hf_bf16 else None,
+            "specdec_w8/specdec_plain": ratio("specdec_w8", "specdec_plain"),
+            "specdec_w8/hf_assisted_w8": ratio("specdec_w8", "hf_assisted_w8"),
             "specdec_lookup/hf_lookup": ratio("specdec_lookup", "hf_lookup"),
+            "hf_assisted_w8/hf_plain": ratio("hf_assisted_w8", "hf_plain"),
             "hf_lookup/hf_plain": ratio("hf_lookup", "hf_plain"),
             "hf_assisted_int8/hf_plain": ratio("hf_assisted_int8", "hf_plain"),
             "hf_assisted_int8_default/hf_plain": ratio("hf_assisted_int8_default", "hf_plain"),
@@ -352,6 +373,8 @@ def main() -> int:
         settings=dict(model="smollm2-135m (SmolLM2-135M-Instruct, fp32)", max_new_tokens=args.max_new_tokens,
                       specdec_int8=dict(k=args.k_int8, top_k=args.tree_int8, stop_threshold=args.stop_int8),
                       specdec_bf16=dict(k=args.k_bf16, top_k=args.tree_bf16, stop_threshold=args.stop_bf16),
+                      specdec_w8=dict(k=args.k_w8, top_k=args.tree_w8, stop_threshold=args.stop_w8),
+                      fast_linear=fast, hf_assisted_w8_k=args.hf_k_w8,
                       specdec_lookup=dict(ngram=args.ngram, k=args.k_lookup, min_ngram=min(2, args.ngram)),
                       hf_assisted=dict(int8_k=args.hf_k_int8, bf16_k=args.hf_k_bf16, schedule="constant",
                                        assistant_confidence_threshold=0.0),

@@ -372,14 +372,22 @@ def smol():
             g = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                max_new_tokens=NEW_TOKENS, pad_token_id=tok.eos_token_id)
             refs.append(g[0, len(p):].tolist())
-    return dict(model=model, tok=tok, target=target, draft=HFCausalLM(draft_model), prompts=prompts, refs=refs,
-                eos=tok.eos_token_id)
+    from specdec.models.quant import quantize_linear_int8
+
+    import copy
+    w8 = HFCausalLM(quantize_linear_int8(copy.deepcopy(model)))
+    return dict(model=model, tok=tok, target=target, draft=HFCausalLM(draft_model), w8=w8, prompts=prompts,
+                refs=refs, eos=tok.eos_token_id)
 
 
-@pytest.mark.parametrize("name", ["draft", "lookup"])
+@pytest.mark.parametrize("name", ["draft", "w8-draft", "lookup"])
 def test_smollm2_greedy_equals_transformers_generate(smol, name):
-    """>= 20 prompts, run as ragged batches of 5 (batch == alone is checked separately below)."""
-    drafter = DraftModel(smol["draft"], k=4) if name == "draft" else PromptLookup(ngram=3, k=4)
+    """>= 20 prompts, run as ragged batches of 5 (batch == alone is checked separately below).
+
+    draft = the bf16 copy, w8-draft = the weight-only int8 copy (specdec.ops.linear with int8 weights).
+    """
+    drafter = {"draft": lambda: DraftModel(smol["draft"], k=4), "w8-draft": lambda: DraftModel(smol["w8"], k=4),
+               "lookup": lambda: PromptLookup(ngram=3, k=4)}[name]()
     dec = SpeculativeDecoder(smol["target"], drafter, max_batch=5, max_len=256)
     prompts, refs = smol["prompts"], smol["refs"]
     assert len(prompts) >= 20

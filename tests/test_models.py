@@ -19,6 +19,8 @@ import warnings
 import pytest
 import torch
 
+from specdec import ops
+
 transformers = pytest.importorskip("transformers")
 
 from specdec.models import HFCausalLM  # noqa: E402
@@ -204,6 +206,58 @@ def test_hooked_matches_hf_forward(arch):
     check_equivalence(model, lm)
     # outside forward/prefill the model is untouched: its own attention implementation and results
     assert model.config._attn_implementation != "specdec"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fast_linear_routes_linear_layers(arch, monkeypatch):
+    """nn.Linear layers run specdec.ops.linear inside the adapter's calls, F.linear outside them."""
+    import copy
+
+    model = _tiny(arch)
+    plain = copy.deepcopy(model)
+    ids = torch.tensor([[5, 17, 29, 3, 8, 40]])
+    before = _hf_logits(model, ids[0].tolist())
+    calls = []
+    real = ops.linear
+    monkeypatch.setattr(ops, "linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    lm = HFCausalLM(model)
+    assert lm.fast_linear
+    n_linear = sum(type(m) is torch.nn.Linear for m in model.modules())
+    # outside the adapter: the very same math as before (bitwise), no ops.linear call
+    assert torch.equal(_hf_logits(model, ids[0].tolist()), before) and not calls
+    check_equivalence(model, lm)
+    assert len(calls) >= n_linear
+    # the same model without fast_linear agrees within fp32 rounding
+    lm_plain = HFCausalLM(plain, fast_linear=False)
+    assert not lm_plain.fast_linear
+    outs = []
+    for m in (lm, lm_plain):
+        cache = m.new_cache(1, 32)
+        m.prefill(cache, [[5, 17, 29]])
+        outs.append(m.forward(cache, torch.tensor([[3, 8, 40]]), torch.arange(3)[None]))
+    _close(outs[0], outs[1], "fast_linear vs F.linear")
+
+
+def test_weight_only_int8_model():
+    """quantize_linear_int8: every Linear becomes Int8Linear (lm_head too); logits near the fp32 model."""
+    import copy
+
+    from specdec.models.quant import Int8Linear, quantize_linear_int8
+
+    model = _tiny("llama")
+    q = quantize_linear_int8(copy.deepcopy(model))
+    assert not any(type(m) is torch.nn.Linear for m in q.modules())
+    assert isinstance(q.lm_head, Int8Linear) and q.lm_head.qweight.dtype == torch.int8
+    lm = HFCausalLM(q)
+    assert lm.hooked and lm.dtype == torch.float32
+    cache = lm.new_cache(1, 32)
+    prompt, chain = [5, 17, 29, 3, 8], [40, 41, 42, 43]
+    lm.prefill(cache, [prompt])
+    ours = lm.forward(cache, torch.tensor([chain]), torch.arange(4)[None])[0]
+    ref = _hf_logits(model, prompt + chain)[-4:]
+    hf_q = _hf_logits(q, prompt + chain)[-4:]  # transformers' own forward of the int8 copy
+    _close(ours, hf_q, "w8 adapter vs transformers on the same int8 model", atol=1e-4, rtol=1e-4)
+    assert (ours - ref).abs().max().item() < 0.05 * ref.abs().max().item() + 1e-2
 
 
 def test_contextvar_route_equals_kwarg_route():

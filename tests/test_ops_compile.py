@@ -76,6 +76,17 @@ def _commit_args(device):
     return [ks, vs, torch.tensor([0, 7, S - N], dtype=torch.int32).to(device), accepted.to(device), num.to(device)]
 
 
+def _linear_args(device, dtype, quantized, M=5):
+    g = gen(5)
+    x = torch.randn(M, 40, generator=g).to(dtype)
+    w = torch.randn(24, 40, generator=g)
+    bias = torch.randn(24, generator=g).to(dtype)
+    if quantized:
+        q, s = ops.quantize_weight_int8(w)
+        return [x.to(device), q.to(device), bias.to(device), s.to(device)]
+    return [x.to(device), w.to(dtype).to(device), bias.to(device), None]
+
+
 OPCHECK_CASES = {
     "verify_attention-fp32-mask": lambda d: (SD.verify_attention.default, _attention_args(d, torch.float32, True)),
     "verify_attention-fp16-causal": lambda d: (SD.verify_attention.default, _attention_args(d, torch.float16, False)),
@@ -86,6 +97,10 @@ OPCHECK_CASES = {
     "greedy_verify-fp32": lambda d: (SD.greedy_verify.default, _greedy_args(d, torch.float32)),
     "greedy_verify-bf16": lambda d: (SD.greedy_verify.default, _greedy_args(d, torch.bfloat16)),
     "kv_commit": lambda d: (SD.kv_commit.default, _commit_args(d)),
+    "linear-fp32": lambda d: (SD.linear.default, _linear_args(d, torch.float32, False)),
+    "linear-bf16": lambda d: (SD.linear.default, _linear_args(d, torch.bfloat16, False)),
+    "linear-int8-fp32x": lambda d: (SD.linear.default, _linear_args(d, torch.float32, True)),
+    "linear-fp32-prefill": lambda d: (SD.linear.default, _linear_args(d, torch.float32, False, M=40)),
 }
 
 
@@ -98,7 +113,7 @@ def test_opcheck(device, case):
 
 def test_every_op_is_opchecked():
     names = {c.split("-")[0] for c in OPCHECK_CASES}
-    assert names == {"verify_attention", "append_kv", "rejection_sample", "greedy_verify", "kv_commit"}
+    assert names == {"verify_attention", "append_kv", "rejection_sample", "greedy_verify", "kv_commit", "linear"}
 
 
 # --------------------------------------------------------------------------- torch.compile

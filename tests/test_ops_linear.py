@@ -1,0 +1,132 @@
+"""linear against specdec.reference (CPU always, CUDA when present).
+
+The reference accumulates in float64; the kernels accumulate in float32 in their own
+order. Tolerance: a float32 dot product of length K has a relative rounding error of at
+most ~K * 2^-24 of sum|x_k w_k| (far less in practice, errors are random); we allow
+2e-5 * sqrt(K) * sum|x w| + one rounding of the output dtype (2^-8 relative for bf16,
+2^-11 for fp16, 2^-24 for fp32). Shapes are odd on purpose: K not a multiple of 8 (the
+vector tail), N not a multiple of 4 (the weight-row tile), M across the 3-row tiles and
+the M > 32 (CPU) / M > 16 (CUDA) switch to the BLAS path.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specdec import ops, reference
+
+from conftest import DEVICES, FLOAT_DTYPES, gen
+
+OUT_EPS = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+
+
+def check_close(y: torch.Tensor, x, w, bias, scale, dtype):
+    ref = reference.linear(x.cpu(), w.cpu(), None if bias is None else bias.cpu(),
+                           None if scale is None else scale.cpu())
+    exact = x.cpu().double() @ w.cpu().double().T
+    if scale is not None:
+        exact = exact * scale.cpu().double()
+    if bias is not None:
+        exact = exact + bias.cpu().double()
+    mag = x.cpu().double().abs() @ w.cpu().double().abs().T
+    if scale is not None:
+        mag = mag * scale.cpu().double()
+    K = x.shape[-1]
+    tol = 2e-5 * math.sqrt(K) * mag + 2 * OUT_EPS[dtype] * exact.abs() + 1e-30
+    assert y.dtype == dtype and y.shape == ref.shape
+    err = (y.cpu().double() - exact).abs()
+    assert bool((err <= tol).all()), f"max err {err.max().item():.3e}, worst tol ratio {(err / tol).max().item():.2f}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 16, 17, 31, 32, 33, 70])
+@pytest.mark.parametrize("K,N", [(77, 13), (576, 130), (40, 4)])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_linear_float(device, dtype, M, K, N, with_bias):
+    g = gen(M * 1000 + K + N)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    w = (torch.randn(N, K, generator=g) / math.sqrt(K)).to(dtype)
+    bias = torch.randn(N, generator=g).to(dtype) if with_bias else None
+    y = ops.linear(x.to(device), w.to(device), None if bias is None else bias.to(device))
+    check_close(y, x, w, bias, None, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("M", [1, 3, 8, 17, 33, 70])
+@pytest.mark.parametrize("K,N", [(77, 13), (576, 130)])
+def test_linear_int8(device, dtype, M, K, N):
+    g = gen(7 * M + K)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    q, s = ops.quantize_weight_int8(torch.randn(N, K, generator=g))
+    bias = torch.randn(N, generator=g).to(dtype)
+    y = ops.linear(x.to(device), q.to(device), bias.to(device), s.to(device))
+    check_close(y, x, q, bias, s, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_leading_dims_and_strides(device):
+    g = gen(11)
+    x = torch.randn(2, 3, 5, 64, generator=g)[:, :, 1:4]  # [2, 3, 3, 64], non-contiguous rows
+    w = torch.randn(50, 64, generator=g)
+    y = ops.linear(x.to(device), w.to(device))
+    assert y.shape == (2, 3, 3, 50)
+    check_close(y.reshape(-1, 50), x.reshape(-1, 64), w, None, None, torch.float32)
+    wt = torch.randn(64, 50, generator=g).T  # non-contiguous weight
+    check_close(ops.linear(x.to(device), wt.to(device)).reshape(-1, 50), x.reshape(-1, 64), wt, None, None,
+                torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_empty_rows(device):
+    x = torch.zeros(0, 16, device=device)
+    y = ops.linear(x, torch.randn(8, 16, device=device))
+    assert y.shape == (0, 8)
+
+
+def test_linear_matches_torch_on_real_layer_shapes():
+    """SmolLM2-135M shapes (K 576 / 1536, N up to 49152) at decode / verify row counts."""
+    g = gen(3)
+    for K, N in [(576, 1536), (1536, 576), (576, 8192)]:
+        w = torch.randn(N, K, generator=g) / math.sqrt(K)
+        for M in (1, 8, 16):
+            x = torch.randn(M, K, generator=g)
+            check_close(ops.linear(x, w), x, w, None, None, torch.float32)
+
+
+def test_quantize_weight_int8_roundtrip():
+    g = gen(5)
+    w = torch.randn(33, 70, generator=g)
+    w[3] = 0  # an all-zero row keeps scale 1
+    q, s = ops.quantize_weight_int8(w)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (33,)
+    assert float(s[3]) == 1.0 and int(q[3].abs().max()) == 0
+    assert int(q.abs().max()) == 127
+    err = (q.float() * s[:, None] - w).abs()
+    assert bool((err <= s[:, None] / 2 + 1e-7).all())  # round to nearest: half a step at most
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_errors(device):
+    x = torch.randn(3, 16, device=device)
+    w = torch.randn(8, 16, device=device)
+    x_before, w_before = x.clone(), w.clone()
+    cases = [
+        (lambda: ops.linear(x, torch.randn(8, 15, device=device)), "K = x.size(-1) = 16"),
+        (lambda: ops.linear(x, torch.randn(8, 16, 1, device=device)), "weight must be [N, K]"),
+        (lambda: ops.linear(x, w.to(torch.bfloat16)), "weight must have the dtype of x"),
+        (lambda: ops.linear(x.to(torch.int32), w), "x must be float32, float16 or bfloat16"),
+        (lambda: ops.linear(x, w.to(torch.int8)), "an int8 weight needs weight_scale"),
+        (lambda: ops.linear(x, w, None, torch.ones(8, device=device)), "weight_scale is only for int8 weights"),
+        (lambda: ops.linear(x, w.to(torch.int8), None, torch.ones(7, device=device)), "weight_scale must be float32 [8]"),
+        (lambda: ops.linear(x, w, torch.zeros(9, device=device)), "bias must be Float [8]"),
+        (lambda: ops.linear(x, w, torch.zeros(8, device=device, dtype=torch.float16)), "bias must be Float [8]"),
+    ]
+    for fn, msg in cases:
+        with pytest.raises(RuntimeError, match="linear: ") as exc:
+            fn()
+        assert msg in str(exc.value), str(exc.value)
+    assert torch.equal(x, x_before) and torch.equal(w, w_before)
