@@ -353,6 +353,43 @@ def bench_commit(device, timer, copy_bw, *, L, B, Hkv, D, S, N, dtype, path, ref
     return row
 
 
+def bench_linear(device, timer, copy_bw, *, M, N, K, count, wdtype, ref_reps) -> Row:
+    """`count` weights [N, K] (together larger than the last-level cache) run back to back,
+    as the layers of one forward; bytes = the weights (x and y are tiny). Compared with
+    torch's F.linear (BLAS / cuBLAS) on the same weights; for int8 rows torch runs the
+    float32 (CPU) / bfloat16 (CUDA) originals: the bytes a float model streams."""
+    g = torch.Generator().manual_seed(M * 7 + N)
+    xdt = torch.float32 if (wdtype == torch.int8 and device == "cpu") else (
+        torch.bfloat16 if wdtype == torch.int8 else wdtype)
+    ws, ss, wt = [], [], []
+    for _ in range(count):
+        w = torch.randn(N, K, generator=g) / math.sqrt(K)
+        if wdtype == torch.int8:
+            q, sc = ops.quantize_weight_int8(w)
+            ws.append(q.to(device)); ss.append(sc.to(device)); wt.append(w.to(xdt).to(device))
+        else:
+            ws.append(w.to(wdtype).to(device)); ss.append(None); wt.append(ws[-1])
+    x = torch.randn(M, K, generator=g).to(xdt).to(device)
+    es = 1 if wdtype == torch.int8 else torch.finfo(wdtype).bits // 8
+    nbytes = count * N * K * es
+
+    def ours():
+        for w, sc in zip(ws, ss):
+            ops.linear(x, w, None, sc)
+
+    def theirs():
+        for w in wt:
+            F.linear(x, w)
+
+    row = Row("linear", f"M={M} N={N} K={K} x{count}", str(wdtype).replace("torch.", ""), 0, nbytes, 0)
+    t = timer.cuda([ours], batch=3) if device == "cuda" else timer.cpu(ours)
+    t_torch = timer.cuda([theirs], batch=3) if device == "cuda" else timer.cpu(theirs)
+    row.median_us, row.gbps, row.frac_copy_bw = t * 1e6, nbytes / t / 1e9, nbytes / t / copy_bw
+    row.ref_us, row.speedup_vs_ref = t_torch * 1e6, t_torch / t
+    row.notes = "ref = torch F.linear" + (" on the float weights" if wdtype == torch.int8 else "")
+    return row
+
+
 # --------------------------------------------------------------------------- plans
 def cpu_plan(quick: bool):
     V = 4096 if quick else 49152
@@ -372,6 +409,11 @@ def cpu_plan(quick: bool):
         (bench_commit, dict(L=4 if quick else 30, B=8, Hkv=3, D=64, S=L + 64, N=16, dtype=torch.float32, path="chain",
                             ref_reps=r)),
     ]
+    # SmolLM2-135M shapes: its lm_head (N 49152, K 576) and 16 MLP-like projections (1536 x 576)
+    for wd in (torch.float32, torch.bfloat16, torch.int8):
+        for M in (1, 8, 16):
+            plan.append((bench_linear, dict(M=M, N=49152 if not quick else 8192, K=576, count=1, wdtype=wd, ref_reps=0)))
+            plan.append((bench_linear, dict(M=M, N=1536, K=576, count=16 if not quick else 4, wdtype=wd, ref_reps=0)))
     return plan
 
 
@@ -398,6 +440,11 @@ def cuda_plan(quick: bool):
         (bench_commit, dict(L=32, B=8, Hkv=8, D=128, S=64, N=16, dtype=torch.bfloat16, path="tree", ref_reps=0)),
         (bench_commit, dict(L=32, B=8, Hkv=8, D=128, S=64, N=16, dtype=torch.bfloat16, path="chain", ref_reps=0)),
     ]
+    # Llama-3-8B MLP / lm_head shapes, decode and verify row counts
+    for wd in (torch.bfloat16, torch.int8):
+        for M in (1, 8, 16):
+            plan.append((bench_linear, dict(M=M, N=14336, K=4096, count=2, wdtype=wd, ref_reps=0)))
+    plan.append((bench_linear, dict(M=8, N=128256, K=4096, count=1, wdtype=torch.bfloat16, ref_reps=0)))
     if big:
         plan += [
             (bench_rejection, dict(B=32, N=32, V=128256, with_draft=True, ref_reps=0)),
@@ -414,6 +461,9 @@ def check_cpu_targets(rows: List[Row], quick: bool) -> None:
             if r.speedup_vs_ref is not None:
                 ok = r.speedup_vs_ref >= 2.0
                 r.target = f"{'PASS' if ok else 'FAIL'} >= 2x ref{size_note}"
+        if r.op == "linear" and r.speedup_vs_ref is not None:
+            ok = r.speedup_vs_ref >= 1.0
+            r.target = f"{'PASS' if ok else 'FAIL'} <= torch F.linear time{size_note}"
         if r.op == "verify_attention" and r.speedup_vs_sdpa is not None:
             ok = r.speedup_vs_sdpa >= 1.0
             r.target = f"{'PASS' if ok else 'FAIL'} <= SDPA time{size_note}"
@@ -453,7 +503,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--quick", action="store_true", help="CI-sized shapes and few repetitions")
     ap.add_argument("--ops", nargs="*", default=None,
-                    help="only these ops (verify_attention append_kv rejection_sample greedy_verify kv_commit)")
+                    help="only these ops (verify_attention append_kv rejection_sample greedy_verify kv_commit linear)")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/ops_<device>_<date>.json)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     args = ap.parse_args(argv)
@@ -477,7 +527,7 @@ def main(argv=None) -> int:
                 loadavg_before=os.getloadavg() if hasattr(os, "getloadavg") else None)
     plan = cpu_plan(args.quick) if args.device == "cpu" else cuda_plan(args.quick)
     names = {bench_attention: "verify_attention", bench_append: "append_kv", bench_rejection: "rejection_sample",
-             bench_greedy: "greedy_verify", bench_commit: "kv_commit"}
+             bench_greedy: "greedy_verify", bench_commit: "kv_commit", bench_linear: "linear"}
     rows: List[Row] = []
     for fn, kw in plan:
         if args.ops and names[fn] not in args.ops:
