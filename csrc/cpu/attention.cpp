@@ -8,6 +8,7 @@
 
 #include "checks.h"
 #include "ops.h"
+#include "specdec/cpu_isa.h"
 
 #define SPECDEC_CPU_ISA base
 #include "specdec/cpu_attention.h"
@@ -21,15 +22,6 @@ namespace {
 void attention_range_base(const AttentionParams& P, int64_t begin, int64_t end) {
   base::AttentionScratch scratch;
   for (int64_t t = begin; t < end; ++t) base::attention_task(P, t / P.Hkv, t % P.Hkv, scratch);
-}
-
-bool cpu_has_avx2_fma() {
-#if defined(__x86_64__) || defined(__i386__)
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
-#else
-  return false;
-#endif
 }
 
 DType to_dtype(at::ScalarType s) {
@@ -80,7 +72,7 @@ at::Tensor verify_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cach
   P.scale = static_cast<float>(scale);
   P.dtype = cpu::to_dtype(q.scalar_type());
 
-  const bool avx2 = cpu::cpu_has_avx2_fma();
+  const bool avx2 = cpu::has_avx2_fma_f16c();
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     if (avx2) cpu::attention_range_avx2(P, begin, end);
     else cpu::attention_range_base(P, begin, end);

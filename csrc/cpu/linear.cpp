@@ -10,6 +10,7 @@
 
 #include "checks.h"
 #include "ops.h"
+#include "specdec/cpu_isa.h"
 
 #define SPECDEC_CPU_ISA base
 #include "specdec/cpu_linear.h"
@@ -23,16 +24,6 @@ namespace {
 constexpr int64_t kSmallM = 32;
 constexpr int64_t kNr = base::kNr;  // same tile in both ISAs
 
-bool cpu_has_avx2_fma_f16c() {
-#if defined(__x86_64__) || defined(__i386__)
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          __builtin_cpu_supports("f16c");
-  return has;
-#else
-  return false;
-#endif
-}
-
 WType to_wtype(at::ScalarType s) {
   switch (s) {
     case at::kFloat: return WType::kFloat32;
@@ -44,7 +35,7 @@ WType to_wtype(at::ScalarType s) {
 
 // y[:, :] for all M rows of P (M <= kSmallM), output columns split over threads.
 void run(const LinearParams& P) {
-  const bool avx2 = cpu_has_avx2_fma_f16c();
+  const bool avx2 = has_avx2_fma_f16c();
   const int64_t blocks = (P.N + kNr - 1) / kNr;
   // At least ~256 KiB of weight per task so that small layers do not pay the fork.
   const int64_t es = P.wtype == WType::kFloat32 ? 4 : (P.wtype == WType::kInt8 ? 1 : 2);
