@@ -202,6 +202,7 @@ def test_hooked_matches_hf_forward(arch):
         warnings.simplefilter("error")  # the hooked path must not warn
         lm = HFCausalLM(model)
     assert lm.hooked, arch
+    assert lm.fast_path == (arch in ("llama", "qwen2")), arch  # specdec.models.fast_llama
     assert lm.num_layers == 2 and lm.dtype == torch.float32
     check_equivalence(model, lm)
     # outside forward/prefill the model is untouched: its own attention implementation and results
@@ -236,6 +237,32 @@ def test_fast_linear_routes_linear_layers(arch, monkeypatch):
         m.prefill(cache, [[5, 17, 29]])
         outs.append(m.forward(cache, torch.tensor([[3, 8, 40]]), torch.arange(3)[None]))
     _close(outs[0], outs[1], "fast_linear vs F.linear")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fast_path_equals_transformers_modules(arch):
+    """The lean Llama-style forward and transformers' own modules (hooked) agree: chain, tree, batch."""
+    model = _tiny(arch)
+    fast, slow = HFCausalLM(model), HFCausalLM(model, fast_path=False)
+    assert fast.fast_path and not slow.fast_path
+    check_equivalence(model, slow)
+    outs = []
+    for lm in (fast, slow):
+        cache = lm.new_cache(2, 32)
+        first = lm.prefill(cache, [[5, 17, 29], [7, 8, 9, 10, 11]])
+        parents = [[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 3]]
+        tokens = torch.tensor([[3, 40, 41, 42, 43], [4, 50, 51, 52, 53]])
+        outs.append((first, lm.forward(cache, tokens, _depths(parents), _ancestor_mask(parents))))
+    _close(outs[0][0], outs[1][0], f"{arch} prefill fast vs modules")
+    _close(outs[0][1], outs[1][1], f"{arch} tree fast vs modules")
+
+
+def test_fast_path_declines_other_models():
+    from specdec.models.fast_llama import build
+
+    for arch, why in (("gpt2", "is not one of"), ("mistral", "sliding-window")):
+        runner, reason = build(_tiny(arch))
+        assert runner is None and why in reason, (arch, reason)
 
 
 def test_weight_only_int8_model():

@@ -270,13 +270,19 @@ class HFCausalLM:
         this adapter's calls (the weight is streamed once for all rows of a decode / verify
         step; the BLAS GEMM keeps larger row counts). The layers' forward is replaced by one
         that is ``F.linear`` outside those calls.
+    fast_path : bool, default True
+        For Llama-style decoders (Llama / SmolLM2, Qwen2, Mistral without an active sliding
+        window; see :mod:`specdec.models.fast_llama`) run the same math on the model's own
+        parameters without transformers' per-layer Python (~20 ms of a 30-layer forward on a
+        CPU). Other models, and hook=False, use transformers' modules. ``fast_path`` (the
+        attribute) says whether it is in use.
 
     Attributes: ``model, config, vocab_size, device, dtype, num_layers, num_kv_heads, head_dim,
     hooked`` (True: "specdec" attention path; False: generic fallback, warned).
     """
 
     def __init__(self, model: torch.nn.Module, hook: bool = True, prefill_chunk: int = 512,
-                 fast_linear: bool = True) -> None:
+                 fast_linear: bool = True, fast_path: bool = True) -> None:
         if not isinstance(getattr(model, "config", None), PretrainedConfig):
             raise TypeError(f"HFCausalLM: expected a transformers PreTrainedModel, got {type(model).__name__}")
         if int(prefill_chunk) < 1:
@@ -312,6 +318,12 @@ class HFCausalLM:
             layers = self._probe_generic()
             self._generic_windows = self._config_windows()
         self._init_shapes(layers)
+        self._runner = None
+        if self.hooked and fast_path:
+            from specdec.models.fast_llama import build
+
+            self._runner, _ = build(model)
+        self.fast_path = self._runner is not None
 
     # ------------------------------------------------------------------ construction
     def _hook_blocker(self) -> Optional[str]:
@@ -472,6 +484,9 @@ class HFCausalLM:
             _FAST_LINEAR.reset(token)
 
     def _forward_impl(self, cache, tokens, depths, tree_mask, logits_to_keep) -> torch.Tensor:
+        if self._runner is not None:
+            positions = cache.lens.to(torch.long).unsqueeze(1) + depths.to(torch.long)  # [B, N]
+            return self._runner(cache, tokens.clamp(min=0), positions, tree_mask, logits_to_keep).float()
         B, N = tokens.shape
         call = _Call(cache=cache, tree_mask=tree_mask)
         if not self.hooked:
