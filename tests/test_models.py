@@ -257,6 +257,20 @@ def test_fast_path_equals_transformers_modules(arch):
     _close(outs[0][1], outs[1][1], f"{arch} tree fast vs modules")
 
 
+def test_fast_path_honours_fast_linear_off(monkeypatch):
+    """fast_linear=False: the lean forward runs nn.Linear with F.linear, never ops.linear."""
+    model = _tiny("llama")
+    calls = []
+    real = ops.linear
+    monkeypatch.setattr(ops, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    lm = HFCausalLM(model, fast_linear=False)
+    assert lm.fast_path and not lm.fast_linear
+    cache = lm.new_cache(1, 16)
+    lm.prefill(cache, [[5, 17, 29]])
+    lm.forward(cache, torch.tensor([[3, 8]]), torch.arange(2)[None])
+    assert not calls
+
+
 def test_fast_path_declines_other_models():
     from specdec.models.fast_llama import build
 

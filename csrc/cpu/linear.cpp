@@ -38,7 +38,7 @@ void run(const LinearParams& P) {
   const bool avx2 = has_avx2_fma_f16c();
   const int64_t blocks = (P.N + kNr - 1) / kNr;
   // At least ~256 KiB of weight per task so that small layers do not pay the fork.
-  const int64_t es = P.wtype == WType::kFloat32 ? 4 : (P.wtype == WType::kInt8 ? 1 : 2);
+  const int64_t es = wtype_size(P.wtype);
   const int64_t grain = std::max<int64_t>(1, (int64_t(256) << 10) / std::max<int64_t>(1, kNr * P.K * es));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     const int64_t n0 = begin * kNr, n1 = std::min(end * kNr, P.N);

@@ -23,6 +23,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from transformers.modeling_utils import slice_logits_to_keep
 
 from specdec import ops
 
@@ -31,12 +32,15 @@ __all__ = ["LlamaRunner", "build"]
 _SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
-def _linear_fn(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A direct call for a linear layer: ops.linear on its tensors when we know the type."""
+def _linear_fn(module: torch.nn.Module, fast_linear: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A direct call for a linear layer: ops.linear on its tensors when we know the type
+    (nn.Linear only with fast_linear, as HFCausalLM's option says; F.linear otherwise)."""
     from specdec.models.quant import Int8Linear
 
-    if type(module) is torch.nn.Linear and module.weight.dtype in (torch.float32, torch.float16, torch.bfloat16):
+    if type(module) is torch.nn.Linear:
         w, b = module.weight, module.bias
+        if not fast_linear or w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return lambda x: F.linear(x, w, b)
         return lambda x: ops.linear(x, w, b)
     if type(module) is Int8Linear:
         return module.forward
@@ -50,12 +54,13 @@ class _Layer:
 class LlamaRunner:
     """Callable ``(cache, ids [B, N], positions [B, N], tree_mask, logits_to_keep) -> logits``."""
 
-    def __init__(self, model: torch.nn.Module, layers: List[_Layer], heads: Tuple[int, int, int]) -> None:
+    def __init__(self, model: torch.nn.Module, layers: List[_Layer], heads: Tuple[int, int, int],
+                 fast_linear: bool) -> None:
         inner = model.model
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
         self.norm_w, self.norm_eps = inner.norm.weight, float(inner.norm.variance_epsilon)
-        self.lm_head = _linear_fn(model.lm_head)
+        self.lm_head = _linear_fn(model.lm_head, fast_linear)
         self.layers = layers
         self.hq, self.hkv, self.head_dim = heads
 
@@ -88,14 +93,14 @@ class LlamaRunner:
             x = self._rms(h, L.ln2_w, L.ln2_eps)
             h = h + L.down(F.silu(L.gate(x)) * L.up(x))
         if isinstance(logits_to_keep, torch.Tensor) or logits_to_keep != 0:
-            from transformers.modeling_utils import slice_logits_to_keep
-
             h = slice_logits_to_keep(h, logits_to_keep)
         return self.lm_head(self._rms(h, self.norm_w, self.norm_eps))
 
 
-def build(model: torch.nn.Module) -> Tuple[Optional[LlamaRunner], str]:
-    """(runner, "") when the model is a supported Llama-style decoder, else (None, why not)."""
+def build(model: torch.nn.Module, fast_linear: bool = True) -> Tuple[Optional[LlamaRunner], str]:
+    """(runner, "") when the model is a supported Llama-style decoder, else (None, why not).
+
+    fast_linear: run plain nn.Linear weights through specdec.ops.linear (else F.linear)."""
     name = type(model).__name__
     if name not in _SUPPORTED:
         return None, f"{name} is not one of {_SUPPORTED}"
@@ -143,10 +148,10 @@ def build(model: torch.nn.Module) -> Tuple[Optional[LlamaRunner], str]:
         L = _Layer()
         L.ln1_w, L.ln1_eps = norms[0].weight, float(norms[0].variance_epsilon)
         L.ln2_w, L.ln2_eps = norms[1].weight, float(norms[1].variance_epsilon)
-        L.q, L.k, L.v, L.o = (_linear_fn(m) for m in (att.q_proj, att.k_proj, att.v_proj, att.o_proj))
-        L.gate, L.up, L.down = (_linear_fn(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        L.q, L.k, L.v, L.o = (_linear_fn(m, fast_linear) for m in (att.q_proj, att.k_proj, att.v_proj, att.o_proj))
+        L.gate, L.up, L.down = (_linear_fn(m, fast_linear) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
         L.scale = float(getattr(att, "scaling", hd ** -0.5))
         layers.append(L)
     if not layers:
         return None, "no layers"
-    return LlamaRunner(model, layers, heads), ""
+    return LlamaRunner(model, layers, heads, fast_linear), ""

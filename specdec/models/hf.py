@@ -322,7 +322,7 @@ class HFCausalLM:
         if self.hooked and fast_path:
             from specdec.models.fast_llama import build
 
-            self._runner, _ = build(model)
+            self._runner, _ = build(model, fast_linear=self.fast_linear)
         self.fast_path = self._runner is not None
 
     # ------------------------------------------------------------------ construction

@@ -37,6 +37,8 @@ namespace cpu {
 
 enum class WType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kInt8 = 3 };
 
+constexpr int64_t wtype_size(WType t) { return t == WType::kFloat32 ? 4 : (t == WType::kInt8 ? 1 : 2); }
+
 struct LinearParams {
   const float* x;       // [M, K] float32, row stride x_stride
   int64_t x_stride;
@@ -58,6 +60,15 @@ typedef uint16_t v8u16 __attribute__((vector_size(16)));
 typedef uint32_t v8u32 __attribute__((vector_size(32)));
 typedef int8_t v8i8 __attribute__((vector_size(8)));
 
+// Reinterpret 32 bytes (an __m256 / __m256i / v8u32) as a v8f.
+template <typename V>
+inline v8f bits_as_v8f(const V& v) {
+  static_assert(sizeof(V) == sizeof(v8f), "32-byte vectors only");
+  v8f f;
+  std::memcpy(&f, &v, sizeof(f));
+  return f;
+}
+
 // 8 weights at w + k (element index) widened to float.
 template <WType WT>
 inline v8f load_w(const void* w, int64_t k) {
@@ -65,26 +76,17 @@ inline v8f load_w(const void* w, int64_t k) {
     return v8_load(static_cast<const float*>(w) + k);
   } else if constexpr (WT == WType::kBFloat16) {
 #if defined(__AVX2__)
-    const __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
-        static_cast<const uint16_t*>(w) + k))), 16);
-    v8f f;
-    std::memcpy(&f, &u, sizeof(f));
-    return f;
+    return bits_as_v8f(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+        static_cast<const uint16_t*>(w) + k))), 16));
 #else
     v8u16 h;
     std::memcpy(&h, static_cast<const uint16_t*>(w) + k, sizeof(h));
-    const v8u32 u = __builtin_convertvector(h, v8u32) << 16;
-    v8f f;
-    std::memcpy(&f, &u, sizeof(f));
-    return f;
+    return bits_as_v8f(__builtin_convertvector(h, v8u32) << 16);
 #endif
   } else if constexpr (WT == WType::kFloat16) {
 #if defined(__F16C__)
-    const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
-        static_cast<const uint16_t*>(w) + k)));
-    v8f r;
-    std::memcpy(&r, &f, sizeof(r));
-    return r;
+    return bits_as_v8f(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+        static_cast<const uint16_t*>(w) + k))));
 #else
     const uint16_t* p = static_cast<const uint16_t*>(w) + k;
     return v8f{half_to_float(p[0]), half_to_float(p[1]), half_to_float(p[2]), half_to_float(p[3]),
@@ -92,11 +94,8 @@ inline v8f load_w(const void* w, int64_t k) {
 #endif
   } else {
 #if defined(__AVX2__)
-    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(
-        static_cast<const int8_t*>(w) + k))));
-    v8f r;
-    std::memcpy(&r, &f, sizeof(r));
-    return r;
+    return bits_as_v8f(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(
+        static_cast<const int8_t*>(w) + k)))));
 #else
     v8i8 b;
     std::memcpy(&b, static_cast<const int8_t*>(w) + k, sizeof(b));
@@ -115,8 +114,7 @@ inline float load_w1(const void* w, int64_t k) {
 
 template <WType WT>
 inline const void* w_row(const void* w, int64_t n, int64_t K) {
-  constexpr int64_t es = WT == WType::kFloat32 ? 4 : (WT == WType::kInt8 ? 1 : 2);
-  return static_cast<const char*>(w) + n * K * es;
+  return static_cast<const char*>(w) + n * K * wtype_size(WT);
 }
 
 // Dot products of NR weight rows (starting at n0) with MR x rows (starting at m0);
@@ -163,7 +161,7 @@ inline void micro_tile(const LinearParams& P, int64_t n0, int64_t m0, const char
 // the prefetch of the next block of NR rows.
 template <WType WT, int NR>
 inline void row_block(const LinearParams& P, int64_t n0, int64_t n_end) {
-  constexpr int64_t es = WT == WType::kFloat32 ? 4 : (WT == WType::kInt8 ? 1 : 2);
+  constexpr int64_t es = wtype_size(WT);
   const int64_t tiles = (P.M + kMr - 1) / kMr;
   const int64_t next_rows = std::min<int64_t>(NR, n_end - (n0 + NR));
   const int64_t lines = next_rows > 0 ? (next_rows * P.K * es + 63) / 64 : 0;
