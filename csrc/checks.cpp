@@ -1,8 +1,14 @@
 #include "checks.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <functional>
+#include <cstdlib>
 #include <sstream>
+#include <vector>
+
+#include "specdec/sampling_fixed.h"
 
 namespace specdec {
 namespace checks {
@@ -86,6 +92,64 @@ void check_probs(const char* op, const char* name, const at::Tensor& t, int64_t 
   }
 }
 
+// [first byte, one past the last byte) that a tensor's elements occupy; empty for numel 0.
+struct ByteRange {
+  uintptr_t begin = 0, end = 0;
+  int64_t index = 0;
+};
+
+ByteRange byte_range(const at::Tensor& t, int64_t index) {
+  ByteRange r;
+  r.index = index;
+  if (t.numel() == 0) return r;
+  int64_t lo = 0, hi = 0;  // element offsets of the extreme elements
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    const int64_t span = (t.size(d) - 1) * t.stride(d);
+    if (span < 0) lo += span;
+    else hi += span;
+  }
+  const uintptr_t base = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const int64_t es = t.element_size();
+  r.begin = base + lo * es;
+  r.end = base + (hi + 1) * es;
+  return r;
+}
+
+bool overlaps(const at::Tensor& a, const ByteRange& ra, const at::Tensor& b, const ByteRange& rb) {
+  return ra.end > ra.begin && rb.end > rb.begin && ra.begin < rb.end && rb.begin < ra.end &&
+         a.device() == b.device();
+}
+
+[[noreturn]] void overlap_error(const char* op, const std::function<std::string(int64_t)>& name, int64_t a,
+                                int64_t b) {
+  TORCH_CHECK(false, op, ": ", name(std::min(a, b)), " and ", name(std::max(a, b)),
+              " share memory (the same tensor passed twice, or overlapping views); every tensor this op writes "
+              "must be memory of its own");
+  std::abort();
+}
+
+// Tensors an op writes (ts[0, n_written)) must not share memory with each other or with
+// the inputs it reads meanwhile (ts[n_written, end)): two CUDA blocks would race on the
+// same rows, and the CPU loop would read what it has already overwritten. Read-only inputs
+// may share memory with each other. O(n log n) over the written tensors; name(i) describes
+// tensor i for the message.
+void check_no_overlap(const char* op, const std::vector<const at::Tensor*>& ts, size_t n_written,
+                      const std::function<std::string(int64_t)>& name) {
+  std::vector<ByteRange> rs;
+  rs.reserve(ts.size());
+  for (size_t i = 0; i < ts.size(); ++i) rs.push_back(byte_range(*ts[i], int64_t(i)));
+  std::vector<ByteRange> w(rs.begin(), rs.begin() + n_written);
+  w.erase(std::remove_if(w.begin(), w.end(), [](const ByteRange& r) { return r.end <= r.begin; }), w.end());
+  std::sort(w.begin(), w.end(), [](const ByteRange& a, const ByteRange& b) { return a.begin < b.begin; });
+  for (size_t i = 1, widest = 0; i < w.size(); ++i) {
+    if (overlaps(*ts[w[i].index], w[i], *ts[w[widest].index], w[widest])) overlap_error(op, name, w[i].index, w[widest].index);
+    if (w[i].end > w[widest].end) widest = i;
+  }
+  for (size_t r = n_written; r < ts.size(); ++r)
+    for (const ByteRange& x : w)
+      if (overlaps(*ts[r], rs[r], *ts[x.index], x)) overlap_error(op, name, int64_t(r), x.index);
+}
+
 }  // namespace
 
 bool strict() { return g_strict.load(std::memory_order_relaxed); }
@@ -148,6 +212,9 @@ void append_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::T
   check_same_device(op, "v_new", v_new, k_cache);
   check_same_device(op, "cache_lens", cache_lens, k_cache);
   check_int_vector(op, "cache_lens", cache_lens, B, at::kInt);
+  static const char* kNames[] = {"k_cache", "v_cache", "k_new", "v_new", "cache_lens"};
+  check_no_overlap(op, {&k_cache, &v_cache, &k_new, &v_new, &cache_lens}, 2,
+                   [](int64_t i) { return std::string(kNames[i]); });
   check_lens_fit(op, cache_lens, S, N);
 }
 
@@ -158,6 +225,9 @@ void rejection_sample(const at::Tensor& tokens, const at::Tensor& parents, const
   check_tree(op, tokens, parents, target_probs.size(2));
   const int64_t B = tokens.size(0), N = tokens.size(1);
   check_probs(op, "target_probs", target_probs, B, N);
+  TORCH_CHECK(target_probs.size(2) <= fixed::kMaxVocab, op, ": target_probs vocabulary V = ", target_probs.size(2),
+              " exceeds the largest the sampler supports (", fixed::kMaxVocab,
+              ": a row's integer mass must stay below 2^62)");
   check_same_device(op, "target_probs", target_probs, tokens);
   if (draft_probs.has_value()) {
     check_probs(op, "draft_probs", *draft_probs, B, N);
@@ -224,6 +294,24 @@ void kv_commit(at::TensorList k_caches, at::TensorList v_caches, const at::Tenso
   check_same_device(op, "cache_lens", cache_lens, ref);
   check_same_device(op, "accepted", accepted, ref);
   check_same_device(op, "num_accepted", num_accepted, ref);
+  {
+    // Every written tensor (the 2L caches, cache_lens) distinct from the others and from
+    // the paths read while the caches are written.
+    const int64_t L = int64_t(k_caches.size());
+    std::vector<const at::Tensor*> ts;
+    ts.reserve(2 * L + 3);
+    for (int64_t l = 0; l < L; ++l) ts.push_back(&k_caches[l]);
+    for (int64_t l = 0; l < L; ++l) ts.push_back(&v_caches[l]);
+    ts.push_back(&cache_lens);
+    ts.push_back(&accepted);
+    ts.push_back(&num_accepted);
+    check_no_overlap(op, ts, size_t(2 * L + 1), [L](int64_t i) {
+      if (i < L) return "k_caches[" + std::to_string(i) + "]";
+      if (i < 2 * L) return "v_caches[" + std::to_string(i - L) + "]";
+      static const char* kTail[] = {"cache_lens", "accepted", "num_accepted"};
+      return std::string(kTail[i - 2 * L]);
+    });
+  }
   if (!want_values(cache_lens)) return;
   at::Tensor hl = host(cache_lens), ha = host(accepted), hn = host(num_accepted);
   const int32_t* lens = hl.data_ptr<int32_t>();
@@ -275,6 +363,23 @@ void linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<a
                 x.scalar_type(), " [", N, "], got ", b.scalar_type(), " ", b.sizes());
     check_same_device(op, "bias", b, x);
   }
+}
+
+int64_t linear_rows(const at::Tensor& x) {
+  int64_t M = 1;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) M *= x.size(d);
+  return M;
+}
+
+std::optional<at::Tensor> linear_trivial(const at::Tensor& x, const at::Tensor& weight,
+                                         const std::optional<at::Tensor>& bias) {
+  const int64_t N = weight.size(0), K = weight.size(1);
+  if (linear_rows(x) != 0 && N != 0 && K != 0) return std::nullopt;
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  at::Tensor y = at::zeros(out_shape, x.options());
+  if (bias.has_value() && y.numel() > 0) y.copy_(bias->expand(out_shape));
+  return y;
 }
 
 }  // namespace checks

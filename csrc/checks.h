@@ -31,5 +31,13 @@ void kv_commit(at::TensorList k_caches, at::TensorList v_caches, const at::Tenso
 void linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
             const std::optional<at::Tensor>& weight_scale);
 
+// Rows of linear's x: the product of its leading sizes (well defined for K = 0).
+int64_t linear_rows(const at::Tensor& x);
+// linear's result when there is nothing to stream (M = 0, N = 0 or K = 0): bias broadcast
+// over [..., N] (zeros without one), in x's dtype — the value of the empty sum. Empty
+// std::optional otherwise. The same on every backend.
+std::optional<at::Tensor> linear_trivial(const at::Tensor& x, const at::Tensor& weight,
+                                         const std::optional<at::Tensor>& bias);
+
 }  // namespace checks
 }  // namespace specdec

@@ -109,9 +109,11 @@ def rejection_sample(tokens: torch.Tensor, parents: torch.Tensor, target_probs: 
         Padding nodes (parent -1 beyond the root) are ignored.
     parents : Tensor [B, N], int32
         ``parents[b, 0] == -1``; ``-1 <= parents[b, i] < i`` (topological order).
-    target_probs : Tensor [B, N, V], float32, contiguous
+    target_probs : Tensor [B, N, V], float32, contiguous, V <= 2**20
         ``p`` after node i: the target's next-token distribution given the path to i,
         already warped (temperature / top-k / top-p). Rows need not be normalised.
+        Entries that are NaN, infinite, zero or negative carry no mass (strict mode
+        rejects NaN, inf and negative entries instead).
     draft_probs : Tensor [B, N, V], float32, optional
         ``q_i``: the distribution node i's token was drawn from (row 0 unused).
         Rows must be normalised (they are used as given: an unnormalised q skews
@@ -119,19 +121,27 @@ def rejection_sample(tokens: torch.Tensor, parents: torch.Tensor, target_probs: 
         one-hot on its token).
     uniforms : Tensor [B, N], float64 in [0, 1]
         ``uniforms[b, c]`` decides child c; ``uniforms[b, 0]`` the final draw.
+        u = 1 is allowed: a child is then accepted only where p(x) > q(x), and the
+        final draw returns the last token with positive mass.
 
     Semantics
     ---------
-    From the root, try the current node's children in index order with the current
-    distribution p (p <- target_probs[b, node] on entering a node): child c with
-    token x is accepted iff ``q_c(x) > 0`` and ``u_c * q_c(x) < p(x)`` (i.e.
-    u < p/q); after a rejection p <- norm(max(0, p - q_c)). When no child is
-    accepted (or the node is a leaf) one token is drawn from p by inverse CDF with
-    ``uniforms[b, 0]``: the first index whose float64 running sum exceeds
-    ``u * sum(p)``; if rounding leaves no such index, the last index with p > 0.
-    If the residual has zero mass (rounding only, as p == q accepts surely) the
-    draw uses the node's own target row; if that too has zero mass, token 0.
-    All sums are float64, so backends differ only on exact ties.
+    A node's target row becomes integer masses (fixed point, exact): with M the row's
+    largest entry and e its binary exponent (M = f * 2**e, 0.5 <= f < 1), entry x has
+    mass m(x) = floor(x * 2**(42 - e)); Z = sum(m) is an exact integer (< 2**62). From
+    the root, try the current node's children in index order: child c with token x
+    is accepted iff ``q_c(x) > 0`` and ``(u_c * q_c(x)) * Z < m(x)`` in float64
+    (i.e. u < p/q with p = m / Z); after a rejection m <- max(0, m - floor(Z * q_c))
+    (deterministic candidates: m(x) <- 0). When no child is accepted (or the node is a
+    leaf) one token is drawn by inverse CDF with ``u = uniforms[b, 0]``: the first
+    index whose integer running sum of m exceeds ``min(floor(u * Z), Z - 1)`` (so
+    u >= 1 gives the last token with mass). If the residual has zero mass (rounding
+    only, as p == q accepts surely) the draw uses the node's own target row; if that
+    too has zero mass, token 0. Sums are integers and every float64 operation is one
+    correctly rounded product, so the reference, CPU and CUDA make the same decision
+    on every input by construction (ties included), whatever order they add in.
+    Scaling a target row by a power of two changes nothing. Resolution: 2**-41 of a
+    row's largest entry.
 
     Returns
     -------

@@ -11,10 +11,11 @@ Conventions (DESIGN.md):
     ordered: ``parents[b, i] < i`` for real nodes, ``parents[b, 0] == -1``.
     Padding nodes have parent -1 and token -1 (they are never anyone's child).
   * Probability arithmetic: the current (residual) distribution is kept
-    UNNORMALISED as ``r`` in float64 with mass ``Z = sum(r)``; the normalised
-    distribution is ``r / Z``. Sums and the inverse-CDF scan run in float64 so that
-    the summation order of a backend changes results only on exact ties
-    (measure-zero events), which is what makes CPU and CUDA integer outputs agree.
+    UNNORMALISED as integer masses ``m`` (fixed point, :func:`quantize_row`) with
+    total ``Z = sum(m)``; the normalised distribution is ``m / Z``. Integer sums are
+    exact in any order, and the few float64 operations (the acceptance test, the
+    scaled draft mass, the draw threshold) are single rounded products, so CPU, CUDA
+    and this reference make identical decisions BY CONSTRUCTION, ties included.
 """
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ __all__ = [
     "kv_commit",
     "linear",
     "sample_from",
+    "quantize_row",
+    "draw_threshold",
+    "MASS_BITS",
+    "MAX_VOCAB",
     "tree_attention_mask",
 ]
 
@@ -96,36 +101,79 @@ def tree_attention_mask(parents: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- sampling
+#: Fixed-point precision of the sampler: a row's entries are integers in units of
+#: 2**(e - MASS_BITS), e the binary exponent of the row's largest entry, so every entry
+#: is < 2**MASS_BITS units and a row's mass is < V * 2**MASS_BITS <= 2**62.
+MASS_BITS = 42
+#: Largest vocabulary the sampler takes (keeps the integer mass of a row below 2**62).
+MAX_VOCAB = 1 << 20
+_MASS_CAP = 1 << 62
+
+
+def quantize_row(row: torch.Tensor) -> torch.Tensor:
+    """The integer mass of a probability row [V] (float32): the sampler's view of it.
+
+    Entries that are NaN, infinite, zero or negative carry no mass. With M the largest
+    remaining entry and e its binary exponent (M = f * 2**e, 0.5 <= f < 1), entry x
+    becomes floor(x * 2**(MASS_BITS - e)) (exact: a power-of-two scaling, then a floor),
+    so scaling a row by a power of two changes nothing and the mass is an exact integer
+    sum: every backend gets the same masses, prefix sums and decisions whatever order it
+    adds in. Relative resolution 2**-(MASS_BITS - 1) of the largest entry.
+    """
+    x = row.double()
+    x = torch.where(torch.isfinite(x) & (x > 0), x, torch.zeros_like(x))
+    M = float(x.max()) if x.numel() else 0.0
+    if not M > 0.0:
+        return torch.zeros(x.shape, dtype=torch.int64, device=x.device)
+    e = int(torch.frexp(torch.tensor(M, dtype=torch.float64)).exponent)
+    return torch.floor(x * (2.0 ** (MASS_BITS - e))).to(torch.int64)
+
+
+def _scaled_mass(Z: int, q_row: torch.Tensor) -> torch.Tensor:
+    """floor(double(Z) * q_i) clamped to [0, 2**62] (NaN / non-positive -> 0): the integer
+    mass that a rejected draft row q removes from a residual of mass Z."""
+    t = float(Z) * q_row.double()
+    t = torch.where(t > 0, t, torch.zeros_like(t))  # NaN and negatives -> 0
+    t = torch.clamp(t, max=float(_MASS_CAP))
+    return torch.floor(t).to(torch.int64)
+
+
 def _children(parents_b: torch.Tensor, node: int) -> List[int]:
     N = parents_b.shape[0]
     return [c for c in range(node + 1, N) if int(parents_b[c]) == node]
 
 
-def sample_from(r: torch.Tensor, u: float) -> int:
-    """Inverse-CDF draw from the unnormalised float64 distribution ``r`` [V].
+def draw_threshold(Z: int, u: float) -> int:
+    """The integer threshold of an inverse-CDF draw with uniform u from mass Z > 0:
+    floor(u * double(Z)) clamped to [0, Z - 1] (u <= 0 or NaN -> 0; u >= 1 -> Z - 1)."""
+    t = u * float(Z)
+    if not t > 0.0:
+        return 0
+    if t >= float(Z):
+        return Z - 1
+    return min(int(t), Z - 1)
 
-    Returns the first index i with cumsum(r)[i] > u * sum(r). When rounding leaves
-    the threshold at or above the last partial sum (u very close to 1), the last
-    index with r > 0 is returned. Returns -1 when the mass is zero (callers handle).
+
+def sample_from(m: torch.Tensor, u: float) -> int:
+    """Inverse-CDF draw from the integer masses ``m`` [V] (see :func:`quantize_row`).
+
+    Returns the first index i whose inclusive prefix sum of m exceeds
+    :func:`draw_threshold` (Z, u), Z = sum(m); that index always has m > 0, and u >= 1
+    gives the last index with mass. Returns -1 when the mass is zero (callers handle).
+    Integer sums: the result does not depend on any summation order.
     """
-    Z = float(r.sum())
-    if not Z > 0.0:
+    Z = int(m.sum())
+    if Z <= 0:
         return -1
-    threshold = u * Z
-    csum = torch.cumsum(r, dim=0)
-    hit = torch.nonzero(csum > threshold)
-    if hit.numel() > 0:
-        idx = int(hit[0, 0])
-        # csum is strictly increasing only over r > 0; the first crossing is always at r > 0.
-        return idx
-    nz = torch.nonzero(r > 0)
-    return int(nz[-1, 0])
+    thr = draw_threshold(Z, u)
+    csum = torch.cumsum(m, dim=0)
+    return int(torch.nonzero(csum > thr)[0, 0])
 
 
-def _draw(r: torch.Tensor, p_node: torch.Tensor, u: float) -> int:
-    tok = sample_from(r, u)
-    if tok < 0:  # residual mass 0 (rounding): fall back to the node's own target p
-        tok = sample_from(p_node, u)
+def _draw(m: torch.Tensor, m_node: torch.Tensor, u: float) -> int:
+    tok = sample_from(m, u)
+    if tok < 0:  # residual mass 0 (rounding): fall back to the node's own target row
+        tok = sample_from(m_node, u)
     if tok < 0:  # the target row itself has no mass: documented rule, token 0
         tok = 0
     return tok
@@ -134,43 +182,49 @@ def _draw(r: torch.Tensor, p_node: torch.Tensor, u: float) -> int:
 def rejection_sample(tokens: torch.Tensor, parents: torch.Tensor, target_probs: torch.Tensor,
                      draft_probs: Optional[torch.Tensor], uniforms: torch.Tensor
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Tree speculative sampling (SpecInfer multi-step), see ops.rejection_sample."""
+    """Tree speculative sampling (SpecInfer multi-step), see ops.rejection_sample.
+
+    The current (residual) distribution of a node is kept as integer masses ``m`` (from
+    :func:`quantize_row` of the node's target row) with total ``Z``: child c with token x
+    is accepted iff q_c(x) > 0 and (u_c * q_c(x)) * double(Z) < double(m[x]) (float64,
+    each product rounded); a rejection sets m <- max(0, m - floor(double(Z) * q_c))
+    (deterministic candidates: m[x] <- 0).
+    """
     B, N = tokens.shape
     dev = tokens.device
     accepted = torch.full((B, N), -1, dtype=torch.int32, device=dev)
     num_accepted = torch.zeros(B, dtype=torch.int32, device=dev)
     out_tokens = torch.full((B, N), -1, dtype=torch.int64, device=dev)
+    V = target_probs.shape[2]
     for b in range(B):
         node = 0
         path = [0]
         emitted: List[int] = []
         while True:
-            p_node = target_probs[b, node].double()
-            r = p_node.clone()
-            Z = float(r.sum())
+            m_node = quantize_row(target_probs[b, node])
+            m = m_node.clone()
+            Z = int(m.sum())
             chosen = -1
             for c in _children(parents[b], node):
                 x = int(tokens[b, c])
-                if draft_probs is None:
-                    qx = 1.0
-                else:
-                    qx = float(draft_probs[b, c, x])
-                # accept iff u < p(x) / q(x) with p = r / Z, i.e. u * q(x) * Z < r(x)
-                if qx > 0.0 and float(uniforms[b, c]) * qx * Z < float(r[x]):
+                if x < 0 or x >= V:  # unchecked bad token: never accepted, never read
+                    continue
+                qx = 1.0 if draft_probs is None else float(draft_probs[b, c, x])
+                # accept iff u < p(x) / q(x) with p = m / Z, i.e. u * q(x) * Z < m(x)
+                if qx > 0.0 and float(uniforms[b, c]) * qx * float(Z) < float(m[x]):
                     chosen = c
                     break
-                # reject: r <- max(0, r - Z * q_c)   (still unnormalised)
                 if draft_probs is None:
-                    r[x] = 0.0
+                    m[x] = 0
                 else:
-                    r = torch.clamp(r - Z * draft_probs[b, c].double(), min=0.0)
-                Z = float(r.sum())
+                    m = torch.clamp(m - _scaled_mass(Z, draft_probs[b, c]), min=0)
+                Z = int(m.sum())
             if chosen >= 0:
                 path.append(chosen)
                 emitted.append(int(tokens[b, chosen]))
                 node = chosen
                 continue
-            emitted.append(_draw(r, p_node, float(uniforms[b, 0])))
+            emitted.append(_draw(m, m_node, float(uniforms[b, 0])))
             break
         accepted[b, : len(path)] = torch.tensor(path, dtype=torch.int32)
         num_accepted[b] = len(path) - 1

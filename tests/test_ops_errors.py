@@ -347,6 +347,42 @@ CASES = [
          "kv_commit: cache_lens[0] = -1 + accepted node 3 lies past the cache capacity S = 16", "value"),
 ]
 
+# aliasing: a tensor an op writes may not share memory with another argument
+def _alias(dst, src, i=None, j=None):
+    """dst (or dst[i]) becomes the very tensor src (or src[j]) — the same memory twice."""
+    def f(a):
+        value = a[src] if j is None else a[src][j]
+        if i is None:
+            a[dst] = value
+        else:
+            a[dst] = list(a[dst])
+            a[dst][i] = value
+    return f
+
+
+CASES += [
+    Case("k_aliases_v", "kv_commit", _alias("v_caches", "k_caches", 0, 0),
+         "kv_commit: k_caches[0] and v_caches[0] share memory (the same tensor passed twice, or overlapping "
+         "views); every tensor this op writes must be memory of its own"),
+    Case("layer_listed_twice", "kv_commit", _alias("k_caches", "k_caches", 1, 0),
+         "kv_commit: k_caches[0] and k_caches[1] share memory"),
+    Case("overlapping_views", "kv_commit",
+         _set(k_caches=lambda: (lambda big: [big[:2], big[1:3]])(torch.randn(3, 2, 16, 64))),
+         "kv_commit: k_caches[0] and k_caches[1] share memory"),
+    Case("lens_alias_num_accepted", "kv_commit", _alias("num_accepted", "cache_lens"),
+         "kv_commit: cache_lens and num_accepted share memory"),
+    Case("k_cache_aliases_v_cache", "append_kv", _alias("v_cache", "k_cache"),
+         "append_kv: k_cache and v_cache share memory"),
+    Case("k_new_inside_cache", "append_kv",
+         _both(_set(k_cache=lambda: torch.randn(2, 2, 16, 64)),
+               lambda a: a.update(k_new=a["k_cache"][:, :, 1:4])),
+         "append_kv: k_cache and k_new share memory"),
+    Case("vocab_too_large", "rejection_sample",
+         _set(target_probs=lambda: torch.zeros(2, 4, (1 << 20) + 1), draft_probs=None),
+         "rejection_sample: target_probs vocabulary V = 1048577 exceeds the largest the sampler supports "
+         "(1048576: a row's integer mass must stay below 2^62)"),
+]
+
 # check_tree is shared by rejection_sample and greedy_verify: every condition for both ops
 for _op in ("rejection_sample", "greedy_verify"):
     CASES += [

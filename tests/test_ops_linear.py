@@ -130,3 +130,33 @@ def test_linear_errors(device):
             fn()
         assert msg in str(exc.value), str(exc.value)
     assert torch.equal(x, x_before) and torch.equal(w, w_before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("M", [0, 1, 33])
+@pytest.mark.parametrize("wkind", ["float", "int8"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_linear_empty_reduction(device, dtype, M, wkind, with_bias):
+    """K = 0 (an empty sum) once killed the process with SIGFPE (division by K): the
+    result is the bias broadcast over [..., N] (zeros without one), as the reference
+    gives, on every backend and on both sides of the kernel / BLAS switch."""
+    x = torch.zeros(M, 0, dtype=dtype)
+    if wkind == "int8":
+        w, scale = torch.zeros(3, 0, dtype=torch.int8), torch.rand(3)
+    else:
+        w, scale = torch.zeros(3, 0, dtype=dtype), None
+    bias = torch.randn(3, generator=gen(7)).to(dtype) if with_bias else None
+    want = reference.linear(x, w, bias, scale)
+    got = ops.linear(x.to(device), w.to(device), None if bias is None else bias.to(device),
+                     None if scale is None else scale.to(device))
+    assert got.shape == (M, 3) and got.dtype == dtype and got.device.type == device
+    assert torch.equal(got.cpu(), want)
+    # leading dims with a zero-size reduction, and N = 0
+    got = ops.linear(torch.zeros(2, 5, 0, dtype=dtype, device=device), w.to(device), None,
+                     None if scale is None else scale.to(device))
+    assert got.shape == (2, 5, 3) and not bool(got.any())
+    wn = torch.zeros(0, 4, dtype=w.dtype, device=device)
+    got = ops.linear(torch.ones(2, 4, dtype=dtype, device=device), wn, None,
+                     None if scale is None else torch.zeros(0, device=device))
+    assert got.shape == (2, 0)

@@ -486,3 +486,83 @@ def test_greedy_verify_inputs_unchanged(device):
     ops.greedy_verify(*dev)
     for a, b in zip(dev, before):
         assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------- by construction
+ONE_MINUS = 1.0 - 2.0 ** -53  # the largest double below 1
+
+
+@pytest.mark.parametrize("u", [1.0, ONE_MINUS], ids=["u1", "u_below_1"])
+@pytest.mark.parametrize("with_draft", [True, False], ids=["q", "q_none"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_peaked_rows_at_u_one(device, u, with_draft):
+    """Once the three implementations summed a row in three orders and, with u * Z in the
+    last ulps of a tail too small to move a float sum, stopped the inverse-CDF walk at
+    different tokens (3 of 40 rows at u = 1, softmax(25 randn), V = 3000). With integer
+    masses they agree on every row, and u = 1 takes the last token with positive mass."""
+    g = gen(40)
+    B, V = 40, 3000
+    p = torch.softmax(25 * torch.randn(B, 1, V, generator=g), -1)
+    tokens = torch.zeros(B, 1, dtype=torch.int64)
+    parents = torch.full((B, 1), -1, dtype=torch.int32)
+    uu = torch.full((B, 1), u, dtype=torch.float64)
+    q = torch.softmax(torch.randn(B, 1, V, generator=g), -1) if with_draft else None
+    acc, num, out = run_rejection(device, tokens, parents, p, q, uu)
+    if u == 1.0:
+        for b in range(B):
+            last = int((reference.quantize_row(p[b, 0]) > 0).nonzero()[-1, 0])
+            assert int(out[b, 0]) == last
+    # the same with a rejected chain child in front (a residual row, not the target row)
+    tokens2 = torch.zeros(B, 2, dtype=torch.int64)
+    tokens2[:, 1] = p[:, 0].argmin(-1)
+    parents2 = torch.tensor([[-1, 0]] * B, dtype=torch.int32)
+    p2 = torch.cat([p, torch.softmax(torch.randn(B, 1, V, generator=g), -1)], 1)
+    q2 = None if q is None else torch.cat([q, q], 1)
+    run_rejection(device, tokens2, parents2, p2, q2, torch.full((B, 2), u, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_threshold_on_prefix_boundaries(device):
+    """u chosen so that floor(u * Z) lands exactly on, one below and one above a prefix sum
+    of the masses: the draw is the first index whose prefix EXCEEDS the threshold, and
+    every backend agrees (integer prefix sums: no order can move the boundary)."""
+    g = gen(41)
+    V = 257
+    rows, us = [], []
+    for r in range(12):
+        p = torch.softmax(3 * torch.randn(V, generator=g), -1) * (torch.rand(V, generator=g) < 0.6)
+        p[int(torch.randint(0, V, (1,), generator=g))] = 0.3
+        m = reference.quantize_row(p)
+        csum = torch.cumsum(m, 0)
+        Z = int(m.sum())
+        for j in torch.randint(0, V, (4,), generator=g).tolist():
+            for delta in (-1, 0, 1):
+                rows.append(p)
+                us.append(min(max((int(csum[j]) + delta) / Z, 0.0), 1.0))
+    B = len(rows)
+    p = torch.stack(rows)[:, None, :].contiguous()
+    u = torch.tensor(us, dtype=torch.float64)[:, None]
+    acc, num, out = run_rejection(device, torch.zeros(B, 1, dtype=torch.int64),
+                                  torch.full((B, 1), -1, dtype=torch.int32), p, None, u)
+    for b in range(B):  # an independent statement with Python integers
+        m = reference.quantize_row(p[b, 0]).tolist()
+        Z = sum(m)
+        thr = min(max(int(us[b] * float(Z)), 0), Z - 1)
+        run = 0
+        for i, mi in enumerate(m):
+            run += mi
+            if run > thr:
+                break
+        assert int(out[b, 0]) == i and m[i] > 0
+
+
+def test_quantize_row_rules():
+    """The fixed-point view of a row: NaN / inf / zero / negative carry no mass, the largest
+    entry has 2**41 <= m < 2**42 units, power-of-two scaling changes nothing."""
+    row = torch.tensor([0.25, float("nan"), float("inf"), -1.0, 0.0, 0.125, 1e-30, 0.75])
+    m = reference.quantize_row(row)
+    assert m.tolist()[1:5] == [0, 0, 0, 0]
+    assert 2 ** 41 <= int(m.max()) < 2 ** 42 and int(m[7]) == int(m.max())
+    assert int(m[0]) == 2 ** 40 and int(m[5]) == 2 ** 39 and int(m[6]) == 0  # max 0.75: e = 0
+    assert torch.equal(reference.quantize_row(row * 2.0 ** 30), m)
+    assert not bool(reference.quantize_row(torch.zeros(5)).any())

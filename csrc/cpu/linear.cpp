@@ -53,15 +53,15 @@ void run(const LinearParams& P) {
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                       const std::optional<at::Tensor>& weight_scale) {
   checks::linear(x, weight, bias, weight_scale);
+  if (auto y = checks::linear_trivial(x, weight, bias)) return *y;
   const int64_t K = weight.size(1), N = weight.size(0);
-  const int64_t M = x.numel() / K;
+  const int64_t M = checks::linear_rows(x);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   const bool quantized = weight.scalar_type() == at::kChar;
   if (!quantized && M > cpu::kSmallM) {
     return at::linear(x, weight, bias);
   }
-  if (M == 0) return at::zeros(out_shape, x.options());
 
   const at::Tensor w = weight.contiguous();
   at::Tensor x2 = x.reshape({M, K});

@@ -1,9 +1,9 @@
 // rejection_sample / greedy_verify, CPU backend: one task per request (at::parallel_for),
 // the tree walk itself in csrc/include/specdec/tree_walk.h.
 //
-// Napkin math: every visited node reads its target row once (the float64 mass Z);
-// a rejection adds one pass over p and q_c for that row only; the final draw one more
-// pass over the current row. B = 8, N = 16, V = 49152 accepted to the end: 8 * 16 *
+// Napkin math: every visited node reads its target row twice (its largest entry, then the
+// integer masses and Z); a rejection adds one pass over the masses and q_c for that row
+// only; the final draw one more pass over the current row. B = 8, N = 16, V = 49152 accepted to the end: 8 * 16 *
 // 49152 * 4 B = 25 MB read.
 #include <ATen/Parallel.h>
 
@@ -44,11 +44,11 @@ SampleResult rejection_sample_cpu(const at::Tensor& tokens_in, const at::Tensor&
   const float* q = draft_probs.has_value() ? draft_probs->data_ptr<float>() : nullptr;
   const double* u = uniforms.data_ptr<double>();
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<double> scratch;
+    std::vector<int64_t> mnode, scratch;
     std::vector<int32_t> first_child, next_sibling;
     for (int64_t b = begin; b < end; ++b) {
       cpu::rejection_sample_request(tok + b * N, par + b * N, p + b * N * V, q ? q + b * N * V : nullptr, u + b * N,
-                                    N, V, scratch, first_child, next_sibling, outputs_of(res, b, N));
+                                    N, V, mnode, scratch, first_child, next_sibling, outputs_of(res, b, N));
     }
   });
   return res;

@@ -131,8 +131,9 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std:
                        const std::optional<at::Tensor>& weight_scale) {
   checks::linear(x, weight, bias, weight_scale);
   const c10::cuda::CUDAGuard guard(x.device());
+  if (auto y = checks::linear_trivial(x, weight, bias)) return *y;
   const int64_t K = weight.size(1), N = weight.size(0);
-  const int64_t M = x.numel() / K;
+  const int64_t M = checks::linear_rows(x);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   const bool quantized = weight.scalar_type() == at::kChar;
@@ -141,7 +142,6 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std:
     const at::Tensor wd = (weight.to(at::kFloat) * weight_scale->unsqueeze(1)).to(x.scalar_type());
     return at::linear(x, wd, bias);
   }
-  if (M == 0 || N == 0) return at::zeros(out_shape, x.options());
   const at::Tensor w = weight.contiguous();
   const at::Tensor x32 = x.reshape({M, K}).to(at::kFloat).contiguous();
   std::optional<at::Tensor> b32, s32;

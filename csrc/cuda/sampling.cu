@@ -1,20 +1,23 @@
 // rejection_sample / greedy_verify, CUDA backend.
 //
 // What it computes: the accepted root path of every request's token tree and the one
-// extra token drawn (or argmax'ed) after it. Semantics are specdec/reference.py's and
-// csrc/include/specdec/tree_walk.h's, step for step, so that CPU and CUDA integer outputs
-// are identical:
+// extra token drawn (or argmax'ed) after it.
+// Semantics are specdec/reference.py's and csrc/include/specdec/tree_walk.h's, step for
+// step, and the arithmetic is csrc/include/specdec/sampling_fixed.h, shared with the CPU:
 //  * children of a node = nodes c > node with parents[c] == node, tried in index order
 //    (a block-wide "first match after c" search, no children lists);
+//  * a node's target row becomes integer masses m (fixed point relative to the row's
+//    largest entry, fixed::quantize) with Z = sum(m): integer sums, so block reductions and
+//    scans in any order give the CPU's exact values;
 //  * sampled drafts: child c with token x is accepted iff q_c(x) > 0 and
-//    u_c * q_c(x) * Z < r(x), where r is the current UNNORMALISED residual and Z = sum(r)
-//    in float64; after a rejection r <- max(0, r - Z * q_c) (deterministic drafts:
-//    r[x] = 0) — SpecInfer's multi-step speculative sampling (Miao et al. 2024), which
-//    is Leviathan et al. 2023 / Chen et al. 2023 speculative sampling on a chain;
-//  * when no child is accepted, one token is drawn from r by inverse CDF with u_0: the
-//    first index whose float64 running sum exceeds u_0 * Z, else (u_0 ~ 1: rounding left
-//    the threshold at or above every partial sum) the last index with r > 0; a residual of
-//    zero mass falls back to the node's own target row, then to token 0.
+//    (u_c * q_c(x)) * double(Z) < double(m(x)); after a rejection
+//    m <- max(0, m - floor(double(Z) * q_c)) (deterministic drafts: m[x] = 0) — SpecInfer's
+//    multi-step speculative sampling (Miao et al. 2024), which is Leviathan et al. 2023 /
+//    Chen et al. 2023 speculative sampling on a chain;
+//  * when no child is accepted, one token is drawn by inverse CDF with u_0: the first index
+//    whose inclusive prefix sum of m exceeds fixed::draw_threshold(Z, u_0) (u_0 >= 1: the
+//    last index with mass); a residual of zero mass falls back to the node's own target
+//    row, then to token 0.
 //  * greedy: the first maximal index of the node's logits (NaN counts as maximal, the
 //    first NaN wins: torch.argmax); the child whose token equals it is accepted.
 //
@@ -22,24 +25,19 @@
 // vocabulary row is a block-strided loop of 4 consecutive elements per thread (one
 // 16-byte load when the row is 16-byte aligned, scalar loads otherwise, e.g. odd V).
 // The residual is never normalised and is materialised lazily:
-//   level 0  r = p_node (no pass beyond the mass Z);
-//   level 1  after the first rejection, r = max(0, p_node - Z0 * q_c1) (or p_node with
-//            x_1 zeroed) is recomputed on the fly from p and q_c1 wherever it is read —
-//            a chain never writes anything;
-//   level 2  after a second rejection at the same node, r is written once into a float64
+//   level 0  m = quantize(p_node) (a max pass for the row's exponent, then the mass pass);
+//   level 1  after the first rejection, m = max(0, quantize(p_node) - floor(Z0 * q_c1)) (or
+//            p_node's masses with x_1 zeroed) is recomputed on the fly from p and q_c1
+//            wherever it is read — a chain never writes anything;
+//   level 2  after a second rejection at the same node, m is written once into an int64
 //            scratch row of this request ([B, roundup(V, 4)] from the caching allocator)
 //            and updated in place by further rejections.
-// float64 products and differences use __dmul_rn / __dsub_rn (no FMA contraction), so
-// every residual element is bitwise the CPU's; only sums are reassociated (block
-// reductions / scans), which changes a decision only on exact ties (measure zero), as
-// the contract states. Uniforms are float64 so that u * Z is resolved at float64
-// precision rather than at fp32 (which would make ties V-dependent and frequent).
 //
-// Napkin math: each visited node reads its target row once for Z (V * 4 bytes); each
-// rejection adds one pass over p and q_c (V * 8 bytes, plus 16 bytes per element at
+// Napkin math: each visited node reads its target row twice (max, then mass: V * 8 bytes);
+// each rejection adds one pass over p and q_c (V * 8 bytes, plus 16 bytes per element at
 // level 2); the final draw reads the current residual once, stopping at the crossing
-// (half a row on average). B = 8, N = 16, V = 128256, 4 nodes visited: ~2 MB per request,
-// read by one SM each (~100-200 GB/s per SM): ~10-20 us, far below a target forward.
+// (half a row on average). B = 8, N = 16, V = 128256, 4 nodes visited: ~2.5 MB per request,
+// read by one SM each (~100-200 GB/s per SM): ~15-25 us, far below a target forward.
 // greedy_verify: one pass of V * sizeof(dtype) per visited node.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -51,6 +49,7 @@
 #include "checks.h"
 #include "common.cuh"
 #include "ops.h"
+#include "specdec/sampling_fixed.h"
 
 namespace specdec {
 namespace cuda {
@@ -61,16 +60,29 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kVec = 4;  // consecutive elements per thread per pass step
 
 // ---------------------------------------------------------------- block reductions
-// Every thread returns the same value (identical reduction order), so all threads of the
-// block take the same branches. Two barriers: the scratch array may be reused at once.
-__device__ __forceinline__ double block_sum(double v, double* s) {
+// Every thread returns the same value, so all threads of the block take the same
+// branches. Two barriers: the scratch array may be reused at once. Integer sums: exact.
+__device__ __forceinline__ int64_t block_sum(int64_t v, int64_t* s) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = __dadd_rn(v, __shfl_xor_sync(kFullMask, v, o));
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, (long long)v, o);
   if ((threadIdx.x & 31) == 0) s[threadIdx.x >> 5] = v;
   __syncthreads();
-  double t = 0.0;
+  int64_t t = 0;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) t = __dadd_rn(t, s[w]);
+  for (int w = 0; w < kWarps; ++w) t += s[w];
+  __syncthreads();
+  return t;
+}
+
+// Maximum of one float per thread (fmaxf ignores NaN; every lane gets the same value).
+__device__ __forceinline__ float block_fmax(float v, float* s) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
+  if ((threadIdx.x & 31) == 0) s[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float t = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) t = fmaxf(t, s[w]);
   __syncthreads();
   return t;
 }
@@ -99,28 +111,28 @@ __device__ __forceinline__ int block_max(int v, int* s) {
   return t;
 }
 
-// Exclusive prefix sum of one double per thread (thread order) and the block total.
-__device__ __forceinline__ void block_scan(double v, double& excl, double& total, double* s) {
+// Exclusive prefix sum of one int64 per thread (thread order) and the block total.
+__device__ __forceinline__ void block_scan(int64_t v, int64_t& excl, int64_t& total, int64_t* s) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  double x = v;
+  long long x = v;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
-    const double y = __shfl_up_sync(kFullMask, x, o);
-    if (lane >= o) x = __dadd_rn(x, y);
+    const long long y = __shfl_up_sync(kFullMask, x, o);
+    if (lane >= o) x += y;
   }
-  double ex = __shfl_up_sync(kFullMask, x, 1);
-  if (lane == 0) ex = 0.0;
+  long long ex = __shfl_up_sync(kFullMask, x, 1);
+  if (lane == 0) ex = 0;
   if (lane == 31) s[warp] = x;
   __syncthreads();
-  double wpre = 0.0, tot = 0.0;
+  int64_t wpre = 0, tot = 0;
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) {
-    const double sw = s[w];
-    if (w < warp) wpre = __dadd_rn(wpre, sw);
-    tot = __dadd_rn(tot, sw);
+    const int64_t sw = s[w];
+    if (w < warp) wpre += sw;
+    tot += sw;
   }
   __syncthreads();
-  excl = __dadd_rn(wpre, ex);
+  excl = wpre + ex;
   total = tot;
 }
 
@@ -154,150 +166,156 @@ __device__ __forceinline__ void load4(const float* __restrict__ row, int i, int 
   }
 }
 
-__device__ __forceinline__ double relu(double d) { return d > 0.0 ? d : 0.0; }  // NaN -> 0, as the CPU
-
-// ---------------------------------------------------------------- the residual r of the current node
+// ---------------------------------------------------------------- the residual masses m of the current node
 struct Residual {
-  int level;         // 0: r = p; 1: r = max(0, p - z0 * q1) (deterministic: p with x1 zeroed); 2: r = scr
+  int level;         // 0: m = quantize(p); 1: m = max(0, quantize(p) - floor(z0 * q1)) (deterministic: x1
+                     // zeroed); 2: m = scr
   const float* p;    // [V] target row of the node
   const float* q1;   // [V] draft row of the first rejected child (sampled drafts)
-  double* scr;       // [Vp] scratch row of the request (level 2)
-  double z0;         // mass of p, the Z of the first rejection
+  int64_t* scr;      // [Vp] scratch row of the request (level 2)
+  double z0d;        // double(mass of p), the Z of the first rejection
+  int e;             // exponent of p's largest entry (fixed::row_exponent)
   int x1;            // token of the first rejected child
   bool vp, vq1;      // p / q1 rows are 16-byte aligned
 };
 
 template <bool kHasQ>
-__device__ __forceinline__ void residual4(const Residual& R, int i, int V, double (&r)[kVec]) {
+__device__ __forceinline__ void residual4(const Residual& R, int i, int V, int64_t (&m)[kVec]) {
   if (R.level == 2) {
     // i % 4 == 0 and the scratch row stride is a multiple of 4: 32-byte aligned. Not __ldg:
     // this kernel writes the scratch.
-    const double2 a = *reinterpret_cast<const double2*>(R.scr + i);
-    const double2 c = *reinterpret_cast<const double2*>(R.scr + i + 2);
-    r[0] = a.x;
-    r[1] = a.y;
-    r[2] = c.x;
-    r[3] = c.y;
+    const longlong2 a = *reinterpret_cast<const longlong2*>(R.scr + i);
+    const longlong2 c = *reinterpret_cast<const longlong2*>(R.scr + i + 2);
+    m[0] = a.x;
+    m[1] = a.y;
+    m[2] = c.x;
+    m[3] = c.y;
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) r[k] = i + k < V ? r[k] : 0.0;
+    for (int k = 0; k < kVec; ++k) m[k] = i + k < V ? m[k] : 0;
     return;
   }
   float pf[kVec];
-  load4(R.p, i, V, R.vp, pf);
-  if (R.level == 0) {
+  load4(R.p, i, V, R.vp, pf);  // 0 past V: no mass
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) r[k] = double(pf[k]);
-  } else if constexpr (kHasQ) {
+  for (int k = 0; k < kVec; ++k) m[k] = fixed::quantize(pf[k], R.e);
+  if (R.level == 0) return;
+  if constexpr (kHasQ) {
     float qf[kVec];
     load4(R.q1, i, V, R.vq1, qf);
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) r[k] = relu(__dsub_rn(double(pf[k]), __dmul_rn(R.z0, double(qf[k]))));
+    for (int k = 0; k < kVec; ++k) m[k] = fixed::subtract(m[k], fixed::scaled_mass(R.z0d, qf[k]));
   } else {
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) r[k] = i + k == R.x1 ? 0.0 : double(pf[k]);
+    for (int k = 0; k < kVec; ++k) m[k] = i + k == R.x1 ? 0 : m[k];
   }
 }
 
 template <bool kHasQ>
-__device__ __forceinline__ double residual_at(const Residual& R, int x) {
+__device__ __forceinline__ int64_t residual_at(const Residual& R, int x) {
   if (R.level == 2) return R.scr[x];
-  const double px = double(__ldg(R.p + x));
-  if (R.level == 0) return px;
+  const int64_t mx = fixed::quantize(__ldg(R.p + x), R.e);
+  if (R.level == 0) return mx;
   if constexpr (kHasQ) {
-    return relu(__dsub_rn(px, __dmul_rn(R.z0, double(__ldg(R.q1 + x)))));
+    return fixed::subtract(mx, fixed::scaled_mass(R.z0d, __ldg(R.q1 + x)));
   } else {
-    return x == R.x1 ? 0.0 : px;
+    return x == R.x1 ? 0 : mx;
   }
 }
 
-// Z = sum(r) in float64.
-template <bool kHasQ>
-__device__ double mass(const Residual& R, int V, double* s) {
-  double acc = 0.0;
-  if (R.level == 0) {  // the pass every visited node makes: plain loads, several in flight
+// The exponent of the largest entry of p that carries mass; INT_MIN when none does.
+__device__ int row_exponent_of(const float* p, int V, bool vec, float* s) {
+  float mx = 0.f;
 #pragma unroll 4
-    for (int i = kVec * int(threadIdx.x); i < V; i += kVec * kThreads) {
-      float pf[kVec];
-      load4(R.p, i, V, R.vp, pf);
-      acc = __dadd_rn(acc, __dadd_rn(__dadd_rn(double(pf[0]), double(pf[1])), __dadd_rn(double(pf[2]), double(pf[3]))));
-    }
-    return block_sum(acc, s);
-  }
   for (int i = kVec * int(threadIdx.x); i < V; i += kVec * kThreads) {
-    double r[kVec];
-    residual4<kHasQ>(R, i, V, r);
-    acc = __dadd_rn(acc, __dadd_rn(__dadd_rn(r[0], r[1]), __dadd_rn(r[2], r[3])));
+    float pf[kVec];
+    load4(p, i, V, vec, pf);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) mx = fixed::max_mass_entry(mx, pf[k]);
+  }
+  mx = block_fmax(mx, s);
+  return mx > 0.f ? fixed::row_exponent(mx) : INT_MIN;
+}
+
+// Z = sum(m), exact.
+template <bool kHasQ>
+__device__ int64_t mass(const Residual& R, int V, int64_t* s) {
+  int64_t acc = 0;
+#pragma unroll 4
+  for (int i = kVec * int(threadIdx.x); i < V; i += kVec * kThreads) {
+    int64_t m[kVec];
+    residual4<kHasQ>(R, i, V, m);
+    acc += (m[0] + m[1]) + (m[2] + m[3]);
   }
   return block_sum(acc, s);
 }
 
-// A second (or later) rejection at this node, child token x with draft row qc:
-// r <- max(0, r - Z * qc) (deterministic: r[x] = 0), written to the scratch; returns sum(r).
+// A second (or later) rejection at this node, child token x (residual mass mx) with draft
+// row qc: m <- max(0, m - floor(Z * qc)) (deterministic: m[x] = 0), written to the scratch;
+// returns the new mass.
 template <bool kHasQ>
-__device__ double reject_into_scratch(Residual& R, const float* qc, int x, double Z, int V, double* s) {
+__device__ int64_t reject_into_scratch(Residual& R, const float* qc, int x, int64_t mx, int64_t Z, int V,
+                                       int64_t* s) {
   if (R.level == 2) __syncthreads();  // every thread has read scr[x] for the acceptance test
   if (!kHasQ && R.level == 2) {
-    if (threadIdx.x == 0) R.scr[x] = 0.0;
+    if (threadIdx.x == 0) R.scr[x] = 0;
     __syncthreads();
-    return mass<kHasQ>(R, V, s);
+    return Z - mx;
   }
-  const bool vq = row_aligned16(qc);
-  double acc = 0.0;
+  const bool vq = kHasQ && row_aligned16(qc);
+  const double Zd = double(Z);
+  int64_t acc = 0;
   for (int i = kVec * int(threadIdx.x); i < V; i += kVec * kThreads) {
-    double r[kVec], rn[kVec];
-    residual4<kHasQ>(R, i, V, r);  // level 2: this thread's own elements, rewritten below
+    int64_t m[kVec], mn[kVec];
+    residual4<kHasQ>(R, i, V, m);  // level 2: this thread's own elements, rewritten below
     if constexpr (kHasQ) {
       float qf[kVec];
       load4(qc, i, V, vq, qf);
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) rn[k] = relu(__dsub_rn(r[k], __dmul_rn(Z, double(qf[k]))));
+      for (int k = 0; k < kVec; ++k) mn[k] = fixed::subtract(m[k], fixed::scaled_mass(Zd, qf[k]));
     } else {
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) rn[k] = i + k == x ? 0.0 : r[k];
+      for (int k = 0; k < kVec; ++k) mn[k] = i + k == x ? 0 : m[k];
     }
-    // i + 3 < roundup(V, 4) = row stride: the padding elements get 0.
-    *reinterpret_cast<double2*>(R.scr + i) = make_double2(rn[0], rn[1]);
-    *reinterpret_cast<double2*>(R.scr + i + 2) = make_double2(rn[2], rn[3]);
-    acc = __dadd_rn(acc, __dadd_rn(__dadd_rn(rn[0], rn[1]), __dadd_rn(rn[2], rn[3])));
+    // i + 3 < roundup(V, 4) = row stride: the padding elements get 0 (m is 0 past V).
+    *reinterpret_cast<longlong2*>(R.scr + i) = make_longlong2(mn[0], mn[1]);
+    *reinterpret_cast<longlong2*>(R.scr + i + 2) = make_longlong2(mn[2], mn[3]);
+    acc += (mn[0] + mn[1]) + (mn[2] + mn[3]);
   }
   R.level = 2;
   return block_sum(acc, s);
 }
 
-// Inverse-CDF draw from r of mass Z (see the file comment); -1 when Z is not > 0.
+// Inverse-CDF draw from m of mass Z (see the file comment); -1 when Z is not > 0.
 // Tiles of kThreads * 4 elements: a block scan of the per-thread sums gives each element's
-// float64 running sum; the first element with r > 0 whose running sum exceeds u * Z wins
-// (r > 0 guards against reassociated partial sums that tie across a zero element).
+// exact inclusive prefix sum; the first one above the threshold wins (it always has m > 0).
 template <bool kHasQ>
-__device__ int draw(const Residual& R, double Z, double u, int V, double* sd, int* si) {
-  if (!(Z > 0.0)) return -1;
-  const double thr = __dmul_rn(u, Z);
-  double carry = 0.0;
-  int last = -1;
+__device__ int draw(const Residual& R, int64_t Z, double u, int V, int64_t* sd, int* si) {
+  if (Z <= 0) return -1;
+  const int64_t thr = fixed::draw_threshold(Z, u);
+  int64_t carry = 0;
   for (int base = 0; base < V; base += kVec * kThreads) {
     const int i = base + kVec * int(threadIdx.x);
-    double r[kVec] = {0.0, 0.0, 0.0, 0.0};
-    if (i < V) residual4<kHasQ>(R, i, V, r);
-    double run[kVec], acc = 0.0;
+    int64_t m[kVec] = {0, 0, 0, 0};
+    if (i < V) residual4<kHasQ>(R, i, V, m);
+    int64_t run[kVec], acc = 0;
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
-      acc = __dadd_rn(acc, r[k]);
+      acc += m[k];
       run[k] = acc;
-      if (r[k] > 0.0) last = i + k;
     }
-    double excl, tile;
+    int64_t excl, tile;
     block_scan(acc, excl, tile, sd);
-    const double pre = __dadd_rn(carry, excl);
+    const int64_t pre = carry + excl;
     int hit = INT_MAX;
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
-      if (hit == INT_MAX && r[k] > 0.0 && __dadd_rn(pre, run[k]) > thr) hit = i + k;
+      if (hit == INT_MAX && pre + run[k] > thr) hit = i + k;
     }
     hit = block_min(hit, si);
     if (hit != INT_MAX) return hit;
-    carry = __dadd_rn(carry, tile);
+    carry += tile;
   }
-  return block_max(last, si);  // u ~ 1: the threshold is at or above every partial sum
+  return -1;  // unreachable: thr < Z and the tiles sum to Z exactly
 }
 
 struct SampleParams {
@@ -306,7 +324,7 @@ struct SampleParams {
   const float* p;          // [B, N, V] target_probs, contiguous
   const float* q;          // [B, N, V] draft_probs, contiguous (kHasQ only)
   const double* u;         // [B, N] uniforms, contiguous
-  double* scratch;         // [B, Vp] float64 residual rows (N >= 3 only: level 2 needs two siblings)
+  int64_t* scratch;        // [B, Vp] int64 residual rows (N >= 3 only: level 2 needs two siblings)
   int32_t* accepted;       // [B, N] out, -1 padded
   int32_t* num_accepted;   // [B] out
   int64_t* out_tokens;     // [B, N] out, -1 padded
@@ -317,7 +335,8 @@ struct SampleParams {
 // from a block reduction or from the same global address read by every thread).
 template <bool kHasQ>
 __global__ void __launch_bounds__(kThreads) rejection_sample_kernel(const SampleParams p) {
-  __shared__ double s_d[kWarps];
+  __shared__ int64_t s_l[kWarps];
+  __shared__ float s_f[kWarps];
   __shared__ int s_i[kWarps];
   const int b = blockIdx.x, N = p.N, V = p.V;
   const int64_t* tok = p.tokens + int64_t(b) * N;
@@ -332,7 +351,7 @@ __global__ void __launch_bounds__(kThreads) rejection_sample_kernel(const Sample
   __syncthreads();  // the padding is written before thread 0 writes the path
   if (threadIdx.x == 0) acc_out[0] = 0;
   const double u0 = u[0];
-  double* scr = p.scratch != nullptr ? p.scratch + int64_t(b) * p.Vp : nullptr;
+  int64_t* scr = p.scratch != nullptr ? p.scratch + int64_t(b) * p.Vp : nullptr;
 
   int node = 0, count = 0;
   while (true) {
@@ -344,8 +363,10 @@ __global__ void __launch_bounds__(kThreads) rejection_sample_kernel(const Sample
     R.vq1 = false;
     R.scr = scr;
     R.x1 = -1;
-    R.z0 = mass<kHasQ>(R, V, s_d);
-    double Z = R.z0;
+    R.e = row_exponent_of(R.p, V, R.vp, s_f);
+    const int64_t z0 = R.e == INT_MIN ? 0 : mass<kHasQ>(R, V, s_l);
+    R.z0d = double(z0);
+    int64_t Z = z0;
     int chosen = -1;
     for (int c = next_child(par, N, node, node, s_i); c >= 0; c = next_child(par, N, node, c, s_i)) {
       const int64_t x64 = tok[c];
@@ -353,20 +374,20 @@ __global__ void __launch_bounds__(kThreads) rejection_sample_kernel(const Sample
       const int x = int(x64);
       const float* qc = kHasQ ? p.q + (int64_t(b) * N + c) * V : nullptr;
       const double qx = kHasQ ? double(__ldg(qc + x)) : 1.0;
-      const double rx = residual_at<kHasQ>(R, x);
-      // accept iff u < p(x) / q(x) with p = r / Z, i.e. u * q(x) * Z < r(x)
-      if (qx > 0.0 && __dmul_rn(__dmul_rn(u[c], qx), Z) < rx) {
+      const int64_t mx = R.e == INT_MIN ? 0 : residual_at<kHasQ>(R, x);
+      if (fixed::accepts(u[c], qx, Z, mx)) {
         chosen = c;
         break;
       }
-      if (R.level == 0) {  // first rejection: r = max(0, p - Z q_c), never stored
+      if (R.e == INT_MIN) continue;  // no mass at all: every child is rejected, nothing to subtract
+      if (R.level == 0) {  // first rejection: m = max(0, quantize(p) - floor(Z q_c)), never stored
         R.level = 1;
         R.q1 = qc;
         R.vq1 = kHasQ && row_aligned16(qc);
         R.x1 = x;
-        Z = mass<kHasQ>(R, V, s_d);
+        Z = kHasQ ? mass<kHasQ>(R, V, s_l) : Z - mx;
       } else {
-        Z = reject_into_scratch<kHasQ>(R, qc, x, Z, V, s_d);
+        Z = reject_into_scratch<kHasQ>(R, qc, x, mx, Z, V, s_l);
       }
     }
     if (chosen >= 0) {
@@ -378,10 +399,10 @@ __global__ void __launch_bounds__(kThreads) rejection_sample_kernel(const Sample
       node = chosen;
       continue;
     }
-    int t = draw<kHasQ>(R, Z, u0, V, s_d, s_i);
-    if (t < 0 && R.level != 0) {  // residual mass 0 (rounding): the node's own target row
+    int t = draw<kHasQ>(R, Z, u0, V, s_l, s_i);
+    if (t < 0 && R.level != 0) {  // residual mass 0: the node's own target row
       R.level = 0;
-      t = draw<kHasQ>(R, R.z0, u0, V, s_d, s_i);
+      t = draw<kHasQ>(R, z0, u0, V, s_l, s_i);
     }
     if (t < 0) t = 0;  // the target row itself has no mass: documented rule
     if (threadIdx.x == 0) {
@@ -528,7 +549,7 @@ SampleResult rejection_sample_cuda(const at::Tensor& tokens_in, const at::Tensor
   const int64_t Vp = cuda::ceil_div(V, cuda::kVec) * cuda::kVec;
   // Level-2 residuals need two rejected siblings, i.e. N >= 3.
   at::Tensor scratch;
-  if (N >= 3) scratch = at::empty({B, Vp}, target_probs.options().dtype(at::kDouble));
+  if (N >= 3) scratch = at::empty({B, Vp}, target_probs.options().dtype(at::kLong));
 
   cuda::SampleParams p{};
   p.tokens = tokens.data_ptr<int64_t>();
@@ -536,7 +557,7 @@ SampleResult rejection_sample_cuda(const at::Tensor& tokens_in, const at::Tensor
   p.p = target_probs.data_ptr<float>();
   p.q = draft_probs.has_value() ? draft_probs->data_ptr<float>() : nullptr;
   p.u = uniforms.data_ptr<double>();
-  p.scratch = scratch.defined() ? scratch.data_ptr<double>() : nullptr;
+  p.scratch = scratch.defined() ? scratch.data_ptr<int64_t>() : nullptr;
   p.accepted = std::get<0>(res).data_ptr<int32_t>();
   p.num_accepted = std::get<1>(res).data_ptr<int32_t>();
   p.out_tokens = std::get<2>(res).data_ptr<int64_t>();

@@ -3,21 +3,27 @@
 //
 // Semantics are specdec/reference.py's, step for step:
 //  * children of a node = nodes c > node with parents[c] == node, tried in index order;
-//  * the current distribution r is p = target_probs[node] until a child is rejected;
-//    it is then materialised once in float64 as max(0, r - Z * q_c) (deterministic
-//    drafts: r[x] = 0) and updated in place by later rejections; Z = sum(r) in float64;
-//  * child c (token x) is accepted iff q_c(x) > 0 and u_c * q_c(x) * Z < r(x);
-//  * the final draw is the first index whose float64 running sum exceeds u_0 * Z,
-//    else (rounding, u ~ 1) the last index with r > 0; zero mass falls back to the
-//    node's own target row, then to token 0.
-// Float64 sums make the result independent of the summation order except on exact ties.
+//  * a node's target row p becomes integer masses m = quantize(p) (fixed point relative to
+//    the row's largest entry, see quantize_exponent / quantize) with Z = sum(m);
+//  * child c (token x) is accepted iff q_c(x) > 0 and (u_c * q_c(x)) * double(Z) < double(m[x]);
+//    a rejection sets m <- max(0, m - scaled_mass(Z, q_c)) (deterministic drafts: m[x] = 0);
+//  * the final draw is the first index whose inclusive integer prefix sum exceeds
+//    draw_threshold(Z, u_0) (u_0 >= 1: the last index with mass); zero mass falls back to
+//    the node's own target row, then to token 0.
+// Integer sums are exact in any order and the float64 operations are single rounded
+// products (no FMA contraction: the CPU file is built with -ffp-contract=off, the CUDA
+// kernel uses __dmul_rn), so the CPU, CUDA and reference decisions are identical by
+// construction, ties included.
 // Reference: SpecInfer (Miao et al. 2024), multi-step speculative sampling; Leviathan
 // et al. 2023 / Chen et al. 2023 for the chain case.
 #pragma once
 
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <vector>
+
+#include "specdec/sampling_fixed.h"
 
 namespace specdec {
 namespace cpu {
@@ -44,40 +50,40 @@ inline void build_children(const int32_t* parents, int64_t N, std::vector<int32_
   }
 }
 
-inline double sum_row(const float* p, int64_t V) {
-  double z = 0.0;
-  for (int64_t i = 0; i < V; ++i) z += double(p[i]);
-  return z;
-}
-inline double sum_row(const double* r, int64_t V) {
-  double z = 0.0;
-  for (int64_t i = 0; i < V; ++i) z += r[i];
-  return z;
+// m = quantize(p) for one row; returns Z = sum(m).
+inline int64_t quantize_row(const float* p, int64_t V, int64_t* m) {
+  int e = INT_MIN;
+  float mx = 0.f;
+  for (int64_t i = 0; i < V; ++i) mx = fixed::max_mass_entry(mx, p[i]);
+  if (mx > 0.f) e = fixed::row_exponent(mx);
+  int64_t Z = 0;
+  for (int64_t i = 0; i < V; ++i) {
+    m[i] = e == INT_MIN ? 0 : fixed::quantize(p[i], e);
+    Z += m[i];
+  }
+  return Z;
 }
 
-// Inverse-CDF draw from an unnormalised row of mass Z > 0; -1 when Z is not > 0.
-template <typename T>
-inline int64_t draw_from(const T* r, int64_t V, double Z, double u) {
-  if (!(Z > 0.0)) return -1;
-  const double threshold = u * Z;
-  double csum = 0.0;
-  int64_t last_pos = -1;
+// Inverse-CDF draw from the masses m of total Z; -1 when Z is not > 0.
+inline int64_t draw_from(const int64_t* m, int64_t V, int64_t Z, double u) {
+  if (Z <= 0) return -1;
+  const int64_t thr = fixed::draw_threshold(Z, u);
+  int64_t csum = 0;
   for (int64_t i = 0; i < V; ++i) {
-    const double x = double(r[i]);
-    csum += x;
-    if (csum > threshold) return i;
-    if (x > 0.0) last_pos = i;
+    csum += m[i];
+    if (csum > thr) return i;
   }
-  return last_pos;  // rounding left the threshold at or above the total (u ~ 1)
+  return -1;  // unreachable: thr < Z
 }
 
 // One request of rejection_sample. p: [N, V]; q: [N, V] or nullptr (deterministic);
-// u: [N]; scratch: V doubles.
+// u: [N]; mnode, scratch: V int64 each.
 inline void rejection_sample_request(const int64_t* tokens, const int32_t* parents, const float* p, const float* q,
-                                     const double* u, int64_t N, int64_t V, std::vector<double>& scratch,
-                                     std::vector<int32_t>& first_child, std::vector<int32_t>& next_sibling,
-                                     TreeOutputs out) {
+                                     const double* u, int64_t N, int64_t V, std::vector<int64_t>& mnode,
+                                     std::vector<int64_t>& scratch, std::vector<int32_t>& first_child,
+                                     std::vector<int32_t>& next_sibling, TreeOutputs out) {
   build_children(parents, N, first_child, next_sibling);
+  mnode.resize(V);
   scratch.resize(V);
   for (int64_t i = 0; i < N; ++i) {
     out.accepted[i] = -1;
@@ -87,33 +93,36 @@ inline void rejection_sample_request(const int64_t* tokens, const int32_t* paren
   int64_t count = 0;  // accepted draft nodes
   int64_t node = 0;
   while (true) {
-    const float* p_node = p + node * V;
-    bool residual = false;  // r lives in scratch (true) or is p_node itself (false)
-    double Z = sum_row(p_node, V);
+    const int64_t Z0 = quantize_row(p + node * V, V, mnode.data());
+    bool residual = false;  // the masses live in scratch (true) or are mnode itself (false)
+    int64_t Z = Z0;
     int64_t chosen = -1;
     for (int32_t c = first_child[node]; c >= 0; c = next_sibling[c]) {
       const int64_t x = tokens[c];
       if (x < 0 || x >= V) continue;  // unchecked bad token: never accepted, never read
       const double qx = q ? double(q[c * V + x]) : 1.0;
-      const double rx = residual ? scratch[x] : double(p_node[x]);
-      if (qx > 0.0 && u[c] * qx * Z < rx) {
+      const int64_t mx = residual ? scratch[x] : mnode[x];
+      if (fixed::accepts(u[c], qx, Z, mx)) {
         chosen = c;
         break;
       }
       if (!residual) {
-        for (int64_t i = 0; i < V; ++i) scratch[i] = double(p_node[i]);
+        for (int64_t i = 0; i < V; ++i) scratch[i] = mnode[i];
         residual = true;
       }
       if (q) {
         const float* qc = q + c * V;
+        const double Zd = double(Z);
+        int64_t z = 0;
         for (int64_t i = 0; i < V; ++i) {
-          const double d = scratch[i] - Z * double(qc[i]);
-          scratch[i] = d > 0.0 ? d : 0.0;
+          scratch[i] = fixed::subtract(scratch[i], fixed::scaled_mass(Zd, qc[i]));
+          z += scratch[i];
         }
+        Z = z;
       } else {
-        scratch[x] = 0.0;
+        Z -= scratch[x];
+        scratch[x] = 0;
       }
-      Z = sum_row(scratch.data(), V);
     }
     if (chosen >= 0) {
       ++count;
@@ -122,8 +131,8 @@ inline void rejection_sample_request(const int64_t* tokens, const int32_t* paren
       node = chosen;
       continue;
     }
-    int64_t tok = residual ? draw_from(scratch.data(), V, Z, u[0]) : draw_from(p_node, V, Z, u[0]);
-    if (tok < 0) tok = draw_from(p_node, V, sum_row(p_node, V), u[0]);
+    int64_t tok = draw_from(residual ? scratch.data() : mnode.data(), V, Z, u[0]);
+    if (tok < 0) tok = draw_from(mnode.data(), V, Z0, u[0]);
     if (tok < 0) tok = 0;
     out.out_tokens[count] = tok;
     break;
