@@ -88,7 +88,8 @@ void append_kv_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k
   const int64_t B = k_cache.size(0), H = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3);
   const int64_t N = k_new.size(2);
   const int64_t es = k_cache.element_size();
-  const int32_t* lens = cache_lens.data_ptr<int32_t>();
+  const at::Tensor lens_c = cache_lens.contiguous();  // a strided view of lengths is valid input
+  const int32_t* lens = lens_c.data_ptr<int32_t>();
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
   const char* kn = static_cast<const char*>(k_new.data_ptr());

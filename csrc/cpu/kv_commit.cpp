@@ -21,7 +21,9 @@ void kv_commit_cpu(at::TensorList k_caches, at::TensorList v_caches, at::Tensor&
   const int64_t B = k_caches[0].size(0), S = k_caches[0].size(2), N = accepted.size(1);
   const int32_t* acc = accepted.data_ptr<int32_t>();
   const int32_t* num = num_accepted.data_ptr<int32_t>();
-  int32_t* lens = cache_lens.data_ptr<int32_t>();
+  int32_t* lens_ptr = cache_lens.data_ptr<int32_t>();
+  const int64_t lens_stride = cache_lens.stride(0);  // cache_lens may be a strided view: updated in place
+  auto lens = [&](int64_t b) -> int32_t& { return lens_ptr[b * lens_stride]; };
 
   // Skip the whole launch when every request's path is the identity (chains).
   bool any_move = false;
@@ -45,7 +47,7 @@ void kv_commit_cpu(at::TensorList k_caches, at::TensorList v_caches, at::Tensor&
       for (int64_t t = begin; t < end; ++t) {
         const int64_t c = t / B, b = t % B;
         const int64_t H = heads[c], D = dims[c], row = D * es;
-        const int64_t len = lens[b];
+        const int64_t len = lens(b);
         for (int64_t h = 0; h < H; ++h) {
           char* base = bases[c] + ((b * H + h) * S) * row;
           for (int32_t i = 1; i <= num[b]; ++i) {
@@ -56,7 +58,7 @@ void kv_commit_cpu(at::TensorList k_caches, at::TensorList v_caches, at::Tensor&
       }
     });
   }
-  for (int64_t b = 0; b < B; ++b) lens[b] += num[b] + 1;
+  for (int64_t b = 0; b < B; ++b) lens(b) += num[b] + 1;
 }
 
 }  // namespace specdec

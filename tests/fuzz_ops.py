@@ -1,0 +1,523 @@
+"""Property-based fuzz harness over every specdec op (hypothesis).
+
+The property, for every op and every drawn input: the op either
+
+* raises a RuntimeError / ValueError whose message starts with the op's name and names
+  one of its arguments, leaving EVERY input bitwise unchanged, or
+* returns exactly what specdec.reference returns (integer outputs and in-place integer /
+  copied state equal; float outputs within the documented tolerance), without touching
+  its read-only inputs.
+
+Drawn inputs cover zero-size dimensions (B = 0, V = 1, K = 0, N = 0, prefix 0,
+S = prefix + N exactly), every float dtype and mixed dtypes, non-contiguous and
+storage-offset views, boundary values (u = 0, u = 1, the largest double below 1, NaN /
+inf / negative / all-zero probability rows, -1 tokens and parents, lengths at and past
+capacity) and aliased tensors. Strict checks are off (their default), so CPU value checks
+and the kernels' own robustness are what is exercised.
+
+A crash (SIGSEGV, SIGFPE, abort) cannot be caught in-process, so tests/test_fuzz_ops.py
+runs each op's batch in a subprocess of this file:
+
+    python tests/fuzz_ops.py --op rejection_sample --examples 200 --device cpu
+
+Before each example the case is written to stderr, so the case that killed the process
+is the last line there. Deterministic: hypothesis is derandomized (a fixed seed per op
+and --seed) and keeps no example database. SPECDEC_FUZZ_EXAMPLES overrides the example
+count of the CI profile (the long profile: benchmarks/fuzz_ops.sh).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import math
+import os
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from specdec import ops, reference  # noqa: E402
+
+ONE_MINUS = 1.0 - 2.0 ** -53
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+ULP = {torch.float32: 2.0 ** -17, torch.float16: 2.0 ** -9, torch.bfloat16: 2.0 ** -6}  # tolerance units
+DEVICE = "cpu"
+ARGS: Dict[str, Sequence[str]] = {
+    "verify_attention": ("q", "k_cache", "v_cache", "cache_lens", "tree_mask", "scale", "head dim"),
+    "append_kv": ("k_cache", "v_cache", "k_new", "v_new", "cache_lens"),
+    "rejection_sample": ("tokens", "parents", "target_probs", "draft_probs", "uniforms"),
+    "greedy_verify": ("tokens", "parents", "target_logits"),
+    "kv_commit": ("k_caches", "v_caches", "cache_lens", "accepted", "num_accepted"),
+    "linear": ("x", "weight", "bias", "weight_scale"),
+}
+STATS = {"examples": 0, "raised": 0, "matched": 0}
+ERRORS: "collections.Counter[str]" = collections.Counter()  # error kinds seen (message up to the first digit)
+
+
+# --------------------------------------------------------------------------- helpers
+def log(msg: str) -> None:
+    sys.stderr.write(msg + "\n")
+    sys.stderr.flush()
+
+
+def describe(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}s{list(t.stride())}+{t.storage_offset()}"
+    if isinstance(t, (list, tuple)):
+        return "[" + ", ".join(describe(x) for x in t) + "]"
+    return repr(t)
+
+
+def place(t: torch.Tensor, how: str) -> torch.Tensor:
+    """t on DEVICE with the same values and a drawn memory layout."""
+    t = t.to(DEVICE)
+    if how == "contig" or t.dim() == 0:
+        return t.contiguous()
+    if how.startswith("offset"):
+        k = int(how[len("offset"):])
+        buf = torch.empty(t.numel() + k, dtype=t.dtype, device=DEVICE)
+        view = buf[k:].view(t.shape)
+        view.copy_(t)
+        return view
+    if how == "transposed" and t.dim() >= 2:  # same values, last two dims swapped in memory
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if how == "strided":  # every other element of a wider buffer along the last dim
+        buf = torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=DEVICE)
+        view = buf[..., ::2]
+        view.copy_(t)
+        return view
+    return t.contiguous()
+
+
+def layouts(*extra: str):
+    return st.sampled_from(("contig",) * 4 + ("offset1", "offset4", "transposed", "strided") + extra)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    t = torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())  # fresh standard strides
+    return t.view(torch.uint8) if t.numel() and t.dim() else t
+
+
+def snapshot(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, (list, tuple)):
+        return [snapshot(o) for o in obj]
+    if isinstance(obj, dict):
+        return {k: snapshot(v) for k, v in obj.items()}
+    return obj
+
+
+def assert_unchanged(before, after, what: str) -> None:
+    if isinstance(before, torch.Tensor):
+        assert torch.equal(bits(before), bits(after)), f"{what} was modified"
+    elif isinstance(before, list):
+        for i, (a, b) in enumerate(zip(before, after)):
+            assert_unchanged(a, b, f"{what}[{i}]")
+    elif isinstance(before, dict):
+        for k in before:
+            assert_unchanged(before[k], after[k], k)
+
+
+def run_property(op: str, call: Callable[[], object], args: dict, check: Callable[[object, dict], None],
+                 read_only: Sequence[str]) -> None:
+    """The harness property: a clear error with nothing changed, or the reference's result."""
+    STATS["examples"] += 1
+    log(f"{op}: " + ", ".join(f"{k}={describe(v)}" for k, v in args.items()))
+    before = snapshot(args)
+    try:
+        out = call()
+    except (RuntimeError, ValueError) as e:
+        msg = str(e).splitlines()[0] if str(e) else ""
+        assert msg.startswith(op + ":") or f" {op}:" in msg or msg.startswith(f"specdec.{op}"), \
+            f"error message does not name the op {op!r}: {msg!r}"
+        assert any(a in msg for a in ARGS[op]), f"error message names no argument of {op}: {msg!r}"
+        assert_unchanged(before, args, "input")
+        STATS["raised"] += 1
+        ERRORS[re.split(r"[0-9\[(]", msg, maxsplit=1)[0][:90]] += 1
+        return
+    for name in read_only:
+        assert_unchanged(before[name], args[name], name)
+    check(out, before)
+    STATS["matched"] += 1
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, scale: float, what: str) -> None:
+    got, want = got.detach().cpu().double(), want.detach().cpu().double()
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    tol = ULP[dtype] * (scale + want.abs()) + 1e-30
+    bad = ~((got - want).abs() <= tol) & ~(torch.isnan(got) & torch.isnan(want)) & ~(got == want)
+    assert not bool(bad.any()), f"{what}: max |err| {(got - want).abs()[bad].max().item():.3e} past the tolerance"
+
+
+# --------------------------------------------------------------------------- strategies
+@st.composite
+def tree(draw, B: int, N: int, V: int, valid: bool):
+    """tokens [B, N] int64 and parents [B, N] int32: topological trees with -1 padding,
+    and (when not valid) one corrupted entry."""
+    tokens = torch.full((B, N), -1, dtype=torch.int64)
+    parents = torch.full((B, N), -1, dtype=torch.int32)
+    for b in range(B):
+        n = draw(st.integers(1, N))
+        tokens[b, 0] = draw(st.integers(0, max(0, V - 1)))
+        for i in range(1, n):
+            parents[b, i] = draw(st.integers(0, i - 1))
+            tokens[b, i] = draw(st.integers(0, max(0, V - 1)))
+    if not valid and B > 0:
+        b, i = draw(st.integers(0, B - 1)), draw(st.integers(0, N - 1))
+        if draw(st.booleans()):
+            parents[b, i] = draw(st.sampled_from([-2, i, i + 1, N + 5, 2 ** 31 - 1]))
+        else:
+            tokens[b, i] = draw(st.sampled_from([-1, -7, V, V + 100]))
+    return tokens, parents
+
+
+@st.composite
+def prob_rows(draw, shape, sampled: bool):
+    """Probability rows with the adversarial entries of the harness."""
+    kind = draw(st.sampled_from(("softmax", "softmax", "peaked", "dyadic", "zeros", "nan", "inf", "negative",
+                                 "one_hot", "tiny", "huge")))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31 - 1)))
+    V = shape[-1]
+    if kind == "peaked":
+        p = torch.softmax(25 * torch.randn(*shape, generator=g), -1)
+    elif kind == "dyadic":
+        p = torch.randint(0, 5, shape, generator=g).float()
+        p = p / p.sum(-1, keepdim=True).clamp(min=1) if sampled else p / 8
+    elif kind == "zeros":
+        p = torch.zeros(shape)
+    elif kind == "one_hot":
+        p = torch.zeros(shape)
+        if p.numel():
+            p.view(-1, V)[:, int(torch.randint(0, V, (1,), generator=g))] = 1.0
+    elif kind == "tiny":
+        p = torch.rand(shape, generator=g) * 1e-38
+    elif kind == "huge":
+        p = torch.rand(shape, generator=g) * 3e38
+    else:
+        p = torch.softmax(3 * torch.randn(*shape, generator=g), -1)
+        p = p * (torch.rand(shape, generator=g) < 0.7)
+        if p.numel() and kind in ("nan", "inf", "negative"):
+            flat = p.view(-1)
+            idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 7),), generator=g)
+            flat[idx] = {"nan": float("nan"), "inf": float("inf"), "negative": -0.25}[kind]
+    return p.float()
+
+
+@st.composite
+def uniforms_strategy(draw, B: int, N: int):
+    """Uniforms in [0, 1] with the boundary values, and (1 in 6) one invalid entry."""
+    special = st.sampled_from([0.0, 1.0, ONE_MINUS, 0.5, 2.0 ** -60])
+    value = st.one_of(st.floats(0.0, 1.0, allow_nan=False), special, special)
+    u = torch.tensor(draw(st.lists(value, min_size=B * N, max_size=B * N)), dtype=torch.float64).reshape(B, N)
+    if B * N and draw(st.integers(0, 5)) == 0:
+        u.view(-1)[draw(st.integers(0, B * N - 1))] = draw(st.sampled_from([-0.25, 1.5, float("nan")]))
+    return u
+
+
+# --------------------------------------------------------------------------- ops
+@st.composite
+def attention_case(draw):
+    B = draw(st.sampled_from([0, 1, 1, 2, 3]))
+    N = draw(st.sampled_from([1, 1, 2, 2, 3, 3, 5, 5, 8, 0]))
+    Hkv = draw(st.sampled_from([1, 2]))
+    Hq = Hkv * draw(st.sampled_from([1, 2, 3]))
+    if draw(st.integers(0, 19)) == 0:
+        Hq += 1  # not a multiple of Hkv
+    D = draw(st.sampled_from([64, 64, 80, 96, 128, 256, 8, 1]))
+    dtype = draw(st.sampled_from(FLOATS))
+    lens = [draw(st.integers(0, 9)) for _ in range(B)]
+    S = max([l + N for l in lens] + [max(N, 1)]) + draw(st.sampled_from([0, 0, 1, 3]))
+    if B and draw(st.integers(0, 9)) == 0:  # a length at / past capacity
+        lens[draw(st.integers(0, B - 1))] = draw(st.sampled_from([S - N + 1, S, -1]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31 - 1)))
+    k = torch.randn(B, Hkv, S, D, generator=g)
+    v = torch.randn(B, Hkv, S, D, generator=g)
+    for b, l in enumerate(lens):  # positions past the tree hold NaN: they must never be read
+        if 0 <= l and l + N < S:
+            k[b, :, l + N:] = float("nan")
+            v[b, :, l + N:] = float("nan")
+    kdtype = dtype if draw(st.integers(0, 14)) else draw(st.sampled_from(FLOATS))
+    q = torch.randn(B, N, Hq, D, generator=g).to(dtype)
+    qhow = draw(st.sampled_from(("contig", "contig", "offset1", "hf_transposed", "strided")))
+    if qhow == "hf_transposed":  # transformers' [B, H, N, D] -> [B, N, H, D] view
+        qd = q.transpose(1, 2).contiguous().to(DEVICE).transpose(1, 2)
+    else:
+        qd = place(q, qhow)
+    mask_kind = draw(st.sampled_from(("none", "tree", "tree", "random", "all_false_row", "last_only") * 2
+                                     + ("wrong_shape",)))
+    mask = None
+    if mask_kind != "none" and N > 0:
+        mask = torch.rand(B, N, N, generator=g) < 0.5
+        if mask_kind == "tree":
+            mask = reference.tree_attention_mask(draw(tree(B, N, 5, True))[1])
+        if mask_kind == "all_false_row":
+            mask[:, 0] = False
+        if mask_kind == "last_only":  # a row that sees only the last node
+            mask[:, 0] = False
+            mask[:, 0, N - 1] = True
+        if mask_kind == "wrong_shape":
+            mask = mask[:, :, : N - 1] if N > 1 else mask.int()
+        mask = place(mask, draw(st.sampled_from(("contig", "offset1", "transposed"))))
+    scale = draw(st.sampled_from([None] * 12 + [0.3, 2.0, float("nan"), float("inf")]))
+    args = dict(q=qd, k_cache=place(k.to(kdtype), draw(st.sampled_from(("contig",) * 5 + ("offset4", "offset4", "transposed")))),
+                v_cache=place(v.to(kdtype), "contig"), cache_lens=place(torch.tensor(lens, dtype=torch.int32),
+                                                                        draw(st.sampled_from(("contig", "strided")))),
+                tree_mask=mask, scale=scale)
+    return args
+
+
+@given(attention_case())
+def fuzz_verify_attention(args):
+    def check(out, before):
+        sc = before["scale"] if before["scale"] is not None else before["q"].shape[-1] ** -0.5
+        want = reference.verify_attention(before["q"].cpu(), before["k_cache"].cpu(), before["v_cache"].cpu(),
+                                          before["cache_lens"].cpu(), None if before["tree_mask"] is None
+                                          else before["tree_mask"].cpu(), sc)
+        assert out.dtype == before["q"].dtype
+        assert not bool(torch.isnan(out.float()).any()), "NaN in the output (read past the tree?)"
+        close(out, want, before["q"].dtype, 4.0, "out")
+    run_property("verify_attention", lambda: ops.verify_attention(**args), args, check, list(args))
+
+
+@st.composite
+def append_case(draw):
+    B = draw(st.sampled_from([0, 1, 2, 3]))
+    N = draw(st.sampled_from([1, 2, 3, 0]))
+    Hkv, D = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 8, 64, 80]))
+    dtype = draw(st.sampled_from(FLOATS))
+    lens = [draw(st.integers(0, 6)) for _ in range(B)]
+    S = max([l + N for l in lens] + [max(N, 1)]) + draw(st.sampled_from([0, 0, 2]))
+    if B and draw(st.integers(0, 7)) == 0:
+        lens[draw(st.integers(0, B - 1))] = draw(st.sampled_from([S - N + 1, -1, 2 ** 31 - 1]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31 - 1)))
+    k = place(torch.randn(B, Hkv, S, D, generator=g).to(dtype), draw(st.sampled_from(("contig", "contig", "offset4"))))
+    v = place(torch.randn(B, Hkv, S, D, generator=g).to(dtype), "contig")
+    kn = place(torch.randn(B, Hkv, N, D, generator=g).to(dtype), draw(layouts()))
+    vn = place(torch.randn(B, Hkv, N, D, generator=g).to(dtype), draw(layouts()))
+    alias = draw(st.sampled_from(("none",) * 6 + ("kv", "new_in_cache")))
+    if alias == "kv":
+        v = k
+    elif alias == "new_in_cache" and N > 0 and S >= N:
+        kn = k[:, :, S - N:]
+    return dict(k_cache=k, v_cache=v, k_new=kn, v_new=vn, cache_lens=place(torch.tensor(lens, dtype=torch.int32),
+                                                                           draw(st.sampled_from(("contig", "strided")))))
+
+
+@given(append_case())
+def fuzz_append_kv(args):
+    def check(out, before):
+        k, v = before["k_cache"].cpu(), before["v_cache"].cpu()
+        reference.append_kv(k, v, before["k_new"].cpu(), before["v_new"].cpu(), before["cache_lens"].cpu())
+        assert torch.equal(bits(args["k_cache"]), bits(k)), "k_cache differs from the reference"
+        assert torch.equal(bits(args["v_cache"]), bits(v)), "v_cache differs from the reference"
+    run_property("append_kv", lambda: ops.append_kv(**args), args, check, ["k_new", "v_new", "cache_lens"])
+
+
+@st.composite
+def sampling_case(draw, sampled_op: bool):
+    B = draw(st.sampled_from([0, 1, 1, 2, 4]))
+    N = draw(st.sampled_from([1, 1, 2, 3, 5, 8]))
+    V = draw(st.sampled_from([1, 2, 3, 17, 64, 1000, 3000]))
+    valid = draw(st.integers(0, 5)) > 0
+    tokens, parents = draw(tree(B, N, V, valid))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31 - 1)))
+    if sampled_op:
+        with_q = draw(st.booleans())
+        p = draw(prob_rows((B, N, V), False))
+        q = draw(prob_rows((B, N, V), True)) if with_q else None
+        if q is not None and draw(st.booleans()):  # draw the drafted tokens from q where it has mass
+            qq = torch.nan_to_num(q, nan=0.0, posinf=0.0).clamp(min=0)
+            ok = qq.sum(-1) > 0
+            drawn = torch.multinomial(torch.where(ok[..., None], qq, torch.ones_like(qq)).reshape(-1, V), 1,
+                                      generator=g).reshape(B, N)
+            tokens = torch.where(parents >= 0, drawn, tokens)
+        u = draw(uniforms_strategy(B, N))
+        hows = [draw(st.sampled_from(("contig", "contig", "offset1", "transposed"))) for _ in range(3)]
+        args = dict(tokens=place(tokens, hows[0]), parents=place(parents, hows[1]),
+                    target_probs=place(p, draw(st.sampled_from(("contig",) * 5 + ("offset1", "offset4", "strided")))),
+                    draft_probs=None if q is None else place(q, draw(st.sampled_from(("contig",) * 5 + ("offset1",)))),
+                    uniforms=place(u, hows[2]))
+    else:
+        dtype = draw(st.sampled_from(FLOATS))
+        logits = torch.randn(B, N, V, generator=g) * 3
+        special = draw(st.sampled_from(("none", "ties", "nan", "inf", "neg_inf", "all_equal")))
+        if logits.numel():
+            flat = logits.view(-1)
+            idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 5),), generator=g)
+            if special == "ties":
+                logits = logits.round()
+            elif special in ("nan", "inf", "neg_inf"):
+                flat[idx] = {"nan": float("nan"), "inf": float("inf"), "neg_inf": float("-inf")}[special]
+            elif special == "all_equal":
+                logits.fill_(1.0)
+        if B and N > 1 and draw(st.booleans()):  # children that follow the argmax: long accepted paths
+            best = logits.to(dtype).float().argmax(-1)
+            par = parents.clamp(0, N - 1).long()
+            tokens = torch.where(parents >= 0, torch.gather(best, 1, par), tokens)
+        args = dict(tokens=place(tokens, draw(layouts())), parents=place(parents, draw(layouts())),
+                    target_logits=place(logits.to(dtype), draw(st.sampled_from(("contig",) * 4 + ("offset1",)))))
+    return args
+
+
+def _check_sample(op):
+    def check(out, before):
+        cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in before.items()}
+        want = getattr(reference, op)(**cpu)
+        for name, a, b in zip(("accepted", "num_accepted", "out_tokens"), out, want):
+            assert a.dtype == b.dtype and torch.equal(a.cpu(), b), f"{name} differs from the reference"
+    return check
+
+
+@given(sampling_case(True))
+def fuzz_rejection_sample(args):
+    run_property("rejection_sample", lambda: ops.rejection_sample(**args), args, _check_sample("rejection_sample"),
+                 list(args))
+
+
+@given(sampling_case(False))
+def fuzz_greedy_verify(args):
+    run_property("greedy_verify", lambda: ops.greedy_verify(**args), args, _check_sample("greedy_verify"), list(args))
+
+
+@st.composite
+def commit_case(draw):
+    L = draw(st.sampled_from([1, 2, 3]))
+    B = draw(st.sampled_from([0, 1, 2, 3]))
+    N = draw(st.sampled_from([1, 2, 4, 6]))
+    Hkv, D = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 3, 8, 64]))
+    dtype = draw(st.sampled_from(FLOATS))
+    lens = [draw(st.integers(0, 5)) for _ in range(B)]
+    S = max([l + N for l in lens] + [N]) + draw(st.sampled_from([0, 0, 2]))
+    accepted = torch.full((B, N), -1, dtype=torch.int32)
+    num = torch.zeros(B, dtype=torch.int32)
+    for b in range(B):
+        n = draw(st.integers(0, N - 1))
+        path = sorted(draw(st.lists(st.integers(1, N - 1), min_size=n, max_size=n, unique=True))) if N > 1 else []
+        accepted[b, 0] = 0
+        accepted[b, 1:len(path) + 1] = torch.tensor(path, dtype=torch.int32)
+        num[b] = len(path)
+    if B and draw(st.integers(0, 5)) == 0:  # one corrupted value
+        b = draw(st.integers(0, B - 1))
+        what = draw(st.sampled_from(("num", "acc", "len")))
+        if what == "num":
+            num[b] = draw(st.sampled_from([-1, N, N + 3]))
+        elif what == "acc" and N > 1:
+            accepted[b, draw(st.integers(0, N - 1))] = draw(st.sampled_from([-1, N, 0]))
+        else:
+            lens[b] = draw(st.sampled_from([S - N + 1, S, -1]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31 - 1)))
+    kc = [place(torch.randn(B, Hkv, S, D, generator=g).to(dtype), draw(st.sampled_from(("contig", "offset4"))))
+          for _ in range(L)]
+    vc = [place(torch.randn(B, Hkv, S, D, generator=g).to(dtype), "contig") for _ in range(L)]
+    alias = draw(st.sampled_from(("none",) * 6 + ("k_is_v", "layer_twice", "lens_is_num")))
+    cache_lens = place(torch.tensor(lens, dtype=torch.int32), draw(st.sampled_from(("contig", "strided"))))
+    num_t = place(num, draw(st.sampled_from(("contig", "strided"))))
+    if alias == "k_is_v":
+        vc[0] = kc[0]
+    elif alias == "layer_twice" and L > 1:
+        kc[1] = kc[0]
+    elif alias == "lens_is_num":
+        num_t = cache_lens
+    return dict(k_caches=kc, v_caches=vc, cache_lens=cache_lens, accepted=place(accepted, draw(layouts())),
+                num_accepted=num_t)
+
+
+@given(commit_case())
+def fuzz_kv_commit(args):
+    def check(out, before):
+        kc = [t.cpu() for t in before["k_caches"]]
+        vc = [t.cpu() for t in before["v_caches"]]
+        lens = before["cache_lens"].cpu()
+        reference.kv_commit(kc, vc, lens, before["accepted"].cpu(), before["num_accepted"].cpu())
+        for i, (a, b) in enumerate(zip(args["k_caches"], kc)):
+            assert torch.equal(bits(a), bits(b)), f"k_caches[{i}] differs from the reference"
+        for i, (a, b) in enumerate(zip(args["v_caches"], vc)):
+            assert torch.equal(bits(a), bits(b)), f"v_caches[{i}] differs from the reference"
+        assert torch.equal(args["cache_lens"].cpu(), lens), "cache_lens differs from the reference"
+    run_property("kv_commit", lambda: ops.kv_commit(**args), args, check, ["accepted", "num_accepted"])
+
+
+@st.composite
+def linear_case(draw):
+    lead = draw(st.sampled_from([(1,), (2,), (5,), (0,), (33,), (2, 3), ()]))
+    K = draw(st.sampled_from([0, 1, 3, 8, 17, 64]))
+    N = draw(st.sampled_from([0, 1, 3, 9, 40]))
+    dtype = draw(st.sampled_from(FLOATS))
+    wkind = draw(st.sampled_from(("same", "same", "int8", "other")))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31 - 1)))
+    x = torch.randn(*lead, K, generator=g).to(dtype)
+    scale = None
+    if wkind == "int8":
+        w = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+        scale = torch.rand(N, generator=g) * 0.02 if draw(st.integers(0, 9)) else None
+    else:
+        wd = dtype if wkind == "same" else draw(st.sampled_from(FLOATS))
+        w = (torch.randn(N, K, generator=g) / math.sqrt(max(K, 1))).to(wd)
+    bias = torch.randn(N, generator=g).to(dtype) if draw(st.booleans()) else None
+    if draw(st.integers(0, 14)) == 0:
+        bias = torch.randn(N + 1, generator=g).to(dtype)  # wrong shape
+    return dict(x=place(x, draw(layouts())), weight=place(w, draw(layouts())),
+                bias=None if bias is None else place(bias, draw(st.sampled_from(("contig", "offset1", "strided")))),
+                weight_scale=None if scale is None else place(scale, draw(st.sampled_from(("contig", "offset1")))))
+
+
+@given(linear_case())
+def fuzz_linear(args):
+    def check(out, before):
+        x, w = before["x"].cpu(), before["weight"].cpu()
+        b = None if before["bias"] is None else before["bias"].cpu()
+        s = None if before["weight_scale"] is None else before["weight_scale"].cpu()
+        want = reference.linear(x, w, b, s)
+        assert out.dtype == x.dtype and out.shape == want.shape
+        mag = x.double().abs() @ w.double().abs().T
+        if s is not None:
+            mag = mag * s.double()
+        tol = 2e-5 * math.sqrt(max(x.shape[-1], 1)) * mag + 2 * ULP[x.dtype] * want.double().abs() + 1e-30
+        err = (out.cpu().double() - want.double()).abs()
+        assert bool((err <= tol).all()), f"linear: max |err| {err.max().item() if err.numel() else 0:.3e}"
+    run_property("linear", lambda: ops.linear(**args), args, check, list(args))
+
+
+FUZZERS = {
+    "verify_attention": fuzz_verify_attention,
+    "append_kv": fuzz_append_kv,
+    "rejection_sample": fuzz_rejection_sample,
+    "greedy_verify": fuzz_greedy_verify,
+    "kv_commit": fuzz_kv_commit,
+    "linear": fuzz_linear,
+}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    global DEVICE
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--op", choices=sorted(FUZZERS), required=True)
+    ap.add_argument("--examples", type=int, default=int(os.environ.get("SPECDEC_FUZZ_EXAMPLES", "150")))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--show-errors", type=int, default=0, help="print the N most frequent error kinds")
+    a = ap.parse_args(argv)
+    DEVICE = a.device
+    torch.set_num_threads(1)
+    fn = FUZZERS[a.op]
+    fn = settings(max_examples=a.examples, database=None, deadline=None, print_blob=True,
+                  suppress_health_check=list(HealthCheck))(fn)
+    fn = seed(a.seed * 1000 + sorted(FUZZERS).index(a.op))(fn)
+    t0 = time.time()
+    fn()
+    print(f"{a.op} on {a.device}: {STATS['examples']} examples ({STATS['raised']} raised a clear error, "
+          f"{STATS['matched']} matched the reference) in {time.time() - t0:.1f} s", flush=True)
+    for kind, n in ERRORS.most_common(a.show_errors):
+        print(f"  {n:6d}  {kind}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
