@@ -328,3 +328,105 @@ def test_append_then_verify(device, dtype):
     assert torch.equal(kc.cpu(), want_k) and torch.equal(vc.cpu(), want_v)
     out = ops.verify_attention(q.to(device), kc, vc, cld, mask.to(device))
     assert_attention_close(out, q, want_k, want_v, cl, mask, D ** -0.5)
+
+
+# --------------------------------------------------------------------------- the review's GPU list
+# Places a first GPU run must hit (named by the review of the never-run CUDA kernels); they
+# run on the CPU as well, where the same contract applies.
+@pytest.mark.parametrize("D", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_review_lowp_head_dims_gqa4_random_trees(device, dtype, D):
+    B, N, Hq, Hkv = 3, 11, 8, 2
+    q, k, v, cl = make_case(B, N, Hq, Hkv, D, [0, 37, 300], dtype, seed=100 + D)
+    mask = make_mask("tree", B, N, seed=100 + D)
+    assert_attention_close(run(device, q, k, v, cl, mask), q, k, v, cl, mask, D ** -0.5)
+
+
+@pytest.mark.parametrize("B", [32, 1], ids=["B32_one_split", "B1_many_splits"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_review_long_cache_nan_tail(device, B):
+    """cache_lens ~ 5000 in S = 8192, everything past cache_lens + N is NaN."""
+    N, Hq, Hkv, D, S = 4, 4, 1, 64, 8192
+    g = gen(101)
+    lens = (4990 + torch.randint(0, 20, (B,), generator=g)).to(torch.int32)
+    q = torch.randn(B, N, Hq, D, generator=g).half()
+    k = torch.randn(B, Hkv, S, D, generator=g).half()
+    v = torch.randn(B, Hkv, S, D, generator=g).half()
+    for b in range(B):
+        k[b, :, int(lens[b]) + N:] = float("nan")
+        v[b, :, int(lens[b]) + N:] = float("nan")
+    mask = make_mask("tree", B, N, seed=101)
+    assert_attention_close(run(device, q, k, v, lens, mask), q, k, v, lens, mask, D ** -0.5)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_review_huge_capacity_empty_prefix(device, dtype):
+    """B = 1, Hkv = 1, S = 65536, cache_lens = 0: a row that sees nothing is exactly zero, a
+    row that sees only the last node is exactly that node's value, no NaN anywhere."""
+    N, Hq, D, S = 3, 4, 64, 65536
+    g = gen(102)
+    q = torch.randn(1, N, Hq, D, generator=g).to(dtype)
+    k = torch.full((1, 1, S, D), float("nan")).to(dtype)
+    v = torch.full((1, 1, S, D), float("nan")).to(dtype)
+    k[0, 0, :N] = torch.randn(N, D, generator=g).to(dtype)
+    v[0, 0, :N] = torch.randn(N, D, generator=g).to(dtype)
+    lens = torch.zeros(1, dtype=torch.int32)
+    mask = torch.tensor([[[False, False, False], [False, False, True], [True, True, True]]])
+    out = run(device, q, k, v, lens, mask).cpu()
+    assert torch.isfinite(out.float()).all()
+    assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
+    assert torch.equal(out[0, 1], v[0, 0, 2].expand(Hq, D))
+    assert_attention_close(out.to(device), q.to(device), k, v, lens, mask, D ** -0.5)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_review_single_node_no_gqa_short_prefixes(device, dtype):
+    """N = 1, G = 1, prefixes around the tile edges."""
+    lens = [0, 1, 15, 17, 63, 65]
+    q, k, v, cl = make_case(len(lens), 1, 4, 4, 64, lens, dtype, seed=103)
+    for mask in (None, torch.ones(len(lens), 1, 1, dtype=torch.bool)):
+        assert_attention_close(run(device, q, k, v, cl, mask), q, k, v, cl, mask, 64 ** -0.5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_review_layouts(device):
+    """q as transformers' transposed view and at a storage offset of 1, an fp16 k_cache at a
+    storage offset of 8 bytes; append_kv with transposed and odd-offset k_new, bitwise."""
+    B, N, Hq, Hkv, D = 3, 7, 4, 1, 64
+    dtype = torch.float16
+    q, k, v, cl = make_case(B, N, Hq, Hkv, D, [0, 9, 130], dtype, seed=104)
+    mask = make_mask("tree", B, N, seed=104)
+    q_hf = q.transpose(1, 2).contiguous().to(device).transpose(1, 2)  # [B, H, N, D] -> [B, N, H, D]
+    buf = torch.empty(q.numel() + 1, dtype=dtype, device=device)
+    q_off = buf[1:].view(q.shape)
+    q_off.copy_(q)
+    kbuf = torch.empty(k.numel() + 4, dtype=dtype, device=device)  # 4 halves = 8 bytes
+    k_off = kbuf[4:].view(k.shape)
+    k_off.copy_(k)
+    assert k_off.storage_offset() * k_off.element_size() == 8 and k_off.is_contiguous()
+    for qq in (q_hf, q_off):
+        out = ops.verify_attention(qq, k_off, v.to(device), cl.to(device), mask.to(device))
+        assert_attention_close(out, q.to(device), k, v, cl, mask, D ** -0.5)
+    # append_kv: transposed and odd-offset k_new / v_new
+    kc, vc, kn, vn, lens = _append_case(dtype, seed=105, B=3, N=5, D=64)
+    want_k, want_v = kc.clone(), vc.clone()
+    reference.append_kv(want_k, want_v, kn, vn, lens)
+    kn_t = kn.transpose(-1, -2).contiguous().to(device).transpose(-1, -2)
+    nbuf = torch.empty(vn.numel() + 3, dtype=dtype, device=device)
+    vn_off = nbuf[3:].view(vn.shape)
+    vn_off.copy_(vn)
+    kcd, vcd = kc.to(device, copy=True), vc.to(device, copy=True)
+    ops.append_kv(kcd, vcd, kn_t, vn_off, lens.to(device))
+    assert torch.equal(kcd.cpu(), want_k) and torch.equal(vcd.cpu(), want_v)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_review_wide_tree_mask(device):
+    """N = 130 nodes (more than one mask tile) with GQA 3."""
+    B, N, Hq, Hkv, D = 2, 130, 6, 2, 64
+    q, k, v, cl = make_case(B, N, Hq, Hkv, D, [0, 40], torch.float16, seed=106)
+    mask = make_mask("tree", B, N, seed=106)
+    assert_attention_close(run(device, q, k, v, cl, mask), q, k, v, cl, mask, D ** -0.5)

@@ -242,3 +242,27 @@ def test_two_decode_steps_pipeline(device, dtype):
         assert torch.equal(dl.cpu(), rl)
         for a, b in zip(dk + dv, rk + rv):
             assert torch.equal(a.cpu(), b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_review_65_layers_odd_rows_strided_lens(device):
+    """65 layers (two CUDA launches), rows of D * sizeof = 6 bytes (not a multiple of 16), and
+    cache_lens a strided view (updated in place through its stride)."""
+    g = gen(80)
+    B, N, S = 3, 6, 20
+    _, parents, _ = make_trees(B, N, 5, "random", g=g)
+    accepted, num = random_paths(parents, g=g, force="full")
+    k, v = make_caches(65, B, 2, S, 3, torch.float16, g=g)
+    lens = _lens(B, S, N, g)
+    want_k, want_v, want_lens = [c.clone() for c in k], [c.clone() for c in v], lens.clone()
+    reference.kv_commit(want_k, want_v, want_lens, accepted, num)
+    ks = [c.to(device, copy=True) for c in k]
+    vs = [c.to(device, copy=True) for c in v]
+    lens_buf = torch.zeros(2 * B, dtype=torch.int32, device=device)
+    lens_view = lens_buf[::2]
+    lens_view.copy_(lens)
+    ops.kv_commit(ks, vs, lens_view, accepted.to(device), num.to(device))
+    assert torch.equal(lens_view.cpu(), want_lens)
+    assert not bool(lens_buf[1::2].any()), "kv_commit wrote between the strided lengths"
+    for got, want in zip(ks + vs, want_k + want_v):
+        assert torch.equal(got.cpu(), want)

@@ -160,3 +160,24 @@ def test_linear_empty_reduction(device, dtype, M, wkind, with_bias):
     got = ops.linear(torch.ones(2, 4, dtype=dtype, device=device), wn, None,
                      None if scale is None else torch.zeros(0, device=device))
     assert got.shape == (2, 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("wkind", ["fp16", "bf16", "int8"])
+def test_review_kernel_blas_switch_long_k(device, wkind):
+    """M = 16 (the CUDA kernel) and M = 17 (cuBLAS; on the CPU both are the kernel) with
+    K = 11008, the Llama MLP down-projection width."""
+    K, N = 11008, 40
+    dtype = torch.bfloat16 if wkind == "bf16" else torch.float16
+    g = gen(70)
+    w = torch.randn(N, K, generator=g) / math.sqrt(K)
+    scale = None
+    if wkind == "int8":
+        w, scale = ops.quantize_weight_int8(w)
+    else:
+        w = w.to(dtype)
+    bias = torch.randn(N, generator=g).to(dtype)
+    for M in (16, 17):
+        x = torch.randn(M, K, generator=g).to(dtype)
+        y = ops.linear(x.to(device), w.to(device), bias.to(device), None if scale is None else scale.to(device))
+        check_close(y, x, w, bias, scale, dtype)

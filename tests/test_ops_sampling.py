@@ -566,3 +566,44 @@ def test_quantize_row_rules():
     assert int(m[0]) == 2 ** 40 and int(m[5]) == 2 ** 39 and int(m[6]) == 0  # max 0.75: e = 0
     assert torch.equal(reference.quantize_row(row * 2.0 ** 30), m)
     assert not bool(reference.quantize_row(torch.zeros(5)).any())
+
+
+@pytest.mark.parametrize("with_draft", [True, False], ids=["q", "q_none"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_review_many_rejected_siblings_offset_slice(device, with_draft):
+    """Three and more rejected siblings at one node (the level-2 scratch residual of the CUDA
+    kernel) with V = 49153 (odd: scalar tails) and target_probs an offset slice of a larger
+    buffer (misaligned rows), against the reference."""
+    g = gen(60)
+    B, N, V = 6, 7, 49153
+    p = torch.softmax(2 * torch.randn(B, N, V, generator=g), -1)
+    parents = torch.tensor([[-1, 0, 0, 0, 0, 0, 1]] * B, dtype=torch.int32)
+    low = p[:, 0].topk(5, largest=False).indices  # tokens the target finds unlikely
+    tokens = torch.zeros(B, N, dtype=torch.int64)
+    tokens[:, 1:6] = low
+    tokens[:, 6] = 3
+    tokens[B // 2:, 5] = p[B // 2:, 0].argmax(-1)  # half the requests accept the last sibling
+    q = None
+    if with_draft:
+        q = torch.softmax(torch.randn(B, N, V, generator=g), -1)
+        for c in range(1, 6):  # each sibling's q puts most of its mass on its own token
+            q[torch.arange(B), c, tokens[:, c]] += 5.0
+        q = q / q.sum(-1, keepdim=True)
+    u = torch.full((B, N), 0.999, dtype=torch.float64)
+    u[:, 0] = torch.rand(B, generator=g, dtype=torch.float64)
+    u[B // 2:, 5] = 0.0
+    buf = torch.empty(p.numel() + 1)
+    p_off = buf[1:].view(p.shape)
+    p_off.copy_(p)
+    acc, num, out = run_rejection(device, tokens, parents, p_off, q, u)
+    assert bool((num[: B // 2] == 0).all())  # four+ rejections, a draw from the residual
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_offset_slice_odd_vocab(device):
+    g = gen(61)
+    tokens, parents, logits = greedy_case(5, 9, 49153, "mixed", torch.bfloat16, seed=62, ragged=True)
+    buf = torch.empty(logits.numel() + 1, dtype=logits.dtype)
+    off = buf[1:].view(logits.shape)
+    off.copy_(logits)
+    run_greedy(device, tokens, parents, off)
