@@ -3,9 +3,11 @@
 #   1. build specdec._C in place with the CUDA kernels (pip -e, no build isolation, no deps)
 #   2. build_info() must report cuda
 #   3. the op tests on CUDA (pytest -k cuda; TESTS_K="" runs everything)
-#   4. compute-sanitizer memcheck on every CUDA op (small cases + invalid values with strict
-#      checks off), racecheck on the attention kernel
-#   5. kernel benchmarks on CUDA (one table)
+#   4. compute-sanitizer on every CUDA kernel: memcheck (small cases + invalid values with
+#      strict checks off), racecheck, synccheck and initcheck (quick cases); a tool the
+#      image lacks is skipped with a note
+#   5. a CPU vs CUDA agreement sweep of the samplers (benchmarks/sweep_sampling.py, short)
+#   6. kernel benchmarks on CUDA (one table)
 # Everything (logs, junit XML, bench JSON, summary) goes to
 # benchmarks/results/gpu_<date>_<shortcommit>/. A failing stage does not stop the later
 # ones; each stage's status is in summary.txt. Whole script < 8 minutes: every stage has
@@ -18,7 +20,7 @@ set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-python}"
-BUDGET="${GPU_CHECK_BUDGET:-465}"
+BUDGET="${GPU_CHECK_BUDGET:-480}"
 START=$(date +%s)
 DATE="$(date +%Y%m%d-%H%M%S)"
 COMMIT="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
@@ -100,24 +102,36 @@ assert i['cuda'], 'specdec was built without its CUDA kernels'"
 TESTS_K="${TESTS_K-cuda and not inductor}"
 PYTEST_ARGS=(-q -rfEs -p no:cacheprovider --junitxml="$OUT/pytest_cuda.xml")
 if [ -n "$TESTS_K" ]; then PYTEST_ARGS+=(-k "$TESTS_K"); fi
-run_stage tests 110 "$PY" -m pytest tests/test_ops_attention.py tests/test_ops_sampling.py tests/test_ops_kv_commit.py \
-  tests/test_ops_errors.py tests/test_ops_compile.py tests/test_statistical.py "${PYTEST_ARGS[@]}"
+run_stage tests 120 env SPECDEC_FUZZ_EXAMPLES="${SPECDEC_FUZZ_EXAMPLES:-150}" "$PY" -m pytest tests/test_ops_attention.py tests/test_ops_sampling.py tests/test_ops_kv_commit.py \
+  tests/test_ops_linear.py tests/test_ops_errors.py tests/test_ops_compile.py tests/test_statistical.py \
+  tests/test_fuzz_ops.py "${PYTEST_ARGS[@]}"
 
 SAN="$(find_sanitizer || true)"
 if [ -n "$SAN" ]; then
   echo "compute-sanitizer: $SAN" >"$OUT/sanitizer_path.txt"
   # no caching allocator: an out-of-bounds access cannot hide inside a larger cached block
-  run_stage memcheck 60 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SAN" --tool memcheck --error-exitcode 1 \
+  run_stage memcheck 50 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SAN" --tool memcheck --error-exitcode 1 \
     --print-limit 50 "$PY" benchmarks/sanitize_ops.py
-  run_stage racecheck 45 "$SAN" --tool racecheck --error-exitcode 1 --print-limit 50 \
-    "$PY" benchmarks/sanitize_ops.py --ops verify_attention --quick
+  for tool in racecheck synccheck initcheck; do
+    extra=()
+    # initcheck: fresh allocations (no caching allocator) so that reads of never-written memory are seen
+    if [ "$tool" = initcheck ]; then extra=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1); fi
+    if "$SAN" --tool "$tool" --help >/dev/null 2>&1; then
+      run_stage "$tool" 30 "${extra[@]}" "$SAN" --tool "$tool" --error-exitcode 1 --print-limit 50 \
+        "$PY" benchmarks/sanitize_ops.py --quick --ops verify_attention sampling kv_commit linear
+    else
+      skip_stage "$tool" "this compute-sanitizer has no $tool tool"
+    fi
+  done
 else
   skip_stage memcheck "compute-sanitizer not found"
-  skip_stage racecheck "compute-sanitizer not found"
+  for tool in racecheck synccheck initcheck; do skip_stage "$tool" "compute-sanitizer not found"; done
 fi
 
+run_stage sweep 30 "$PY" benchmarks/sweep_sampling.py --requests "${SWEEP_REQUESTS:-512}" --out "$OUT/sweep_sampling.json"
+
 # shellcheck disable=SC2086
-run_stage bench 80 "$PY" benchmarks/bench_ops.py --device cuda --out "$OUT/bench_ops.json" ${BENCH_ARGS:-}
+run_stage bench 60 "$PY" benchmarks/bench_ops.py --device cuda --out "$OUT/bench_ops.json" ${BENCH_ARGS:-}
 
 # ---------------------------------------------------------------------------- summary
 {
@@ -132,7 +146,7 @@ run_stage bench 80 "$PY" benchmarks/bench_ops.py --device cuda --out "$OUT/bench
     echo "pytest: $(grep -E '^=* ?[0-9]+ (passed|failed|skipped|errors?|deselected)' "$OUT/tests.log" | tail -n 1 || true)"
     grep -E '^(FAILED|ERROR) ' "$OUT/tests.log" | head -n 30 || true
   fi
-  for s in memcheck racecheck; do
+  for s in memcheck racecheck synccheck initcheck; do
     if [ -f "$OUT/$s.log" ]; then echo "$s: $(grep -E 'ERROR SUMMARY|failing checks' "$OUT/$s.log" | tr '\n' ' ' || true)"; fi
   done
   if [ -f "$OUT/bench.log" ]; then
