@@ -430,3 +430,21 @@ def test_review_wide_tree_mask(device):
     q, k, v, cl = make_case(B, N, Hq, Hkv, D, [0, 40], torch.float16, seed=106)
     mask = make_mask("tree", B, N, seed=106)
     assert_attention_close(run(device, q, k, v, cl, mask), q, k, v, cl, mask, D ** -0.5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_append_kv_strided_cache_lens(device):
+    """A strided view of the lengths is valid input (the CPU kernel once read it as if it
+    were contiguous: wrong rows, and a crash in kv_commit; found by tests/fuzz_ops.py)."""
+    kc, vc, kn, vn, lens = _append_case(torch.float16, seed=107, B=3, N=5, D=64)
+    want_k, want_v = kc.clone(), vc.clone()
+    reference.append_kv(want_k, want_v, kn, vn, lens)
+    buf = torch.full((3 * lens.numel(),), 10 ** 6, dtype=torch.int32, device=device)
+    view = buf[::3]
+    view.copy_(lens)
+    kcd, vcd = kc.to(device, copy=True), vc.to(device, copy=True)
+    ops.append_kv(kcd, vcd, kn.to(device), vn.to(device), view)
+    assert torch.equal(kcd.cpu(), want_k) and torch.equal(vcd.cpu(), want_v)
+    q = torch.randn(3, 5, 4, 64).half()
+    out = ops.verify_attention(q.to(device), kcd, vcd, view)
+    assert_attention_close(out, q.to(device), want_k, want_v, lens, None, 64 ** -0.5)
