@@ -340,6 +340,17 @@ def sampling_case(draw, sampled_op: bool):
             tokens = torch.where(parents >= 0, drawn, tokens)
         u = draw(uniforms_strategy(B, N))
         hows = [draw(st.sampled_from(("contig", "contig", "offset1", "transposed"))) for _ in range(3)]
+        wrong = draw(st.sampled_from((None,) * 12 + ("tokens", "parents", "target_probs", "draft_probs", "uniforms")))
+        if wrong == "tokens":
+            tokens = tokens.int()
+        elif wrong == "parents":
+            parents = parents.long()
+        elif wrong == "target_probs":
+            p = p.to(draw(st.sampled_from((torch.float16, torch.float64, torch.bfloat16))))
+        elif wrong == "draft_probs" and q is not None:
+            q = q.double()
+        elif wrong == "uniforms":
+            u = u.float()
         args = dict(tokens=place(tokens, hows[0]), parents=place(parents, hows[1]),
                     target_probs=place(p, draw(st.sampled_from(("contig",) * 5 + ("offset1", "offset4", "strided")))),
                     draft_probs=None if q is None else place(q, draw(st.sampled_from(("contig",) * 5 + ("offset1",)))),
