@@ -365,6 +365,60 @@ void linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<a
   }
 }
 
+void qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+             const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits) {
+  const char* op = "qlinear";
+  TORCH_CHECK(x.dim() >= 1, op, ": x must be [..., K], got a 0-d tensor");
+  TORCH_CHECK(is_float_dtype(x.scalar_type()), op, ": x must be float32, float16 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(bits == 8 || bits == 4, op, ": bits must be 8 (Q8_0) or 4 (Q4_0 / Q4_1), got ", bits);
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(K % 32 == 0, op, ": x's K = ", K, " must be a multiple of the group size 32");
+  TORCH_CHECK(qweight.dim() == 2, op, ": qweight must be [N, ", bits == 8 ? "K" : "K / 2", "], got ", qweight.sizes());
+  const int64_t N = qweight.size(0), G = K / 32;
+  if (bits == 8) {
+    TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.size(1) == K, op,
+                ": an 8-bit qweight must be int8 [N, K] with K = ", K, ", got ", qweight.scalar_type(), " ",
+                qweight.sizes());
+    TORCH_CHECK(!mins.has_value(), op, ": mins are only for 4-bit weights (Q4_1), got mins with bits = 8");
+  } else {
+    TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.size(1) == K / 2, op,
+                ": a 4-bit qweight must be uint8 [N, K / 2] with K = ", K, " (two codes per byte), got ",
+                qweight.scalar_type(), " ", qweight.sizes());
+  }
+  TORCH_CHECK(qweight.is_contiguous(), op, ": qweight must be contiguous, got strides ", qweight.strides());
+  check_same_device(op, "qweight", qweight, x);
+  auto group_tensor = [&](const char* name, const at::Tensor& t) {
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == N && t.size(1) == G && t.scalar_type() == at::kHalf, op, ": ", name,
+                " must be float16 [N, K / 32] = [", N, ", ", G, "], got ", t.scalar_type(), " ", t.sizes());
+    TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous, got strides ", t.strides());
+    check_same_device(op, name, t, x);
+  };
+  group_tensor("scales", scales);
+  if (mins.has_value()) group_tensor("mins", *mins);
+  if (bias.has_value()) {
+    const at::Tensor& b = *bias;
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == N && b.scalar_type() == x.scalar_type(), op, ": bias must be ",
+                x.scalar_type(), " [", N, "], got ", b.scalar_type(), " ", b.sizes());
+    check_same_device(op, "bias", b, x);
+  }
+}
+
+at::Tensor qlinear_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
+                              const std::optional<at::Tensor>& mins, int64_t bits, at::ScalarType dtype) {
+  const int64_t N = qweight.size(0), G = scales.size(1);
+  at::Tensor codes;
+  if (bits == 8) {
+    codes = qweight.to(at::kFloat).view({N, G, 32});
+  } else {
+    const at::Tensor b = qweight.view({N, G, 16}).to(at::kInt);
+    codes = at::cat({at::bitwise_and(b, 15), at::bitwise_right_shift(b, 4)}, 2).to(at::kFloat);  // [N, G, 32]
+    if (!mins.has_value()) codes = codes - 8.0;
+  }
+  at::Tensor w = codes * scales.to(at::kFloat).unsqueeze(2);
+  if (mins.has_value()) w = w + mins->to(at::kFloat).unsqueeze(2);
+  return w.view({N, G * 32}).to(dtype);
+}
+
 int64_t linear_rows(const at::Tensor& x) {
   int64_t M = 1;
   for (int64_t d = 0; d + 1 < x.dim(); ++d) M *= x.size(d);

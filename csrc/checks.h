@@ -31,6 +31,13 @@ void kv_commit(at::TensorList k_caches, at::TensorList v_caches, const at::Tenso
 void linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
             const std::optional<at::Tensor>& weight_scale);
 
+void qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+             const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits);
+// The float weight [N, K] (dtype) a group-quantized weight stands for: d * q (+ m), or
+// d * (q - 8) for 4-bit without mins. Used for the large-M (BLAS / cuBLAS) path.
+at::Tensor qlinear_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
+                              const std::optional<at::Tensor>& mins, int64_t bits, at::ScalarType dtype);
+
 // Rows of linear's x: the product of its leading sizes (well defined for K = 0).
 int64_t linear_rows(const at::Tensor& x);
 // linear's result when there is nothing to stream (M = 0, N = 0 or K = 0): bias broadcast

@@ -28,6 +28,8 @@ void kv_commit_cpu(at::TensorList k_caches, at::TensorList v_caches, at::Tensor&
                    const at::Tensor& accepted, const at::Tensor& num_accepted);
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                       const std::optional<at::Tensor>& weight_scale);
+at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits);
 
 #ifdef SPECDEC_WITH_CUDA
 // ---------------------------------------------------------------- CUDA (csrc/cuda/*.cu)
@@ -45,6 +47,8 @@ void kv_commit_cuda(at::TensorList k_caches, at::TensorList v_caches, at::Tensor
                     const at::Tensor& accepted, const at::Tensor& num_accepted);
 at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& weight_scale);
+at::Tensor qlinear_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits);
 #endif
 
 }  // namespace specdec

@@ -32,6 +32,7 @@ TORCH_LIBRARY(specdec, m) {
         "Tensor num_accepted) -> ()");
   // y = x W^T (* weight_scale per output row for int8 W) (+ bias), float32 accumulation; few-row x.
   m.def("linear(Tensor x, Tensor weight, Tensor? bias, Tensor? weight_scale) -> Tensor");
+  m.def("qlinear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int bits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
@@ -41,6 +42,7 @@ TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("greedy_verify", &specdec::greedy_verify_cpu);
   m.impl("kv_commit", &specdec::kv_commit_cpu);
   m.impl("linear", &specdec::linear_cpu);
+  m.impl("qlinear", &specdec::qlinear_cpu);
 }
 
 #ifdef SPECDEC_WITH_CUDA
@@ -51,6 +53,7 @@ TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
   m.impl("greedy_verify", &specdec::greedy_verify_cuda);
   m.impl("kv_commit", &specdec::kv_commit_cuda);
   m.impl("linear", &specdec::linear_cuda);
+  m.impl("qlinear", &specdec::qlinear_cuda);
 }
 #endif
 

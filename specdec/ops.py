@@ -23,6 +23,7 @@ __all__ = [
     "greedy_verify",
     "kv_commit",
     "linear",
+    "qlinear",
     "quantize_weight_int8",
     "set_strict_checks",
     "strict_checks",
@@ -197,6 +198,60 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return _ops.linear(x, weight, bias, weight_scale)
 
 
+def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor] = None,
+            bias: Optional[torch.Tensor] = None, bits: int = 4) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` with W group-quantized in groups of 32 inputs (the GGUF formats).
+
+    x : [..., K] float32 / float16 / bfloat16, K % 32 == 0.
+    bits = 8 (Q8_0): qweight int8 [N, K]; W[n, k] = d * q.
+    bits = 4: qweight uint8 [N, K / 2], byte j of group g holding element 32 g + j in its low
+    nibble and 32 g + j + 16 in its high nibble (GGUF order); with ``mins`` (Q4_1)
+    W = d * q + m, without (Q4_0) W = d * (q - 8).
+    scales, mins : float16 [N, K / 32] (d, m per output row and group); bias : [N], x's dtype.
+    Returns [..., N] in x's dtype; float32 accumulation, one rounding. The weight is streamed
+    once for all M = x.numel() / K rows (CPU kernel for M <= 32, CUDA kernel for M <= 16;
+    above that the dequantized weight goes to BLAS / cuBLAS). See :func:`quantize_weight_groups`.
+    """
+    return _ops.qlinear(x, qweight, scales, mins, bias, int(bits))
+
+
+def quantize_weight_groups(weight: torch.Tensor, fmt: str) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Group-quantize a float [N, K] weight (K % 32 == 0) for :func:`qlinear`, llama.cpp's rules.
+
+    fmt "q8_0": d = max|w| / 127 per group (stored as float16), q = round(w / d) in [-127, 127].
+    fmt "q4_1": m = min(w), d = (max(w) - m) / 15 (float16 both), q = round((w - m) / d) in [0, 15].
+    fmt "q4_0": d = w_absmax_signed / -8 (the signed value of largest magnitude), q = round(w / d) + 8
+    clamped to [0, 15]. The rounding uses the float16-rounded d and m, so that the stored
+    format reproduces its own dequantization. Returns (qweight, scales, mins or None).
+    """
+    if weight.dim() != 2 or not weight.is_floating_point() or weight.shape[1] % 32:
+        raise ValueError(f"quantize_weight_groups: weight must be a floating [N, K] tensor with K % 32 == 0, got "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    if fmt not in ("q8_0", "q4_0", "q4_1"):
+        raise ValueError(f"quantize_weight_groups: fmt must be 'q8_0', 'q4_0' or 'q4_1', got {fmt!r}")
+    N, K = weight.shape
+    w = weight.detach().float().reshape(N, K // 32, 32)
+    safe = lambda d: torch.where(d == 0, torch.ones_like(d), d)  # noqa: E731
+    if fmt == "q8_0":
+        d = (w.abs().amax(-1) / 127.0).half()
+        q = torch.round(w / safe(d.float())[..., None]).clamp_(-127, 127).to(torch.int8)
+        return q.reshape(N, K).contiguous(), d.contiguous(), None
+    if fmt == "q4_1":
+        lo, hi = w.amin(-1), w.amax(-1)
+        m = lo.half()
+        d = ((hi - m.float()) / 15.0).half()
+        q = torch.round((w - m.float()[..., None]) / safe(d.float())[..., None]).clamp_(0, 15)
+        mins = m.contiguous()
+    else:
+        idx = w.abs().argmax(-1, keepdim=True)
+        d = (torch.gather(w, -1, idx)[..., 0] / -8.0).half()
+        q = (torch.round(w / safe(d.float())[..., None]) + 8).clamp_(0, 15)
+        mins = None
+    q = q.to(torch.uint8)
+    packed = (q[..., :16] | (q[..., 16:] << 4)).reshape(N, K // 2).contiguous()
+    return packed, d.contiguous(), mins
+
+
 def quantize_weight_int8(weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-row int8 quantisation of a [N, K] weight for :func:`linear`.
 
@@ -245,6 +300,11 @@ def _greedy_verify_fake(tokens, parents, target_logits):
 @torch.library.register_fake("specdec::kv_commit")
 def _kv_commit_fake(k_caches, v_caches, cache_lens, accepted, num_accepted):
     return None
+
+
+@torch.library.register_fake("specdec::qlinear")
+def _qlinear_fake(x, qweight, scales, mins, bias, bits):
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 
 @torch.library.register_fake("specdec::linear")

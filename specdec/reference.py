@@ -30,6 +30,8 @@ __all__ = [
     "greedy_verify",
     "kv_commit",
     "linear",
+    "qlinear",
+    "dequantize_groups",
     "sample_from",
     "quantize_row",
     "draw_threshold",
@@ -302,6 +304,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     y = x.double() @ weight.double().T
     if weight_scale is not None:
         y = y * weight_scale.double()
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(x.dtype)
+
+
+def dequantize_groups(qweight: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor],
+                      bits: int) -> torch.Tensor:
+    """The float64 [N, K] weight a group-quantized weight stands for (see ops.qlinear)."""
+    N = qweight.shape[0]
+    G = scales.shape[1]
+    if bits == 8:
+        codes = qweight.double().reshape(N, G, 32)
+    else:
+        b = qweight.to(torch.int64).reshape(N, G, 16)
+        codes = torch.cat([b & 15, b >> 4], dim=2).double()
+        if mins is None:
+            codes = codes - 8.0
+    w = codes * scales.double()[..., None]
+    if mins is not None:
+        w = w + mins.double()[..., None]
+    return w.reshape(N, G * 32)
+
+
+def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor],
+            bias: Optional[torch.Tensor], bits: int) -> torch.Tensor:
+    """x [..., K] @ dequantize_groups(...).T (+ bias), float64, rounded once to x's dtype."""
+    y = x.double() @ dequantize_groups(qweight, scales, mins, bits).T
     if bias is not None:
         y = y + bias.double()
     return y.to(x.dtype)

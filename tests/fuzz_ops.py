@@ -55,6 +55,7 @@ ARGS: Dict[str, Sequence[str]] = {
     "greedy_verify": ("tokens", "parents", "target_logits"),
     "kv_commit": ("k_caches", "v_caches", "cache_lens", "accepted", "num_accepted"),
     "linear": ("x", "weight", "bias", "weight_scale"),
+    "qlinear": ("x", "qweight", "scales", "mins", "bias", "bits", "K"),
 }
 STATS = {"examples": 0, "raised": 0, "matched": 0}
 ERRORS: "collections.Counter[str]" = collections.Counter()  # error kinds seen (message up to the first digit)
@@ -496,6 +497,60 @@ def fuzz_linear(args):
     run_property("linear", lambda: ops.linear(**args), args, check, list(args))
 
 
+@st.composite
+def qlinear_case(draw):
+    lead = draw(st.sampled_from([(1,), (2,), (3,), (0,), (17,), (33,), (2, 3)]))
+    G = draw(st.sampled_from([0, 1, 2, 3]))
+    K = 32 * G + (draw(st.sampled_from([1, 16])) if draw(st.integers(0, 11)) == 0 else 0)  # rarely not a multiple
+    N = draw(st.sampled_from([0, 1, 4, 9]))
+    dtype = draw(st.sampled_from(FLOATS))
+    fmt = draw(st.sampled_from(("q8_0", "q4_0", "q4_1")))
+    bits = 8 if fmt == "q8_0" else 4
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31 - 1)))
+    Kq = K - K % 32
+    if Kq:
+        qw, d, m = ops.quantize_weight_groups(torch.randn(N, Kq, generator=g), fmt)
+    else:
+        qw = torch.zeros(N, 0, dtype=torch.int8 if bits == 8 else torch.uint8)
+        d = torch.zeros(N, 0, dtype=torch.float16)
+        m = torch.zeros(N, 0, dtype=torch.float16) if fmt == "q4_1" else None
+    special = draw(st.sampled_from(("none",) * 8 + ("inf_scale", "nan_scale", "bits", "mins8", "dtype")))
+    if special == "inf_scale" and d.numel():
+        d.view(-1)[0] = float("inf")
+    elif special == "nan_scale" and d.numel():
+        d.view(-1)[0] = float("nan")
+    elif special == "bits":
+        bits = draw(st.sampled_from([0, 2, 16]))
+    elif special == "mins8" and bits == 8:
+        m = d.clone()
+    elif special == "dtype":
+        d = d.float()
+    x = torch.randn(*lead, K, generator=g).to(dtype)
+    bias = torch.randn(N, generator=g).to(dtype) if draw(st.booleans()) else None
+    return dict(x=place(x, draw(layouts())), qweight=place(qw, draw(st.sampled_from(("contig",) * 4 + ("offset1", "transposed")))),
+                scales=place(d, "contig"), mins=None if m is None else place(m, "contig"),
+                bias=None if bias is None else place(bias, draw(st.sampled_from(("contig", "strided")))), bits=bits)
+
+
+@given(qlinear_case())
+def fuzz_qlinear(args):
+    def check(out, before):
+        x = before["x"].cpu()
+        mins = None if before["mins"] is None else before["mins"].cpu()
+        bias = None if before["bias"] is None else before["bias"].cpu()
+        want = reference.qlinear(x, before["qweight"].cpu(), before["scales"].cpu(), mins, bias, before["bits"])
+        assert out.dtype == x.dtype and out.shape == want.shape
+        w = reference.dequantize_groups(before["qweight"].cpu(), before["scales"].cpu(), mins, before["bits"])
+        mag = x.double().abs() @ w.abs().T
+        tol = 2e-5 * math.sqrt(max(x.shape[-1], 1)) * mag + 2 * ULP[x.dtype] * want.double().abs() + 1e-30
+        got = out.cpu().double()
+        # non-finite weights (an inf / NaN scale) give non-finite outputs; which kind depends on the order
+        ok = ((got - want.double()).abs() <= tol) | (got == want.double()) | \
+            (~torch.isfinite(got) & ~torch.isfinite(want.double()))
+        assert bool(ok.all()), "qlinear differs from the reference past the tolerance"
+    run_property("qlinear", lambda: ops.qlinear(**args), args, check, list(args))
+
+
 FUZZERS = {
     "verify_attention": fuzz_verify_attention,
     "append_kv": fuzz_append_kv,
@@ -503,6 +558,7 @@ FUZZERS = {
     "greedy_verify": fuzz_greedy_verify,
     "kv_commit": fuzz_kv_commit,
     "linear": fuzz_linear,
+    "qlinear": fuzz_qlinear,
 }
 
 

@@ -18,7 +18,7 @@ import pytest
 from conftest import DEVICES
 
 HARNESS = Path(__file__).with_name("fuzz_ops.py")
-OPS = ("verify_attention", "append_kv", "rejection_sample", "greedy_verify", "kv_commit", "linear")
+OPS = ("verify_attention", "append_kv", "rejection_sample", "greedy_verify", "kv_commit", "linear", "qlinear")
 EXAMPLES = int(os.environ.get("SPECDEC_FUZZ_EXAMPLES", "300"))
 
 

@@ -87,6 +87,15 @@ def _linear_args(device, dtype, quantized, M=5):
     return [x.to(device), w.to(dtype).to(device), bias.to(device), None]
 
 
+def _qlinear_args(device, fmt, M=3):
+    g = gen(6)
+    qw, d, m = ops.quantize_weight_groups(torch.randn(24, 64, generator=g), fmt)
+    bias = torch.randn(24, generator=g)
+    dev = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return [torch.randn(M, 64, generator=g).to(device), qw.to(device), d.to(device), dev(m), bias.to(device),
+            8 if fmt == "q8_0" else 4]
+
+
 OPCHECK_CASES = {
     "verify_attention-fp32-mask": lambda d: (SD.verify_attention.default, _attention_args(d, torch.float32, True)),
     "verify_attention-fp16-causal": lambda d: (SD.verify_attention.default, _attention_args(d, torch.float16, False)),
@@ -101,6 +110,9 @@ OPCHECK_CASES = {
     "linear-bf16": lambda d: (SD.linear.default, _linear_args(d, torch.bfloat16, False)),
     "linear-int8-fp32x": lambda d: (SD.linear.default, _linear_args(d, torch.float32, True)),
     "linear-fp32-prefill": lambda d: (SD.linear.default, _linear_args(d, torch.float32, False, M=40)),
+    "qlinear-q4_1": lambda d: (SD.qlinear.default, _qlinear_args(d, "q4_1")),
+    "qlinear-q8_0": lambda d: (SD.qlinear.default, _qlinear_args(d, "q8_0")),
+    "qlinear-q4_0-prefill": lambda d: (SD.qlinear.default, _qlinear_args(d, "q4_0", M=40)),
 }
 
 
@@ -113,7 +125,8 @@ def test_opcheck(device, case):
 
 def test_every_op_is_opchecked():
     names = {c.split("-")[0] for c in OPCHECK_CASES}
-    assert names == {"verify_attention", "append_kv", "rejection_sample", "greedy_verify", "kv_commit", "linear"}
+    registered = {n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("specdec::")}
+    assert "linear" in registered and names == registered, sorted(registered ^ names)
 
 
 # --------------------------------------------------------------------------- torch.compile

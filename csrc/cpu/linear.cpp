@@ -14,10 +14,12 @@
 
 #define SPECDEC_CPU_ISA base
 #include "specdec/cpu_linear.h"
+#include "specdec/cpu_qlinear.h"
 
 namespace specdec {
 namespace cpu {
-void linear_rows_avx2(const LinearParams& P, int64_t n_begin, int64_t n_end);  // linear_avx2.cpp
+void linear_rows_avx2(const LinearParams& P, int64_t n_begin, int64_t n_end);    // linear_avx2.cpp
+void qlinear_rows_avx2(const QLinearParams& P, int64_t n_begin, int64_t n_end);  // linear_avx2.cpp
 
 namespace {
 
@@ -44,6 +46,20 @@ void run(const LinearParams& P) {
     const int64_t n0 = begin * kNr, n1 = std::min(end * kNr, P.N);
     if (avx2) linear_rows_avx2(P, n0, n1);
     else base::linear_rows(P, n0, n1);
+  });
+}
+
+// y[:, :] for all M rows of a group-quantized weight, output rows split over threads.
+void run_q(const QLinearParams& P) {
+  const bool avx2 = has_avx2_fma_f16c();
+  constexpr int64_t nr = base::kQNr;
+  const int64_t blocks = (P.N + nr - 1) / nr;
+  const int64_t row_bytes = P.bits == 8 ? P.K : P.K / 2;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(256) << 10) / std::max<int64_t>(1, nr * row_bytes));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    const int64_t n0 = begin * nr, n1 = std::min(end * nr, P.N);
+    if (avx2) qlinear_rows_avx2(P, n0, n1);
+    else base::qlinear_rows(P, n0, n1);
   });
 }
 
@@ -90,6 +106,46 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::
     cpu::run(P);
   }
   if (!direct) y = y.to(x.scalar_type());
+  return y.view(out_shape);
+}
+
+at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits) {
+  checks::qlinear(x, qweight, scales, mins, bias, bits);
+  if (auto y = checks::linear_trivial(x, qweight, bias)) return *y;
+  const int64_t K = x.size(-1), N = qweight.size(0), G = K / cpu::kQGroup;
+  const int64_t M = checks::linear_rows(x);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  if (M > cpu::kSmallM) {  // prefill: compute-bound, the BLAS GEMM on the dequantized weight
+    // float32 operands: the contract's float32 accumulation and one rounding to x's dtype
+    const at::Tensor w32 = checks::qlinear_dequantize(qweight, scales, mins, bits, at::kFloat);
+    std::optional<at::Tensor> bf;
+    if (bias.has_value()) bf = bias->to(at::kFloat);
+    return at::linear(x.to(at::kFloat), w32, bf).to(x.scalar_type());
+  }
+  const at::Tensor x2 = x.reshape({M, K}).to(at::kFloat).contiguous();
+  at::Tensor xsum;
+  if (mins.has_value()) xsum = x2.view({M, G, cpu::kQGroup}).sum(2).contiguous();
+  std::optional<at::Tensor> b32;
+  if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  cpu::QLinearParams P;
+  P.x = x2.data_ptr<float>();
+  P.x_stride = K;
+  P.xsum = xsum.defined() ? xsum.data_ptr<float>() : nullptr;
+  P.qw = qweight.data_ptr();
+  P.scales = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  P.mins = mins.has_value() ? reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>()) : nullptr;
+  P.bias = b32.has_value() ? b32->data_ptr<float>() : nullptr;
+  P.y = y.data_ptr<float>();
+  P.y_stride = N;
+  P.M = M;
+  P.N = N;
+  P.K = K;
+  P.bits = int(bits);
+  cpu::run_q(P);
+  if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
   return y.view(out_shape);
 }
 

@@ -124,6 +124,101 @@ void launch(const at::Tensor& x32, const at::Tensor& w, const float* scale, cons
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+
+// ---------------------------------------------------------------- qlinear (group-quantized weights)
+// Same plan as above: one warp per output row, the weight row read once for all M rows of x.
+// Lane l owns groups g = l, l + 32, ... of 32 weights (Q8_0: 32 bytes, Q4: 16 bytes, plus a
+// float16 scale and, for Q4_1, a float16 min), so a warp reads 32 consecutive groups: one
+// contiguous kilobyte (Q8_0) or half of one (Q4). Codes are decoded to fp32 once and feed the
+// M accumulators of the lane: acc += d * dot(codes, x_group) + m * sum(x_group).
+// Napkin math: Llama-3-8B as Q4_1, 4.2 GB of linear weights, ~0.9 ms per decode step at 4.8 TB/s.
+template <int BITS, bool MINS, int MB>
+__global__ void __launch_bounds__(kWarps * 32)
+qlinear_small_m_kernel(const float* __restrict__ x, const uint8_t* __restrict__ qw, const __half* __restrict__ scales,
+                       const __half* __restrict__ mins, const float* __restrict__ bias, float* __restrict__ y, int M,
+                       int64_t N, int64_t K, bool vec_ok) {
+  constexpr int kRowBytesPerGroup = BITS == 8 ? 32 : 16;
+  const int lane = threadIdx.x & 31;
+  const int64_t warp_global = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  const int64_t warps_total = int64_t(gridDim.x) * kWarps;
+  const int64_t G = K / 32;
+  for (int64_t n = warp_global; n < N; n += warps_total) {
+    const uint8_t* wr = qw + n * G * kRowBytesPerGroup;
+    float acc[MB];
+#pragma unroll
+    for (int m = 0; m < MB; ++m) acc[m] = 0.f;
+    for (int64_t g = lane; g < G; g += 32) {
+      const uint8_t* wg = wr + g * kRowBytesPerGroup;
+      uint8_t raw[kRowBytesPerGroup];
+      if (vec_ok) {
+#pragma unroll
+        for (int i = 0; i < kRowBytesPerGroup; i += 16)
+          *reinterpret_cast<uint4*>(raw + i) = __ldg(reinterpret_cast<const uint4*>(wg + i));
+      } else {
+#pragma unroll
+        for (int i = 0; i < kRowBytesPerGroup; ++i) raw[i] = __ldg(wg + i);
+      }
+      float w[32];
+      if constexpr (BITS == 8) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) w[i] = float(int8_t(raw[i]));
+      } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          w[i] = float(raw[i] & 15) - (MINS ? 0.f : 8.f);
+          w[i + 16] = float(raw[i] >> 4) - (MINS ? 0.f : 8.f);
+        }
+      }
+      const float d = __half2float(scales[n * G + g]);
+      const float mn = MINS ? __half2float(mins[n * G + g]) : 0.f;
+#pragma unroll
+      for (int m = 0; m < MB; ++m) {
+        if (m < M) {
+          const float* xr = x + int64_t(m) * K + g * 32;
+          float dot = 0.f, xs = 0.f;
+#pragma unroll
+          for (int i = 0; i < 32; i += 4) {
+            const float4 xv = vec_ok ? *reinterpret_cast<const float4*>(xr + i) : make_float4(xr[i], xr[i + 1], xr[i + 2], xr[i + 3]);
+            dot += w[i] * xv.x + w[i + 1] * xv.y + w[i + 2] * xv.z + w[i + 3] * xv.w;
+            if (MINS) xs += (xv.x + xv.y) + (xv.z + xv.w);
+          }
+          acc[m] += d * dot + mn * xs;
+        }
+      }
+    }
+    const float b = bias ? bias[n] : 0.f;
+#pragma unroll
+    for (int m = 0; m < MB; ++m) {
+      if (m < M) {
+        const float v = warp_sum(acc[m]);
+        if (lane == 0) y[int64_t(m) * N + n] = v + b;
+      }
+    }
+  }
+}
+
+template <int BITS, bool MINS>
+void launch_q(const at::Tensor& x32, const at::Tensor& qw, const at::Tensor& scales, const __half* mins,
+              const float* bias, at::Tensor& y, int M, int64_t N, int64_t K) {
+  const bool vec_ok = aligned16(qw.data_ptr()) && aligned16(x32.data_ptr());
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t blocks = std::min<int64_t>(ceil_div(N, kWarps), int64_t(sms) * 16);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const float* xp = x32.data_ptr<float>();
+  const uint8_t* wp = static_cast<const uint8_t*>(qw.data_ptr());
+  const __half* sp = reinterpret_cast<const __half*>(scales.data_ptr<at::Half>());
+  float* yp = y.data_ptr<float>();
+  auto go = [&](auto mb) {
+    constexpr int MB = decltype(mb)::value;
+    qlinear_small_m_kernel<BITS, MINS, MB><<<blocks, kWarps * 32, 0, stream>>>(xp, wp, sp, mins, bias, yp, M, N, K,
+                                                                               vec_ok);
+  };
+  if (M <= 1) go(std::integral_constant<int, 1>{});
+  else if (M <= 4) go(std::integral_constant<int, 4>{});
+  else go(std::integral_constant<int, 16>{});
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 }  // namespace cuda
 
@@ -156,6 +251,35 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std:
     case at::kBFloat16: cuda::launch<__nv_bfloat16>(x32, w, sp, bp, y, int(M), N, K); break;
     default: cuda::launch<int8_t>(x32, w, sp, bp, y, int(M), N, K); break;
   }
+  if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
+  return y.view(out_shape);
+}
+
+at::Tensor qlinear_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits) {
+  checks::qlinear(x, qweight, scales, mins, bias, bits);
+  const c10::cuda::CUDAGuard guard(x.device());
+  if (auto y = checks::linear_trivial(x, qweight, bias)) return *y;
+  const int64_t K = x.size(-1), N = qweight.size(0);
+  const int64_t M = checks::linear_rows(x);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  if (M > cuda::kMaxM) {  // prefill: cuBLAS on the dequantized weight
+    // float32 operands: the contract's float32 accumulation and one rounding to x's dtype
+    const at::Tensor w32 = checks::qlinear_dequantize(qweight, scales, mins, bits, at::kFloat);
+    std::optional<at::Tensor> bf;
+    if (bias.has_value()) bf = bias->to(at::kFloat);
+    return at::linear(x.to(at::kFloat), w32, bf).to(x.scalar_type());
+  }
+  const at::Tensor x32 = x.reshape({M, K}).to(at::kFloat).contiguous();
+  std::optional<at::Tensor> b32;
+  if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
+  const float* bp = b32.has_value() ? b32->data_ptr<float>() : nullptr;
+  const __half* mp = mins.has_value() ? reinterpret_cast<const __half*>(mins->data_ptr<at::Half>()) : nullptr;
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (bits == 8) cuda::launch_q<8, false>(x32, qweight, scales, mp, bp, y, int(M), N, K);
+  else if (mp != nullptr) cuda::launch_q<4, true>(x32, qweight, scales, mp, bp, y, int(M), N, K);
+  else cuda::launch_q<4, false>(x32, qweight, scales, mp, bp, y, int(M), N, K);
   if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
   return y.view(out_shape);
 }
