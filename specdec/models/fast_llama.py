@@ -35,14 +35,14 @@ _SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 def _linear_fn(module: torch.nn.Module, fast_linear: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     """A direct call for a linear layer: ops.linear on its tensors when we know the type
     (nn.Linear only with fast_linear, as HFCausalLM's option says; F.linear otherwise)."""
-    from specdec.models.quant import Int8Linear
+    from specdec.models.quant import GroupQuantLinear, Int8Linear
 
     if type(module) is torch.nn.Linear:
         w, b = module.weight, module.bias
         if not fast_linear or w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return lambda x: F.linear(x, w, b)
         return lambda x: ops.linear(x, w, b)
-    if type(module) is Int8Linear:
+    if type(module) in (Int8Linear, GroupQuantLinear):
         return module.forward
     return module  # e.g. torch.ao dynamic-quantized Linear: its own forward
 

@@ -14,7 +14,7 @@ import torch
 
 from specdec import ops
 
-__all__ = ["Int8Linear", "quantize_linear_int8"]
+__all__ = ["Int8Linear", "quantize_linear_int8", "GroupQuantLinear", "quantize_linear_groups"]
 
 
 class Int8Linear(torch.nn.Module):
@@ -64,3 +64,61 @@ def quantize_linear_int8(model: torch.nn.Module, skip: Iterable[str] = ()) -> to
         except Exception:  # pragma: no cover - read-only configs
             pass
     return model
+
+
+class GroupQuantLinear(torch.nn.Module):
+    """``y = x @ W.T + bias`` with W group-quantized (GGUF Q8_0 / Q4_0 / Q4_1 layout), run by
+    :func:`specdec.ops.qlinear`. Buffers: ``qweight`` (int8 [N, K] or uint8 [N, K / 2]),
+    ``scales`` / ``mins`` (float16 [N, K / 32]), ``bias``; ``bits`` 8 or 4."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor],
+                 bias: Optional[torch.Tensor], bits: int) -> None:
+        super().__init__()
+        self.bits = int(bits)
+        self.in_features = int(scales.shape[1]) * 32
+        self.out_features = int(qweight.shape[0])
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+        self.register_buffer("mins", mins)
+        self.register_buffer("bias", bias)
+
+    @property
+    def fmt(self) -> str:
+        return "q8_0" if self.bits == 8 else ("q4_1" if self.mins is not None else "q4_0")
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, fmt: str) -> "GroupQuantLinear":
+        qw, d, m = ops.quantize_weight_groups(linear.weight, fmt)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(qw, d, m, bias, 8 if fmt == "q8_0" else 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.bias is None or self.bias.dtype == x.dtype else self.bias.to(x.dtype)
+        return ops.qlinear(x, self.qweight, self.scales, self.mins, bias, self.bits)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "
+                f"bias={self.bias is not None}")
+
+
+def quantize_linear_groups(model: torch.nn.Module, fmt: str, skip: Iterable[str] = ()) -> torch.nn.Module:
+    """Replace every plain ``nn.Linear`` whose input width is a multiple of 32 by a
+    :class:`GroupQuantLinear` of format ``fmt`` ("q8_0", "q4_0", "q4_1"), in place. Returns the model."""
+    skip = set(skip)
+    targets = [(name, m) for name, m in model.named_modules()
+               if type(m) is torch.nn.Linear and name not in skip and m.in_features % 32 == 0]
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, GroupQuantLinear.from_linear(linear, fmt))
+    _untie(model)
+    return model
+
+
+def _untie(model: torch.nn.Module) -> None:
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "tie_word_embeddings", False):
+        try:
+            config.tie_word_embeddings = False
+        except Exception:  # pragma: no cover - read-only configs
+            pass

@@ -22,6 +22,10 @@
 
 #include "specdec/cpu_vec.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #ifndef SPECDEC_CPU_ISA
 #error "define SPECDEC_CPU_ISA before including cpu_qlinear.h"
 #endif
@@ -55,29 +59,60 @@ typedef uint8_t qv8u8 __attribute__((vector_size(8)));
 
 // The 32 weights of group g of row n as 4 vectors of 8 floats (codes only: d, m applied by
 // the caller; Q4_0 codes are already shifted by -8).
+#if defined(__AVX2__)
+inline v8f m256_as_v8f(__m256 v) {
+  v8f f;
+  std::memcpy(&f, &v, sizeof(f));
+  return f;
+}
+#endif
+
 template <int BITS, bool MINS>
 inline void decode_group(const QLinearParams& P, int64_t n, int64_t g, v8f (&w)[4]) {
   if constexpr (BITS == 8) {
     const int8_t* q = static_cast<const int8_t*>(P.qw) + n * P.K + g * kQGroup;
+#if defined(__AVX2__)
+    for (int c = 0; c < 4; ++c)
+      w[c] = m256_as_v8f(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * c)))));
+#else
     for (int c = 0; c < 4; ++c) {
       qv8i8 b;
       std::memcpy(&b, q + 8 * c, sizeof(b));
       w[c] = __builtin_convertvector(b, v8f);
     }
+#endif
   } else {
     const uint8_t* q = static_cast<const uint8_t*>(P.qw) + n * (P.K / 2) + g * (kQGroup / 2);
+#if defined(__AVX2__)
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    const __m128i mask = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    w[0] = m256_as_v8f(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)));
+    w[1] = m256_as_v8f(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))));
+    w[2] = m256_as_v8f(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)));
+    w[3] = m256_as_v8f(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))));
+#else
     for (int c = 0; c < 2; ++c) {
       qv8u8 b;
       std::memcpy(&b, q + 8 * c, sizeof(b));
       const qv8u8 lo = b & uint8_t(15), hi = b >> 4;
       w[c] = __builtin_convertvector(lo, v8f);
       w[c + 2] = __builtin_convertvector(hi, v8f);
-      if constexpr (!MINS) {
-        w[c] -= v8_set1(8.0f);
-        w[c + 2] -= v8_set1(8.0f);
-      }
+    }
+#endif
+    if constexpr (!MINS) {
+      for (int c = 0; c < 4; ++c) w[c] -= v8_set1(8.0f);
     }
   }
+}
+
+inline float scale_of(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return half_to_float(h);
+#endif
 }
 
 template <int BITS, bool MINS, int NR, int MR>
@@ -100,7 +135,7 @@ inline void q_micro_tile(const QLinearParams& P, int64_t n0, int64_t m0) {
       const int64_t n = n0 + r;
       v8f w[4];
       decode_group<BITS, MINS>(P, n, g, w);
-      const v8f d = v8_set1(half_to_float(P.scales[n * G + g]));
+      const v8f d = v8_set1(scale_of(P.scales[n * G + g]));
       for (int m = 0; m < MR; ++m) {
         v8f part = w[0] * xv[m][0];
         part += w[1] * xv[m][1];
@@ -109,7 +144,7 @@ inline void q_micro_tile(const QLinearParams& P, int64_t n0, int64_t m0) {
         acc[r][m] += d * part;
       }
       if constexpr (MINS) {
-        const float mn = half_to_float(P.mins[n * G + g]);
+        const float mn = scale_of(P.mins[n * G + g]);
         for (int m = 0; m < MR; ++m) macc[r][m] += mn * P.xsum[(m0 + m) * G + g];
       }
     }
