@@ -120,21 +120,31 @@ def _convert(name: str, entry: dict, gguf: Path, target: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _quantized(model, precision: str, gguf: Path):
-    """The model with its linear layers at ``precision`` (in place)."""
+def _quantized(model, precision: str, gguf: Path, folder: Path):
+    """The model with its linear layers at ``precision`` (in place). The GGUF's own blocks
+    ("q4_1") are matched to the model once and cached in ``folder`` (linears-q4_1.pt)."""
     if precision == "q4_1":
-        from specdec.models.gguf_weights import load_gguf_linears
+        from specdec.models.gguf_weights import install_linears, load_gguf_linears
 
-        load_gguf_linears(model, gguf)
+        cached = folder / "linears-q4_1.pt"
+        if cached.is_file():
+            install_linears(model, torch.load(cached, weights_only=True))
+            return model
+        layers = load_gguf_linears(model, gguf)
+        for t in layers.values():
+            t.pop("gguf_type", None)
+        tmp = cached.with_suffix(f".tmp-{os.getpid()}")
+        torch.save(layers, tmp)
+        os.replace(tmp, cached)
         return model
     from specdec.models.quant import quantize_linear_groups
 
     return quantize_linear_groups(model, precision)
 
 
-def _make_draft(model, draft: str, gguf: Path):
+def _make_draft(model, draft: str, gguf: Path, folder: Path):
     if draft in ("q8_0", "q4_1"):
-        return _quantized(copy.deepcopy(model), draft, gguf).eval()
+        return _quantized(copy.deepcopy(model), draft, gguf, folder).eval()
     if draft == "bf16":
         return copy.deepcopy(model).to(torch.bfloat16).eval()
     if draft == "w8":
@@ -202,9 +212,9 @@ def load_bundled(name: str = "smollm2-135m", draft: Optional[str] = None, dtype:
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     _check_tokenizer(name, entry, tokenizer)
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    draft_model = _make_draft(model, draft, gguf) if draft is not None else None
+    draft_model = _make_draft(model, draft, gguf, folder) if draft is not None else None
     if precision != "fp32":
-        model = _quantized(model, precision, gguf)
+        model = _quantized(model, precision, gguf, folder)
     if dtype != torch.float32:
         model = model.to(dtype)
     if draft_model is None:

@@ -19,10 +19,9 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from specdec import reference
 from specdec.models.quant import GroupQuantLinear, _untie
 
-__all__ = ["gguf_linear_layers", "load_gguf_linears"]
+__all__ = ["gguf_linear_layers", "load_gguf_linears", "install_linears"]
 
 _BLOCK = {"Q4_1": (20, 4), "Q4_0": (18, 4), "Q8_0": (34, 8)}  # bytes per block of 32, bits
 _LLAMA_NAMES = {  # GGUF tensor name -> module name of transformers' Llama-style models
@@ -56,6 +55,22 @@ def _blocks(tensor) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor],
         q = q.view(torch.int8)
     assert q.shape[1] == G * (32 if bits == 8 else 16)
     return q.contiguous(), d.contiguous(), None if m is None else m.contiguous(), bits
+
+
+def _dequantize_fp32(q: torch.Tensor, d: torch.Tensor, m: Optional[torch.Tensor], bits: int) -> torch.Tensor:
+    """reference.dequantize_groups in float32 (exact: d * q fits a float32, + m rounds once)."""
+    N, G = d.shape
+    if bits == 8:
+        codes = q.float().view(N, G, 32)
+    else:
+        b = q.view(N, G, 16)
+        codes = torch.cat([b & 15, b >> 4], dim=2).float()
+        if m is None:
+            codes -= 8.0
+    w = codes * d.float()[..., None]
+    if m is not None:
+        w += m.float()[..., None]
+    return w.view(N, G * 32)
 
 
 def gguf_linear_layers(gguf: Path, tied_head: bool) -> Dict[str, object]:
@@ -94,11 +109,23 @@ def _row_permutation(weight: torch.Tensor, deq: torch.Tensor, name: str) -> torc
     return torch.tensor(perm, dtype=torch.long)
 
 
-def load_gguf_linears(model: torch.nn.Module, gguf: Path) -> Dict[str, str]:
+def install_linears(model: torch.nn.Module, layers: Dict[str, dict]) -> None:
+    """Put GroupQuantLinear layers (``name -> dict(qweight, scales, mins, bias, bits)``, as
+    :func:`load_gguf_linears` returns them) into ``model`` in place."""
+    for name, t in layers.items():
+        layer = GroupQuantLinear(t["qweight"], t["scales"], t["mins"], t["bias"], t["bits"])
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+    if "lm_head" in layers:
+        _untie(model)
+
+
+def load_gguf_linears(model: torch.nn.Module, gguf: Path) -> Dict[str, dict]:
     """Replace (in place) every linear layer of ``model`` that has a block-quantized tensor in
     ``gguf`` by a :class:`GroupQuantLinear` holding that tensor's blocks (rows in the model's
     order). ``model`` must hold the weights transformers dequantized from the same file.
-    Returns module name -> GGUF type of every replaced layer."""
+    Returns module name -> the layer's tensors (qweight, scales, mins, bias, bits, gguf_type),
+    e.g. to save and :func:`install_linears` later."""
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     done = {}
     for name, tensor in gguf_linear_layers(gguf, tied).items():
@@ -109,17 +136,14 @@ def load_gguf_linears(model: torch.nn.Module, gguf: Path) -> Dict[str, str]:
         if type(linear) is not torch.nn.Linear:
             continue
         q, d, m, bits = _blocks(tensor)
-        deq = reference.dequantize_groups(q, d, m, bits).float()
+        deq = _dequantize_fp32(q, d, m, bits)
         if tuple(deq.shape) != tuple(linear.weight.shape):
             raise ValueError(f"load_gguf_linears: {name} has weight {tuple(linear.weight.shape)} but its GGUF tensor "
                              f"{tensor.name} is {tuple(deq.shape)}")
         perm = _row_permutation(linear.weight, deq, name)
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        layer = GroupQuantLinear(q[perm].contiguous(), d[perm].contiguous(),
-                                 None if m is None else m[perm].contiguous(), bias, bits)
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
-        done[name] = tensor.tensor_type.name
-    if "lm_head" in done:
-        _untie(model)
+        done[name] = dict(qweight=q[perm].contiguous(), scales=d[perm].contiguous(),
+                          mins=None if m is None else m[perm].contiguous(), bias=bias, bits=bits,
+                          gguf_type=tensor.tensor_type.name)
+    install_linears(model, done)
     return done
