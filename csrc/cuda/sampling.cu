@@ -99,18 +99,6 @@ __device__ __forceinline__ int block_min(int v, int* s) {
   return t;
 }
 
-__device__ __forceinline__ int block_max(int v, int* s) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(kFullMask, v, o));
-  if ((threadIdx.x & 31) == 0) s[threadIdx.x >> 5] = v;
-  __syncthreads();
-  int t = INT_MIN;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) t = max(t, s[w]);
-  __syncthreads();
-  return t;
-}
-
 // Exclusive prefix sum of one int64 per thread (thread order) and the block total.
 __device__ __forceinline__ void block_scan(int64_t v, int64_t& excl, int64_t& total, int64_t* s) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
