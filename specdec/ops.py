@@ -209,8 +209,8 @@ def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: 
     W = d * q + m, without (Q4_0) W = d * (q - 8).
     scales, mins : float16 [N, K / 32] (d, m per output row and group); bias : [N], x's dtype.
     Returns [..., N] in x's dtype; float32 accumulation, one rounding. The weight is streamed
-    once for all M = x.numel() / K rows (CPU kernel for M <= 32, CUDA kernel for M <= 16;
-    above that the dequantized weight goes to BLAS / cuBLAS). See :func:`quantize_weight_groups`.
+    once for all M = x.numel() / K rows (CPU: the kernel for every M, 32 rows per pass over the
+    weight; CUDA: the kernel for M <= 16, cuBLAS on the dequantized float32 weight above). See :func:`quantize_weight_groups`.
     """
     return _ops.qlinear(x, qweight, scales, mins, bias, int(bits))
 

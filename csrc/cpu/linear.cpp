@@ -117,13 +117,6 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at:
   const int64_t M = checks::linear_rows(x);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
-  if (M > cpu::kSmallM) {  // prefill: compute-bound, the BLAS GEMM on the dequantized weight
-    // float32 operands: the contract's float32 accumulation and one rounding to x's dtype
-    const at::Tensor w32 = checks::qlinear_dequantize(qweight, scales, mins, bits, at::kFloat);
-    std::optional<at::Tensor> bf;
-    if (bias.has_value()) bf = bias->to(at::kFloat);
-    return at::linear(x.to(at::kFloat), w32, bf).to(x.scalar_type());
-  }
   const at::Tensor x2 = x.reshape({M, K}).to(at::kFloat).contiguous();
   at::Tensor xsum;
   if (mins.has_value()) xsum = x2.view({M, G, cpu::kQGroup}).sum(2).contiguous();
@@ -131,20 +124,24 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at:
   if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   cpu::QLinearParams P;
-  P.x = x2.data_ptr<float>();
   P.x_stride = K;
-  P.xsum = xsum.defined() ? xsum.data_ptr<float>() : nullptr;
   P.qw = qweight.data_ptr();
   P.scales = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   P.mins = mins.has_value() ? reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>()) : nullptr;
   P.bias = b32.has_value() ? b32->data_ptr<float>() : nullptr;
-  P.y = y.data_ptr<float>();
   P.y_stride = N;
-  P.M = M;
   P.N = N;
   P.K = K;
   P.bits = int(bits);
-  cpu::run_q(P);
+  // kSmallM rows at a time (prefill too): the packed weight streamed once per chunk costs
+  // less than dequantizing it to float32 for a GEMM (4-8x the bytes, written and read).
+  for (int64_t m0 = 0; m0 < M; m0 += cpu::kSmallM) {
+    P.M = std::min(cpu::kSmallM, M - m0);
+    P.x = x2.data_ptr<float>() + m0 * K;
+    P.xsum = xsum.defined() ? xsum.data_ptr<float>() + m0 * G : nullptr;
+    P.y = y.data_ptr<float>() + m0 * N;
+    cpu::run_q(P);
+  }
   if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
   return y.view(out_shape);
 }
