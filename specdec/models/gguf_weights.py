@@ -19,7 +19,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from specdec.models.quant import GroupQuantLinear, _untie
+from specdec.models.quant import GroupQuantLinear, _untie, replace_module
 
 __all__ = ["gguf_linear_layers", "load_gguf_linears", "install_linears"]
 
@@ -113,9 +113,7 @@ def install_linears(model: torch.nn.Module, layers: Dict[str, dict]) -> None:
     """Put GroupQuantLinear layers (``name -> dict(qweight, scales, mins, bias, bits)``, as
     :func:`load_gguf_linears` returns them) into ``model`` in place."""
     for name, t in layers.items():
-        layer = GroupQuantLinear(t["qweight"], t["scales"], t["mins"], t["bias"], t["bits"])
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+        replace_module(model, name, GroupQuantLinear(t["qweight"], t["scales"], t["mins"], t["bias"], t["bits"]))
     if "lm_head" in layers:
         _untie(model)
 

@@ -53,16 +53,8 @@ def quantize_linear_int8(model: torch.nn.Module, skip: Iterable[str] = ()) -> to
     targets = [(name, m) for name, m in model.named_modules()
                if type(m) is torch.nn.Linear and name not in skip]
     for name, linear in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8Linear.from_linear(linear))
-    # A model that ties lm_head to the embeddings would re-tie on save / resize; mark it untied.
-    config = getattr(model, "config", None)
-    if config is not None and getattr(config, "tie_word_embeddings", False):
-        try:
-            config.tie_word_embeddings = False
-        except Exception:  # pragma: no cover - read-only configs
-            pass
+        replace_module(model, name, Int8Linear.from_linear(linear))
+    _untie(model)
     return model
 
 
@@ -108,14 +100,19 @@ def quantize_linear_groups(model: torch.nn.Module, fmt: str, skip: Iterable[str]
     targets = [(name, m) for name, m in model.named_modules()
                if type(m) is torch.nn.Linear and name not in skip and m.in_features % 32 == 0]
     for name, linear in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, GroupQuantLinear.from_linear(linear, fmt))
+        replace_module(model, name, GroupQuantLinear.from_linear(linear, fmt))
     _untie(model)
     return model
 
 
+def replace_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    """Put ``module`` at the qualified name ``name`` of ``model``."""
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
 def _untie(model: torch.nn.Module) -> None:
+    """A model that ties lm_head to the embeddings would re-tie on save / resize: mark it untied."""
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "tie_word_embeddings", False):
         try:
