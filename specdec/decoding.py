@@ -4,6 +4,7 @@ One step for the b active requests (rows 0..b-1 of every cache)::
 
     draft   = drafter.propose(ctx)                                # TokenTree [b, N] (+ q)
     logits  = target.forward(cache, tree.tokens, tree.depths, tree.attention_mask())   # [b, N, V]
+    drafter.observe_verify(tree, logits)                          # drafters that learn from the target
     greedy:   accepted, num, out = ops.greedy_verify(tokens, parents, logits)
     sampling: accepted, num, out = ops.rejection_sample(tokens, parents, warp(logits), q, uniforms)
     cache.commit(accepted, num)                                   # ops.kv_commit
@@ -333,6 +334,8 @@ class _Run:
             tree = draft.tree
             c1 = clock.mark()
             logits = target.forward(cache, tree.tokens, tree.depths, tree.attention_mask())   # [b, N, V]
+            if drafter is not None:
+                drafter.observe_verify(tree, logits)       # before warp_ (in place); no host sync
             accepted, num, out = dec._verify(tree, logits, draft.draft_probs, params, self.generator)
             c2 = clock.mark()
             cache.commit(accepted, num)                    # ops.kv_commit; lens += num + 1
