@@ -270,6 +270,8 @@ class _Run:
         b_new = len(keep)
         if b_new == 0:
             self.rows = []
+            if dec.drafter is not None:
+                dec.drafter.retire([], 0)   # the last rows leave too (drafters that keep per-request state)
             return roots[:0]
         holes = [r for r in range(b_new) if r in gone]
         tail = [r for r in range(b_new, b) if r not in gone]
