@@ -382,7 +382,7 @@ NEW_TOKENS = 20
 @pytest.fixture(scope="module")
 def smol():
     load_bundled, HFCausalLM = _bundled()
-    model, tok, _ = load_bundled("smollm2-135m", draft=None)
+    model, tok = load_bundled("smollm2-135m")[:2]
     prompts = [tok(t)["input_ids"] for t in SMOL_TEXTS[:N_PROMPTS]]
     refs = []
     with torch.no_grad():
