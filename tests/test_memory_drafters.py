@@ -446,3 +446,41 @@ def test_smollm2_global_cache_repeated_request(smol):
     per_pass = lambda m: m["drafted_tokens"] / m["target_passes"]  # noqa: E731
     assert per_pass(again.metrics) > per_pass(first.metrics)
     assert again.metrics["accepted_tokens"] > first.metrics["accepted_tokens"]
+
+
+def test_suffix_index_concurrent_reads_during_writes():
+    """Readers on several threads (the GIL is released inside) see valid trees while a writer adds documents."""
+    import threading
+    rng = random.Random(3)
+    idx = _C.SuffixIndex(10, 5000, 0, 0)
+    for _ in range(20):
+        idx.add([rng.randrange(8) for _ in range(50)])
+    ctxs = [[rng.randrange(8) for _ in range(6)] for _ in range(50)]
+    expect = [_C.suffix_speculate([idx], c, 8, 1, 12, 8, 1.0, 1.0, 0.05) for c in ctxs]
+    errors: List[str] = []
+
+    def reader(check_equal: bool) -> None:
+        for _ in range(20):
+            for c, e in zip(ctxs, expect):
+                got = _C.suffix_speculate([idx], c, 8, 1, 12, 8, 1.0, 1.0, 0.05)
+                if any(not 0 <= p <= i for i, p in enumerate(got[1])):
+                    errors.append(f"invalid tree {got}")
+                if check_equal and got != e:
+                    errors.append(f"{c}: {got} != {e}")
+
+    threads = [threading.Thread(target=reader, args=(True,)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    writer_rng = random.Random(4)
+    threads = [threading.Thread(target=reader, args=(False,)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for _ in range(200):  # FIFO eviction keeps running under the readers
+        idx.add([writer_rng.randrange(8) for _ in range(50)])
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert idx.num_tokens <= 5000
