@@ -6,6 +6,10 @@
 #include "checks.h"
 #include "ops.h"
 
+namespace specdec {
+void bind_suffix_index(pybind11::module_& m);  // csrc/host/suffix_index_bindings.cpp
+}
+
 #ifndef SPECDEC_TORCH_VERSION
 #define SPECDEC_TORCH_VERSION "unknown"
 #endif
@@ -74,4 +78,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_strict_checks", &specdec::checks::set_strict, pybind11::arg("on"),
         "Check tensor VALUES (lengths, tokens, paths) of CUDA inputs too (costs a host sync per op).");
   m.def("strict_checks", &specdec::checks::strict, "Whether strict value checks are on.");
+  specdec::bind_suffix_index(m);
 }

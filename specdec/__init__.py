@@ -25,6 +25,9 @@ _LAZY = {
     "GenerateOutput": "specdec.decoding",
     "DraftModel": "specdec.drafters.draft_model",
     "PromptLookup": "specdec.drafters.prompt_lookup",
+    "SuffixDrafter": "specdec.drafters.suffix",
+    "DocumentDrafter": "specdec.drafters.suffix",
+    "TokenRecycling": "specdec.drafters.recycling",
 }
 
 __all__ = ["ops", "build_info", "__version__", *_LAZY]

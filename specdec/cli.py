@@ -34,11 +34,17 @@ def _build_parser() -> argparse.ArgumentParser:
                        description="Generate text with speculative decoding (bundled SmolLM2-135M-Instruct).")
     g.add_argument("prompt", help="the prompt text ('-' reads it from stdin)")
     g.add_argument("--model", default="smollm2-135m", help="bundled model name (default: smollm2-135m)")
-    g.add_argument("--draft", default="w8", choices=["int8", "w8", "bf16", "lookup", "none"],
+    g.add_argument("--draft", default="w8", choices=["int8", "w8", "bf16", "lookup", "suffix", "recycle", "docs",
+                                                     "none"],
                    help="drafter: int8 (dynamic-quantized) / w8 (weight-only int8) / bf16 copy of the model, "
-                        "prompt lookup (n-gram), or none (plain decoding)")
+                        "prompt lookup (n-gram), suffix (suffix decoding), recycle (token recycling), "
+                        "docs FILE (retrieval from the text of FILE; see --docs), or none (plain decoding)")
+    g.add_argument("--docs", dest="docs_opt", action="append", default=None, metavar="FILE",
+                   help="with --draft docs: a text file whose paragraphs (blank-line separated) are the documents "
+                        "(repeatable; `--draft docs FILE` is the same as `--draft docs --docs FILE`)")
     g.add_argument("--k", type=int, default=None,
-                   help="draft tokens per step (default: int8 6, w8 6, bf16 8, lookup 10)")
+                   help="draft tokens per step (default: int8 6, w8 6, bf16 8, lookup 10; suffix / docs: "
+                        "the draft depth cap, 16; recycle: the template depth, 6)")
     g.add_argument("--tree", type=int, default=None,
                    help="draft model: candidates per depth (1 = chain; default: int8 4, w8 1, bf16 1)")
     g.add_argument("--stop", type=float, default=None,
@@ -90,12 +96,17 @@ def _generate(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from specdec.decoding import SpeculativeDecoder
-    from specdec.drafters import DraftModel, PromptLookup
+    from specdec.drafters import DocumentDrafter, DraftModel, PromptLookup, SuffixDrafter, TokenRecycling
     from specdec.models.bundled import load_bundled
     from specdec.models.hf import HFCausalLM
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    draft_kind = None if args.draft in ("lookup", "none") else args.draft
+    draft_kind = args.draft if args.draft in ("int8", "w8", "bf16") else None
+    doc_files = args.docs_opt or []
+    if args.draft == "docs" and not doc_files:
+        raise ValueError("--draft docs needs a document file: --draft docs FILE (or --docs FILE)")
+    if doc_files and args.draft != "docs":
+        raise ValueError(f"document files are only used with --draft docs (got --draft {args.draft})")
     loaded = load_bundled(args.model, draft=draft_kind)
     model, tok = loaded[0], loaded[1]
     target = HFCausalLM(model)
@@ -106,6 +117,18 @@ def _generate(args: argparse.Namespace) -> int:
         drafter = DraftModel(HFCausalLM(loaded[2]), k=args.k or k, top_k=args.tree or tree, stop_threshold=stop)
     elif args.draft == "lookup":
         drafter = PromptLookup(ngram=args.ngram, k=args.k or 10)
+    elif args.draft == "suffix":
+        drafter = SuffixDrafter(max_spec=args.k or 16)
+    elif args.draft == "recycle":
+        drafter = TokenRecycling(max_depth=args.k or 6)
+    elif args.draft == "docs":
+        docs = []
+        for f in doc_files:
+            text = Path(f).read_text()
+            docs += [p for p in text.split("\n\n") if p.strip()]
+        if not docs:
+            raise ValueError(f"--draft docs: {', '.join(doc_files)} holds no text")
+        drafter = DocumentDrafter(docs, tokenizer=tok, max_spec=args.k or 16)
     else:
         drafter = None
     if args.raw:
@@ -158,11 +181,21 @@ def _bench(argv: List[str]) -> int:
     return 0
 
 
+def _docs_file_as_option(argv: List[str]) -> List[str]:
+    """``--draft docs FILE`` -> ``--draft docs --docs FILE`` (the token after ``docs`` is its file)."""
+    out = list(argv)
+    for i in range(len(out) - 2):
+        if out[i] == "--draft" and out[i + 1] == "docs" and not out[i + 2].startswith("-"):
+            out.insert(i + 2, "--docs")
+            break
+    return out
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
-    args = _build_parser().parse_args(argv)
+    args = _build_parser().parse_args(_docs_file_as_option(argv))
     if args.command == "generate":
         try:
             return _generate(args)

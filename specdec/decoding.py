@@ -4,6 +4,7 @@ One step for the b active requests (rows 0..b-1 of every cache)::
 
     draft   = drafter.propose(ctx)                                # TokenTree [b, N] (+ q)
     logits  = target.forward(cache, tree.tokens, tree.depths, tree.attention_mask())   # [b, N, V]
+    drafter.observe_verify(tree, logits)                          # drafters that learn from the target
     greedy:   accepted, num, out = ops.greedy_verify(tokens, parents, logits)
     sampling: accepted, num, out = ops.rejection_sample(tokens, parents, warp(logits), q, uniforms)
     cache.commit(accepted, num)                                   # ops.kv_commit
@@ -269,6 +270,8 @@ class _Run:
         b_new = len(keep)
         if b_new == 0:
             self.rows = []
+            if dec.drafter is not None:
+                dec.drafter.retire([], 0)   # the last rows leave too (drafters that keep per-request state)
             return roots[:0]
         holes = [r for r in range(b_new) if r in gone]
         tail = [r for r in range(b_new, b) if r not in gone]
@@ -333,6 +336,8 @@ class _Run:
             tree = draft.tree
             c1 = clock.mark()
             logits = target.forward(cache, tree.tokens, tree.depths, tree.attention_mask())   # [b, N, V]
+            if drafter is not None:
+                drafter.observe_verify(tree, logits)       # before warp_ (in place); no host sync
             accepted, num, out = dec._verify(tree, logits, draft.draft_probs, params, self.generator)
             c2 = clock.mark()
             cache.commit(accepted, num)                    # ops.kv_commit; lens += num + 1

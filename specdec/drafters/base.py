@@ -8,7 +8,9 @@ row moves into the hole):
    request's last emitted token, plus the distribution each draft node was drawn
    from (``draft_probs`` [b, N, V] float32, row 0 unused) or None when every node is
    a deterministic candidate (greedy drafting, prompt lookup);
-2. the target verifies the tree;
+2. the target verifies the tree; ``observe_verify(tree, logits)`` sees the target's logits
+   of every node of that pass (before the sampler warps them; device tensors, no host
+   sync expected) -- a no-op unless the drafter learns from the target (TokenRecycling);
 3. ``accept(accepted, num_accepted, num_host)``: the verification result (device
    tensors, plus ``num_host``, the per-row accepted counts already copied to the host
    by the loop's single sync of the step) so the drafter rolls its own state back to
@@ -59,6 +61,9 @@ class Drafter:
 
     def propose(self, ctx: StepContext) -> Draft:
         raise NotImplementedError
+
+    def observe_verify(self, tree: TokenTree, logits: torch.Tensor) -> None:
+        """The target's logits [b, N, V] of every node of the tree just verified (read only, before warping)."""
 
     def accept(self, accepted: torch.Tensor, num_accepted: torch.Tensor, num_host: Sequence[int]) -> None:
         """Verification result of the last proposal: accepted [b, N] int32, num_accepted [b] int32."""

@@ -1,0 +1,182 @@
+"""TokenRecycling: draft from the target's own top-w next tokens seen in earlier verify passes.
+
+Token Recycling (Luo et al. 2024, arXiv:2408.08696): keep an adjacency table ``table[x]``
+= the target's top-w next tokens after token x, as seen the last time x was a node of a
+verify pass, and draft a token tree by following the table from the root along a static
+template (node = (parent, rank): its token is ``table[token(parent), rank]``).
+
+* The table is [V + 2, w] int64 on the target's device, initialised EMPTY (-1: nothing
+  seen yet); row V is a write sink, row V + 1 stays -1 (the row read for an invalid parent).
+* ``observe_verify(tree, logits)`` runs after every verify forward, BEFORE the sampler warps
+  the logits in place: ``topk(logits, w)`` of EVERY node (accepted or not, padding
+  excluded) is written into the rows of the nodes' tokens with one ``index_copy_``; when a
+  token appears at several nodes of the pass, the last node (highest flat index b * N + i)
+  wins, so the update is deterministic; no host synchronisation.
+* ``propose`` fills the template level by level with gathers on the device; one host copy
+  of the [b, T] tokens then drops the nodes whose table entry is empty (and their
+  subtrees) and those deeper than the request's budget. On a CPU target that copy is free;
+  on CUDA it is the one synchronisation of the proposal.
+
+The template: the ``node_budget - 1`` best (parent, rank) nodes under a rank prior
+(``rank_prior[r]`` ~ how often the rank-r token is accepted; a node's score is the product
+over its path), up to ``max_depth`` deep. Candidates are deterministic (q one-hot,
+``draft_probs`` None): exact for greedy and sampling. All requests of the decoder share one
+table (it describes the model, not a request) and it persists across generate calls.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from specdec.drafters.base import Draft, Drafter, StepContext
+from specdec.tree import TokenTree
+
+__all__ = ["TokenRecycling"]
+
+
+def recycling_template(node_budget: int, max_depth: int, rank_prior: Sequence[float]) -> List[Tuple[int, int, int]]:
+    """Static tree: [(parent, rank, depth)] of the node_budget - 1 best nodes, breadth-first (root = node 0)."""
+    w = len(rank_prior)
+    chosen: List[Tuple[float, int, int, Tuple[int, ...]]] = []
+    heap = [(-rank_prior[r], 0, r, (r,)) for r in range(w)]  # (-score, tie, rank, path of ranks)
+    heapq.heapify(heap)
+    tie = 0
+    while heap and len(chosen) < node_budget - 1:
+        neg, _, r, path = heapq.heappop(heap)
+        chosen.append((-neg, len(path), r, path))
+        if len(path) < max_depth:
+            for r2 in range(w):
+                tie += 1
+                heapq.heappush(heap, (neg * rank_prior[r2], tie, r2, path + (r2,)))
+    chosen.sort(key=lambda c: (len(c[3]), c[3]))  # breadth-first, parents before children
+    index = {(): 0}
+    out = []
+    for i, (_, depth, r, path) in enumerate(chosen):
+        index[path] = i + 1
+        out.append((index[path[:-1]], r, depth))
+    return out
+
+
+class TokenRecycling(Drafter):
+    """Draft trees from a [V, w] table of the target's top-w next tokens (updated from every verify pass).
+
+    Parameters
+    ----------
+    top_w : int
+        Next tokens kept per token (table width).
+    node_budget : int
+        Template nodes, root included (the most a proposal verifies per request).
+    max_depth : int
+        Deepest template node.
+    rank_prior : sequence of float, optional
+        Score of each rank when the template is chosen (length top_w, decreasing); default
+        0.6, 0.15, 0.08, ... (top-1 continuations dominate on a small model).
+    """
+
+    def __init__(self, top_w: int = 4, node_budget: int = 12, max_depth: int = 6,
+                 rank_prior: Optional[Sequence[float]] = None) -> None:
+        for name, v, lo in (("top_w", top_w, 1), ("node_budget", node_budget, 2), ("max_depth", max_depth, 1)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"TokenRecycling: {name} must be an int, got {type(v).__name__}")
+            if v < lo:
+                raise ValueError(f"TokenRecycling: {name} must be >= {lo}, got {v}")
+        if rank_prior is None:
+            rank_prior = [0.6, 0.15, 0.08, 0.05, 0.03, 0.02, 0.01, 0.01][:top_w] + [0.005] * max(0, top_w - 8)
+        rank_prior = [float(x) for x in rank_prior]
+        if len(rank_prior) != top_w or not all(0.0 < x < 1.0 for x in rank_prior):
+            raise ValueError(f"TokenRecycling: rank_prior must hold top_w = {top_w} numbers in (0, 1), "
+                             f"got {rank_prior}")
+        self.top_w = top_w
+        self.node_budget = node_budget
+        self.max_depth = max_depth
+        self.rank_prior = rank_prior
+        self.template = recycling_template(node_budget, max_depth, rank_prior)
+        self.max_nodes = 1 + len(self.template)
+        self.table: Optional[torch.Tensor] = None
+        self.vocab_size: Optional[int] = None
+        self.device = torch.device("cpu")
+        # levels of the template: (node indices, parent indices, ranks) per depth
+        levels = {}
+        for i, (p, r, d) in enumerate(self.template):
+            levels.setdefault(d, []).append((i + 1, p, r))
+        self._levels = [levels[d] for d in sorted(levels)]
+        self._depth_of = [0] + [d for _, _, d in self.template]
+        self._parent_of = [-1] + [p for p, _, _ in self.template]
+
+    def __repr__(self) -> str:
+        return f"TokenRecycling(top_w={self.top_w}, node_budget={self.node_budget}, max_depth={self.max_depth})"
+
+    def bind(self, target, max_batch: int, max_len: int) -> None:
+        V = int(target.vocab_size)
+        dev = torch.device(target.device)
+        if self.table is not None and (self.vocab_size != V or self.table.device != dev):
+            raise ValueError(f"TokenRecycling: already bound to a target with vocabulary {self.vocab_size} on "
+                             f"{self.table.device}; got vocabulary {V} on {dev} (use one TokenRecycling per model)")
+        if self.top_w > V:
+            raise ValueError(f"TokenRecycling: top_w = {self.top_w} exceeds the vocabulary size {V}")
+        self.vocab_size = V
+        self.device = dev
+        if self.table is None:
+            self.reset()
+        self._lv = [(torch.tensor([n for n, _, _ in lv], device=dev), torch.tensor([p for _, p, _ in lv], device=dev),
+                     torch.tensor([r for _, _, r in lv], device=dev)) for lv in self._levels]
+
+    def reset(self) -> None:
+        """Empty the table (as after construction)."""
+        if self.vocab_size is None:
+            raise ValueError("TokenRecycling: reset before bind (no target vocabulary yet)")
+        self.table = torch.full((self.vocab_size + 2, self.top_w), -1, dtype=torch.int64, device=self.device)
+
+    def filled_rows(self) -> int:
+        """Tokens whose row holds an entry (host sync: for reports and tests, not the step loop)."""
+        return int((self.table[:self.vocab_size, 0] >= 0).sum())
+
+    def memory_bytes(self) -> int:
+        return 0 if self.table is None else self.table.numel() * self.table.element_size()
+
+    # ------------------------------------------------------------------ the table
+    def observe_verify(self, tree: TokenTree, logits: torch.Tensor) -> None:
+        """Write the top-w next tokens of every node of a verify pass into its token's row."""
+        V, w = self.vocab_size, self.top_w
+        b, N = tree.tokens.shape
+        M = b * N
+        tok = tree.tokens.reshape(M)                                   # [M] int64, -1 = padding
+        top = logits.reshape(M, logits.shape[-1]).topk(w, dim=-1).indices   # [M, w]
+        # the last occurrence of a token wins: earlier ones are sent to the sink row V
+        later_same = (tok.unsqueeze(1) == tok.unsqueeze(0)).triu_(diagonal=1).any(dim=1)   # [M]
+        dest = torch.where((tok < 0) | later_same, V, tok)
+        self.table.index_copy_(0, dest, top)
+
+    # ------------------------------------------------------------------ steps
+    def propose(self, ctx: StepContext) -> Draft:
+        b = ctx.roots.shape[0]
+        T = self.max_nodes
+        V = self.vocab_size
+        toks = torch.full((b, T), -1, dtype=torch.int64, device=self.device)
+        toks[:, 0] = ctx.roots
+        for nodes, parents, ranks in self._lv:
+            ptok = toks[:, parents]                                      # [b, L]
+            rows = torch.where(ptok < 0, V + 1, ptok)
+            toks[:, nodes] = self.table[rows, ranks.unsqueeze(0).expand_as(rows)]
+        host = toks.tolist()   # the proposal's one host copy (free on CPU)
+        all_tokens, all_parents = [], []
+        depth_of, parent_of = self._depth_of, self._parent_of
+        for r in range(b):
+            budget = ctx.budgets[r]
+            row = host[r]
+            new_index = {0: 0}
+            t_out, p_out = [row[0]], [-1]
+            for i in range(1, T):
+                p = parent_of[i]
+                if row[i] < 0 or depth_of[i] > budget or p not in new_index:
+                    continue
+                new_index[i] = len(t_out)
+                t_out.append(row[i])
+                p_out.append(new_index[p])
+            all_tokens.append(t_out)
+            all_parents.append(p_out)
+        if all(len(t) == 1 for t in all_tokens):
+            return Draft(TokenTree.root_only(ctx.roots))
+        return Draft(TokenTree.from_lists(all_tokens, all_parents, device=self.device))

@@ -1,0 +1,486 @@
+"""SuffixDrafter, TokenRecycling, DocumentDrafter and the SuffixIndex under them.
+
+Part 1 (always, fast): the suffix index against a brute-force search on random sequences
+(hypothesis), FIFO eviction and its memory bound, the speculation tree's contract, the
+recycling table against a reference update, greedy equality and ragged batches on the toy
+LM, the global cache carrying over, the exact distribution of sampled tokens, bad input.
+Part 2 (SmolLM2, when installed): greedy output == transformers' generate on 20 prompts for
+each drafter, ragged batch of 4 == single runs, the global cache on a repeated request.
+"""
+from __future__ import annotations
+
+import os
+import random
+import sys
+from collections import Counter
+from typing import Dict, List, Sequence, Tuple
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+sys.path.insert(0, os.path.dirname(__file__))
+from toy_lm import ToyLM  # noqa: E402
+from test_decoding import SMOL_TEXTS, _bundled, _exact_first3, _tv_bound  # noqa: E402
+
+from specdec import _C  # noqa: E402
+from specdec.decoding import SpeculativeDecoder  # noqa: E402
+from specdec.drafters import DocumentDrafter, StepContext, SuffixDrafter, TokenRecycling  # noqa: E402
+from specdec.drafters.recycling import recycling_template  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_for_toys(request):
+    if "smollm2" in request.node.name:
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ============================================================================ the suffix index
+def brute_continuations(docs: Sequence[Sequence[int]], ctx: Sequence[int], max_match: int, min_match: int,
+                        max_depth: int) -> Tuple[int, List[Tuple[int, int]]]:
+    """Longest m (min_match <= m <= min(max_match, max_depth - 1)) with ctx[-m:] followed by a token in a doc."""
+    best = (0, [])
+    for m in range(max(1, min_match), min(max_match, len(ctx), max_depth - 1) + 1):
+        s = list(ctx[-m:])
+        c: Counter = Counter()
+        for d in docs:
+            for j in range(len(d) - m):
+                if list(d[j:j + m]) == s:
+                    c[d[j + m]] += 1
+        if c:
+            best = (m, sorted(c.items()))
+    return best
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=40), min_size=1, max_size=6),
+       st.lists(st.integers(0, 3), min_size=1, max_size=8), st.integers(2, 7), st.integers(0, 5),
+       st.integers(1, 3))
+def test_suffix_index_equals_brute_force(docs, ctx, max_depth, n_remove, min_match):
+    idx = _C.SuffixIndex(max_depth, 0, 0, 4)
+    ids = []
+    for d in docs:  # half of each doc added at once, the rest by extend (the per-request path)
+        i = idx.add(d[:len(d) // 2])
+        idx.extend(i, d[len(d) // 2:])
+        ids.append(i)
+    kept = list(range(len(docs)))
+    for k in random.Random(n_remove).sample(range(len(docs)), min(n_remove, len(docs) - 1)):
+        idx.remove(ids[k])
+        kept.remove(k)
+    live = [docs[k] for k in kept]
+    max_match = max_depth - 1
+    mm = min(min_match, max_match)
+    assert idx.continuations(ctx, max_match, mm) == brute_continuations(live, ctx, max_match, mm, max_depth)
+    assert idx.num_tokens == sum(len(d) for d in live)
+    assert idx.num_nodes - 1 <= max_depth * idx.num_tokens
+    # the trie after removals equals a trie built from the surviving documents only
+    fresh = _C.SuffixIndex(max_depth, 0, 0, 4)
+    for d in live:
+        fresh.add(d)
+    assert fresh.num_nodes == idx.num_nodes
+    for d in list(idx.doc_ids()):
+        idx.remove(d)
+    assert idx.num_nodes == 1 and idx.num_tokens == 0
+
+
+def test_suffix_index_fifo_eviction_bounds_memory():
+    rng = random.Random(0)
+    budget = 3000
+    idx = _C.SuffixIndex(16, budget, 0, 500)
+    docs = [[rng.randrange(500) for _ in range(rng.randrange(20, 120))] for _ in range(400)]
+    peak_after_fill = None
+    for n, d in enumerate(docs):
+        idx.add(d)
+        assert idx.num_tokens <= budget
+        if idx.num_tokens + 120 > budget and peak_after_fill is None:
+            peak_after_fill = idx.memory_bytes()
+    # the survivors are the newest documents, in order
+    kept = [idx.doc_tokens(i) for i in idx.doc_ids()]
+    assert kept == docs[len(docs) - len(kept):]
+    assert idx.num_tokens == sum(map(len, kept))
+    # measured: nodes bounded by depth * tokens, memory does not grow after the cache is full
+    assert idx.num_nodes - 1 <= 16 * budget
+    assert idx.memory_bytes() <= 1.5 * peak_after_fill, (idx.memory_bytes(), peak_after_fill)
+    fresh = _C.SuffixIndex(16, 0, 0, 500)
+    for d in kept:
+        fresh.add(d)
+    assert fresh.num_nodes == idx.num_nodes  # eviction really removed the old strings
+    # a document longer than the budget keeps its tail; request budget
+    idx.add(list(range(400)) * 10)
+    assert idx.num_docs == 1 and idx.num_tokens == budget and idx.doc_tokens(idx.doc_ids()[0])[-1] == 399
+    by_req = _C.SuffixIndex(8, 0, 3, 0)
+    for d in docs[:10]:
+        by_req.add(d)
+    assert by_req.num_docs == 3 and [by_req.doc_tokens(i) for i in by_req.doc_ids()] == docs[7:10]
+
+
+def test_suffix_index_bad_input_leaves_state_unchanged():
+    idx = _C.SuffixIndex(8, 100, 0, 10)
+    d = idx.add([1, 2, 3, 1, 2])
+    before = (idx.num_nodes, idx.num_tokens, idx.continuations([1, 2], 7))
+    with pytest.raises(ValueError, match=r"SuffixIndex.add: token 10 at position 2 lies outside the vocabulary \[0, 10\)"):
+        idx.add([1, 2, 10])
+    with pytest.raises(ValueError, match=r"SuffixIndex.extend: token -1 at position 0"):
+        idx.extend(d, [-1])
+    with pytest.raises(ValueError, match=r"SuffixIndex.extend: no document 7"):
+        idx.extend(7, [1])
+    with pytest.raises(ValueError, match=r"SuffixIndex.extend: document 0 would hold 105 tokens > max_tokens = 100"):
+        idx.extend(d, [1] * 100)
+    with pytest.raises(ValueError, match=r"SuffixIndex.set_vocab_size: document 0 holds token 3 .* \[0, 3\)"):
+        idx.set_vocab_size(3)
+    assert (idx.num_nodes, idx.num_tokens, idx.continuations([1, 2], 7)) == before
+    assert idx.vocab_size == 10
+    with pytest.raises(ValueError, match=r"SuffixIndex: max_depth must lie in \[1, 1024\], got 0"):
+        _C.SuffixIndex(0, 0, 0, 0)
+    with pytest.raises(ValueError, match=r"SuffixIndex: max_tokens must be >= 1 \(or 0 = unbounded\), got -1"):
+        _C.SuffixIndex(8, -1, 0, 0)
+
+
+def test_speculate_tree_contract():
+    rng = random.Random(1)
+    a = _C.SuffixIndex(12, 0, 0, 0)
+    b = _C.SuffixIndex(12, 0, 0, 0)
+    for _ in range(30):
+        a.add([rng.randrange(6) for _ in range(30)])
+        b.add([rng.randrange(6) for _ in range(30)])
+    for trial in range(200):
+        ctx = [rng.randrange(6) for _ in range(rng.randrange(1, 10))]
+        nodes, factor, offset, min_p = rng.randrange(1, 20), rng.choice([0.5, 1.0, 2.0]), rng.choice([0.0, 1.0]), \
+            rng.choice([0.0, 0.05, 0.2])
+        toks, pars, probs, m = _C.suffix_speculate([a, b], ctx, 8, 1, nodes, 6, factor, offset, min_p)
+        assert len(toks) == len(pars) == len(probs) <= nodes
+        depth = [0]
+        for i, (p, q) in enumerate(zip(pars, probs)):
+            assert 0 <= p <= i  # topological: parent is the root or an earlier node
+            depth.append(depth[p] + 1)
+            assert q >= min_p and (p == 0 or q <= probs[p - 1] + 1e-12)
+        ma, _ = a.continuations(ctx, 8, 1)
+        mb, _ = b.continuations(ctx, 8, 1)
+        assert m == max(ma, mb)
+        if toks:
+            cap = min(6, int(factor * m + offset))
+            assert max(depth) <= cap
+        siblings = Counter((p, t) for p, t in zip(pars, toks))
+        assert all(v == 1 for v in siblings.values())  # a trie: no duplicate child
+        # a single source alone: the root's children are its match's continuations, scored by frequency
+        ta, pa, qa, m1 = _C.suffix_speculate([a], ctx, 8, 1, 50, 1, 1.0, 1.0, 0.0)
+        if m1:
+            _, kids = a.continuations(ctx, 8, 1)
+            total = sum(c for _, c in kids)
+            assert sorted(zip(ta, qa)) == sorted((t, c / total) for t, c in kids)
+
+
+# ============================================================================ token recycling table
+def reference_table(V: int, w: int, passes) -> torch.Tensor:
+    """Plain loop: for each pass, each node in order (padding skipped) overwrites its token's row."""
+    table = torch.full((V, w), -1, dtype=torch.int64)
+    for tokens, logits in passes:
+        for b in range(tokens.shape[0]):
+            for i in range(tokens.shape[1]):
+                t = int(tokens[b, i])
+                if t >= 0:
+                    table[t] = torch.argsort(logits[b, i], descending=True, stable=True)[:w]
+    return table
+
+
+class _Tree:
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+
+def test_token_recycling_table_equals_reference():
+    V, w = 11, 3
+    g = torch.Generator().manual_seed(0)
+    rec = TokenRecycling(top_w=w, node_budget=8, max_depth=3)
+    rec.bind(ToyLM(vocab=V, seed=0), 2, 32)
+    assert rec.filled_rows() == 0  # starts empty
+    passes = []
+    for step in range(6):
+        tokens = torch.randint(0, V, (2, 5), generator=g)
+        tokens[1, 3:] = -1                    # padding
+        tokens[0, 4] = tokens[1, 0]           # the same token at two nodes: the later node wins
+        logits = torch.randn(2, 5, V, generator=g)
+        passes.append((tokens, logits))
+        rec.observe_verify(_Tree(tokens), logits)
+        assert torch.equal(rec.table[:V], reference_table(V, w, passes)), step
+    assert (rec.table[V + 1] == -1).all()
+
+
+def test_token_recycling_proposes_from_the_table():
+    V = 9
+    rec = TokenRecycling(top_w=2, node_budget=6, max_depth=3, rank_prior=[0.6, 0.3])
+    rec.bind(ToyLM(vocab=V, seed=0), 2, 32)
+    ctx = StepContext(roots=torch.tensor([1, 2]), sequences=[[0, 1], [0, 2]], request_ids=[0, 1], budgets=[10, 10])
+    assert rec.propose(ctx).tree.size == 1      # cold table: root only
+    rec.table[1] = torch.tensor([3, 4])
+    rec.table[3] = torch.tensor([5, 6])
+    tree = rec.propose(ctx).tree
+    tpl = recycling_template(6, 3, [0.6, 0.3])
+    assert [d for _, _, d in tpl] == sorted(d for _, _, d in tpl)
+    # row 0 follows the table from root 1: children 3 (rank 0) and 4 (rank 1), then 3 -> 5, 6; row 1: root only
+    got = {(int(tree.tokens[0, tree.parents[0, i]]), int(tree.tokens[0, i])) for i in range(1, tree.num_nodes[0])}
+    expect = {(1, 3), (1, 4), (3, 5), (3, 6)} & {(1, 3), (1, 4), (3, 5), (3, 6)}
+    assert got <= expect and (1, 3) in got and (3, 5) in got
+    assert tree.num_nodes[1] == 1
+    ctx.budgets[0] = 1                          # the budget cuts depth
+    tree = rec.propose(ctx).tree
+    assert int(tree.depths[0].max()) == 1
+
+
+# ============================================================================ toy LM end to end
+TOY_PROMPTS = [[1, 2, 3, 4, 5], [3, 3], [7, 1, 2, 9, 4, 4, 4, 2], [0], [5, 6, 5, 6, 5], [11, 10, 9, 8, 7, 6, 5]]
+
+
+@pytest.fixture(scope="module")
+def toy():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    target = ToyLM(vocab=16, seed=0)
+    refs = [target.greedy(p, 24) for p in TOY_PROMPTS]
+    torch.set_num_threads(n)
+    return target, refs
+
+
+def _toy_drafter(name, refs):
+    return {"suffix": lambda: SuffixDrafter(min_match=1, node_budget=8),
+            "suffix-nocache": lambda: SuffixDrafter(min_match=1, use_global_cache=False),
+            "recycle": lambda: TokenRecycling(top_w=3, node_budget=8, max_depth=4),
+            "docs": lambda: DocumentDrafter([r[5:] for r in refs[::2]], min_match=1)}[name]()
+
+
+@pytest.mark.parametrize("name", ["suffix", "suffix-nocache", "recycle", "docs"])
+def test_toy_greedy_equals_plain_and_batch_equals_alone(toy, name):
+    target, refs = toy
+    dec = SpeculativeDecoder(target, _toy_drafter(name, refs), max_batch=8, max_len=64)
+    for _ in range(2):  # a second call on a warm drafter is still exact
+        out = dec.generate(TOY_PROMPTS, max_new_tokens=24)
+        assert out.tokens == refs
+    eos = refs[1][3]  # ragged: requests finish at different steps
+    out = dec.generate(TOY_PROMPTS, max_new_tokens=24, eos_token_id=eos)
+    for got, ref in zip(out.tokens, refs):
+        assert got == ref[:ref.index(eos) + 1 if eos in ref else len(ref)]
+    for p, ref in zip(TOY_PROMPTS[:3], refs[:3]):
+        assert dec.generate([p], max_new_tokens=24).tokens == [ref]
+    assert out.metrics["drafted_tokens"] > 0
+
+
+def test_toy_global_cache_carries_over(toy):
+    target, refs = toy
+    drafter = SuffixDrafter(min_match=1)
+    dec = SpeculativeDecoder(target, drafter, max_batch=8, max_len=64)
+    first = dec.generate(TOY_PROMPTS, max_new_tokens=24).metrics
+    assert drafter.stats()["cached_requests"] == len(TOY_PROMPTS)
+    second = dec.generate(TOY_PROMPTS, max_new_tokens=24).metrics
+    # per pass it drafts more (and it needs fewer passes), and it accepts more
+    assert second["drafted_tokens"] / second["target_passes"] > first["drafted_tokens"] / first["target_passes"]
+    assert second["accepted_tokens"] > first["accepted_tokens"]
+    assert second["acceptance_rate"] > first["acceptance_rate"]
+    assert second["target_passes"] < first["target_passes"]
+    # without the global cache the second call is no better than the first
+    cold = SuffixDrafter(min_match=1, use_global_cache=False)
+    dec = SpeculativeDecoder(target, cold, max_batch=8, max_len=64)
+    a = dec.generate(TOY_PROMPTS, max_new_tokens=24).metrics
+    b = dec.generate(TOY_PROMPTS, max_new_tokens=24).metrics
+    assert a["accepted_tokens"] == b["accepted_tokens"], (a["accepted_tokens"], b["accepted_tokens"])
+    assert b["accepted_tokens"] < second["accepted_tokens"]
+    # eviction: a tiny budget holds at most that many tokens across calls
+    small = SuffixDrafter(min_match=1, max_cached_tokens=40)
+    dec = SpeculativeDecoder(target, small, max_batch=8, max_len=64)
+    for _ in range(3):
+        assert dec.generate(TOY_PROMPTS, max_new_tokens=24).tokens == refs
+        assert small.stats()["cached_tokens"] <= 40
+    assert small.memory_bytes() > 0
+
+
+@pytest.mark.parametrize("name", ["suffix", "recycle", "docs"])
+def test_sampled_distribution_is_exact(name):
+    temperature, top_k, top_p = 0.7, 5, 0.9
+    target = ToyLM(vocab=8, seed=3, scale=1.0, hidden=16, heads=2, kv_heads=1)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    drafter = {"suffix": SuffixDrafter(min_match=1, node_budget=8),
+               "recycle": TokenRecycling(top_w=3, node_budget=8, max_depth=3),
+               "docs": DocumentDrafter([[3, 1, 2, 3, 4], [3, 5, 6, 1, 2, 3, 1]], min_match=1)}[name]
+    exact = _exact_first3(target, prompt, temperature, top_k, top_p)
+    per_call, calls = 4000, 3
+    n = per_call * calls
+    dec = SpeculativeDecoder(target, drafter, max_batch=per_call, max_len=len(prompt) + 6)
+    counts: Counter = Counter()
+    accepted = 0
+    for seed in range(calls):  # later calls run on a warm cache / table: still exact
+        out = dec.generate([prompt] * per_call, max_new_tokens=6, temperature=temperature, top_k=top_k,
+                           top_p=top_p, seed=1000 * seed + 7)
+        counts.update(tuple(t[:3]) for t in out.tokens)
+        accepted += out.metrics["accepted_tokens"]
+    assert set(counts) <= set(exact), "sampled a sequence outside the warped support"
+    tv = 0.5 * sum(abs(counts.get(x, 0) / n - p) for x, p in exact.items())
+    bound = _tv_bound(exact, n)
+    assert tv < bound, f"TV {tv:.4f} >= bound {bound:.4f} with {n} samples over {len(exact)} outcomes"
+    assert accepted > 0.05 * n  # speculation really happened
+
+
+def test_bad_inputs_name_the_drafter(toy):
+    target, refs = toy
+    with pytest.raises(ValueError, match=r"SuffixDrafter: max_cached_tokens must be >= 1, got 0"):
+        SuffixDrafter(max_cached_tokens=0)
+    with pytest.raises(ValueError, match=r"SuffixDrafter: max_cached_requests must be >= 1, got 0"):
+        SuffixDrafter(max_cached_requests=0)
+    with pytest.raises(ValueError, match=r"SuffixDrafter: node_budget must be >= 2, got 1"):
+        SuffixDrafter(node_budget=1)
+    with pytest.raises(ValueError, match=r"SuffixDrafter: max_match must be < max_depth"):
+        SuffixDrafter(max_match=30, max_depth=28)
+    with pytest.raises(ValueError, match=r"SuffixDrafter: min_token_prob must be a number in \[0.0, 1.0\], got 2"):
+        SuffixDrafter(min_token_prob=2)
+    with pytest.raises(ValueError, match=r"DocumentDrafter: docs must hold at least one document, got none"):
+        DocumentDrafter([])
+    with pytest.raises(ValueError, match=r"DocumentDrafter: document 1 is empty"):
+        DocumentDrafter([[1, 2], []])
+    with pytest.raises(TypeError, match=r"DocumentDrafter: document 0 is a string but no tokenizer"):
+        DocumentDrafter(["some text"])
+    with pytest.raises(TypeError, match=r"DocumentDrafter: docs must be a list of documents"):
+        DocumentDrafter([1, 2, 3])
+    with pytest.raises(ValueError, match=r"DocumentDrafter: document 0 holds token id -3"):
+        DocumentDrafter([[1, -3]])
+    # ids outside the target's vocabulary: the decoder is not built
+    with pytest.raises(ValueError, match=r"DocumentDrafter: the documents do not fit the target's vocabulary: .*"
+                                         r"token 16 .*\[0, 16\)"):
+        SpeculativeDecoder(target, DocumentDrafter([[1, 2, 16]]), max_batch=2, max_len=64)
+    docs = DocumentDrafter([refs[0]], min_match=1)
+    dec = SpeculativeDecoder(target, docs, max_batch=2, max_len=64)
+    n_docs, n_nodes = docs.index.num_docs, docs.index.num_nodes
+    with pytest.raises(ValueError, match=r"DocumentDrafter: document 1 holds token id 99, outside the vocabulary "
+                                         r"\[0, 16\)"):
+        docs.add_documents([[1, 2], [3, 99]])  # all-or-nothing
+    assert (docs.index.num_docs, docs.index.num_nodes) == (n_docs, n_nodes)
+    docs.add_documents([refs[1]])             # between calls
+    assert dec.generate([TOY_PROMPTS[1]], max_new_tokens=24).tokens == [refs[1]]
+    with pytest.raises(ValueError, match=r"TokenRecycling: top_w must be >= 1, got 0"):
+        TokenRecycling(top_w=0)
+    with pytest.raises(ValueError, match=r"TokenRecycling: node_budget must be >= 2, got 1"):
+        TokenRecycling(node_budget=1)
+    with pytest.raises(ValueError, match=r"TokenRecycling: top_w = 20 exceeds the vocabulary size 16"):
+        SpeculativeDecoder(target, TokenRecycling(top_w=20), max_batch=2, max_len=64)
+    rec = TokenRecycling(top_w=2)
+    SpeculativeDecoder(target, rec, max_batch=2, max_len=64)
+    with pytest.raises(ValueError, match=r"TokenRecycling: already bound to a target with vocabulary 16"):
+        SpeculativeDecoder(ToyLM(vocab=12, seed=0), rec, max_batch=2, max_len=64)
+    suffix = SuffixDrafter()
+    SpeculativeDecoder(target, suffix, max_batch=2, max_len=64)
+    with pytest.raises(ValueError, match=r"SuffixDrafter: already bound to a target with vocabulary 16"):
+        SpeculativeDecoder(ToyLM(vocab=12, seed=0), suffix, max_batch=2, max_len=64)
+
+
+# ============================================================================ SmolLM2
+N_PROMPTS = 20
+NEW_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def smol():
+    load_bundled, HFCausalLM = _bundled()
+    model, tok = load_bundled("smollm2-135m")[:2]
+    prompts = [tok(t)["input_ids"] for t in SMOL_TEXTS[:N_PROMPTS]]
+    refs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            g = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                               max_new_tokens=NEW_TOKENS, pad_token_id=tok.eos_token_id)
+            refs.append(g[0, len(p):].tolist())
+    return dict(model=model, tok=tok, target=HFCausalLM(model), prompts=prompts, refs=refs, eos=tok.eos_token_id)
+
+
+def _smol_drafter(name, smol):
+    if name == "suffix":
+        return SuffixDrafter()
+    if name == "recycle":
+        return TokenRecycling()
+    texts = [t + " " + smol["tok"].decode(r) for t, r in zip(SMOL_TEXTS[:N_PROMPTS:2], smol["refs"][::2])]
+    return DocumentDrafter(texts, tokenizer=smol["tok"])
+
+
+@pytest.mark.parametrize("name", ["suffix", "recycle", "docs"])
+def test_smollm2_greedy_equals_transformers_generate(smol, name):
+    drafter = _smol_drafter(name, smol)
+    dec = SpeculativeDecoder(smol["target"], drafter, max_batch=5, max_len=256)
+    prompts, refs = smol["prompts"], smol["refs"]
+    got: List[List[int]] = []
+    drafted = 0
+    for i in range(0, len(prompts), 5):
+        out = dec.generate(prompts[i:i + 5], max_new_tokens=NEW_TOKENS, eos_token_id=smol["eos"])
+        got += out.tokens
+        drafted += out.metrics["drafted_tokens"]
+    mismatches = [i for i, (g, r) in enumerate(zip(got, refs)) if g != r]
+    assert not mismatches, f"{name}: greedy output differs from transformers' generate on prompts {mismatches}"
+    assert drafted > 0
+    # ragged batch of 4 == each alone (same decoder, warm state)
+    out = dec.generate(prompts[:4], max_new_tokens=NEW_TOKENS, eos_token_id=smol["eos"]).tokens
+    alone = [dec.generate([p], max_new_tokens=NEW_TOKENS, eos_token_id=smol["eos"]).tokens[0] for p in prompts[:4]]
+    assert out == alone == refs[:4]
+
+
+def test_smollm2_global_cache_repeated_request(smol):
+    tok = smol["tok"]
+    text = ("Write a SQL query that selects the name and email of every customer from the table customers "
+            "whose city is {}, ordered by name.")
+    ids = [tok.apply_chat_template([{"role": "user", "content": text.format(c)}], add_generation_prompt=True,
+                                   tokenize=True) for c in ("Paris", "Berlin")]
+    ids = [list(x["input_ids"] if hasattr(x, "keys") else x) for x in ids]
+    drafter = SuffixDrafter()
+    dec = SpeculativeDecoder(smol["target"], drafter, max_batch=1, max_len=512)
+    plain = SpeculativeDecoder(smol["target"], None, max_batch=1, max_len=512)
+    first = dec.generate([ids[0]], max_new_tokens=48, eos_token_id=smol["eos"])
+    second = dec.generate([ids[1]], max_new_tokens=48, eos_token_id=smol["eos"])   # related request
+    cold = SpeculativeDecoder(smol["target"], SuffixDrafter(), max_batch=1, max_len=512).generate(
+        [ids[1]], max_new_tokens=48, eos_token_id=smol["eos"])
+    assert second.tokens == cold.tokens == plain.generate([ids[1]], max_new_tokens=48,
+                                                          eos_token_id=smol["eos"]).tokens
+    assert second.metrics["accepted_tokens"] > cold.metrics["accepted_tokens"]
+    assert second.metrics["target_passes"] < cold.metrics["target_passes"]
+    again = dec.generate([ids[0]], max_new_tokens=48, eos_token_id=smol["eos"])     # repeated request
+    assert again.tokens == first.tokens
+    per_pass = lambda m: m["drafted_tokens"] / m["target_passes"]  # noqa: E731
+    assert per_pass(again.metrics) > per_pass(first.metrics)
+    assert again.metrics["accepted_tokens"] > first.metrics["accepted_tokens"]
+
+
+def test_suffix_index_concurrent_reads_during_writes():
+    """Readers on several threads (the GIL is released inside) see valid trees while a writer adds documents."""
+    import threading
+    rng = random.Random(3)
+    idx = _C.SuffixIndex(10, 5000, 0, 0)
+    for _ in range(20):
+        idx.add([rng.randrange(8) for _ in range(50)])
+    ctxs = [[rng.randrange(8) for _ in range(6)] for _ in range(50)]
+    expect = [_C.suffix_speculate([idx], c, 8, 1, 12, 8, 1.0, 1.0, 0.05) for c in ctxs]
+    errors: List[str] = []
+
+    def reader(check_equal: bool) -> None:
+        for _ in range(20):
+            for c, e in zip(ctxs, expect):
+                got = _C.suffix_speculate([idx], c, 8, 1, 12, 8, 1.0, 1.0, 0.05)
+                if any(not 0 <= p <= i for i, p in enumerate(got[1])):
+                    errors.append(f"invalid tree {got}")
+                if check_equal and got != e:
+                    errors.append(f"{c}: {got} != {e}")
+
+    threads = [threading.Thread(target=reader, args=(True,)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    writer_rng = random.Random(4)
+    threads = [threading.Thread(target=reader, args=(False,)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for _ in range(200):  # FIFO eviction keeps running under the readers
+        idx.add([writer_rng.randrange(8) for _ in range(50)])
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert idx.num_tokens <= 5000
