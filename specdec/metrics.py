@@ -77,7 +77,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 __all__ = ["MetricsRecorder", "PhaseClock", "MemoryProbe", "static_memory_bytes", "state_bytes", "percentile",
-           "empty_metrics", "write_trace", "read_trace", "expected_tokens_from_acceptance", "TRACE_STEP_KEYS",
+           "empty_metrics", "write_trace", "read_trace", "summarize_trace", "expected_tokens_from_acceptance", "TRACE_STEP_KEYS",
            "TRACE_EVENT_KEYS", "POLICY_KEYS"]
 
 #: keys of a type="step" trace record
@@ -192,6 +192,67 @@ def write_trace(trace, path) -> None:
     with open(path, "w") as f:
         for rec in trace or []:
             f.write(json.dumps(rec) + "\n")
+
+
+def summarize_trace(trace: Sequence[dict]) -> Dict[str, object]:
+    """Aggregates of a per-step trace (the dashboard's inputs).
+
+    steps / request_steps: step records' distinct steps / records; tokens, drafted, accepted: sums;
+    seconds: {draft, verify, commit, step} summed once per step (rows of a step share them);
+    goodput_tokens_per_second: tokens / seconds["step"]; k_per_step: the step's chosen depth (max
+    over its rows); accepted_per_position: as the summary key (among request-steps whose draft
+    reached depth i + 1, the fraction whose accepted path did); state_steps: request-steps per
+    state; per_request: {request: {tokens, drafted, accepted, fallback_steps, probe_steps}};
+    events: the event records.
+    """
+    steps: Dict[int, dict] = {}
+    per_request: Dict[int, Dict[str, int]] = {}
+    state_steps: Dict[str, int] = {}
+    pos_d: List[int] = []
+    pos_a: List[int] = []
+    events = []
+    n_records = 0
+    for rec in trace:
+        if rec.get("type") == "event":
+            events.append(rec)
+            continue
+        n_records += 1
+        st = steps.setdefault(rec["step"], dict(k=0, draft=rec["draft_seconds"], verify=rec["verify_seconds"],
+                                                commit=rec["commit_seconds"], step=rec["step_seconds"]))
+        st["k"] = max(st["k"], rec["k"])
+        r = per_request.setdefault(rec["request"], dict(tokens=0, drafted=0, accepted=0, fallback_steps=0,
+                                                        probe_steps=0))
+        r["tokens"] += rec["emitted"]
+        r["drafted"] += rec["drafted"]
+        r["accepted"] += rec["accepted"]
+        r["fallback_steps"] += rec["state"] == "fallback"
+        r["probe_steps"] += rec["state"] == "probe"
+        state_steps[rec["state"]] = state_steps.get(rec["state"], 0) + 1
+        depth = rec["depth"]
+        while len(pos_d) < depth:
+            pos_d.append(0)
+            pos_a.append(0)
+        for i in range(depth):
+            pos_d[i] += 1
+        for i in range(min(rec["accepted"], depth)):
+            pos_a[i] += 1
+    order = sorted(steps)
+    seconds = {key: sum(steps[s][key] for s in order) for key in ("draft", "verify", "commit", "step")}
+    tokens = sum(r["tokens"] for r in per_request.values())
+    return {
+        "steps": len(order),
+        "request_steps": n_records,
+        "tokens": tokens,
+        "drafted": sum(r["drafted"] for r in per_request.values()),
+        "accepted": sum(r["accepted"] for r in per_request.values()),
+        "seconds": seconds,
+        "goodput_tokens_per_second": tokens / seconds["step"] if seconds["step"] > 0 else 0.0,
+        "k_per_step": [steps[s]["k"] for s in order],
+        "accepted_per_position": [a / d if d else 0.0 for a, d in zip(pos_a, pos_d)],
+        "state_steps": state_steps,
+        "per_request": per_request,
+        "events": events,
+    }
 
 
 def read_trace(path) -> List[dict]:

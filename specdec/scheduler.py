@@ -57,8 +57,9 @@ step it shares). Two rules move a request to fallback (trace event, reason given
 
 A request in fallback decodes plainly (k = 0). It is re-probed after ``backoff`` steps
 (4, doubled after every failed probe, at most ``max_backoff``): the probe step drafts at the
-depth the decoder-wide statistics favour; it succeeds when rho_r >= 1 + ``hysteresis``
-with the fresh statistics (its pre-fallback history is dropped on entering fallback). While
+depth that would pay with acceptance ``probe_alpha`` (0.7) under the measured costs; it succeeds when rho_r >= 1 + ``hysteresis``
+with the request's own fresh statistics (on entering fallback its history and the
+decoder-wide prior are dropped: a prior of 0, so only observed acceptance counts). While
 other rows speculate, a due probe rides along at the batch's depth (verification is padded
 to the same node count, so it costs nothing extra); rows not due stay at k = 0, so the rows
 of one batch get different k (the drafter pads them).
@@ -175,7 +176,7 @@ class AcceptanceStats:
     the parent statistics' estimate (a decoder-wide :class:`AcceptanceStats`) or ``prior``.
     """
 
-    def __init__(self, decay: float = 0.7, prior: float = 0.5, prior_weight: float = 1.0,
+    def __init__(self, decay: float = 0.8, prior: float = 0.5, prior_weight: float = 0.5,
                  parent: Optional["AcceptanceStats"] = None) -> None:
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"AcceptanceStats: decay must lie in (0, 1], got {decay}")
@@ -206,12 +207,12 @@ class AcceptanceStats:
         """P(draft position i + 1 accepted | position i accepted), 0-based i."""
         if i < len(self.trials):
             return (self.hits[i] + self.prior_weight * self._prior(i)) / (self.trials[i] + self.prior_weight)
-        if self.parent is not None:
-            return self.parent.alpha(i)
-        if self.trials:  # deeper than ever observed: the deepest observed position's estimate
+        prior = self._prior(i)
+        if self.trials:  # deeper than observed: the deepest observed estimate, capped by the prior
             j = len(self.trials) - 1
-            return (self.hits[j] + self.prior_weight * self.prior) / (self.trials[j] + self.prior_weight)
-        return self.prior
+            own = (self.hits[j] + self.prior_weight * self._prior(j)) / (self.trials[j] + self.prior_weight)
+            return min(own, prior)
+        return prior
 
     def alphas(self, k: int) -> List[float]:
         return [self.alpha(i) for i in range(k)]
@@ -541,8 +542,8 @@ class Policy:
     name = "base"
 
     def __init__(self, max_depth: int, width: int = 1, max_nodes: Optional[int] = None,
-                 cost: Optional[CostModel] = None, decay: float = 0.7, prior: float = 0.5) -> None:
-        if max_depth < 1:
+                 cost: Optional[CostModel] = None, decay: float = 0.8, prior: float = 0.5) -> None:
+        if max_depth < (0 if type(self) is FixedPolicy else 1):  # FixedPolicy(0): plain decoding
             raise ValueError(f"{type(self).__name__}: max_depth must be >= 1, got {max_depth}")
         self.max_depth = int(max_depth)
         self.width = max(1, int(width))
@@ -693,16 +694,18 @@ class GoodputPolicy(Policy):
 
     Parameters (besides :class:`Policy`'s): ``collapse_ratio`` (observed goodput ratio below which a
     request collapses to fallback, over ``window`` speculative steps), ``hysteresis`` (a probe must
-    predict rho >= 1 + hysteresis to resume), ``max_backoff`` (most steps between probes).
+    predict rho >= 1 + hysteresis to resume), ``max_backoff`` (most steps between probes),
+    ``probe_alpha`` (the acceptance a paid probe's depth is chosen for).
     """
 
     name = "goodput"
 
     def __init__(self, max_depth: int, width: int = 1, max_nodes: Optional[int] = None,
-                 cost: Optional[CostModel] = None, decay: float = 0.7, prior: float = 0.5,
+                 cost: Optional[CostModel] = None, decay: float = 0.8, prior: float = 0.5,
                  collapse_ratio: float = 0.9, window: int = 4, hysteresis: float = 0.05,
-                 max_backoff: int = 64) -> None:
+                 max_backoff: int = 64, probe_alpha: float = 0.7) -> None:
         super().__init__(max_depth, width, max_nodes, cost, decay, prior)
+        self.probe_alpha = probe_alpha
         if not 0.0 < collapse_ratio <= 1.0:
             raise ValueError(f"GoodputPolicy: collapse_ratio must lie in (0, 1], got {collapse_ratio}")
         if window < 1:
@@ -732,7 +735,8 @@ class GoodputPolicy(Policy):
     def _to_fallback(self, rid: int, req: _Request, reason: str, **extra) -> None:
         old = req.state
         req.state = FALLBACK
-        req.stats.reset()
+        # from now on the request's own evidence only: a probe must show that this request pays
+        req.stats = AcceptanceStats(decay=self.decay, prior=0.0, prior_weight=req.stats.prior_weight)
         req.window = []
         req.next_probe = self.step_index + req.backoff
         self._event(rid, reason, old, FALLBACK, next_probe_step=req.next_probe, **extra)
@@ -767,9 +771,8 @@ class GoodputPolicy(Policy):
                 best_k, best_g = k, g
         plain_g = b / costs[0] if costs[0] > 0 else float(b)
         if best_k == 0 and any(probing):
-            # a paid probe: the depth a fresh request of this drafter would get
-            fresh = self.global_stats.expected_curve(k_cap)
-            _, best_k = self._rho(fresh, costs)
+            # a paid probe: the depth that would pay if the drafter were decent (alpha = probe_alpha)
+            _, best_k = self._rho([expected_tokens(self.probe_alpha, k) for k in range(k_cap + 1)], costs)
             best_g = total(best_k) / costs[best_k] if costs[best_k] > 0 else total(best_k)
         states, out, expected = [], [], []
         for req, curve, s, p, x in zip(reqs, curves, spec, probing, budgets):
@@ -807,6 +810,7 @@ class GoodputPolicy(Policy):
                 rho, k = self._rho(req.stats.expected_curve(k_cap), costs)
                 if rho >= 1.0 + self.hysteresis:
                     req.state = SPEC
+                    req.stats.parent = self.global_stats
                     req.backoff = 4
                     req.window = []
                     self._event(rid, f"probe: predicted goodput ratio {rho:.2f} >= {1.0 + self.hysteresis:.2f} "
@@ -836,5 +840,7 @@ def make_policy(policy, drafter, cost: Optional[CostModel] = None, **options) ->
     if not isinstance(policy, str) or policy not in _CLASSES:
         raise ValueError(f"SpeculativeDecoder: policy must be one of {POLICIES} or a specdec.scheduler.Policy, "
                          f"got {policy!r}")
+    if drafter is None:  # plain decoding: every step drafts nothing
+        return FixedPolicy(0, cost=cost)
     depth, width, max_nodes = drafter_shape(drafter)
     return _CLASSES[policy](depth, width, max_nodes, cost=cost, **options)
