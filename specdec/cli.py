@@ -14,8 +14,9 @@ Generation stops at the tokenizer's EOS (``<|im_end|>``) or after ``--max-new-to
 sampling settings and seed) and reports the speedup; in greedy mode it also says
 whether both texts are identical (they must be).
 
-``specdec bench [args]`` runs ``benchmarks/bench_e2e.py`` of a source checkout with the
-same arguments.
+``specdec bench [args]`` runs an end-to-end workload grid (specdec/bench.py: drafters, k,
+policies, batch sizes, prompt sets) and writes a table, JSON and a PNG dashboard; it works
+from an installed package. ``specdec bench --help`` lists the options.
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compare", action="store_true", help="also decode plainly and report the speedup")
     g.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming it")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    b = sub.add_parser("bench", help="end-to-end benchmark (benchmarks/bench_e2e.py of a source checkout)",
+    b = sub.add_parser("bench", help="end-to-end benchmark grid with a JSON result and a PNG dashboard",
                        add_help=False)
     b.add_argument("args", nargs=argparse.REMAINDER)
     return parser
@@ -145,17 +146,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _bench(argv: List[str]) -> int:
-    import runpy
+    from specdec.bench import main as bench_main
 
-    here = Path(__file__).resolve().parent.parent
-    script = here / "benchmarks" / "bench_e2e.py"
-    if not script.is_file():
-        print("specdec bench: benchmarks/bench_e2e.py ships with the source checkout only "
-              "(run it from a clone of the repository)", file=sys.stderr)
-        return 2
-    sys.argv = [str(script)] + list(argv)
-    runpy.run_path(str(script), run_name="__main__")
-    return 0
+    return bench_main(list(argv))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -390,7 +390,10 @@ class CostModel:
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"CostModel: smoothing must lie in (0, 1], got {smoothing}")
         self.smoothing = smoothing
-        self.draft = _CostTable(smoothing, zero_at_zero=True, single="proportional")   # (b, k)
+        # one observed draft depth: assume the same cost at the others (optimistic, so the policy tries a
+        # deeper draft and the second observation fixes the slope; a first step after plain steps also
+        # carries the draft's catch-up, which a proportional guess would charge to every token)
+        self.draft = _CostTable(smoothing, zero_at_zero=True, single="constant")       # (b, k)
         self.verify = _CostTable(smoothing, zero_at_zero=False, single="constant")     # (b, n)
         self.commit = _CostTable(smoothing, zero_at_zero=False, single="constant")     # (b, n)
         self.rest = _CostTable(smoothing, zero_at_zero=False, single="constant")       # (b, n)
