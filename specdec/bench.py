@@ -312,12 +312,14 @@ def run_bench(runs: Dict[str, List[str]], batches: Sequence[int], rounds: int = 
 
     # warm-up: every decoder once on a short input (allocations; the goodput decoders start learning costs)
     warm = encode("Say hello.")
+    if progress:
+        sys.stderr.write(f"warm-up of {sum(len(m) for *_, m in workloads)} decoders...\n")
     for s, b, units, methods in workloads:
         for spec in methods:
             if spec[0] == "hf":
                 run_one(spec, [warm], False)
             else:
-                decoder(spec, b).generate([warm] * b, max_new_tokens=8, eos_token_id=eos)
+                decoder(spec, b).generate([warm] * b, max_new_tokens=4, eos_token_id=eos)
 
     records: Dict[str, List[dict]] = {}
     traces: Dict[str, List[dict]] = {}

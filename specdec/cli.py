@@ -46,6 +46,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="draft model: stop drafting after a token with draft probability below this "
                         "(default: int8 0.3, bf16 off; 0 = off)")
     g.add_argument("--ngram", type=int, default=3, help="prompt lookup: longest n-gram to match (default 3)")
+    g.add_argument("--policy", default="goodput", choices=["goodput", "heuristic", "fixed"],
+                   help="how much to draft per step: goodput (default: measured tokens/s, falls back to plain "
+                        "decoding when drafting does not pay), heuristic (+2/-1), fixed (always --k)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="top-k sampling (0 = off)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1 = off)")
@@ -120,7 +123,7 @@ def _generate(args: argparse.Namespace) -> int:
     max_len = len(ids) + args.max_new_tokens
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, eos_token_id=tok.eos_token_id, seed=args.seed)
-    dec = SpeculativeDecoder(target, drafter, max_batch=1, max_len=max_len)
+    dec = SpeculativeDecoder(target, drafter, max_batch=1, max_len=max_len, policy=args.policy)
     dec.generate([ids[:8]], max_new_tokens=2)  # warm-up (first-call allocations) outside the timing
     streamer = _Streamer(tok, enabled=not args.no_stream)
     out = dec.generate([ids], callback=streamer, **kw)
@@ -129,7 +132,7 @@ def _generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     m = out.metrics
     stats = (f"[specdec] {m['new_tokens']} tokens in {m['total_seconds']:.2f} s | {m['tokens_per_second']:.1f} tok/s"
-             f" | draft={args.draft}")
+             f" | draft={args.draft}" + (f" policy={args.policy}" if drafter is not None else ""))
     if drafter is not None:
         stats += (f" | acceptance {100 * m['acceptance_rate']:.1f}% | mean accepted length "
                   f"{m['mean_accepted_length']:.2f}")

@@ -587,3 +587,62 @@ def test_sampled_distribution_is_exact_under_policies(name):
     bound = _tv_bound(exact, n)
     assert tv < bound, f"TV {tv:.4f} >= bound {bound:.4f} with {n} samples over {len(exact)} outcomes"
     assert len(ks) >= 2 and max(ks) > 0, f"the policy never varied k: {ks}"
+
+
+# ============================================================================ specdec bench (no model)
+def test_bench_method_parsing_and_errors():
+    from specdec.bench import parse_method, parse_runs
+
+    assert parse_method("lookup:4@fixed") == ("lookup", 4, "fixed")
+    assert parse_method("w8") == ("w8", None, "goodput")
+    assert parse_method("plain") == ("plain", None, "none")
+    assert parse_runs("grounded:lookup@goodput, lookup:4@fixed;open:random:8@fixed") == {
+        "grounded": ["lookup@goodput", "lookup:4@fixed"], "open": ["random:8@fixed"]}
+    with pytest.raises(ValueError, match=r"method 'medusa:4': drafter must be one of .*got 'medusa'"):
+        parse_method("medusa:4")
+    with pytest.raises(ValueError, match=r"method 'w8:x': k must be an int, got 'x'"):
+        parse_method("w8:x")
+    with pytest.raises(ValueError, match=r"policy must be fixed, heuristic or goodput, got 'best'"):
+        parse_method("w8:4@best")
+    with pytest.raises(ValueError, match=r"--runs entry 'poems:w8' must be 'SET:METHOD,...'"):
+        parse_runs("poems:w8")
+
+
+def test_random_drafter_is_useless_but_exact(toy):
+    from specdec.bench import RandomDrafter
+
+    target, _, refs = toy
+    dec = SpeculativeDecoder(target, RandomDrafter(k=6), max_batch=4, max_len=64, policy="fixed")
+    out = dec.generate(PROMPTS, max_new_tokens=NEW)
+    assert out.tokens == refs
+    assert out.metrics["drafted_tokens"] > 0 and out.metrics["acceptance_rate"] < 0.3
+
+
+def test_bench_dashboard_and_table_from_a_result(tmp_path):
+    pytest.importorskip("matplotlib")  # in requirements.txt; the optional extra "bench" of the package
+    from specdec.bench import format_table, write_dashboard
+
+    def row(drafter, k, policy, tps, ratio, trace=None):
+        r = dict(drafter=drafter, k=k, policy=policy, runs=2, tokens_per_second_median=tps,
+                 speedup_vs_plain_median=ratio, speedup_vs_hf_median=None, same_output_as_plain="2/2",
+                 acceptance_rate=0.6, mean_accepted_length=2.0, accepted_per_position=[0.8, 0.6, 0.5],
+                 draft_seconds=0.1, verify_seconds=0.5, commit_seconds=0.01, prefill_seconds=0.05,
+                 total_seconds=0.8, chosen_k_histogram={"3": 4}, mean_chosen_k=3.0, fallback_request_steps=1,
+                 policy_events=1, expected_tokens_predicted=2.0, expected_tokens_observed=2.1)
+        if trace:
+            r["trace_k_per_step"] = trace
+        return r
+
+    result = dict(summary={"open/b1": {
+        "plain": dict(drafter="plain", k=None, policy="none", runs=2, tokens_per_second_median=10.0,
+                      speedup_vs_plain_median=1.0, speedup_vs_hf_median=None, same_output_as_plain="2/2"),
+        "w8:3@fixed": row("w8", 3, "fixed", 12.0, 1.2), "w8:6@fixed": row("w8", 6, "fixed", 11.0, 1.1),
+        "w8:8@goodput": row("w8", 8, "goodput", 12.5, 1.25, trace=[0, 8, 3, 3, 0, 4])}},
+        machine=dict(cpu="test", torch_threads=1, loadavg_start=[1, 1, 1], loadavg_end=[1, 1, 1]),
+        settings=dict(model="toy", max_new_tokens=8, rounds=2, batches=[1]), date="today", git_commit="abc")
+    path = tmp_path / "dash.png"
+    write_dashboard(result, path)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    table = format_table(result)
+    assert "w8:8@goodput" in table and "1.25x" in table
