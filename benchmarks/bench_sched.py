@@ -79,6 +79,7 @@ def main() -> int:
     ap.add_argument("--w8-ks", default="2,4,8")
     ap.add_argument("--int8-k", type=int, default=6)
     ap.add_argument("--no-hf", action="store_true", help="leave out transformers' generate")
+    ap.add_argument("--only", default="", help="comma list of drafters to keep (lookup, w8, int8, random)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     runs = {
@@ -87,6 +88,10 @@ def main() -> int:
                  + [f"int8:{args.int8_k}@goodput", f"int8:{args.int8_k}@fixed", "random:8@goodput",
                     "random:8@fixed"] + ([] if args.no_hf else ["hf"])),
     }
+    if args.only:
+        keep = set(args.only.split(","))
+        runs = {s: [m for m in ms if m.split(":")[0].split("@")[0] in keep] for s, ms in runs.items()}
+        runs = {s: ms for s, ms in runs.items() if ms}
     result = run_bench(runs, [int(b) for b in args.batches.split(",")], rounds=args.rounds,
                        prompts_per_set=args.prompts, max_new_tokens=args.max_new_tokens)
     result["targets"] = check_targets(result)
