@@ -54,50 +54,10 @@ from specdec.drafters import DraftModel, PromptLookup  # noqa: E402
 from specdec.models.bundled import load_bundled  # noqa: E402
 from specdec.models.hf import HFCausalLM  # noqa: E402
 
-PASSAGE = (
-    "The Great Barrier Reef is the world's largest coral reef system, composed of over 2,900 individual reefs "
-    "and 900 islands stretching for over 2,300 kilometres over an area of approximately 344,400 square "
-    "kilometres. The reef is located in the Coral Sea, off the coast of Queensland, Australia. It can be seen "
-    "from outer space and is the world's biggest single structure made by living organisms. This reef structure "
-    "is composed of and built by billions of tiny organisms, known as coral polyps.")
+from specdec.bench import PROMPT_SETS  # noqa: E402  (the prompt sets live in the package; `specdec bench`)
 
-CODE = '''def compute_total(prices, tax_rate):
-    total = 0
-    for price in prices:
-        total = total + price
-    total = total * (1 + tax_rate)
-    return round(total, 2)
-
-
-def apply_discount(total, discount):
-    if discount > 0.5:
-        raise ValueError("discount too large")
-    return total * (1 - discount)
-'''
-
-EMAIL = ("Hi Sarah,\n\nThank you for your message. I will be out of the office on Monday, so I suggest we meet on "
-         "Monday afternoon instead of Monday morning. Please bring the quarterly report and the budget "
-         "spreadsheet. Let me know if that works for you.\n\nBest regards,\nTom")
-
-CSV = ("name,age,city\nAlice,34,London\nBob,29,Paris\nCharlie,41,Berlin\nDiana,25,Madrid\nEthan,38,Rome")
-
-GROUNDED = [
-    f"Repeat the following text exactly, word for word:\n\n{PASSAGE}",
-    f"Rename the function compute_total to sum_prices in this code and output the full code:\n\n{CODE}",
-    f"Here is an email:\n\n{EMAIL}\n\nRewrite the email exactly, but replace every 'Monday' with 'Friday'.",
-    f"Convert this CSV data to a markdown table:\n\n{CSV}",
-    f"Add a docstring to each function and output the full code:\n\n{CODE}",
-    f"Quote the first two sentences of this passage:\n\n{PASSAGE}",
-]
-
-OPEN = [
-    "Write a short story about a robot who learns to paint.",
-    "Explain how vaccines work in simple terms.",
-    "Give me five tips for a successful job interview.",
-    "What are the health benefits of regular exercise?",
-    "Describe the city of Paris to someone who has never been there.",
-    "Write a poem about the sea at night.",
-]
+GROUNDED = PROMPT_SETS["grounded"]
+OPEN = PROMPT_SETS["open"]
 
 
 def git_commit() -> str:

@@ -14,8 +14,9 @@ Generation stops at the tokenizer's EOS (``<|im_end|>``) or after ``--max-new-to
 sampling settings and seed) and reports the speedup; in greedy mode it also says
 whether both texts are identical (they must be).
 
-``specdec bench [args]`` runs ``benchmarks/bench_e2e.py`` of a source checkout with the
-same arguments.
+``specdec bench [args]`` runs an end-to-end workload grid (specdec/bench.py: drafters, k,
+policies, batch sizes, prompt sets) and writes a table, JSON and a PNG dashboard; it works
+from an installed package. ``specdec bench --help`` lists the options.
 """
 from __future__ import annotations
 
@@ -51,6 +52,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="draft model: stop drafting after a token with draft probability below this "
                         "(default: int8 0.3, bf16 off; 0 = off)")
     g.add_argument("--ngram", type=int, default=3, help="prompt lookup: longest n-gram to match (default 3)")
+    g.add_argument("--policy", default="goodput", choices=["goodput", "heuristic", "fixed"],
+                   help="how much to draft per step: goodput (default: measured tokens/s, falls back to plain "
+                        "decoding when drafting does not pay), heuristic (+2/-1), fixed (always --k)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="top-k sampling (0 = off)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1 = off)")
@@ -60,7 +64,7 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compare", action="store_true", help="also decode plainly and report the speedup")
     g.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming it")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    b = sub.add_parser("bench", help="end-to-end benchmark (benchmarks/bench_e2e.py of a source checkout)",
+    b = sub.add_parser("bench", help="end-to-end benchmark grid with a JSON result and a PNG dashboard",
                        add_help=False)
     b.add_argument("args", nargs=argparse.REMAINDER)
     return parser
@@ -142,7 +146,7 @@ def _generate(args: argparse.Namespace) -> int:
     max_len = len(ids) + args.max_new_tokens
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, eos_token_id=tok.eos_token_id, seed=args.seed)
-    dec = SpeculativeDecoder(target, drafter, max_batch=1, max_len=max_len)
+    dec = SpeculativeDecoder(target, drafter, max_batch=1, max_len=max_len, policy=args.policy)
     dec.generate([ids[:8]], max_new_tokens=2)  # warm-up (first-call allocations) outside the timing
     streamer = _Streamer(tok, enabled=not args.no_stream)
     out = dec.generate([ids], callback=streamer, **kw)
@@ -151,7 +155,7 @@ def _generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     m = out.metrics
     stats = (f"[specdec] {m['new_tokens']} tokens in {m['total_seconds']:.2f} s | {m['tokens_per_second']:.1f} tok/s"
-             f" | draft={args.draft}")
+             f" | draft={args.draft}" + (f" policy={args.policy}" if drafter is not None else ""))
     if drafter is not None:
         stats += (f" | acceptance {100 * m['acceptance_rate']:.1f}% | mean accepted length "
                   f"{m['mean_accepted_length']:.2f}")
@@ -168,17 +172,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _bench(argv: List[str]) -> int:
-    import runpy
+    from specdec.bench import main as bench_main
 
-    here = Path(__file__).resolve().parent.parent
-    script = here / "benchmarks" / "bench_e2e.py"
-    if not script.is_file():
-        print("specdec bench: benchmarks/bench_e2e.py ships with the source checkout only "
-              "(run it from a clone of the repository)", file=sys.stderr)
-        return 2
-    sys.argv = [str(script)] + list(argv)
-    runpy.run_path(str(script), run_name="__main__")
-    return 0
+    return bench_main(list(argv))
 
 
 def _docs_file_as_option(argv: List[str]) -> List[str]:

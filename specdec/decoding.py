@@ -25,6 +25,7 @@ always fits.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -33,13 +34,12 @@ import torch
 
 from specdec import ops
 from specdec.drafters.base import Draft, Drafter, StepContext, move_cache_rows
-from specdec.metrics import MemoryProbe, MetricsRecorder, empty_metrics, static_memory_bytes
+from specdec.metrics import MemoryProbe, MetricsRecorder, empty_metrics, static_memory_bytes, write_trace
 from specdec.sampling import SamplingParams, draw_uniforms, make_generator, warp_
+from specdec.scheduler import POLICIES, CostModel, Policy, StepTimes, calibrate, make_policy
 from specdec.tree import TokenTree
 
 __all__ = ["SpeculativeDecoder", "GenerateOutput"]
-
-_POLICIES = ("fixed", "heuristic", "goodput")
 
 
 @dataclass
@@ -48,6 +48,7 @@ class GenerateOutput:
 
     tokens: List[List[int]]
     metrics: Dict[str, object] = field(default_factory=dict)
+    trace: Optional[List[dict]] = None  # per-step records (generate(trace=...)); keys in specdec/metrics.py
 
 
 class SpeculativeDecoder:
@@ -64,23 +65,26 @@ class SpeculativeDecoder:
         Most requests per generate call.
     max_len : int
         Most tokens per request, prompt + new tokens.
-    policy : str
-        "fixed": the drafter's own k every step. ("heuristic" and "goodput" belong to the
-        scheduler, which is not implemented yet.)
+    policy : str or specdec.scheduler.Policy
+        How much to draft each step (specdec/scheduler.py): "goodput" (default: the depth that
+        maximises expected tokens per second, per step and request, with fallback to plain
+        decoding), "heuristic" (transformers' +2 / -1 schedule) or "fixed" (the drafter's own k).
+    calibrate : bool
+        Goodput policy: time target forwards once (cached per model / device / dtype / threads
+        in ``$SPECDEC_CACHE``, default ~/.cache/specdec) before the first call instead of
+        learning every cost online. Off by default.
     """
 
     def __init__(self, target, drafter: Optional[Drafter] = None, max_batch: int = 8, max_len: int = 2048,
-                 policy: str = "fixed") -> None:
+                 policy: Union[str, Policy] = "goodput", calibrate: bool = False) -> None:
         for name, v in (("max_batch", max_batch), ("max_len", max_len)):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"SpeculativeDecoder: {name} must be an int, got {type(v).__name__}")
             if v < 1:
                 raise ValueError(f"SpeculativeDecoder: {name} must be >= 1, got {v}")
-        if policy not in _POLICIES:
-            raise ValueError(f"SpeculativeDecoder: policy must be one of {_POLICIES}, got {policy!r}")
-        if policy != "fixed":
-            raise NotImplementedError(f"SpeculativeDecoder: policy {policy!r} needs specdec.scheduler, "
-                                      "which is not implemented yet; use policy='fixed'")
+        if not isinstance(policy, Policy) and policy not in POLICIES:
+            raise ValueError(f"SpeculativeDecoder: policy must be one of {POLICIES} or a specdec.scheduler.Policy, "
+                             f"got {policy!r}")
         if drafter is not None and not isinstance(drafter, Drafter):
             raise TypeError(f"SpeculativeDecoder: drafter must be a specdec Drafter (DraftModel, PromptLookup, ...) "
                             f"or None, got {type(drafter).__name__}")
@@ -92,7 +96,7 @@ class SpeculativeDecoder:
         self.drafter = drafter
         self.max_batch = max_batch
         self.max_len = max_len
-        self.policy = policy
+        self.policy = policy if isinstance(policy, str) else policy.name
         self.device = torch.device(target.device)
         self.vocab_size = int(target.vocab_size)
         if drafter is not None:
@@ -100,6 +104,9 @@ class SpeculativeDecoder:
         self.max_nodes = drafter.max_nodes if drafter is not None else 1
         self.cache = target.new_cache(max_batch, max_len + self.max_nodes)
         self._views: Dict[int, object] = {}
+        #: the step policy (specdec/scheduler.py); its cost model persists across generate calls
+        self.scheduler: Policy = make_policy(policy if drafter is not None else "fixed", drafter, CostModel())
+        self._calibrate = bool(calibrate)
         #: weights (target + draft model) + KV caches, for the peak-memory metric
         self.static_memory_bytes = static_memory_bytes(target, drafter, [self.cache, getattr(drafter, "cache", None)])
 
@@ -186,7 +193,8 @@ class SpeculativeDecoder:
     def generate(self, input_ids: Union[torch.Tensor, Sequence[Sequence[int]]], max_new_tokens: int = 128,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  eos_token_id: Union[int, Iterable[int], None] = None, seed: Optional[int] = None,
-                 callback: Optional[Callable[[int, List[int]], None]] = None) -> GenerateOutput:
+                 callback: Optional[Callable[[int, List[int]], None]] = None,
+                 trace: Union[bool, str, "os.PathLike"] = False) -> GenerateOutput:
         """Generate up to ``max_new_tokens`` new tokens for each request.
 
         ``temperature == 0`` is greedy (output == the target's own greedy decoding);
@@ -194,6 +202,8 @@ class SpeculativeDecoder:
         (0 = off) and top-p (1 = off) exactly as plain sampling would. ``seed`` makes a
         call reproducible (same inputs, same batch, same decoder -> same tokens).
         ``callback(request_index, new_tokens)`` is called as tokens are accepted (streaming).
+        ``trace``: True returns the per-step trace in ``GenerateOutput.trace``; a path also
+        writes it there as JSON lines (keys: specdec/metrics.py).
         """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             raise TypeError(f"generate: max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
@@ -212,15 +222,22 @@ class SpeculativeDecoder:
                              + (f" ({len(too_long)} requests too long)" if len(too_long) > 1 else ""))
         B = len(prompts)
         if max_new_tokens == 0:
-            return GenerateOutput([[] for _ in range(B)], empty_metrics(B))
-        return _Run(self, prompts, max_new_tokens, params, eos, seed, callback).run()
+            return GenerateOutput([[] for _ in range(B)], empty_metrics(B), [] if trace else None)
+        if self._calibrate and self.drafter is not None:
+            self._calibrate = False
+            nodes = sorted({1, 2, 4, self.max_nodes} | {n for n in (8, 12, 16) if n < self.max_nodes})
+            calibrate(self.target, self.cache, self.scheduler.cost, sorted({1, self.max_batch}), nodes)
+        out = _Run(self, prompts, max_new_tokens, params, eos, seed, callback, bool(trace)).run()
+        if trace and not isinstance(trace, bool):
+            write_trace(out.trace, trace)
+        return out
 
 
 class _Run:
     """State of one generate call."""
 
     def __init__(self, dec: SpeculativeDecoder, prompts: List[List[int]], max_new: int, params: SamplingParams,
-                 eos: frozenset, seed: Optional[int], callback) -> None:
+                 eos: frozenset, seed: Optional[int], callback, trace: bool = False) -> None:
         self.dec = dec
         self.prompts = prompts
         self.max_new = max_new
@@ -237,6 +254,8 @@ class _Run:
         self.finish = [""] * B
         self.rows = list(range(B))                       # row -> request id (active rows only)
         self.rec = MetricsRecorder(B, dev)
+        self.sched = dec.scheduler
+        self.sched.begin(B, trace)
 
     # ------------------------------------------------------------------ bookkeeping
     def _emit(self, rid: int, toks: Sequence[int]) -> Tuple[int, bool]:
@@ -326,12 +345,12 @@ class _Run:
             b = len(self.rows)
             cache = dec._view(b)
             c0 = clock.mark()
+            plan = self.sched.plan(self.rows, [self.max_new - len(self.new[rid]) - 1 for rid in self.rows])
             if drafter is None:
                 draft = Draft(TokenTree.root_only(roots))
             else:
                 ctx = StepContext(roots=roots, sequences=[self.seqs[rid] for rid in self.rows],
-                                  request_ids=list(self.rows),
-                                  budgets=[self.max_new - len(self.new[rid]) - 1 for rid in self.rows])
+                                  request_ids=list(self.rows), budgets=plan.budgets)
                 draft = drafter.propose(ctx)
             tree = draft.tree
             c1 = clock.mark()
@@ -364,15 +383,20 @@ class _Run:
                 emitted.append(n)
                 if done:
                     finished_rows.append(r)
-            rec.step(self.rows, tree.num_drafted, tree.depth_per_request() if drafter is not None else
-                     tree.num_drafted, num_host, emitted, t_now - t_prev)
+            depths = tree.depth_per_request() if drafter is not None else tree.num_drafted
+            rec.step(self.rows, tree.num_drafted, depths, num_host, emitted, t_now - t_prev)
+            self.sched.observe(plan, self.rows, tree.size, depths, tree.num_drafted, num_host, emitted,
+                               StepTimes(*clock.split(c0, c1, c2, c3, c4, c5), total=t_now - t_prev))
             t_prev = t_now
             if finished_rows:
                 roots = self._retire(finished_rows, roots)
 
         t_end = time.perf_counter()
-        return GenerateOutput(self.new, rec.summary(self.new, self.finish, t_start, t_first, t_end, mem.peak(),
-                                                    mem.static))
+        metrics = rec.summary(self.new, self.finish, t_start, t_first, t_end, mem.peak(), mem.static)
+        metrics.update(self.sched.summary())
+        if drafter is None:
+            metrics["policy"] = "none"
+        return GenerateOutput(self.new, metrics, self.sched.trace)
 
 
 def _int_to_float(x):

@@ -27,6 +27,43 @@ static_memory_bytes    weights (target + draft model) + KV caches (target + draf
 per_request            lists per request: new_tokens, target_passes, drafted_tokens,
                        accepted_tokens, mean_accepted_length, finish_reason ("eos" / "length")
 
+Policy keys (specdec/scheduler.py; every decoder has a policy, "none" for plain decoding):
+
+policy                     "goodput" / "heuristic" / "fixed" / "none"
+policy_events              state changes of requests (fallback, collapse, resumed after a probe)
+fallback_request_steps     request-steps decoded plainly because the request was in fallback
+mean_chosen_k              mean over steps of the step's draft depth (max over rows of the chosen k)
+chosen_k_histogram         {"k": number of steps whose chosen depth was k}
+expected_tokens_predicted  mean over drafted request-steps of E[T] predicted, before the step, from
+                           the request's measured acceptance at the depth really drafted
+expected_tokens_observed   mean over the same request-steps of (accepted + 1): what E[T] predicts
+expected_tokens_from_acceptance
+                           E[T] = (1 - a^(k+1)) / (1 - a) with a = acceptance_rate and k = the mean
+                           drafted depth (the closed form from the call's summary; chains)
+predicted_goodput_ratio    mean over steps of the plan's predicted goodput / a plain step's (goodput
+                           policy; 1.0 for the others' plans)
+
+Trace (``generate(trace=True)`` -> ``GenerateOutput.trace``; ``trace=path`` also writes JSON lines,
+one object per line). Two record types:
+
+type="step", one per request and step:
+  step            step index in the generate call (0 = the first step after prefill)
+  request         request index in the call;  row: its batch row this step;  batch: active rows
+  state           policy state of the request for this step: "spec" (speculating), "probe" (in
+                  fallback but drafted this step: a due probe, or riding along a speculative step)
+                  or "fallback" (decoded plainly)
+  k               draft depth the policy allowed the row (its budget to the drafter)
+  nodes           nodes per row the target verified (padded: the same for every row of the step)
+  depth           deepest node drafted for the request;  drafted: draft nodes (root excluded)
+  accepted        draft tokens accepted;  emitted: tokens appended (after EOS / length truncation)
+  expected_tokens E[T] predicted for the row at k before the step
+  predicted_goodput_ratio   the step's predicted goodput / a plain step's
+  draft_seconds, verify_seconds, commit_seconds   the step's phase times (shared by its rows)
+  step_seconds    wall time of the step;  plain_seconds_estimate: the cost model's plain step at this batch
+type="event", one per state change:
+  step, request, reason (text: the rule and the measured ratio), old_state, new_state,
+  goodput_ratio (the ratio that triggered it), next_probe_step (entering fallback)
+
 Timing: host wall clock on CPU (every op is synchronous there); CUDA events on CUDA, read
 once at the end of the call (no synchronisation inside the loop).
 """
@@ -40,7 +77,19 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 __all__ = ["MetricsRecorder", "PhaseClock", "MemoryProbe", "static_memory_bytes", "state_bytes", "percentile",
-           "empty_metrics"]
+           "empty_metrics", "write_trace", "read_trace", "summarize_trace", "expected_tokens_from_acceptance", "TRACE_STEP_KEYS",
+           "TRACE_EVENT_KEYS", "POLICY_KEYS"]
+
+#: keys of a type="step" trace record
+TRACE_STEP_KEYS = ("type", "step", "request", "row", "batch", "state", "k", "nodes", "depth", "drafted", "accepted",
+                   "emitted", "expected_tokens", "predicted_goodput_ratio", "draft_seconds", "verify_seconds",
+                   "commit_seconds", "step_seconds", "plain_seconds_estimate")
+#: keys every type="event" trace record has (entering fallback adds next_probe_step)
+TRACE_EVENT_KEYS = ("type", "step", "request", "reason", "old_state", "new_state", "goodput_ratio")
+#: policy keys of the summary
+POLICY_KEYS = ("policy", "policy_events", "fallback_request_steps", "mean_chosen_k", "chosen_k_histogram",
+               "expected_tokens_predicted", "expected_tokens_observed", "expected_tokens_from_acceptance",
+               "predicted_goodput_ratio")
 
 
 class MetricsRecorder:
@@ -84,11 +133,15 @@ class MetricsRecorder:
         request_steps = sum(self.passes)
         new_tokens = sum(len(t) for t in new)
         itl = sorted(self.itl)
+        drafted_steps = sum(self.pos_drafted[:1])  # request-steps with a draft of depth >= 1
+        mean_depth = sum(self.pos_drafted) / drafted_steps if drafted_steps else 0.0
         return {
             "target_passes": self.target_passes,
             "drafted_tokens": drafted,
             "accepted_tokens": accepted,
             "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "expected_tokens_from_acceptance": expected_tokens_from_acceptance(
+                accepted / drafted if drafted else 0.0, mean_depth),
             "mean_accepted_length": (accepted + request_steps) / request_steps if request_steps else 0.0,
             "accepted_per_position": [a / d if d else 0.0 for a, d in zip(self.pos_accepted, self.pos_drafted)],
             "draft_seconds": times.get("draft", 0.0) + times.get("draft_prefill", 0.0),
@@ -117,7 +170,97 @@ class MetricsRecorder:
 def empty_metrics(batch: int) -> Dict[str, object]:
     """The summary of a call that generated nothing (max_new_tokens=0)."""
     rec = MetricsRecorder(batch, torch.device("cpu"))
-    return rec.summary([[] for _ in range(batch)], ["length"] * batch, 0.0, 0.0, 0.0, 0, 0)
+    out = rec.summary([[] for _ in range(batch)], ["length"] * batch, 0.0, 0.0, 0.0, 0, 0)
+    out.update(policy="none", policy_events=0, fallback_request_steps=0, mean_chosen_k=0.0, chosen_k_histogram={},
+               expected_tokens_predicted=0.0, expected_tokens_observed=0.0, predicted_goodput_ratio=0.0)
+    return out
+
+
+def expected_tokens_from_acceptance(alpha: float, depth: float) -> float:
+    """E[T] = (1 - alpha^(k+1)) / (1 - alpha) for a chain of (possibly fractional, mean) depth k; 1 without drafts."""
+    if depth <= 0:
+        return 1.0
+    if alpha >= 1.0:
+        return depth + 1.0
+    return (1.0 - alpha ** (depth + 1.0)) / (1.0 - alpha)
+
+
+def write_trace(trace, path) -> None:
+    """Write trace records as JSON lines (one object per line)."""
+    import json
+
+    with open(path, "w") as f:
+        for rec in trace or []:
+            f.write(json.dumps(rec) + "\n")
+
+
+def summarize_trace(trace: Sequence[dict]) -> Dict[str, object]:
+    """Aggregates of a per-step trace (the dashboard's inputs).
+
+    steps / request_steps: step records' distinct steps / records; tokens, drafted, accepted: sums;
+    seconds: {draft, verify, commit, step} summed once per step (rows of a step share them);
+    goodput_tokens_per_second: tokens / seconds["step"]; k_per_step: the step's chosen depth (max
+    over its rows); accepted_per_position: as the summary key (among request-steps whose draft
+    reached depth i + 1, the fraction whose accepted path did); state_steps: request-steps per
+    state; per_request: {request: {tokens, drafted, accepted, fallback_steps, probe_steps}};
+    events: the event records.
+    """
+    steps: Dict[int, dict] = {}
+    per_request: Dict[int, Dict[str, int]] = {}
+    state_steps: Dict[str, int] = {}
+    pos_d: List[int] = []
+    pos_a: List[int] = []
+    events = []
+    n_records = 0
+    for rec in trace:
+        if rec.get("type") == "event":
+            events.append(rec)
+            continue
+        n_records += 1
+        st = steps.setdefault(rec["step"], dict(k=0, draft=rec["draft_seconds"], verify=rec["verify_seconds"],
+                                                commit=rec["commit_seconds"], step=rec["step_seconds"]))
+        st["k"] = max(st["k"], rec["k"])
+        r = per_request.setdefault(rec["request"], dict(tokens=0, drafted=0, accepted=0, fallback_steps=0,
+                                                        probe_steps=0))
+        r["tokens"] += rec["emitted"]
+        r["drafted"] += rec["drafted"]
+        r["accepted"] += rec["accepted"]
+        r["fallback_steps"] += rec["state"] == "fallback"
+        r["probe_steps"] += rec["state"] == "probe"
+        state_steps[rec["state"]] = state_steps.get(rec["state"], 0) + 1
+        depth = rec["depth"]
+        while len(pos_d) < depth:
+            pos_d.append(0)
+            pos_a.append(0)
+        for i in range(depth):
+            pos_d[i] += 1
+        for i in range(min(rec["accepted"], depth)):
+            pos_a[i] += 1
+    order = sorted(steps)
+    seconds = {key: sum(steps[s][key] for s in order) for key in ("draft", "verify", "commit", "step")}
+    tokens = sum(r["tokens"] for r in per_request.values())
+    return {
+        "steps": len(order),
+        "request_steps": n_records,
+        "tokens": tokens,
+        "drafted": sum(r["drafted"] for r in per_request.values()),
+        "accepted": sum(r["accepted"] for r in per_request.values()),
+        "seconds": seconds,
+        "goodput_tokens_per_second": tokens / seconds["step"] if seconds["step"] > 0 else 0.0,
+        "k_per_step": [steps[s]["k"] for s in order],
+        "accepted_per_position": [a / d if d else 0.0 for a, d in zip(pos_a, pos_d)],
+        "state_steps": state_steps,
+        "per_request": per_request,
+        "events": events,
+    }
+
+
+def read_trace(path) -> List[dict]:
+    """Read a JSON-lines trace written by :func:`write_trace`."""
+    import json
+
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def percentile(sorted_vals: List[float], q: float) -> float:
@@ -149,6 +292,14 @@ class PhaseClock:
             self._events.append((name, start, end))
         else:
             self._totals[name] = self._totals.get(name, 0.0) + (end - start)
+
+    def split(self, c0, c1, c2, c3, c4, c5) -> Tuple[float, float, float]:
+        """(draft, verify, commit) seconds of one step from its marks (draft c0-c1, verify c1-c2, commit
+        c2-c3 + c4-c5). CUDA: read right after the step's host sync, when c0..c3 have completed; the
+        drafter rollback (c4-c5) is still in flight then and is left to the step's wall time."""
+        if self.cuda:
+            return (c0.elapsed_time(c1) / 1000.0, c1.elapsed_time(c2) / 1000.0, c2.elapsed_time(c3) / 1000.0)
+        return (c1 - c0, c2 - c1, (c3 - c2) + (c5 - c4))
 
     def totals(self) -> Dict[str, float]:
         if self.cuda and self._events:

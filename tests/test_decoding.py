@@ -94,7 +94,8 @@ def toy_drafters(target, draft):
                                   "draft-tree-stop", "lookup", "lookup-tree", "tree"])
 def test_toy_greedy_equals_plain_greedy(toy, name):
     target, draft, refs = toy
-    dec = SpeculativeDecoder(target, toy_drafters(target, draft)[name], max_batch=8, max_len=64)
+    # the drafters' own k every step (the policies are tested in tests/test_scheduler.py)
+    dec = SpeculativeDecoder(target, toy_drafters(target, draft)[name], max_batch=8, max_len=64, policy="fixed")
     out = dec.generate(TOY_PROMPTS, max_new_tokens=24)
     assert isinstance(out, GenerateOutput)
     assert out.tokens == refs
@@ -263,9 +264,12 @@ def test_sampled_distribution_is_exact(name):
         assert accepted > 0.05 * n  # speculation really happened
 
 
-def test_sampling_is_seeded(toy):
+@pytest.mark.parametrize("policy", ["fixed", "heuristic"])
+def test_sampling_is_seeded(toy, policy):
+    """Seeded sampling repeats under the policies whose choices depend on accepted counts only (the goodput
+    policy also weighs measured seconds, so its k, and with it the random draws, may differ between calls)."""
     target, draft, _ = toy
-    dec = SpeculativeDecoder(target, DraftModel(draft, k=3), max_batch=4, max_len=64)
+    dec = SpeculativeDecoder(target, DraftModel(draft, k=3), max_batch=4, max_len=64, policy=policy)
     kw = dict(max_new_tokens=16, temperature=1.3, top_p=0.95)
     a = dec.generate(TOY_PROMPTS[:4], seed=5, **kw).tokens
     b = dec.generate(TOY_PROMPTS[:4], seed=5, **kw).tokens

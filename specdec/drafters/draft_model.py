@@ -124,6 +124,7 @@ class DraftModel(Drafter):
         self._shapes: Dict[Tuple[int, int], Tuple[torch.Tensor, ...]] = {}
         self._k_step = 0
         self._b = 0
+        self._behind = False
 
     def _view(self, b: int):
         view = self._views.get(b)
@@ -159,6 +160,7 @@ class DraftModel(Drafter):
         self.lm.prefill(self.cache, [list(p) for p in prompts], rows=list(range(len(prompts))))
         self._pending.zero_()
         self._any_pending = False
+        self._behind = False
         self._k_step = 0
 
     # ------------------------------------------------------------------ step
@@ -168,8 +170,10 @@ class DraftModel(Drafter):
         w = self.top_k
         self._k_step = k
         self._b = b
-        if k <= 0:  # every row needs exactly one more token: nothing worth drafting
+        if k <= 0:  # nothing worth drafting (last token, or the scheduler chose a plain step)
+            self._behind = True  # this step's root is not fed: the next draft catches up first
             return Draft(TokenTree.root_only(ctx.roots))
+        limits = [max(0, min(k, x)) for x in ctx.budgets]  # per-row depth (the scheduler's choice)
         lm = self.lm
         cache = self._view(b)
         sampling = not self.params.greedy
@@ -186,7 +190,9 @@ class DraftModel(Drafter):
         self._base = cache.lens.clone()  # [b] int32: committed draft prefix (pending token excluded)
 
         # first forward: [root] or, when some row may hold a pending token, [pending, root] / [root, pad]
-        if self._any_pending:
+        if self._behind:
+            last = self._catch_up(cache, ctx)
+        elif self._any_pending:
             pend = self._pending[:b]                                       # [b] 0/1
             has = pend.bool()
             x = torch.stack([torch.where(has, self._pending_tok[:b], ctx.roots),
@@ -201,6 +207,7 @@ class DraftModel(Drafter):
         if stop is not None:
             alive = torch.ones(b, dtype=torch.bool, device=self.device)      # [b] still drafting
             lengths = torch.zeros(b, dtype=torch.int64, device=self.device)  # [b] spine tokens per row
+        limited = min(limits) < k
         k_run = k
         for i in range(1, k + 1):
             first = 1 + (i - 1) * w                                        # node index of spine token i
@@ -241,15 +248,42 @@ class DraftModel(Drafter):
         self._step_tokens = tokens
         n = 1 + k_run * w
         parents, depths, mask = self._shape(b, k_run)
-        if stop is None:
+        if stop is None and not limited:
             tree = TokenTree(tokens, parents, depths, [N] * b, is_chain=w == 1, _mask=mask, max_depths=[k] * b)
             return Draft(tree, probs)
+        if stop is None:
+            spine = [min(x, k_run) for x in limits]
+            lengths = torch.tensor(spine, dtype=torch.int64, device=self.device)
+        else:
+            if limited:
+                lengths = torch.minimum(lengths, torch.tensor(limits, dtype=torch.int64, device=self.device))
+            spine = lengths.tolist()
         real = depths <= lengths.view(b, 1)  # [b, n]: nodes within the row's spine
-        spine = lengths.tolist()
         tree = TokenTree(torch.where(real, tokens[:, :n], -1), torch.where(real, parents, -1),
                          torch.where(real, depths, 0), [1 + x * w for x in spine],
                          is_chain=w == 1, _mask=mask, max_depths=spine)
         return Draft(tree, None if probs is None else probs[:, :n].contiguous())
+
+    def _catch_up(self, cache, ctx: StepContext) -> torch.Tensor:
+        """After steps that drafted nothing: feed every committed token the draft cache lacks, then the
+        root, as one chain per row (reads the draft lengths on the host once). Returns the draft logits
+        after each row's root [b, V]. The rows of a batch skip the same steps, so they lag by the same
+        count give or take the pending token, and the padding stays within the cache's spare room."""
+        b = len(ctx.request_ids)
+        have = cache.lens.tolist()
+        rows = [seq[h:] for seq, h in zip(ctx.sequences, have)]   # [pending?, skipped roots..., root]
+        width = max(len(r) for r in rows)
+        x = torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int64, device=self.device)
+        depths = torch.arange(width, dtype=torch.int32, device=self.device).expand(b, width).contiguous()
+        logits = self.lm.forward(cache, x, depths, None)                       # [b, width, V]
+        idx = torch.tensor([len(r) - 1 for r in rows], dtype=torch.int64, device=self.device)
+        last = logits[torch.arange(b, device=self.device), idx]                # [b, V] after the root
+        self._base = torch.tensor([len(s) - 1 for s in ctx.sequences], dtype=torch.int32, device=self.device)
+        cache.lens.copy_(self._base + 1)
+        self._pending[:b] = 0
+        self._any_pending = False
+        self._behind = False
+        return last
 
     def accept(self, accepted: torch.Tensor, num_accepted: torch.Tensor, num_host: Sequence[int]) -> None:
         k = self._k_step

@@ -1,0 +1,849 @@
+"""Scheduler: how much to speculate, per step and per request, from measured costs and acceptance.
+
+The decoding loop asks its policy for a plan before every step (:meth:`Policy.plan`: the
+draft depth ``k`` each active row may use, handed to the drafter as the row's budget) and
+reports what happened after the step's host sync (:meth:`Policy.observe`: drafted depth,
+accepted tokens, emitted tokens and the phase seconds of the step). Three policies:
+
+``"fixed"``      the drafter's own k every step (the behaviour before the scheduler).
+``"heuristic"``  transformers' assisted-generation schedule, per request: start at the
+                 drafter's k; +2 after a step whose draft was accepted in full, -1 (not
+                 below 1) otherwise.
+``"goodput"``    (the default) every step, the k that maximises the expected emitted tokens
+                 per second of the batch, from a cost model learned online and per-request
+                 acceptance statistics; requests whose speculation does not pay fall back to
+                 plain decoding and are re-probed with exponential backoff.
+
+Cost model (:class:`CostModel`, one per decoder, kept across generate calls). A step of
+``b`` rows drafting depth ``k`` and verifying ``n`` nodes per row (padded: every row of a
+batch verifies ``n`` nodes) costs::
+
+    step(b, k, n) = draft(b, k) + verify(b, n) + commit(b, n) + rest(b, n)
+
+where ``rest`` is the step's wall time not inside the three phases (host sync, appending
+tokens). Each term is a table of exponentially weighted means keyed by (b, k) or (b, n),
+fed with the loop's own step clock; an unobserved key is interpolated linearly in k / n
+between observed keys of the same b, else taken from a least-squares fit
+``t = w0 + w1 * b * x`` over all observed keys, scaled by the ratio observed at that b.
+:func:`calibrate` (optional, cached per model / device / dtype / threads) seeds the verify
+table with timed target forwards, so the first call need not explore.
+
+Acceptance (:class:`AcceptanceStats`, one per request, seeded from a decoder-wide one):
+``alpha[i]`` = P(draft position i + 1 accepted | position i accepted and i + 1 drafted),
+exponentially weighted (decay per observation) with a prior of ``prior_weight`` pseudo
+observations at the decoder-wide estimate. For trees the same statistic is kept per depth
+(positions = depths of the accepted path; it already accounts for the siblings of that
+shape) and per (depth, sibling rank) for tree planners (:func:`plan_tree`).
+
+Expected tokens per step of a chain of k drafts (bonus token included)::
+
+    E[T](k) = 1 + sum_{i=1..k} prod_{j<=i} alpha_j      (= (1 - a^(k+1)) / (1 - a) when alpha_j = a)
+
+Goodput decision. For the active rows with expected tokens E_r and the padded step cost
+``c(K) = step(b, K, nodes(K))``, the batch speculates at::
+
+    K* = argmax_K  [ sum_{r speculating} E_r(min(K, budget_r)) + #other rows ] / c(K)
+
+``K* = 0`` is a plain step. A request "pays its way" when its own goodput ratio
+``rho_r = max_K E_r(K) * c(0) / c(K)`` is >= 1 (its extra tokens cover the extra cost of the
+step it shares). Two rules move a request to fallback (trace event, reason given):
+
+* predicted: rho_r < 1 at plan time (acceptance fell, or the measured cost of a speculative
+  step at this batch size grew past what the acceptance buys);
+* collapse (the earliest observable sign): over the last ``window`` speculative steps of the
+  request, observed goodput ratio ``sum(tokens emitted) * c(0) / sum(step seconds)`` below
+  ``collapse_ratio``. It fires on measured time, so it also catches what the model does not
+  predict (a slower machine, a cost spike).
+
+A request in fallback decodes plainly (k = 0). It is re-probed after ``backoff`` steps
+(4, doubled after every failed probe, at most ``max_backoff``): the probe step drafts at the
+depth that would pay with acceptance ``probe_alpha`` (0.7) under the measured costs; it succeeds when rho_r >= 1 + ``hysteresis``
+with the request's own fresh statistics (on entering fallback its history and the
+decoder-wide prior are dropped: a prior of 0, so only observed acceptance counts). While
+other rows speculate, a due probe rides along at the batch's depth (verification is padded
+to the same node count, so it costs nothing extra); rows not due stay at k = 0, so the rows
+of one batch get different k (the drafter pads them).
+
+Exactness: a plan uses only host statistics of earlier steps (accepted counts, seconds),
+never the target's random draws of the current step, so greedy output stays the target's
+greedy output and sampled output keeps the target's distribution under every policy.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["CostModel", "AcceptanceStats", "Policy", "FixedPolicy", "HeuristicPolicy", "GoodputPolicy",
+           "StepPlan", "StepTimes", "POLICIES", "make_policy", "expected_tokens", "expected_tokens_chain",
+           "expected_tokens_tree", "plan_tree", "calibrate", "calibration_key"]
+
+POLICIES = ("fixed", "heuristic", "goodput")
+
+SPEC, FALLBACK, PROBE = "spec", "fallback", "probe"
+
+
+# ============================================================================ expected tokens
+def expected_tokens(alpha: float, k: int) -> float:
+    """E[T] = (1 - alpha^(k+1)) / (1 - alpha): tokens per step of a k-chain with i.i.d. acceptance alpha."""
+    if k <= 0:
+        return 1.0
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def expected_tokens_chain(alphas: Sequence[float], k: int) -> float:
+    """E[T] = 1 + sum_{i=1..k} prod_{j<=i} alphas[j-1] (positional acceptance; the last alpha repeats)."""
+    total, run = 1.0, 1.0
+    for i in range(k):
+        a = alphas[i] if i < len(alphas) else (alphas[-1] if alphas else 0.0)
+        run *= a
+        total += run
+    return total
+
+
+def expected_tokens_tree(parents: Sequence[int], accept: Sequence[float]) -> float:
+    """E[T] of a token tree: 1 + sum over draft nodes of P(the path root -> node is accepted).
+
+    ``parents[i]`` (topological, ``parents[0] == -1``); ``accept[i]`` = P(node i accepted | its
+    parent accepted). Siblings are mutually exclusive (at most one child is accepted), so the
+    expected accepted path length is the sum of the nodes' path probabilities.
+    """
+    path = [1.0] * len(parents)
+    total = 1.0
+    for i in range(1, len(parents)):
+        p = parents[i]
+        if not 0 <= p < i:
+            raise ValueError(f"expected_tokens_tree: parents[{i}] must lie in [0, {i}), got {p}")
+        path[i] = path[p] * accept[i]
+        total += path[i]
+    return total
+
+
+def plan_tree(accept_by_rank, max_nodes: int, max_depth: int = 64) -> Tuple[List[int], List[Tuple[int, int]], float]:
+    """The tree of at most ``max_nodes`` nodes (root included) with the largest E[T] (Sequoia-style).
+
+    ``accept_by_rank(depth, rank) -> float``: P(the rank-th child (0-based) of an accepted node at
+    ``depth - 1`` is accepted), e.g. :meth:`AcceptanceStats.tree_alpha`. Best-first: the frontier
+    holds, for every node, its next child slot (next rank) and, for the newest child, its first
+    grandchild slot; the node with the largest path probability is added next. With acceptance
+    that does not grow with depth or rank this yields the optimal tree for every budget.
+    Returns (parents, [(depth, rank)] per node, E[T]).
+    """
+    import heapq
+
+    if max_nodes < 1:
+        raise ValueError(f"plan_tree: max_nodes must be >= 1, got {max_nodes}")
+    parents, slots, path = [-1], [(0, 0)], [1.0]
+    children = [0]
+    heap: List[Tuple[float, int, int]] = []  # (-path prob, parent node, rank)
+
+    def push(node: int) -> None:
+        d = slots[node][0] + 1
+        r = children[node]
+        if d <= max_depth:
+            heapq.heappush(heap, (-path[node] * accept_by_rank(d, r), node, r))
+
+    push(0)
+    while len(parents) < max_nodes and heap:
+        negp, par, rank = heapq.heappop(heap)
+        if -negp <= 0.0:
+            break
+        node = len(parents)
+        parents.append(par)
+        slots.append((slots[par][0] + 1, rank))
+        path.append(-negp)
+        children.append(0)
+        children[par] += 1
+        push(par)   # the parent's next sibling slot
+        push(node)  # the new node's first child
+    return parents, slots, 1.0 + sum(path[1:])
+
+
+# ============================================================================ acceptance statistics
+class AcceptanceStats:
+    """Exponentially weighted acceptance by draft position (and by tree depth / sibling rank).
+
+    ``alpha(i)`` (i = 0 for the first draft position) = (hits_i + w * prior_i) / (trials_i + w),
+    where hits / trials decay by ``decay`` at every observation of that position and prior_i is
+    the parent statistics' estimate (a decoder-wide :class:`AcceptanceStats`) or ``prior``.
+    """
+
+    def __init__(self, decay: float = 0.8, prior: float = 0.5, prior_weight: float = 0.5,
+                 parent: Optional["AcceptanceStats"] = None) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"AcceptanceStats: decay must lie in (0, 1], got {decay}")
+        if not 0.0 <= prior <= 1.0:
+            raise ValueError(f"AcceptanceStats: prior must lie in [0, 1], got {prior}")
+        self.decay = decay
+        self.prior = prior
+        self.prior_weight = prior_weight
+        self.parent = parent
+        self.hits: List[float] = []
+        self.trials: List[float] = []
+        self.tree_hits: Dict[Tuple[int, int], float] = {}
+        self.tree_trials: Dict[Tuple[int, int], float] = {}
+        self.observations = 0
+
+    def reset(self) -> None:
+        """Forget this request's history (its estimates fall back to the prior)."""
+        self.hits, self.trials = [], []
+        self.tree_hits, self.tree_trials = {}, {}
+        self.observations = 0
+
+    def _prior(self, i: int) -> float:
+        if self.parent is not None:
+            return self.parent.alpha(i)
+        return self.prior
+
+    def alpha(self, i: int) -> float:
+        """P(draft position i + 1 accepted | position i accepted), 0-based i."""
+        if i < len(self.trials):
+            return (self.hits[i] + self.prior_weight * self._prior(i)) / (self.trials[i] + self.prior_weight)
+        prior = self._prior(i)
+        if self.trials:  # deeper than observed: the deepest observed estimate, capped by the prior
+            j = len(self.trials) - 1
+            own = (self.hits[j] + self.prior_weight * self._prior(j)) / (self.trials[j] + self.prior_weight)
+            return min(own, prior)
+        return prior
+
+    def alphas(self, k: int) -> List[float]:
+        return [self.alpha(i) for i in range(k)]
+
+    def expected(self, k: int) -> float:
+        """E[T] of a depth-k draft with these statistics."""
+        return expected_tokens_chain(self.alphas(k), k)
+
+    def expected_curve(self, k_max: int) -> List[float]:
+        """[E[T](0), E[T](1), ..., E[T](k_max)]."""
+        out, total, run = [1.0], 1.0, 1.0
+        for i in range(k_max):
+            run *= self.alpha(i)
+            total += run
+            out.append(total)
+        return out
+
+    def observe(self, depth: int, accepted: int) -> None:
+        """A step drafted ``depth`` positions (a chain, or a tree of that depth) and accepted a path of
+        ``accepted`` of them: positions 1..accepted were accepted, position accepted + 1 rejected."""
+        if depth <= 0:
+            return
+        seen = min(accepted + 1, depth)
+        while len(self.trials) < seen:
+            self.hits.append(0.0)
+            self.trials.append(0.0)
+        d = self.decay
+        for i in range(seen):
+            self.hits[i] = d * self.hits[i] + (1.0 if i < accepted else 0.0)
+            self.trials[i] = d * self.trials[i] + 1.0
+        self.observations += 1
+        if self.parent is not None:
+            self.parent.observe(depth, accepted)
+
+    # ---- trees: by (depth, sibling rank)
+    def observe_tree(self, parents: Sequence[int], accepted_path: Sequence[int]) -> None:
+        """One verified tree (host ``parents``, topological) and its accepted node indices (root first).
+
+        Every child of an accepted node is a trial at (its depth, its rank among its siblings); a hit
+        when it is on the accepted path.
+        """
+        on_path = set(int(x) for x in accepted_path if int(x) >= 0)
+        depth = [0] * len(parents)
+        rank = [0] * len(parents)
+        nchild = [0] * len(parents)
+        d = self.decay
+        for i in range(1, len(parents)):
+            p = int(parents[i])
+            if p < 0:
+                continue  # padding
+            depth[i] = depth[p] + 1
+            rank[i] = nchild[p]
+            nchild[p] += 1
+            if p in on_path:
+                key = (depth[i], rank[i])
+                self.tree_hits[key] = d * self.tree_hits.get(key, 0.0) + (1.0 if i in on_path else 0.0)
+                self.tree_trials[key] = d * self.tree_trials.get(key, 0.0) + 1.0
+        if self.parent is not None:
+            self.parent.observe_tree(parents, accepted_path)
+
+    def tree_alpha(self, depth: int, rank: int) -> float:
+        """P(the rank-th child at ``depth`` is accepted | its parent accepted) (1-based depth, 0-based rank)."""
+        key = (depth, rank)
+        prior = self.parent.tree_alpha(depth, rank) if self.parent is not None else \
+            (self.prior if rank == 0 else self.prior * 0.5 ** rank)
+        t = self.tree_trials.get(key)
+        if t is None:
+            return prior
+        return (self.tree_hits[key] + self.prior_weight * prior) / (t + self.prior_weight)
+
+
+# ============================================================================ cost model
+class _CostTable:
+    """Exponentially weighted seconds keyed by (rows b, size x), with interpolation and a fit for unseen keys."""
+
+    def __init__(self, smoothing: float, zero_at_zero: bool, single: str) -> None:
+        self.smoothing = smoothing
+        self.zero_at_zero = zero_at_zero  # x == 0 costs nothing until observed (drafting 0 tokens)
+        self.single = single              # one distinct b * x observed: "constant" or "proportional"
+        self.cells: Dict[Tuple[int, int], List[float]] = {}  # (b, x) -> [mean seconds, count]
+        self._fit: Optional[Tuple[float, float]] = None
+        self._dirty = True
+
+    def observe(self, b: int, x: int, seconds: float) -> None:
+        if not math.isfinite(seconds) or seconds < 0:
+            return
+        cell = self.cells.get((b, x))
+        if cell is None:
+            self.cells[(b, x)] = [seconds, 1.0]
+        else:
+            # a busy machine produces rare spikes: cap one observation's pull at 4x the current mean
+            s = min(seconds, 4.0 * cell[0]) if cell[0] > 0 else seconds
+            cell[0] += self.smoothing * (s - cell[0])
+            cell[1] += 1.0
+        self._dirty = True
+
+    def _fitted(self) -> Optional[Tuple[float, float]]:
+        """Weighted least squares t = w0 + w1 * (b * x) over the cells; None when under-determined."""
+        if not self._dirty:
+            return self._fit
+        self._dirty = False
+        pts = [(b * x, m, min(c, 8.0)) for (b, x), (m, c) in self.cells.items() if not (x == 0 and self.zero_at_zero)]
+        xs = set(p[0] for p in pts)
+        if len(xs) < 2:
+            self._fit = None
+            return None
+        sw = sum(w for _, _, w in pts)
+        mx = sum(w * u for u, _, w in pts) / sw
+        my = sum(w * t for _, t, w in pts) / sw
+        sxx = sum(w * (u - mx) ** 2 for u, _, w in pts)
+        sxy = sum(w * (u - mx) * (t - my) for u, t, w in pts)
+        w1 = max(0.0, sxy / sxx) if sxx > 0 else 0.0
+        w0 = my - w1 * mx
+        if w0 < 0:  # through the origin
+            w0 = 0.0
+            suu = sum(w * u * u for u, _, w in pts)
+            w1 = max(0.0, sum(w * u * t for u, t, w in pts) / suu) if suu > 0 else 0.0
+        self._fit = (w0, w1)
+        return self._fit
+
+    def predict(self, b: int, x: int) -> float:
+        cell = self.cells.get((b, x))
+        if cell is not None:
+            return cell[0]
+        if x == 0 and self.zero_at_zero:
+            return 0.0
+        if not self.cells:
+            return 0.0
+        same = sorted((xx, m) for (bb, xx), (m, _) in self.cells.items()
+                      if bb == b and not (xx == 0 and self.zero_at_zero))
+        lo = [p for p in same if p[0] < x]
+        hi = [p for p in same if p[0] > x]
+        if lo and hi:  # interpolate between the neighbours at the same b
+            (x0, t0), (x1, t1) = lo[-1], hi[0]
+            return t0 + (t1 - t0) * (x - x0) / (x1 - x0)
+        fit = self._fitted()
+        if fit is None:
+            (bb, xx), (m, _) = min(((k, v) for k, v in self.cells.items() if not (k[1] == 0 and self.zero_at_zero)),
+                                   key=lambda kv: (abs(kv[0][0] - b), abs(kv[0][1] - x)),
+                                   default=((None, None), (0.0, 0.0)))
+            if bb is None:
+                return 0.0
+            if self.single == "proportional" and bb * xx > 0:
+                return m * (b * x) / (bb * xx)
+            return m
+        w0, w1 = fit
+        est = w0 + w1 * b * x
+        if same:  # the level observed at this b
+            ratios = [m / (w0 + w1 * b * xx) for xx, m in same if w0 + w1 * b * xx > 0]
+            if ratios:
+                est *= sum(ratios) / len(ratios)
+            if lo:  # cost does not fall with size
+                est = max(est, lo[-1][1])
+            if hi:
+                est = min(est, hi[0][1])
+        return max(est, 0.0)
+
+    def observed(self, b: Optional[int] = None, x: Optional[int] = None) -> bool:
+        return any((b is None or bb == b) and (x is None or xx == x) for bb, xx in self.cells)
+
+    def state(self) -> Dict[str, List[float]]:
+        return {f"{b},{x}": [m, c] for (b, x), (m, c) in self.cells.items()}
+
+    def load(self, state: Dict[str, List[float]]) -> None:
+        for key, (m, c) in state.items():
+            b, x = (int(v) for v in key.split(","))
+            self.cells[(b, x)] = [float(m), float(c)]
+        self._dirty = True
+
+
+class CostModel:
+    """Seconds of a step's phases by batch rows, draft depth and verified nodes, learned online."""
+
+    def __init__(self, smoothing: float = 0.25) -> None:
+        if not 0.0 < smoothing <= 1.0:
+            raise ValueError(f"CostModel: smoothing must lie in (0, 1], got {smoothing}")
+        self.smoothing = smoothing
+        # one observed draft depth: assume the same cost at the others (optimistic, so the policy tries a
+        # deeper draft and the second observation fixes the slope; a first step after plain steps also
+        # carries the draft's catch-up, which a proportional guess would charge to every token)
+        self.draft = _CostTable(smoothing, zero_at_zero=True, single="constant")       # (b, k)
+        self.verify = _CostTable(smoothing, zero_at_zero=False, single="constant")     # (b, n)
+        self.commit = _CostTable(smoothing, zero_at_zero=False, single="constant")     # (b, n)
+        self.rest = _CostTable(smoothing, zero_at_zero=False, single="constant")       # (b, n)
+        self.steps = 0
+
+    def observe(self, b: int, k: int, n: int, draft: float, verify: float, commit: float,
+                total: Optional[float] = None) -> None:
+        """One step of b rows, draft depth k, n verified nodes per row, with its phase seconds
+        (``total``: the step's wall time; what the phases do not cover goes to ``rest``)."""
+        self.draft.observe(b, k, draft)
+        self.verify.observe(b, n, verify)
+        self.commit.observe(b, n, commit)
+        if total is not None:
+            self.rest.observe(b, n, max(0.0, total - draft - verify - commit))
+        self.steps += 1
+
+    def step_seconds(self, b: int, k: int, n: int) -> float:
+        """Predicted wall seconds of one step."""
+        return (self.draft.predict(b, k) + self.verify.predict(b, n) + self.commit.predict(b, n)
+                + self.rest.predict(b, n))
+
+    def plain_seconds(self, b: int) -> float:
+        """Predicted wall seconds of a plain step (k = 0, one node per row)."""
+        return self.step_seconds(b, 0, 1)
+
+    def knows_plain(self) -> bool:
+        return self.verify.observed(x=1)
+
+    def state_dict(self) -> Dict[str, object]:
+        return {name: getattr(self, name).state() for name in ("draft", "verify", "commit", "rest")}
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        for name in ("draft", "verify", "commit", "rest"):
+            if name in state:
+                getattr(self, name).load(state[name])
+
+
+# ============================================================================ calibration
+def calibration_key(target) -> str:
+    """(model, device, dtype, torch threads) of a target, as the calibration cache's key."""
+    model = getattr(target, "model", None)
+    cfg = getattr(model, "config", None)
+    if cfg is not None:
+        name = getattr(cfg, "_name_or_path", "") or type(model).__name__
+        shape = (getattr(cfg, "hidden_size", None), getattr(cfg, "num_hidden_layers", None),
+                 getattr(cfg, "vocab_size", None))
+    else:
+        name = type(target).__name__
+        shape = (getattr(target, "hidden", None), getattr(target, "num_layers", None),
+                 getattr(target, "vocab_size", None))
+    dtype = getattr(target, "dtype", None)
+    return f"{name}|{shape}|{torch.device(target.device)}|{dtype}|threads={torch.get_num_threads()}"
+
+
+def _calibration_path() -> Path:
+    root = os.environ.get("SPECDEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specdec")
+    return Path(root) / "calibration.json"
+
+
+@torch.no_grad()
+def calibrate(target, cache, cost: CostModel, batches: Sequence[int], nodes: Sequence[int], repeats: int = 2,
+              use_cache: bool = True) -> Dict[str, object]:
+    """Time target forwards of b rows x n nodes on ``cache`` (reset afterwards) into ``cost.verify``.
+
+    With ``use_cache`` the timings are read from / written to ``$SPECDEC_CACHE/calibration.json``
+    (default ``~/.cache/specdec``), keyed by :func:`calibration_key`. Returns the cells measured.
+    """
+    key = calibration_key(target)
+    path = _calibration_path()
+    store: Dict[str, object] = {}
+    if use_cache and path.is_file():
+        try:
+            store = json.loads(path.read_text())
+        except (OSError, ValueError):
+            store = {}
+        if key in store:
+            cost.verify.load(store[key])
+            return store[key]
+    dev = torch.device(target.device)
+    cells: Dict[str, List[float]] = {}
+    for b in batches:
+        view = cache.rows(0, b)
+        for n in nodes:
+            tokens = torch.zeros(b, n, dtype=torch.int64, device=dev)
+            depths = torch.arange(n, dtype=torch.int32, device=dev).expand(b, n).contiguous()
+            times = []
+            for _ in range(repeats + 1):  # the first run warms up
+                view.lens.fill_(16)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                t = time.perf_counter()
+                target.forward(view, tokens, depths, None)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                times.append(time.perf_counter() - t)
+            s = sorted(times[1:])[len(times[1:]) // 2]
+            cells[f"{b},{n}"] = [s, 1.0]
+    cache.reset()
+    cost.verify.load(cells)
+    if use_cache:
+        store[key] = cells
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(store, indent=1))
+            tmp.replace(path)
+        except OSError:
+            pass
+    return cells
+
+
+# ============================================================================ policies
+@dataclass
+class StepPlan:
+    """What a policy decided for one step (per active row, in row order)."""
+
+    budgets: List[int]            # draft depth each row may use (handed to the drafter)
+    states: List[str]             # "spec" / "probe" / "fallback" per row
+    expected: List[float]         # predicted E[T] per row at its budget (1.0 for k = 0)
+    k: int = 0                    # the step's depth (max of budgets)
+    predicted_ratio: float = 1.0  # predicted goodput of the step / a plain step's
+
+
+@dataclass
+class StepTimes:
+    draft: float
+    verify: float
+    commit: float
+    total: float
+
+
+@dataclass
+class _Request:
+    stats: AcceptanceStats
+    state: str = SPEC
+    k: int = 0                    # heuristic policy: current depth
+    backoff: int = 4
+    next_probe: int = 0
+    window: List[Tuple[int, float, float]] = field(default_factory=list)  # (emitted, seconds, plain seconds)
+
+
+class Policy:
+    """Base policy: per-request acceptance statistics, the cost model, the trace and the summary.
+
+    Subclasses implement :meth:`_budgets`. One policy object belongs to one decoder; ``begin`` starts
+    a generate call.
+    """
+
+    name = "base"
+
+    def __init__(self, max_depth: int, width: int = 1, max_nodes: Optional[int] = None,
+                 cost: Optional[CostModel] = None, decay: float = 0.8, prior: float = 0.5) -> None:
+        if max_depth < (0 if type(self) is FixedPolicy else 1):  # FixedPolicy(0): plain decoding
+            raise ValueError(f"{type(self).__name__}: max_depth must be >= 1, got {max_depth}")
+        self.max_depth = int(max_depth)
+        self.width = max(1, int(width))
+        self.max_nodes = int(max_nodes) if max_nodes else 1 + self.max_depth * self.width
+        self.cost = cost if cost is not None else CostModel()
+        self.decay = decay
+        self.global_stats = AcceptanceStats(decay=0.9, prior=prior, prior_weight=1.0)
+        self.requests: Dict[int, _Request] = {}
+        self.step_index = 0
+        self.trace: Optional[List[dict]] = None
+        self._reset_counters()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(max_depth={self.max_depth})"
+
+    def _reset_counters(self) -> None:
+        self.events: List[dict] = []
+        self.n_steps = 0
+        self.request_steps = 0
+        self.fallback_request_steps = 0
+        self.drafted_request_steps = 0
+        self.pred_sum = 0.0
+        self.obs_sum = 0.0
+        self.k_sum = 0
+        self.k_hist: Dict[int, int] = {}
+        self.pred_ratio_sum = 0.0
+
+    def nodes(self, k: int) -> int:
+        """Nodes per row verified when drafting depth k."""
+        return min(self.max_nodes, 1 + k * self.width) if k > 0 else 1
+
+    def begin(self, num_requests: int, trace: bool = False) -> None:
+        self.requests = {}
+        self.step_index = 0
+        self.trace = [] if trace else None
+        self._reset_counters()
+
+    def _request(self, rid: int) -> _Request:
+        req = self.requests.get(rid)
+        if req is None:
+            req = self.requests[rid] = _Request(AcceptanceStats(decay=self.decay, parent=self.global_stats),
+                                                k=self.max_depth)
+        return req
+
+    # ---- the two hooks the loop calls
+    def plan(self, request_ids: Sequence[int], budgets: Sequence[int]) -> StepPlan:
+        """Per-row draft depth for the next step; ``budgets`` = tokens still worth drafting per row."""
+        reqs = [self._request(rid) for rid in request_ids]
+        plan = self._budgets(request_ids, reqs, [max(0, int(x)) for x in budgets])
+        plan.k = max(plan.budgets, default=0)
+        return plan
+
+    def _budgets(self, request_ids, reqs: List[_Request], budgets: List[int]) -> StepPlan:
+        raise NotImplementedError
+
+    def observe(self, plan: StepPlan, request_ids: Sequence[int], nodes: int, depths: Sequence[int],
+                drafted: Sequence[int], accepted: Sequence[int], emitted: Sequence[int], times: StepTimes) -> None:
+        """The step's outcome: per row its draft depth, drafted nodes, accepted and emitted tokens."""
+        b = len(request_ids)
+        k_run = max(depths, default=0)
+        self.cost.observe(b, k_run, nodes, times.draft, times.verify, times.commit, times.total)
+        plain = self.cost.plain_seconds(b)
+        self.n_steps += 1
+        self.k_sum += plan.k
+        self.k_hist[plan.k] = self.k_hist.get(plan.k, 0) + 1
+        self.pred_ratio_sum += plan.predicted_ratio
+        for r, rid in enumerate(request_ids):
+            req = self.requests[rid]
+            d, a = int(depths[r]), int(accepted[r])
+            self.request_steps += 1
+            if plan.states[r] == FALLBACK and d == 0:
+                self.fallback_request_steps += 1
+            if d > 0:
+                self.drafted_request_steps += 1
+                self.pred_sum += req.stats.expected(d)  # E[T] at the depth really drafted, before this step
+                self.obs_sum += a + 1
+                req.stats.observe(d, a)
+                req.window.append((int(emitted[r]), times.total, plain))
+                del req.window[:-self.window_size()]
+            if self.trace is not None:
+                self.trace.append(dict(
+                    type="step", step=self.step_index, request=rid, row=r, batch=b, state=plan.states[r],
+                    k=plan.budgets[r], nodes=nodes, depth=d, drafted=int(drafted[r]), accepted=a,
+                    emitted=int(emitted[r]), expected_tokens=plan.expected[r],
+                    predicted_goodput_ratio=plan.predicted_ratio, draft_seconds=times.draft,
+                    verify_seconds=times.verify, commit_seconds=times.commit, step_seconds=times.total,
+                    plain_seconds_estimate=plain))
+        self._after(plan, request_ids, depths, accepted, emitted, times)
+        self.step_index += 1
+
+    def window_size(self) -> int:
+        return 4
+
+    def _after(self, plan, request_ids, depths, accepted, emitted, times) -> None:
+        """Policy-specific reaction to a step (state changes)."""
+
+    def _event(self, rid: int, reason: str, old: str, new: str, **extra) -> None:
+        ev = dict(type="event", step=self.step_index, request=rid, reason=reason, old_state=old, new_state=new,
+                  **extra)
+        self.events.append(ev)
+        if self.trace is not None:
+            self.trace.append(ev)
+
+    def summary(self) -> Dict[str, object]:
+        """Policy keys of the generate call's metrics (see specdec/metrics.py)."""
+        n = self.drafted_request_steps
+        return {
+            "policy": self.name,
+            "policy_events": len(self.events),
+            "fallback_request_steps": self.fallback_request_steps,
+            "mean_chosen_k": self.k_sum / self.n_steps if self.n_steps else 0.0,
+            "chosen_k_histogram": {str(k): v for k, v in sorted(self.k_hist.items())},
+            "expected_tokens_predicted": self.pred_sum / n if n else 0.0,
+            "expected_tokens_observed": self.obs_sum / n if n else 0.0,
+            "predicted_goodput_ratio": self.pred_ratio_sum / self.n_steps if self.n_steps else 0.0,
+        }
+
+
+class FixedPolicy(Policy):
+    """The drafter's own depth every step."""
+
+    name = "fixed"
+
+    def _budgets(self, request_ids, reqs, budgets):
+        out = [min(self.max_depth, x) for x in budgets]
+        return StepPlan(out, [SPEC] * len(out), [r.stats.expected(k) for r, k in zip(reqs, out)])
+
+
+class HeuristicPolicy(Policy):
+    """transformers' "heuristic" schedule per request: +2 after a fully accepted draft, else -1 (>= 1)."""
+
+    name = "heuristic"
+
+    def _budgets(self, request_ids, reqs, budgets):
+        out = [min(r.k, x) for r, x in zip(reqs, budgets)]
+        return StepPlan(out, [SPEC] * len(out), [r.stats.expected(k) for r, k in zip(reqs, out)])
+
+    def _after(self, plan, request_ids, depths, accepted, emitted, times) -> None:
+        for rid, d, a in zip(request_ids, depths, accepted):
+            if d <= 0:
+                continue
+            req = self.requests[rid]
+            req.k = min(self.max_depth, req.k + 2) if a >= d else max(1, req.k - 1)
+
+
+class GoodputPolicy(Policy):
+    """Maximise expected emitted tokens per second; fall back to plain decoding when speculation does not pay.
+
+    Parameters (besides :class:`Policy`'s): ``collapse_ratio`` (observed goodput ratio below which a
+    request collapses to fallback, over ``window`` speculative steps), ``hysteresis`` (a probe must
+    predict rho >= 1 + hysteresis to resume), ``max_backoff`` (most steps between probes),
+    ``probe_alpha`` (the acceptance a paid probe's depth is chosen for).
+    """
+
+    name = "goodput"
+
+    def __init__(self, max_depth: int, width: int = 1, max_nodes: Optional[int] = None,
+                 cost: Optional[CostModel] = None, decay: float = 0.8, prior: float = 0.5,
+                 collapse_ratio: float = 0.9, window: int = 4, hysteresis: float = 0.05,
+                 max_backoff: int = 64, probe_alpha: float = 0.7) -> None:
+        super().__init__(max_depth, width, max_nodes, cost, decay, prior)
+        self.probe_alpha = probe_alpha
+        if not 0.0 < collapse_ratio <= 1.0:
+            raise ValueError(f"GoodputPolicy: collapse_ratio must lie in (0, 1], got {collapse_ratio}")
+        if window < 1:
+            raise ValueError(f"GoodputPolicy: window must be >= 1, got {window}")
+        self.collapse_ratio = collapse_ratio
+        self.window = window
+        self.hysteresis = hysteresis
+        self.max_backoff = max_backoff
+
+    def window_size(self) -> int:
+        return self.window
+
+    # ---- the decision
+    def _costs(self, b: int, k_max: int) -> List[float]:
+        return [self.cost.step_seconds(b, k, self.nodes(k)) for k in range(k_max + 1)]
+
+    @staticmethod
+    def _rho(curve: List[float], costs: List[float]) -> Tuple[float, int]:
+        """Best own goodput ratio E(K) * c(0) / c(K) over K >= 1, and its K."""
+        best, best_k = 0.0, 1
+        for k in range(1, len(costs)):
+            r = curve[min(k, len(curve) - 1)] * costs[0] / costs[k] if costs[k] > 0 else curve[min(k, len(curve) - 1)]
+            if r > best:
+                best, best_k = r, k
+        return best, best_k
+
+    def _to_fallback(self, rid: int, req: _Request, reason: str, **extra) -> None:
+        old = req.state
+        req.state = FALLBACK
+        # from now on the request's own evidence only: a probe must show that this request pays
+        req.stats = AcceptanceStats(decay=self.decay, prior=0.0, prior_weight=req.stats.prior_weight)
+        req.window = []
+        req.next_probe = self.step_index + req.backoff
+        self._event(rid, reason, old, FALLBACK, next_probe_step=req.next_probe, **extra)
+
+    def _budgets(self, request_ids, reqs, budgets):
+        b = len(reqs)
+        k_cap = min(self.max_depth, max(budgets, default=0))
+        if k_cap <= 0:
+            return StepPlan([0] * b, [r.state for r in reqs], [1.0] * b)
+        if not self.cost.knows_plain():  # one plain step measures what speculation is compared with
+            return StepPlan([0] * b, [r.state for r in reqs], [1.0] * b)
+        costs = self._costs(b, k_cap)
+        curves = [req.stats.expected_curve(k_cap) for req in reqs]
+        # predicted rule: a speculating request whose own best ratio is below 1 falls back
+        for rid, req, curve in zip(request_ids, reqs, curves):
+            if req.state == SPEC:
+                rho, k = self._rho(curve, costs)
+                if rho < 1.0:
+                    self._to_fallback(rid, req, f"predicted goodput ratio {rho:.2f} < 1 at best k={k}",
+                                      goodput_ratio=rho)
+        curves = [req.stats.expected_curve(k_cap) for req in reqs]  # fallback rows were reset
+        probing = [req.state == FALLBACK and self.step_index >= req.next_probe for req in reqs]
+        spec = [req.state == SPEC for req in reqs]
+
+        def total(k: int) -> float:
+            return sum(c[min(k, x)] if s else 1.0 for c, s, x in zip(curves, spec, budgets))
+
+        best_k, best_g = 0, b / costs[0] if costs[0] > 0 else float(b)
+        for k in range(1, k_cap + 1):
+            g = total(k) / costs[k] if costs[k] > 0 else total(k)
+            if g > best_g * (1.0 + 1e-9):
+                best_k, best_g = k, g
+        plain_g = b / costs[0] if costs[0] > 0 else float(b)
+        if best_k == 0 and any(probing):
+            # a paid probe: the depth that would pay if the drafter were decent (alpha = probe_alpha)
+            _, best_k = self._rho([expected_tokens(self.probe_alpha, k) for k in range(k_cap + 1)], costs)
+            best_g = total(best_k) / costs[best_k] if costs[best_k] > 0 else total(best_k)
+        states, out, expected = [], [], []
+        for req, curve, s, p, x in zip(reqs, curves, spec, probing, budgets):
+            k = min(best_k, x)
+            if s:
+                states.append(SPEC)
+            elif p and best_k > 0:  # a due probe: free when others speculate, paid otherwise
+                states.append(PROBE)
+            else:
+                states.append(FALLBACK)
+                k = 0
+            out.append(k)
+            expected.append(curve[k])
+        return StepPlan(out, states, expected, predicted_ratio=best_g / plain_g if plain_g > 0 else 1.0)
+
+    def _after(self, plan, request_ids, depths, accepted, emitted, times) -> None:
+        b = len(request_ids)
+        k_cap = self.max_depth
+        costs = None
+        for r, rid in enumerate(request_ids):
+            req = self.requests[rid]
+            state = plan.states[r]
+            if state == SPEC and len(req.window) >= self.window:
+                tok = sum(w[0] for w in req.window)
+                secs = sum(w[1] for w in req.window)
+                plain = sum(w[2] for w in req.window) / len(req.window)
+                ratio = tok * plain / secs if secs > 0 else float("inf")
+                if ratio < self.collapse_ratio:
+                    self._to_fallback(rid, req, f"collapse: observed goodput ratio {ratio:.2f} < "
+                                      f"{self.collapse_ratio} over the last {len(req.window)} speculative steps",
+                                      goodput_ratio=ratio)
+            elif state == PROBE and depths[r] > 0 and req.state == FALLBACK:
+                if costs is None:
+                    costs = self._costs(b, k_cap)
+                rho, k = self._rho(req.stats.expected_curve(k_cap), costs)
+                if rho >= 1.0 + self.hysteresis:
+                    req.state = SPEC
+                    req.stats.parent = self.global_stats
+                    req.backoff = 4
+                    req.window = []
+                    self._event(rid, f"probe: predicted goodput ratio {rho:.2f} >= {1.0 + self.hysteresis:.2f} "
+                                f"at k={k}", FALLBACK, SPEC, goodput_ratio=rho)
+                else:  # the probe failed: back off
+                    req.backoff = min(self.max_backoff, 2 * req.backoff)
+                    req.next_probe = self.step_index + req.backoff
+                    req.stats.reset()
+
+
+_CLASSES = {"fixed": FixedPolicy, "heuristic": HeuristicPolicy, "goodput": GoodputPolicy}
+
+
+def drafter_shape(drafter) -> Tuple[int, int, int]:
+    """(max depth, nodes per depth, max nodes) of a drafter's proposals."""
+    max_nodes = int(getattr(drafter, "max_nodes", 1))
+    k = getattr(drafter, "k", None)
+    depth = int(k) if isinstance(k, int) and k > 0 else max(1, max_nodes - 1)
+    width = int(getattr(drafter, "top_k", None) or getattr(drafter, "matches", None) or 1)
+    return depth, width, max_nodes
+
+
+def make_policy(policy, drafter, cost: Optional[CostModel] = None, **options) -> Policy:
+    """A policy object for ``drafter`` from a name in :data:`POLICIES` (or a :class:`Policy`, returned as is)."""
+    if isinstance(policy, Policy):
+        return policy
+    if not isinstance(policy, str) or policy not in _CLASSES:
+        raise ValueError(f"SpeculativeDecoder: policy must be one of {POLICIES} or a specdec.scheduler.Policy, "
+                         f"got {policy!r}")
+    if drafter is None:  # plain decoding: every step drafts nothing
+        return FixedPolicy(0, cost=cost)
+    depth, width, max_nodes = drafter_shape(drafter)
+    return _CLASSES[policy](depth, width, max_nodes, cost=cost, **options)

@@ -1,0 +1,648 @@
+"""specdec.scheduler: E[T] math, the cost model, acceptance statistics and the policies' decisions.
+
+Part 1: pure functions and the policies driven with synthetic costs and acceptance (no
+model, no timing: every decision depends only on the synthetic inputs).
+Part 2: the decoding loop on the toy LM with a synthetic cost model: greedy output under
+every policy equals the model's own greedy decoding, the goodput policy falls back with a
+useless drafter and re-probes with backoff, resumes when the drafter becomes useful, gives
+rows of one batch different k; the trace and summary keys; metrics arithmetic on a
+hand-made trace.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import random
+import sys
+from typing import Callable, Dict, List, Sequence
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from toy_lm import ToyLM  # noqa: E402
+
+from specdec.decoding import SpeculativeDecoder  # noqa: E402
+from specdec.drafters import Draft, Drafter, DraftModel, PromptLookup, StepContext  # noqa: E402
+from specdec.metrics import (POLICY_KEYS, TRACE_EVENT_KEYS, TRACE_STEP_KEYS, expected_tokens_from_acceptance,  # noqa: E402
+                             read_trace, summarize_trace)
+from specdec.scheduler import (AcceptanceStats, CostModel, FixedPolicy, GoodputPolicy, HeuristicPolicy,  # noqa: E402
+                               Policy, StepPlan, StepTimes, expected_tokens, expected_tokens_chain,
+                               expected_tokens_tree, make_policy, plan_tree)
+from specdec.tree import TokenTree  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ============================================================================ synthetic inputs
+class SyntheticCost:
+    """A cost model with given formulas that ignores the measured seconds (decisions stay deterministic)."""
+
+    def __init__(self, verify: Callable[[int, int], float], draft: Callable[[int, int], float] = lambda b, k: 0.0):
+        self.verify_fn = verify
+        self.draft_fn = draft
+        self.observed = 0
+
+    def observe(self, *args, **kwargs) -> None:
+        self.observed += 1
+
+    def step_seconds(self, b: int, k: int, n: int) -> float:
+        return self.draft_fn(b, k) + self.verify_fn(b, n)
+
+    def plain_seconds(self, b: int) -> float:
+        return self.step_seconds(b, 0, 1)
+
+    def knows_plain(self) -> bool:
+        return True
+
+
+def flat_cost() -> SyntheticCost:
+    """A verify pass of n nodes costs one decode step + 5 % per extra node; a draft token 3 % of a step."""
+    return SyntheticCost(lambda b, n: 1.0 + 0.05 * (n - 1), lambda b, k: 0.03 * k)
+
+
+class FixedAlpha(AcceptanceStats):
+    """Acceptance statistics pinned to one alpha per position (observations ignored)."""
+
+    def __init__(self, alpha: float) -> None:
+        super().__init__()
+        self.a = alpha
+
+    def alpha(self, i: int) -> float:
+        return self.a
+
+    def observe(self, depth: int, accepted: int) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+def times() -> StepTimes:
+    return StepTimes(0.0, 0.0, 0.0, 1.0)
+
+
+def run_steps(pol: Policy, rids: List[int], budget: int, accept: Callable[[int, int, int], int], steps: int):
+    """Drive a policy without a model: accept(step, rid, k) -> accepted tokens. Returns the plans."""
+    plans = []
+    for s in range(steps):
+        plan = pol.plan(rids, [budget] * len(rids))
+        acc = [min(k, accept(s, rid, k)) for rid, k in zip(rids, plan.budgets)]
+        pol.observe(plan, rids, pol.nodes(plan.k), plan.budgets, plan.budgets, acc, [a + 1 for a in acc], times())
+        plans.append(plan)
+    return plans
+
+
+# ============================================================================ E[T]
+def test_expected_tokens_closed_form_equals_positional_sum():
+    for alpha in (0.0, 0.3, 0.8, 0.95):
+        for k in range(0, 9):
+            want = 1.0 + sum(alpha ** i for i in range(1, k + 1))
+            assert expected_tokens(alpha, k) == pytest.approx(want, rel=1e-12)
+            assert expected_tokens_chain([alpha] * k, k) == pytest.approx(want, rel=1e-12)
+    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens_chain([0.5, 0.5, 0.0, 1.0], 4) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens_from_acceptance(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens_from_acceptance(0.7, 0) == 1.0
+
+
+def test_expected_tokens_tree_by_hand():
+    # root -> a (0.6) -> c (0.5); root -> b (0.3): E = 1 + 0.6 + 0.3 + 0.6 * 0.5
+    assert expected_tokens_tree([-1, 0, 0, 1], [1.0, 0.6, 0.3, 0.5]) == pytest.approx(2.2)
+    chain = expected_tokens_tree([-1, 0, 1, 2], [1.0, 0.7, 0.7, 0.7])
+    assert chain == pytest.approx(expected_tokens(0.7, 3))
+    with pytest.raises(ValueError, match=r"parents\[2\] must lie in \[0, 2\), got 2"):
+        expected_tokens_tree([-1, 0, 2], [1.0, 0.5, 0.5])
+
+
+def _tree_value(parents: Sequence[int], acc) -> float:
+    depth, rank, nchild = [0] * len(parents), [0] * len(parents), [0] * len(parents)
+    probs = [1.0]
+    for i in range(1, len(parents)):
+        p = parents[i]
+        depth[i] = depth[p] + 1
+        rank[i] = nchild[p]
+        nchild[p] += 1
+        probs.append(acc(depth[i], rank[i]))
+    return expected_tokens_tree(parents, probs)
+
+
+@pytest.mark.parametrize("budget", [1, 2, 3, 4, 5, 6])
+def test_plan_tree_is_optimal_for_small_budgets(budget):
+    def acc(d, r):  # decreasing in depth and rank
+        return 0.8 * 0.9 ** (d - 1) * 0.45 ** r
+
+    parents, slots, value = plan_tree(acc, budget)
+    assert len(parents) == budget
+    assert value == pytest.approx(_tree_value(parents, acc))
+    best = max(_tree_value([-1] + list(ps), acc)
+               for ps in itertools.product(*[range(i) for i in range(1, budget)])) if budget > 1 else 1.0
+    assert value == pytest.approx(best)
+    assert slots[0] == (0, 0) and all(d >= 1 for d, _ in slots[1:])
+
+
+# ============================================================================ acceptance statistics
+def test_acceptance_stats_positions_prior_and_decay():
+    st = AcceptanceStats(decay=1.0, prior=0.5, prior_weight=1.0)
+    assert st.alpha(0) == 0.5 and st.expected(2) == pytest.approx(1.75)
+    st.observe(depth=4, accepted=2)   # positions 1, 2 accepted, 3 rejected, 4 not reached
+    assert st.trials == [1.0, 1.0, 1.0] and st.hits == [1.0, 1.0, 0.0]
+    assert st.alpha(0) == pytest.approx(0.75) and st.alpha(2) == pytest.approx(0.25)
+    assert st.alpha(5) == pytest.approx(0.25)  # deeper than observed: the deepest estimate
+    st.observe(depth=3, accepted=3)
+    assert st.hits == [2.0, 2.0, 1.0] and st.trials == [2.0, 2.0, 2.0]
+    decayed = AcceptanceStats(decay=0.5, prior=0.5, prior_weight=1.0)
+    for a in (0, 0, 0, 3):
+        decayed.observe(3, a)
+    # after three misses then a hit at position 1: hits 1, trials 0.5^3 + 0.5^2 + 0.5 + 1 = 1.875
+    assert decayed.alpha(0) == pytest.approx((1.0 + 0.5) / (1.875 + 1.0))
+    child = AcceptanceStats(parent=st)
+    assert child.alpha(0) == pytest.approx(st.alpha(0))
+    child.observe(2, 0)
+    assert st.trials[0] == 3.0  # observations reach the parent too
+
+
+def test_acceptance_stats_tree_depth_rank():
+    st = AcceptanceStats(decay=1.0, prior=0.5, prior_weight=1.0)
+    # root -> {1, 2}; 1 -> {3, 4}; accepted path 0 -> 2: trials (1,0), (1,1); hit (1,1); node 3, 4 unseen
+    st.observe_tree([-1, 0, 0, 1, 1], [0, 2, -1])
+    assert st.tree_trials == {(1, 0): 1.0, (1, 1): 1.0} and st.tree_hits == {(1, 0): 0.0, (1, 1): 1.0}
+    assert st.tree_alpha(1, 1) == pytest.approx((1.0 + 0.25) / 2.0)  # prior for rank 1: 0.5 * 0.5
+    assert st.tree_alpha(2, 0) == 0.5
+
+
+# ============================================================================ cost model
+def test_cost_model_cells_interpolation_and_fit():
+    cm = CostModel(smoothing=0.5)
+
+    def truth(b, n):
+        return 0.050 + 0.002 * b * n
+
+    for b, n in ((1, 1), (1, 9), (4, 1), (8, 1), (8, 5)):
+        cm.observe(b, 0, n, 0.0, truth(b, n), 0.001, None)
+    assert cm.verify.predict(1, 5) == pytest.approx(truth(1, 5))      # interpolation at b = 1
+    assert cm.verify.predict(4, 7) == pytest.approx(truth(4, 7))      # linear fit, level of b = 4
+    assert cm.verify.predict(2, 3) == pytest.approx(truth(2, 3))      # unseen b: the fit
+    assert cm.commit.predict(3, 3) == pytest.approx(0.001)
+    assert cm.plain_seconds(8) == pytest.approx(truth(8, 1) + 0.001)
+    # smoothing and spikes: 0.1 then 0.2 -> 0.15; a spike of 100 s pulls at most 4x the mean
+    cm2 = CostModel(smoothing=0.5)
+    cm2.observe(1, 0, 1, 0.0, 0.1, 0.0, None)
+    cm2.observe(1, 0, 1, 0.0, 0.2, 0.0, None)
+    assert cm2.verify.predict(1, 1) == pytest.approx(0.15)
+    cm2.observe(1, 0, 1, 0.0, 100.0, 0.0, None)
+    assert cm2.verify.predict(1, 1) == pytest.approx(0.15 + 0.5 * (0.6 - 0.15))
+    # drafting: k = 0 costs nothing until seen; one observed depth holds for the others (optimistic),
+    # two give the slope
+    cm3 = CostModel()
+    cm3.observe(2, 4, 5, 0.040, 0.1, 0.0, 0.2)
+    assert cm3.draft.predict(2, 0) == 0.0 and cm3.draft.predict(2, 2) == pytest.approx(0.040)
+    cm3.observe(2, 8, 9, 0.070, 0.1, 0.0, 0.2)
+    assert cm3.draft.predict(2, 6) == pytest.approx(0.055) and cm3.draft.predict(2, 10) == pytest.approx(0.085)
+    assert cm3.rest.predict(2, 5) == pytest.approx(0.060)  # total - phases
+    state = cm.state_dict()
+    cm4 = CostModel()
+    cm4.load_state_dict(json.loads(json.dumps(state)))
+    assert cm4.verify.predict(4, 7) == pytest.approx(cm.verify.predict(4, 7))
+    with pytest.raises(ValueError, match=r"CostModel: smoothing must lie in \(0, 1\], got 0"):
+        CostModel(smoothing=0)
+
+
+# ============================================================================ policy decisions
+def _best_k(alpha: float, cost: SyntheticCost, b: int, k_max: int) -> int:
+    g = [b * expected_tokens(alpha, k) / cost.step_seconds(b, k, 1 + k) for k in range(k_max + 1)]
+    return max(range(k_max + 1), key=lambda k: (g[k], -k))
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.7, 0.85, 0.95])
+def test_goodput_picks_the_k_that_maximises_goodput(alpha):
+    cost = SyntheticCost(lambda b, n: 1.0 + 0.08 * b * (n - 1), lambda b, k: 0.03 * k)
+    pol = GoodputPolicy(max_depth=12, cost=cost)
+    pol.begin(2)
+    for rid in (0, 1):
+        pol._request(rid).stats = FixedAlpha(alpha)
+    plan = pol.plan([0, 1], [50, 50])
+    want = _best_k(alpha, cost, 2, 12)
+    assert plan.budgets == [want, want]
+    assert want > 0  # the synthetic numbers make speculation pay at every alpha here
+    ratio = expected_tokens(alpha, want) * cost.plain_seconds(2) / cost.step_seconds(2, want, want + 1)
+    assert plan.predicted_ratio == pytest.approx(ratio)
+
+
+def test_goodput_smaller_k_at_larger_batch():
+    cost = SyntheticCost(lambda b, n: 1.0 + 0.06 * b * (n - 1))  # verify cost grows with rows x nodes
+    ks = {}
+    for b in (1, 2, 4, 8, 16):
+        pol = GoodputPolicy(max_depth=10, cost=cost)
+        pol.begin(b)
+        for rid in range(b):
+            pol._request(rid).stats = FixedAlpha(0.8)
+        ks[b] = pol.plan(list(range(b)), [50] * b).k
+        assert ks[b] == _best_k(0.8, cost, b, 10)
+    assert ks[1] > ks[4] > ks[16]
+    assert ks[16] == 0  # speculation does not pay at 16 rows: plain steps
+
+
+def test_goodput_falls_back_with_useless_drafter_and_backs_off():
+    pol = GoodputPolicy(max_depth=8, cost=flat_cost(), max_backoff=16)
+    pol.begin(1)
+    plans = run_steps(pol, [0], 100, lambda s, rid, k: 0, 60)
+    drafted = [s for s, p in enumerate(plans) if p.k > 0]
+    assert plans[-1].states == ["fallback"] and plans[-1].k == 0
+    falls = [e for e in pol.events if e["new_state"] == "fallback"]
+    assert falls and falls[0]["old_state"] == "spec" and "goodput ratio" in falls[0]["reason"]
+    # after the first fallback, probes only: intervals double (4, 8, 16) and stop growing at max_backoff
+    probes = [s for s in drafted if s > falls[0]["step"]]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[:3] == [8, 16, 16] and all(g == 16 for g in gaps[2:])
+    assert len(drafted) <= 8  # a useless drafter is drafted on few of 60 steps
+    assert pol.summary()["fallback_request_steps"] == 60 - len(drafted)
+
+
+def test_goodput_resumes_when_the_drafter_becomes_useful():
+    pol = GoodputPolicy(max_depth=6, cost=flat_cost())
+    pol.begin(1)
+    plans = run_steps(pol, [0], 100, lambda s, rid, k: 0 if s < 20 else k, 50)
+    assert any(p.states == ["fallback"] for p in plans[:20])
+    back = [e for e in pol.events if e["new_state"] == "spec"]
+    assert back and back[0]["step"] >= 20 and back[0]["old_state"] == "fallback"
+    assert all(p.states == ["spec"] for p in plans[back[0]["step"] + 1:])
+    assert all(p.k == 6 for p in plans[-5:])
+
+
+def test_goodput_collapse_on_observed_goodput():
+    """Acceptance stays high but the steps take 3x what the cost model says: the observed window fires."""
+    pol = GoodputPolicy(max_depth=4, cost=flat_cost(), window=3)
+    pol.begin(1)
+    pol._request(0).stats = FixedAlpha(0.9)
+    for s in range(6):
+        plan = pol.plan([0], [100])
+        k = plan.k
+        pol.observe(plan, [0], pol.nodes(k), [k], [k], [1], [2], StepTimes(0.0, 0.0, 0.0, 3.0))
+        if pol.events:
+            break
+    ev = pol.events[0]
+    assert ev["reason"].startswith("collapse: observed goodput ratio") and ev["new_state"] == "fallback"
+    assert ev["step"] == 2 and ev["goodput_ratio"] == pytest.approx(2 * 3 * flat_cost().plain_seconds(1) / 9.0)
+
+
+def test_goodput_rows_of_one_batch_get_different_k():
+    pol = GoodputPolicy(max_depth=5, cost=flat_cost())
+    pol.begin(2)
+    plans = run_steps(pol, [0, 1], 100, lambda s, rid, k: k if rid == 0 else 0, 30)
+    mixed = [p for p in plans if p.budgets[0] == 5 and p.budgets[1] == 0]
+    assert len(mixed) >= 20
+    assert any(p.states == ["spec", "probe"] and p.budgets == [5, 5] for p in plans)  # a free probe rides along
+
+
+def test_heuristic_rule_and_fixed():
+    pol = HeuristicPolicy(max_depth=10, cost=flat_cost())
+    pol.begin(1)
+    pol._request(0).k = 4
+    ks = []
+    for accept_all in (True, True, False, False, True):
+        plan = pol.plan([0], [100])
+        ks.append(plan.k)
+        a = plan.k if accept_all else 0
+        pol.observe(plan, [0], plan.k + 1, [plan.k], [plan.k], [a], [a + 1], times())
+    assert ks == [4, 6, 8, 7, 6]
+    assert pol.plan([0], [100]).k == 8 and pol.plan([0], [3]).k == 3  # budget caps it
+    fixed = FixedPolicy(max_depth=7, cost=flat_cost())
+    fixed.begin(2)
+    assert fixed.plan([0, 1], [100, 2]).budgets == [7, 2]
+
+
+def test_make_policy_errors():
+    with pytest.raises(ValueError, match=r"policy must be one of \('fixed', 'heuristic', 'goodput'\).*got 'fast'"):
+        make_policy("fast", None)
+    with pytest.raises(ValueError, match=r"got 3"):
+        make_policy(3, None)
+    with pytest.raises(ValueError, match=r"GoodputPolicy: collapse_ratio must lie in \(0, 1\], got 1.5"):
+        GoodputPolicy(4, collapse_ratio=1.5)
+    with pytest.raises(ValueError, match=r"GoodputPolicy: max_depth must be >= 1, got 0"):
+        GoodputPolicy(0)
+    with pytest.raises(ValueError, match=r"AcceptanceStats: decay must lie in \(0, 1\], got 0"):
+        AcceptanceStats(decay=0.0)
+
+
+# ============================================================================ the loop (toy LM)
+class ChainDrafter(Drafter):
+    """Chains from ``fn(step, request, sequence, budget) -> tokens`` (at most budget of them)."""
+
+    def __init__(self, fn, k: int) -> None:
+        self.fn = fn
+        self.k = k
+        self.max_nodes = k + 1
+        self.calls = 0
+        self.budgets: List[List[int]] = []
+
+    def start(self, prompts, params, generator) -> None:
+        self.prompts = [list(p) for p in prompts]
+
+    def propose(self, ctx: StepContext) -> Draft:
+        self.budgets.append(list(ctx.budgets))
+        rows = []
+        for rid, seq, budget in zip(ctx.request_ids, ctx.sequences, ctx.budgets):
+            toks = list(self.fn(self.calls, rid, seq, budget))[:max(0, min(budget, self.k))]
+            rows.append([seq[-1]] + toks)
+        self.calls += 1
+        N = max(len(r) for r in rows)
+        tokens = torch.tensor([r + [-1] * (N - len(r)) for r in rows])
+        return Draft(TokenTree.chain(tokens, [len(r) for r in rows]))
+
+
+PROMPTS = [[1, 2, 3, 4, 5], [3, 3], [7, 1, 2, 9, 4, 4, 4, 2], [0]]
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def toy():
+    torch.set_num_threads(1)
+    target = ToyLM(vocab=16, seed=0)
+    draft = ToyLM(vocab=16, seed=1, hidden=16, layers=1, heads=2, kv_heads=1)
+    refs = [target.greedy(p, NEW) for p in PROMPTS]
+    return target, draft, refs
+
+
+def oracle(refs, prompts):
+    def future(rid, seq, budget):
+        done = len(seq) - len(prompts[rid])
+        return refs[rid][done:done + budget]
+    return future
+
+
+def useless(seed: int = 0):
+    rng = random.Random(seed)
+    return lambda *a: [rng.randrange(16) for _ in range(16)]
+
+
+class Schedule(Policy):
+    """Test policy: a fixed per-step schedule of depths (0 = plain step), per row."""
+
+    name = "schedule"
+
+    def __init__(self, depths: Callable[[int, int], int], max_depth: int) -> None:
+        super().__init__(max_depth)
+        self.depths = depths
+
+    def _budgets(self, request_ids, reqs, budgets):
+        out = [min(self.depths(self.step_index, r), x) for r, x in enumerate(budgets)]
+        return StepPlan(out, ["spec"] * len(out), [1.0] * len(out))
+
+
+@pytest.mark.parametrize("policy", ["fixed", "heuristic", "goodput", "goodput-flat"])
+@pytest.mark.parametrize("name", ["small-draft", "draft-tree", "draft-stop", "lookup", "useless"])
+def test_greedy_equals_target_greedy_under_every_policy(toy, policy, name):
+    target, draft, refs = toy
+    drafter = {"small-draft": lambda: DraftModel(draft, k=3), "draft-tree": lambda: DraftModel(draft, k=3, top_k=2),
+               "draft-stop": lambda: DraftModel(draft, k=4, stop_threshold=0.5),
+               "lookup": lambda: PromptLookup(ngram=2, k=4),
+               "useless": lambda: ChainDrafter(lambda s, rid, seq, b: useless(s)(), k=6)}[name]()
+    pol = GoodputPolicy(drafter.k, cost=flat_cost()) if policy == "goodput-flat" else policy
+    dec = SpeculativeDecoder(target, drafter, max_batch=4, max_len=64, policy=pol)
+    for _ in range(2):  # the second call starts from the first call's statistics
+        out = dec.generate(PROMPTS, max_new_tokens=NEW)
+        assert out.tokens == refs
+    assert out.metrics["policy"] == (policy if policy != "goodput-flat" else "goodput")
+
+
+@pytest.mark.parametrize("tree", [1, 2])
+def test_draft_model_per_row_depths_and_catch_up_after_plain_steps(toy, tree):
+    """A schedule of plain steps (the draft model is not run) and per-row depths: output stays exact."""
+    target, draft, refs = toy
+
+    def depths(step, row):
+        if step % 7 in (1, 2, 3):  # three plain steps in a row: the draft cache falls 3 tokens behind
+            return 0
+        return (step + row) % 4   # rows of one step get different depths, some 0
+
+    for drafter in (DraftModel(draft, k=3, top_k=tree), DraftModel(target, k=3, top_k=tree)):
+        dec = SpeculativeDecoder(target, drafter, max_batch=4, max_len=64, policy=Schedule(depths, 3))
+        out = dec.generate(PROMPTS, max_new_tokens=NEW, trace=True)
+        assert out.tokens == refs
+        recs = [r for r in out.trace if r["type"] == "step"]
+        assert any(r["k"] != s["k"] and r["step"] == s["step"] and r["k"] and s["k"] for r in recs for s in recs)
+        for r in recs:
+            assert r["depth"] <= r["k"]
+        if drafter.lm is target:  # a draft equal to the target: every allowed token is accepted
+            assert all(r["accepted"] == min(r["k"], NEW - 1) or r["emitted"] < r["accepted"] + 1 for r in recs)
+
+
+def test_goodput_falls_back_on_useless_drafter_in_the_loop(toy):
+    target, _, refs = toy
+    drafter = ChainDrafter(lambda s, rid, seq, b: useless(s)(), k=8)
+    dec = SpeculativeDecoder(target, drafter, max_batch=4, max_len=64, policy=GoodputPolicy(8, cost=flat_cost()))
+    out = dec.generate(PROMPTS, max_new_tokens=NEW, trace=True)
+    assert out.tokens == refs
+    m = out.metrics
+    steps = m["target_passes"]
+    assert m["fallback_request_steps"] > 0.7 * sum(m["per_request"]["target_passes"])
+    assert m["drafted_tokens"] < 0.25 * 8 * sum(m["per_request"]["target_passes"])
+    summ = summarize_trace(out.trace)
+    assert summ["state_steps"].get("probe", 0) >= 1 and summ["steps"] == steps
+    fixed = SpeculativeDecoder(target, ChainDrafter(lambda s, rid, seq, b: useless(s)(), k=8), max_batch=4,
+                               max_len=64, policy="fixed").generate(PROMPTS, max_new_tokens=NEW)
+    assert fixed.tokens == refs and fixed.metrics["drafted_tokens"] > 4 * m["drafted_tokens"]
+
+
+def test_goodput_picks_speculation_back_up_in_the_loop(toy):
+    target, _, refs = toy
+    fut = oracle(refs, PROMPTS)
+    drafter = ChainDrafter(lambda s, rid, seq, b: useless(s)() if s < 8 else fut(rid, seq, b), k=5)
+    dec = SpeculativeDecoder(target, drafter, max_batch=4, max_len=80, policy=GoodputPolicy(5, cost=flat_cost()))
+    out = dec.generate(PROMPTS, max_new_tokens=NEW, trace=True)
+    assert out.tokens == refs
+    ev = [e for e in out.trace if e["type"] == "event"]
+    assert any(e["new_state"] == "fallback" for e in ev)
+    back = [e["step"] for e in ev if e["new_state"] == "spec" and e["old_state"] == "fallback"]
+    assert back and min(back) >= 8  # the drafter turns useful at its 9th call
+    late = [r for r in out.trace if r["type"] == "step" and r["step"] > max(back)]
+    assert late and all(r["state"] == "spec" for r in late)
+    assert sum(r["accepted"] for r in late) > 0.8 * sum(r["k"] for r in late)
+
+
+def test_rows_of_one_batch_get_different_k_in_the_loop(toy):
+    target, _, refs = toy
+    fut = oracle(refs, PROMPTS)
+    drafter = ChainDrafter(lambda s, rid, seq, b: fut(rid, seq, b) if rid < 2 else useless(s)(), k=4)
+    dec = SpeculativeDecoder(target, drafter, max_batch=4, max_len=64, policy=GoodputPolicy(4, cost=flat_cost()))
+    out = dec.generate(PROMPTS, max_new_tokens=NEW, trace=True)
+    assert out.tokens == refs
+    mixed = [b for b in drafter.budgets if len(b) == 4 and b[0] == 4 and b[1] == 4 and b[2] == 0 and b[3] == 0]
+    assert len(mixed) >= 3
+
+
+def test_trace_and_summary_schema(toy, tmp_path):
+    target, draft, refs = toy
+    dec = SpeculativeDecoder(target, DraftModel(draft, k=3), max_batch=4, max_len=64)
+    path = tmp_path / "trace.jsonl"
+    out = dec.generate(PROMPTS, max_new_tokens=12, trace=str(path))
+    assert out.tokens == [r[:12] for r in refs]
+    assert read_trace(path) == json.loads(json.dumps(out.trace))
+    steps = [r for r in out.trace if r["type"] == "step"]
+    assert steps and all(tuple(r) == TRACE_STEP_KEYS for r in steps)
+    for r in out.trace:
+        if r["type"] == "event":
+            assert set(TRACE_EVENT_KEYS) <= set(r)
+    for key in POLICY_KEYS:
+        assert key in out.metrics, key
+    assert out.metrics["policy"] == "goodput"
+    assert sum(r["emitted"] for r in steps) == 4 * 12 - 4  # the first token of each request comes from prefill
+    assert dec.generate(PROMPTS[:1], max_new_tokens=3).trace is None
+    plain = SpeculativeDecoder(target, None, max_batch=4, max_len=64).generate(PROMPTS, max_new_tokens=5, trace=True)
+    assert plain.metrics["policy"] == "none" and all(r["k"] == 0 for r in plain.trace)
+
+
+def test_summarize_trace_arithmetic_on_a_hand_made_trace():
+    def step(s, rid, state, k, depth, acc, emitted, secs):
+        return dict(type="step", step=s, request=rid, row=rid, batch=2, state=state, k=k, nodes=k + 1, depth=depth,
+                    drafted=depth, accepted=acc, emitted=emitted, expected_tokens=1.0, predicted_goodput_ratio=1.0,
+                    draft_seconds=secs[0], verify_seconds=secs[1], commit_seconds=secs[2], step_seconds=secs[3],
+                    plain_seconds_estimate=0.1)
+    trace = [
+        step(0, 0, "spec", 3, 3, 2, 3, (0.1, 0.2, 0.01, 0.4)), step(0, 1, "spec", 3, 3, 0, 1, (0.1, 0.2, 0.01, 0.4)),
+        dict(type="event", step=0, request=1, reason="collapse", old_state="spec", new_state="fallback",
+             goodput_ratio=0.5),
+        step(1, 0, "spec", 2, 2, 2, 3, (0.05, 0.2, 0.01, 0.3)), step(1, 1, "fallback", 0, 0, 0, 1,
+                                                                       (0.05, 0.2, 0.01, 0.3)),
+    ]
+    s = summarize_trace(trace)
+    assert s["steps"] == 2 and s["request_steps"] == 4 and s["tokens"] == 8
+    assert s["seconds"] == pytest.approx(dict(draft=0.15, verify=0.4, commit=0.02, step=0.7))
+    assert s["goodput_tokens_per_second"] == pytest.approx(8 / 0.7)
+    assert s["k_per_step"] == [3, 2]
+    assert s["accepted_per_position"] == pytest.approx([2 / 3, 2 / 3, 0.0])
+    assert s["state_steps"] == {"spec": 3, "fallback": 1}
+    assert s["per_request"][1] == dict(tokens=2, drafted=3, accepted=0, fallback_steps=1, probe_steps=0)
+    assert len(s["events"]) == 1
+
+
+def test_decoder_policy_errors(toy):
+    target, draft, _ = toy
+    with pytest.raises(ValueError, match=r"SpeculativeDecoder: policy must be one of .*got 'fastest'"):
+        SpeculativeDecoder(target, DraftModel(draft, k=2), policy="fastest")
+    with pytest.raises(ValueError, match=r"policy must be one of"):
+        SpeculativeDecoder(target, None, policy=None)
+
+
+def test_calibration_is_cached(toy, tmp_path, monkeypatch):
+    target, draft, refs = toy
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    dec = SpeculativeDecoder(target, DraftModel(draft, k=3), max_batch=2, max_len=64, calibrate=True)
+    out = dec.generate(PROMPTS[:2], max_new_tokens=10)
+    assert out.tokens == [r[:10] for r in refs[:2]]
+    store = json.loads((tmp_path / "calibration.json").read_text())
+    (key, cells), = store.items()
+    assert "ToyLM" in key and "threads=1" in key
+    assert {"1,1", "2,1", "1,4", "2,4"} <= set(cells)
+    # a second decoder loads the cells instead of timing again (the file is not rewritten)
+    mtime = (tmp_path / "calibration.json").stat().st_mtime_ns
+    dec2 = SpeculativeDecoder(target, DraftModel(draft, k=3), max_batch=2, max_len=64, calibrate=True)
+    dec2.generate(PROMPTS[:1], max_new_tokens=2)
+    assert (tmp_path / "calibration.json").stat().st_mtime_ns == mtime
+    assert dec2.scheduler.cost.verify.observed(b=2, x=4)
+
+
+# ============================================================================ sampling stays exact
+@pytest.mark.parametrize("name", ["draft-goodput", "lookup-goodput", "draft-heuristic", "draft-schedule",
+                                  "tree-schedule"])
+def test_sampled_distribution_is_exact_under_policies(name):
+    """The first three sampled tokens follow the target's warped distribution (TV bound as in
+    tests/test_decoding.py) while the policy changes k from step to step and row to row."""
+    from test_decoding import _exact_first3, _tv_bound
+    from collections import Counter
+
+    temperature, top_k, top_p = 0.7, 5, 0.9
+    target = ToyLM(vocab=8, seed=3, scale=1.0, hidden=16, heads=2, kv_heads=1)
+    draft = ToyLM(vocab=8, seed=4, scale=1.0, hidden=16, layers=1, heads=2, kv_heads=1)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    kind, pol = name.split("-")
+    drafter = {"draft": lambda: DraftModel(draft, k=3), "lookup": lambda: PromptLookup(ngram=2, k=3, min_ngram=1),
+               "tree": lambda: DraftModel(draft, k=3, top_k=2)}[kind]()
+    # rows differ (row parity) and steps alternate plain / speculative: the draft cache catches up
+    schedule = Schedule(lambda step, row: 0 if step % 3 == 1 else 1 + (row + step) % 3, 3)
+    policy = {"goodput": lambda: GoodputPolicy(3, cost=flat_cost()), "heuristic": lambda: "heuristic",
+              "schedule": lambda: schedule}[pol]()
+    exact = _exact_first3(target, prompt, temperature, top_k, top_p)
+    per_call, calls = 4000, 4
+    n = per_call * calls
+    dec = SpeculativeDecoder(target, drafter, max_batch=per_call, max_len=len(prompt) + 6, policy=policy)
+    counts: Counter = Counter()
+    ks = set()
+    for seed in range(calls):
+        out = dec.generate([prompt] * per_call, max_new_tokens=6, temperature=temperature, top_k=top_k,
+                           top_p=top_p, seed=1000 * seed + 7)
+        counts.update(tuple(t[:3]) for t in out.tokens)
+        ks.update(int(k) for k in out.metrics["chosen_k_histogram"])
+    assert set(counts) <= set(exact), "sampled a sequence outside the warped support"
+    tv = 0.5 * sum(abs(counts.get(x, 0) / n - p) for x, p in exact.items())
+    bound = _tv_bound(exact, n)
+    assert tv < bound, f"TV {tv:.4f} >= bound {bound:.4f} with {n} samples over {len(exact)} outcomes"
+    assert len(ks) >= 2 and max(ks) > 0, f"the policy never varied k: {ks}"
+
+
+# ============================================================================ specdec bench (no model)
+def test_bench_method_parsing_and_errors():
+    from specdec.bench import parse_method, parse_runs
+
+    assert parse_method("lookup:4@fixed") == ("lookup", 4, "fixed")
+    assert parse_method("w8") == ("w8", None, "goodput")
+    assert parse_method("plain") == ("plain", None, "none")
+    assert parse_runs("grounded:lookup@goodput, lookup:4@fixed;open:random:8@fixed") == {
+        "grounded": ["lookup@goodput", "lookup:4@fixed"], "open": ["random:8@fixed"]}
+    with pytest.raises(ValueError, match=r"method 'medusa:4': drafter must be one of .*got 'medusa'"):
+        parse_method("medusa:4")
+    with pytest.raises(ValueError, match=r"method 'w8:x': k must be an int, got 'x'"):
+        parse_method("w8:x")
+    with pytest.raises(ValueError, match=r"policy must be fixed, heuristic or goodput, got 'best'"):
+        parse_method("w8:4@best")
+    with pytest.raises(ValueError, match=r"--runs entry 'poems:w8' must be 'SET:METHOD,...'"):
+        parse_runs("poems:w8")
+
+
+def test_random_drafter_is_useless_but_exact(toy):
+    from specdec.bench import RandomDrafter
+
+    target, _, refs = toy
+    dec = SpeculativeDecoder(target, RandomDrafter(k=6), max_batch=4, max_len=64, policy="fixed")
+    out = dec.generate(PROMPTS, max_new_tokens=NEW)
+    assert out.tokens == refs
+    assert out.metrics["drafted_tokens"] > 0 and out.metrics["acceptance_rate"] < 0.3
+
+
+def test_bench_dashboard_and_table_from_a_result(tmp_path):
+    pytest.importorskip("matplotlib")  # in requirements.txt; the optional extra "bench" of the package
+    from specdec.bench import format_table, write_dashboard
+
+    def row(drafter, k, policy, tps, ratio, trace=None):
+        r = dict(drafter=drafter, k=k, policy=policy, runs=2, tokens_per_second_median=tps,
+                 speedup_vs_plain_median=ratio, speedup_vs_hf_median=None, same_output_as_plain="2/2",
+                 acceptance_rate=0.6, mean_accepted_length=2.0, accepted_per_position=[0.8, 0.6, 0.5],
+                 draft_seconds=0.1, verify_seconds=0.5, commit_seconds=0.01, prefill_seconds=0.05,
+                 total_seconds=0.8, chosen_k_histogram={"3": 4}, mean_chosen_k=3.0, fallback_request_steps=1,
+                 policy_events=1, expected_tokens_predicted=2.0, expected_tokens_observed=2.1)
+        if trace:
+            r["trace_k_per_step"] = trace
+        return r
+
+    result = dict(summary={"open/b1": {
+        "plain": dict(drafter="plain", k=None, policy="none", runs=2, tokens_per_second_median=10.0,
+                      speedup_vs_plain_median=1.0, speedup_vs_hf_median=None, same_output_as_plain="2/2"),
+        "w8:3@fixed": row("w8", 3, "fixed", 12.0, 1.2), "w8:6@fixed": row("w8", 6, "fixed", 11.0, 1.1),
+        "w8:8@goodput": row("w8", 8, "goodput", 12.5, 1.25, trace=[0, 8, 3, 3, 0, 4])}},
+        machine=dict(cpu="test", torch_threads=1, loadavg_start=[1, 1, 1], loadavg_end=[1, 1, 1]),
+        settings=dict(model="toy", max_new_tokens=8, rounds=2, batches=[1]), date="today", git_commit="abc")
+    path = tmp_path / "dash.png"
+    write_dashboard(result, path)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    table = format_table(result)
+    assert "w8:8@goodput" in table and "1.25x" in table
