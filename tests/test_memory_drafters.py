@@ -256,7 +256,7 @@ def _toy_drafter(name, refs):
 @pytest.mark.parametrize("name", ["suffix", "suffix-nocache", "recycle", "docs"])
 def test_toy_greedy_equals_plain_and_batch_equals_alone(toy, name):
     target, refs = toy
-    dec = SpeculativeDecoder(target, _toy_drafter(name, refs), max_batch=8, max_len=64)
+    dec = SpeculativeDecoder(target, _toy_drafter(name, refs), max_batch=8, max_len=64, policy="fixed")
     for _ in range(2):  # a second call on a warm drafter is still exact
         out = dec.generate(TOY_PROMPTS, max_new_tokens=24)
         assert out.tokens == refs
@@ -272,7 +272,7 @@ def test_toy_greedy_equals_plain_and_batch_equals_alone(toy, name):
 def test_toy_global_cache_carries_over(toy):
     target, refs = toy
     drafter = SuffixDrafter(min_match=1)
-    dec = SpeculativeDecoder(target, drafter, max_batch=8, max_len=64)
+    dec = SpeculativeDecoder(target, drafter, max_batch=8, max_len=64, policy="fixed")
     first = dec.generate(TOY_PROMPTS, max_new_tokens=24).metrics
     assert drafter.stats()["cached_requests"] == len(TOY_PROMPTS)
     second = dec.generate(TOY_PROMPTS, max_new_tokens=24).metrics
@@ -283,14 +283,14 @@ def test_toy_global_cache_carries_over(toy):
     assert second["target_passes"] < first["target_passes"]
     # without the global cache the second call is no better than the first
     cold = SuffixDrafter(min_match=1, use_global_cache=False)
-    dec = SpeculativeDecoder(target, cold, max_batch=8, max_len=64)
+    dec = SpeculativeDecoder(target, cold, max_batch=8, max_len=64, policy="fixed")
     a = dec.generate(TOY_PROMPTS, max_new_tokens=24).metrics
     b = dec.generate(TOY_PROMPTS, max_new_tokens=24).metrics
     assert a["accepted_tokens"] == b["accepted_tokens"], (a["accepted_tokens"], b["accepted_tokens"])
     assert b["accepted_tokens"] < second["accepted_tokens"]
     # eviction: a tiny budget holds at most that many tokens across calls
     small = SuffixDrafter(min_match=1, max_cached_tokens=40)
-    dec = SpeculativeDecoder(target, small, max_batch=8, max_len=64)
+    dec = SpeculativeDecoder(target, small, max_batch=8, max_len=64, policy="fixed")
     for _ in range(3):
         assert dec.generate(TOY_PROMPTS, max_new_tokens=24).tokens == refs
         assert small.stats()["cached_tokens"] <= 40
@@ -308,7 +308,7 @@ def test_sampled_distribution_is_exact(name):
     exact = _exact_first3(target, prompt, temperature, top_k, top_p)
     per_call, calls = 4000, 3
     n = per_call * calls
-    dec = SpeculativeDecoder(target, drafter, max_batch=per_call, max_len=len(prompt) + 6)
+    dec = SpeculativeDecoder(target, drafter, max_batch=per_call, max_len=len(prompt) + 6, policy="fixed")
     counts: Counter = Counter()
     accepted = 0
     for seed in range(calls):  # later calls run on a warm cache / table: still exact
@@ -348,9 +348,9 @@ def test_bad_inputs_name_the_drafter(toy):
     # ids outside the target's vocabulary: the decoder is not built
     with pytest.raises(ValueError, match=r"DocumentDrafter: the documents do not fit the target's vocabulary: .*"
                                          r"token 16 .*\[0, 16\)"):
-        SpeculativeDecoder(target, DocumentDrafter([[1, 2, 16]]), max_batch=2, max_len=64)
+        SpeculativeDecoder(target, DocumentDrafter([[1, 2, 16]]), max_batch=2, max_len=64, policy="fixed")
     docs = DocumentDrafter([refs[0]], min_match=1)
-    dec = SpeculativeDecoder(target, docs, max_batch=2, max_len=64)
+    dec = SpeculativeDecoder(target, docs, max_batch=2, max_len=64, policy="fixed")
     n_docs, n_nodes = docs.index.num_docs, docs.index.num_nodes
     with pytest.raises(ValueError, match=r"DocumentDrafter: document 1 holds token id 99, outside the vocabulary "
                                          r"\[0, 16\)"):
@@ -363,15 +363,15 @@ def test_bad_inputs_name_the_drafter(toy):
     with pytest.raises(ValueError, match=r"TokenRecycling: node_budget must be >= 2, got 1"):
         TokenRecycling(node_budget=1)
     with pytest.raises(ValueError, match=r"TokenRecycling: top_w = 20 exceeds the vocabulary size 16"):
-        SpeculativeDecoder(target, TokenRecycling(top_w=20), max_batch=2, max_len=64)
+        SpeculativeDecoder(target, TokenRecycling(top_w=20), max_batch=2, max_len=64, policy="fixed")
     rec = TokenRecycling(top_w=2)
-    SpeculativeDecoder(target, rec, max_batch=2, max_len=64)
+    SpeculativeDecoder(target, rec, max_batch=2, max_len=64, policy="fixed")
     with pytest.raises(ValueError, match=r"TokenRecycling: already bound to a target with vocabulary 16"):
-        SpeculativeDecoder(ToyLM(vocab=12, seed=0), rec, max_batch=2, max_len=64)
+        SpeculativeDecoder(ToyLM(vocab=12, seed=0), rec, max_batch=2, max_len=64, policy="fixed")
     suffix = SuffixDrafter()
-    SpeculativeDecoder(target, suffix, max_batch=2, max_len=64)
+    SpeculativeDecoder(target, suffix, max_batch=2, max_len=64, policy="fixed")
     with pytest.raises(ValueError, match=r"SuffixDrafter: already bound to a target with vocabulary 16"):
-        SpeculativeDecoder(ToyLM(vocab=12, seed=0), suffix, max_batch=2, max_len=64)
+        SpeculativeDecoder(ToyLM(vocab=12, seed=0), suffix, max_batch=2, max_len=64, policy="fixed")
 
 
 # ============================================================================ SmolLM2
@@ -406,7 +406,7 @@ def _smol_drafter(name, smol):
 @pytest.mark.parametrize("name", ["suffix", "recycle", "docs"])
 def test_smollm2_greedy_equals_transformers_generate(smol, name):
     drafter = _smol_drafter(name, smol)
-    dec = SpeculativeDecoder(smol["target"], drafter, max_batch=5, max_len=256)
+    dec = SpeculativeDecoder(smol["target"], drafter, max_batch=5, max_len=256, policy="fixed")
     prompts, refs = smol["prompts"], smol["refs"]
     got: List[List[int]] = []
     drafted = 0
@@ -431,11 +431,11 @@ def test_smollm2_global_cache_repeated_request(smol):
                                    tokenize=True) for c in ("Paris", "Berlin")]
     ids = [list(x["input_ids"] if hasattr(x, "keys") else x) for x in ids]
     drafter = SuffixDrafter()
-    dec = SpeculativeDecoder(smol["target"], drafter, max_batch=1, max_len=512)
-    plain = SpeculativeDecoder(smol["target"], None, max_batch=1, max_len=512)
+    dec = SpeculativeDecoder(smol["target"], drafter, max_batch=1, max_len=512, policy="fixed")
+    plain = SpeculativeDecoder(smol["target"], None, max_batch=1, max_len=512, policy="fixed")
     first = dec.generate([ids[0]], max_new_tokens=48, eos_token_id=smol["eos"])
     second = dec.generate([ids[1]], max_new_tokens=48, eos_token_id=smol["eos"])   # related request
-    cold = SpeculativeDecoder(smol["target"], SuffixDrafter(), max_batch=1, max_len=512).generate(
+    cold = SpeculativeDecoder(smol["target"], SuffixDrafter(), max_batch=1, max_len=512, policy="fixed").generate(
         [ids[1]], max_new_tokens=48, eos_token_id=smol["eos"])
     assert second.tokens == cold.tokens == plain.generate([ids[1]], max_new_tokens=48,
                                                           eos_token_id=smol["eos"]).tokens

@@ -66,7 +66,7 @@ def test_quantized_target_speculative_equals_its_plain_greedy(quantized):
         refs += plain.generate(prompts[i:i + 4], max_new_tokens=NEW, eos_token_id=tok.eos_token_id).tokens
     for drafter in (specdec.PromptLookup(ngram=3, k=6),
                     specdec.DraftModel(specdec.HFCausalLM(quantized["q8draft"]), k=4)):
-        dec = specdec.SpeculativeDecoder(target, drafter, max_batch=4, max_len=192)
+        dec = specdec.SpeculativeDecoder(target, drafter, max_batch=4, max_len=192, policy="fixed")
         got = []
         for i in range(0, len(prompts), 4):
             got += dec.generate(prompts[i:i + 4], max_new_tokens=NEW, eos_token_id=tok.eos_token_id).tokens
