@@ -38,7 +38,6 @@ import datetime as _dt
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -54,30 +53,18 @@ from specdec.drafters import DraftModel, PromptLookup  # noqa: E402
 from specdec.models.bundled import load_bundled  # noqa: E402
 from specdec.models.hf import HFCausalLM  # noqa: E402
 
-from specdec.bench import PROMPT_SETS  # noqa: E402  (the prompt sets live in the package; `specdec bench`)
+from specdec.bench import PROMPT_SETS, _cpu_name, _git_commit  # noqa: E402  (the prompt sets live in the package; `specdec bench`)
 
 GROUNDED = PROMPT_SETS["grounded"]
 OPEN = PROMPT_SETS["open"]
 
 
 def git_commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except OSError:
-        return "unknown"
+    return _git_commit()
 
 
 def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+    return _cpu_name()
 
 
 def encode(tok, text: str) -> List[int]:

@@ -137,6 +137,20 @@ def run_linear(g):
                       bool(torch.allclose(y.cpu().float(), ref.float(), atol=tol, rtol=tol)))
 
 
+def run_qlinear(g):
+    print("qlinear")
+    for fmt, bits in (("q8_0", 8), ("q4_0", 4), ("q4_1", 4)):
+        for M in (1, 3, 16, 17):
+            for K, N in ((32, 13), (576, 130)):
+                qw, d, m = ops.quantize_weight_groups(torch.randn(N, K, generator=g), fmt)
+                x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+                bias = torch.randn(N, generator=g).to(torch.bfloat16)
+                y = ops.qlinear(x.to(DEV), qw.to(DEV), d.to(DEV), None if m is None else m.to(DEV), bias.to(DEV), bits)
+                ref = reference.qlinear(x, qw, d, m, bias, bits)
+                check(f"qlinear {fmt} M={M} K={K} N={N}",
+                      bool(torch.allclose(y.cpu().float(), ref.float(), atol=5e-2, rtol=5e-2)))
+
+
 def run_bad_values(g):
     """Strict checks off: invalid VALUES must not make any kernel touch memory out of bounds
     (outputs are unspecified; compute-sanitizer judges)."""
@@ -177,8 +191,8 @@ def run_bad_values(g):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ops", nargs="*", default=["verify_attention", "sampling", "kv_commit", "linear", "bad_values"],
-                    help="subset of: verify_attention sampling kv_commit linear bad_values")
+    ap.add_argument("--ops", nargs="*", default=["verify_attention", "sampling", "kv_commit", "linear", "qlinear", "bad_values"],
+                    help="subset of: verify_attention sampling kv_commit linear qlinear bad_values")
     ap.add_argument("--quick", action="store_true", help="attention: one case per head dim x dtype (for racecheck)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself (bad_values skipped)")
     args = ap.parse_args(argv)
@@ -190,7 +204,7 @@ def main(argv=None) -> int:
     if DEV != "cuda" and "bad_values" in args.ops:
         args.ops.remove("bad_values")  # CPU always value-checks: those inputs raise there
     g = torch.Generator().manual_seed(0)
-    steps = {"verify_attention": run_attention, "sampling": run_sampling, "kv_commit": run_commit, "linear": run_linear,
+    steps = {"verify_attention": run_attention, "sampling": run_sampling, "kv_commit": run_commit, "linear": run_linear, "qlinear": run_qlinear,
              "bad_values": run_bad_values}
     for name in args.ops:
         steps[name](g)

@@ -189,3 +189,15 @@ def to_device(obj, device: str):
 
 def maybe(x: Optional[torch.Tensor], device: str) -> Optional[torch.Tensor]:
     return None if x is None else x.to(device)
+
+
+def one_thread_unless_smollm2(request):
+    """Generator body of the toy-model fixtures: tiny models gain nothing from torch's thread pool
+    (only synchronisation, ~5x slower on 2 busy cores); SmolLM2 tests keep the setting."""
+    if "smollm2" in request.node.name:
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

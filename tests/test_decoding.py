@@ -49,16 +49,12 @@ class OracleDrafter(Drafter):
         return Draft(TokenTree.chain(tokens, [len(r) for r in rows]))
 
 
+from conftest import one_thread_unless_smollm2  # noqa: E402
+
+
 @pytest.fixture(autouse=True)
 def _one_thread_for_toys(request):
-    """The toy model is tiny: torch's thread pool only adds synchronisation (5x slower on 2 busy cores)."""
-    if "smollm2" in request.node.name:
-        yield
-        return
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    yield from one_thread_unless_smollm2(request)
 
 
 TOY_PROMPTS = [[1, 2, 3, 4, 5], [3, 3], [7, 1, 2, 9, 4, 4, 4, 2], [0], [5, 6, 5, 6, 5], [11, 10, 9, 8, 7, 6, 5]]

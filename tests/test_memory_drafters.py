@@ -29,15 +29,12 @@ from specdec.drafters import DocumentDrafter, StepContext, SuffixDrafter, TokenR
 from specdec.drafters.recycling import recycling_template  # noqa: E402
 
 
+from conftest import one_thread_unless_smollm2  # noqa: E402
+
+
 @pytest.fixture(autouse=True)
 def _one_thread_for_toys(request):
-    if "smollm2" in request.node.name:
-        yield
-        return
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    yield from one_thread_unless_smollm2(request)
 
 
 # ============================================================================ the suffix index
