@@ -31,7 +31,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Un
 import torch
 
 from specdec import ops
-from specdec.drafters.base import Draft, Drafter, StepContext, move_cache_rows
+from specdec.drafters.base import Draft, Drafter, StepContext, check_draft, move_cache_rows
 from specdec.metrics import MemoryProbe, MetricsRecorder, empty_metrics, static_memory_bytes
 from specdec.sampling import SamplingParams, draw_uniforms, make_generator, warp_
 from specdec.tree import TokenTree
@@ -330,6 +330,8 @@ class _Run:
                                   request_ids=list(self.rows),
                                   budgets=[self.max_new - len(self.new[rid]) - 1 for rid in self.rows])
                 draft = drafter.propose(ctx)
+                if not drafter.trusted:
+                    _check_proposal(drafter, draft, ctx, dec)
             tree = draft.tree
             c1 = clock.mark()
             logits = target.forward(cache, tree.tokens, tree.depths, tree.attention_mask())   # [b, N, V]
@@ -368,6 +370,15 @@ class _Run:
         t_end = time.perf_counter()
         return GenerateOutput(self.new, rec.summary(self.new, self.finish, t_start, t_first, t_end, mem.peak(),
                                                     mem.static))
+
+
+def _check_proposal(drafter: Drafter, draft, ctx: StepContext, dec: SpeculativeDecoder) -> None:
+    """Host validation of an untrusted drafter's proposal before the target runs; the drafter forgets it on error."""
+    try:
+        check_draft(draft, type(drafter).__name__, ctx.request_ids, dec.vocab_size, dec.max_nodes)
+    except (TypeError, ValueError):
+        drafter.cancel()
+        raise
 
 
 def _int_to_float(x):

@@ -1,6 +1,8 @@
 """Drafters: where candidate tokens come from (see :mod:`specdec.drafters.base`)."""
-from specdec.drafters.base import CallableDrafter, Draft, Drafter, StepContext
+from specdec.drafters.base import CallableDrafter, Draft, Drafter, StepContext, check_draft
 from specdec.drafters.draft_model import DraftModel
+from specdec.drafters.multi import MultiDraft
 from specdec.drafters.prompt_lookup import PromptLookup
 
-__all__ = ["Draft", "Drafter", "StepContext", "CallableDrafter", "DraftModel", "PromptLookup"]
+__all__ = ["Draft", "Drafter", "StepContext", "CallableDrafter", "DraftModel", "MultiDraft", "PromptLookup",
+           "check_draft"]
