@@ -107,9 +107,6 @@ def check_draft(draft, name: str, request_ids: Sequence[int], vocab_size: int, m
         raise ValueError(f"{name}: tree tokens must be int64 [b, N] with b = {b} active requests, got "
                          f"{tok.dtype} {tuple(tok.shape)}")
     N = tok.shape[1]
-    if N > max_nodes:
-        raise ValueError(f"{name}: the proposal has {N} nodes per request, more than the {max_nodes} the caches "
-                         f"reserve (the drafter's max_nodes)")
     if par.shape != tok.shape or par.dtype != torch.int32 or dep.shape != tok.shape:
         raise ValueError(f"{name}: tree parents must be int32 and depths [b, N] = {tuple(tok.shape)}, got parents "
                          f"{par.dtype} {tuple(par.shape)}, depths {tuple(dep.shape)}")
@@ -118,7 +115,13 @@ def check_draft(draft, name: str, request_ids: Sequence[int], vocab_size: int, m
         if q.dim() != 3 or tuple(q.shape[:2]) != (b, N) or q.shape[2] != vocab_size or q.dtype != torch.float32:
             raise ValueError(f"{name}: draft_probs must be float32 [b, N, V] = [{b}, {N}, {vocab_size}], got "
                              f"{q.dtype} {tuple(q.shape)}")
-    for r, (ts, ps, ds) in enumerate(zip(tok.tolist(), par.tolist(), dep.tolist())):
+    rows = list(zip(tok.tolist(), par.tolist(), dep.tolist()))
+    if N > max_nodes:
+        real = [1 + sum(p >= 0 for p in ps[1:]) for _, ps, _ in rows]
+        r = max(range(b), key=lambda i: real[i])
+        raise ValueError(f"{name}: request {request_ids[r]}: the proposal has {N} nodes per request ({real[r]} real), "
+                         f"more than the {max_nodes} the caches reserve (the drafter's max_nodes)")
+    for r, (ts, ps, ds) in enumerate(rows):
         rid = request_ids[r]
         if ps[0] != -1:
             raise ValueError(f"{name}: request {rid}: node 0 must be the root (parent -1), got parent {ps[0]}")

@@ -26,19 +26,30 @@ frontier. After depth k the whole pool (w + (k - 1) w^2 candidates) is re-ranked
 order (a stable sort; parents are created first), so the best-n set is a connected subtree;
 it is emitted in pool order, which is topological. k draft forwards per step, like a chain.
 
-Sampling exactness of dynamic trees. The children are DETERMINISTIC: the top-w tokens of the
-draft distribution, chosen by a rule that reads only the context (draft logits, fixed
-tie-breaking), never a random draw, so ``draft_probs`` is None (q is one-hot on each node's
-token). The SpecInfer multi-step sampler (``rejection_sample``) then accepts child x with
-probability p'(x) under the current residual p' and, after a rejection, zeroes p'(x) and
-renormalises: for any fixed set of distinct candidates this emits exactly one token
-distributed as p (P(emit y) = p(y) whether y is a candidate or the residual draw), and it
-recurses along the accepted node. Re-ranking and pruning act on draft scores only, so the
-tree is a function of the context and the sampled output keeps the target's distribution.
-(Children DRAWN from q would be exact only if nothing pruned them by their sampled values;
-re-ranking by score would do exactly that, so dynamic trees do not draw.) The draft's scores
-use the warped distribution (temperature / top-k / top-p) under sampling and the raw
-softmax under greedy.
+Sampling exactness of dynamic trees. The rejection sampler (SpecInfer multi-step,
+``rejection_sample``) tries a node's children in index order against the current residual p'
+(accept x with probability min(1, p'(x) / q_c(x)); after a rejection p' <- norm(max(0, p' - q_c)),
+q_c one-hot for a deterministic candidate). It emits exactly one token distributed as p if every
+child, at the moment it is tested, is either DETERMINISTIC given everything decided before it or
+DRAWN from its declared q_c independently of everything after it -- and is never dropped or
+reordered because of its own drawn value (that would skew the drawn value away from q_c). Given a
+rejection, the rest of the sibling list sees the residual whatever it holds, so the list may be
+built adaptively from earlier siblings' values. Two rules satisfy this:
+
+* greedy rule (greedy decoding, and sampling with ``sampled_children=False``): all children are
+  deterministic (the top-w tokens of q, a function of the context with fixed tie-breaking), so
+  re-ranking and pruning by score are harmless; ``draft_probs`` is None.
+* sampled rule (sampling, default): the tree's SHAPE is fixed before any draw -- w children of
+  the root, then the remaining node budget spread evenly over depths 2..k and, within a depth,
+  over the w best-scored nodes of the previous depth (their values are already drawn, and only
+  their own children depend on them). Each expanded node's first child is DRAWN from q (its q
+  row goes to ``draft_probs``); its other children are the next most likely tokens of q other
+  than the drawn one (deterministic given the drawn sibling, one-hot rows). Nothing is pruned.
+  With a draft close to the target the drawn child is accepted with probability
+  sum(min(p, q)), which deterministic top-k children cannot reach at temperature 1.
+
+The draft's scores use the warped distribution (temperature / top-k / top-p) under sampling
+and the raw softmax under greedy.
 
 Cache invariant (per request, between steps): the draft cache holds every committed
 token except the root and, possibly, some "pending" tokens before it: the last accepted
@@ -98,12 +109,16 @@ class DraftModel(Drafter):
         drawn token). None: always draft k tokens.
     tree : "spine" or "dynamic"
         The tree shape for top_k > 1 (see the module docstring). Default "spine".
+    sampled_children : bool
+        Dynamic trees under sampling: True (default) draws the first child of every expanded node
+        from q and fixes the tree's shape before any draw (no pruning); False uses the greedy rule
+        (deterministic top-k children + re-rank) under sampling too. Both are exact.
     """
 
     trusted = True
 
     def __init__(self, lm, k: int = 4, top_k: int = 1, node_budget: Optional[int] = None,
-                 stop_threshold: Optional[float] = None, tree: str = "spine") -> None:
+                 stop_threshold: Optional[float] = None, tree: str = "spine", sampled_children: bool = True) -> None:
         for name, v in (("k", k), ("top_k", top_k)):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"DraftModel: {name} must be an int, got {type(v).__name__}")
@@ -139,6 +154,7 @@ class DraftModel(Drafter):
         self.node_budget = node_budget
         self.tree = tree
         self.dynamic = tree == "dynamic" and top_k > 1
+        self.sampled_children = bool(sampled_children)
         self.cache = None
         self._views: Dict[int, object] = {}
         self._foreign = 0  # tokens from other drafters' subtrees that accept() may pass per row
@@ -250,6 +266,8 @@ class DraftModel(Drafter):
         self._base = cache.lens.clone()  # [b] int32: committed draft prefix (pending tokens excluded)
         last = self._feed_root(ctx.roots, b, cache)
         if self.dynamic:
+            if not self.params.greedy and self.sampled_children:
+                return self._propose_dynamic_sampled(ctx, k, b, cache, last)
             return self._propose_dynamic(ctx, k, b, cache, last)
         return self._propose_spine(ctx, k, b, cache, last)
 
@@ -390,6 +408,114 @@ class DraftModel(Drafter):
         tree = TokenTree(tokens.contiguous(), parents.contiguous(), depths.contiguous(), [N] * b, is_chain=False,
                          _mask=mask)
         return Draft(tree)
+
+    def _level_sizes(self, n: int, k: int) -> List[int]:
+        """Nodes per depth of a sampled dynamic tree of n nodes (fixed before any draw): w, then the rest spread."""
+        w = self.top_k
+        first = min(w, n)
+        sizes = [first]
+        rest = n - first
+        deeper = k - 1
+        for d in range(deeper):
+            m = rest // deeper + (1 if d < rest % deeper else 0)
+            if m <= 0:
+                break
+            sizes.append(m)
+        return sizes
+
+    def _children(self, q: torch.Tensor, counts: List[int]) -> Tuple[torch.Tensor, torch.Tensor, List[int]]:
+        """Children of f parents [b, f, V] (q rows, warped): parent j gets counts[j] children, the first DRAWN
+        from q_j, the others the next most likely tokens of q_j (deterministic). Returns tokens [b, c],
+        log q [b, c] and the parent rank of each child (host list), children grouped by parent."""
+        b, f, V = q.shape
+        cmax = max(counts)
+        drawn = torch.multinomial(q.reshape(b * f, V), 1, generator=self.generator).view(b, f, 1)
+        cand = drawn
+        if cmax > 1:
+            top = torch.topk(q, min(cmax, V), dim=-1).indices                          # [b, f, cmax]
+            other = (top == drawn).to(torch.int8)                                       # the drawn token moves last
+            top = top.gather(2, torch.sort(other, dim=2, stable=True).indices)
+            cand = torch.cat([drawn, top[:, :, :cmax - 1]], dim=2)                      # [b, f, cmax]
+        flat = [j * cand.shape[2] + t for j, c in enumerate(counts) for t in range(c)]
+        rank = [j for j, c in enumerate(counts) for _ in range(c)]
+        idx = torch.tensor(flat, dtype=torch.int64, device=q.device)
+        toks = cand.reshape(b, -1).index_select(1, idx)
+        logq = torch.log(q.gather(2, cand).reshape(b, -1).index_select(1, idx))
+        return toks, logq, rank
+
+    def _propose_dynamic_sampled(self, ctx: StepContext, k: int, b: int, cache, last: torch.Tensor) -> Draft:
+        """Sampling: a dynamic tree whose every node exists before it is drawn (see the module docstring)."""
+        w = self.top_k
+        dev = self.device
+        n = self.max_nodes - 1
+        if ctx.node_budget is not None:
+            n = max(1, min(n, int(ctx.node_budget) - 1))
+        sizes = self._level_sizes(n, k)
+        F = sum(min(w, sizes[d], sizes[d + 1]) for d in range(len(sizes) - 1))  # forwarded frontier nodes
+        toks_l, score_l, par_l, slot_l, depth_l = [], [], [], [], []  # per-level [b, m] tensors
+        drawn_rows: List[Tuple[int, torch.Tensor]] = []               # (pool index, q row [b, V]) of drawn nodes
+        q0 = warp_(last.to(torch.float32, copy=True), self.params).unsqueeze(1)     # [b, 1, V]
+        t, lq, _ = self._children(q0, [sizes[0]])
+        toks_l.append(t)
+        score_l.append(lq)
+        par_l.append(torch.full_like(t, -1))
+        depth_l.append(1)
+        drawn_rows.append((0, q0[:, 0]))
+        start = [0]                                                   # pool index of each level's first node
+        slot_of = torch.full((b, n), -1, dtype=torch.int64, device=dev)
+        anc = torch.zeros(b, max(F, 1), max(F, 1), dtype=torch.bool, device=dev)
+        s0 = 0
+        for d in range(1, len(sizes)):
+            prev = score_l[-1]                                        # [b, m_prev] cumulative log q
+            f = min(w, prev.shape[1], sizes[d])
+            rank_idx = torch.topk(prev, f, dim=-1).indices            # [b, f] best first (values already drawn)
+            frontier = start[-1] + rank_idx                           # pool indices
+            slot_of.scatter_(1, frontier, torch.arange(s0, s0 + f, device=dev).expand(b, f))
+            rows = torch.zeros(b, f, F, dtype=torch.bool, device=dev)
+            if d > 1:
+                ppool = par_l[-1].gather(1, rank_idx)                 # parents of the frontier (pool indices)
+                rows = anc[:, :F, :F].gather(1, slot_of.gather(1, ppool).unsqueeze(2).expand(b, f, F)).clone()
+            rows[:, :, s0:s0 + f] |= torch.eye(f, dtype=torch.bool, device=dev)
+            anc[:, s0:s0 + f, :F] = rows
+            ftok = toks_l[-1].gather(1, rank_idx)
+            depths = torch.full((b, f), d - 1, dtype=torch.int32, device=dev)
+            logits = self.lm.forward(cache, ftok, depths, rows[:, :, :s0 + f].contiguous(), kv_offset=s0)
+            q = warp_(logits.to(torch.float32), self.params)          # [b, f, V]
+            counts = [sizes[d] // f + (1 if j < sizes[d] % f else 0) for j in range(f)]
+            t, lq, rank = self._children(q, counts)
+            ranks = torch.tensor(rank, dtype=torch.int64, device=dev)
+            first = start[-1] + prev.shape[1]
+            pos = 0
+            for j, c in enumerate(counts):
+                drawn_rows.append((first + pos, q[:, j]))
+                pos += c
+            toks_l.append(t)
+            score_l.append(prev.gather(1, rank_idx).index_select(1, ranks) + lq)
+            par_l.append(frontier.index_select(1, ranks))
+            depth_l.append(d + 1)
+            start.append(first)
+            s0 += f
+        tokens = torch.cat([ctx.roots.view(b, 1).to(torch.int64)] + toks_l, dim=1)        # [b, N]
+        N = tokens.shape[1]
+        ppool = torch.cat(par_l, dim=1)
+        parents = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=dev), ppool + 1], dim=1)
+        parents[:, 1:] = torch.where(ppool < 0, 0, ppool + 1)
+        depth_list = [0] + [dl for dl, tl in zip(depth_l, toks_l) for _ in range(tl.shape[1])]
+        depths = torch.tensor(depth_list, dtype=torch.int32, device=dev).expand(b, N).contiguous()
+        parents = parents.to(torch.int32).contiguous()
+        slot = slot_of[:, :N - 1]
+        self._tree_slot = torch.cat([torch.zeros(b, 1, dtype=torch.int64, device=dev),
+                                     torch.where(slot >= 0, slot + 1, -1)], dim=1)
+        self._step_tokens = tokens
+        self._F = F
+        probs = torch.zeros(b, N, self.V, dtype=torch.float32, device=dev)
+        probs.scatter_(2, tokens.clamp(min=0).unsqueeze(2), 1.0)      # deterministic nodes: one-hot q
+        for node, row in drawn_rows:
+            probs[:, 1 + node] = row                                  # drawn nodes: the q they came from
+        probs[:, 0] = 0.0
+        tree = TokenTree(tokens, parents, depths, [N] * b, is_chain=False,
+                         _mask=ancestor_mask(parents, max_depth=len(sizes)), max_depths=[len(sizes)] * b)
+        return Draft(tree, probs)
 
     def accept(self, accepted: torch.Tensor, num_accepted: torch.Tensor, num_host: Sequence[int],
                foreign: Optional[Sequence[Sequence[int]]] = None) -> None:
