@@ -78,6 +78,8 @@ def main() -> int:
     ap.add_argument("--modes", default="greedy,sample")
     ap.add_argument("--only", default="", help="comma list of configurations (default all)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=1, help="1: one short generate per configuration first")
+    ap.add_argument("--grounded", default="", help="comma list: only these configurations run the grounded set")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.threads:
@@ -100,8 +102,10 @@ def main() -> int:
     temps = {"greedy": 0.0, "sample": 1.0}
     acc: Dict[str, dict] = {}
     mismatch: List[str] = []
-    for name in names:  # warm-up (allocations, first-call overheads)
-        decoders[name].generate([sets["open"][0]], max_new_tokens=4)
+    if args.warmup:
+        for name in names:  # warm-up (allocations, first-call overheads)
+            decoders[name].generate([sets["open"][0]], max_new_tokens=4)
+    grounded_only = [x for x in args.grounded.split(",") if x]
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"trees_{_dt.date.today()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_suffix(".partial.json")  # raw numbers after every group (a killed run keeps them)
@@ -110,7 +114,8 @@ def main() -> int:
         groups = [prompts[i:i + args.batch] for i in range(0, len(prompts), args.batch)]
         for gi, group in enumerate(groups):
             for mode in modes:
-                order = names[job % len(names):] + names[:job % len(names)]
+                run = [n for n in names if set_name != "grounded" or not grounded_only or n in grounded_only]
+                order = run[job % len(run):] + run[:job % len(run)]
                 job += 1
                 for name in order:
                     t0 = time.perf_counter()

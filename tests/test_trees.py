@@ -89,11 +89,13 @@ def _check_caches(dec, drafter, ctx, target_lm, draft_lm, draft_cache, pend_n):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("kind", ["dynamic", "multi"])
+@pytest.mark.parametrize("kind", ["dynamic", "multi", "chain", "spine", "multi-chain"])
 def test_toy_caches_equal_fresh_prefill_after_every_commit(toy, kind, temperature):
     target, weak, refs = toy
-    dm = DraftModel(weak, k=4, top_k=3, node_budget=10, tree="dynamic")
-    drafter = dm if kind == "dynamic" else MultiDraft([dm, PromptLookup(ngram=2, k=5, min_ngram=1)])
+    dm = {"chain": lambda: DraftModel(weak, k=4), "multi-chain": lambda: DraftModel(weak, k=4),
+          "spine": lambda: DraftModel(weak, k=3, top_k=2)}.get(
+        kind, lambda: DraftModel(weak, k=4, top_k=3, node_budget=10, tree="dynamic"))()
+    drafter = MultiDraft([dm, PromptLookup(ngram=2, k=5, min_ngram=1)]) if kind.startswith("multi") else dm
     dec = SpeculativeDecoder(target, drafter, max_batch=4, max_len=64)
     steps = []
     propose = drafter.propose
