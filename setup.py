@@ -7,6 +7,7 @@ Switches (environment):
   TORCH_CUDA_ARCH_LIST     CUDA archs, default "8.0;9.0"
   SPECDEC_CUDA_HOME / CUDA_HOME   the toolkit, when it cannot be found on its own
   MAX_JOBS                 parallel compile jobs
+  SPECDEC_CMAKE            the cmake binary (default: the `cmake` Python package's, >= 3.26)
 """
 from __future__ import annotations
 
@@ -75,6 +76,47 @@ def arch_list() -> str:
     return ";".join(archs)
 
 
+CMAKE_MIN = (3, 26)  # the CUDA 20 dialect (CMAKE_CUDA_STANDARD 20); keep in step with CMakeLists.txt
+
+
+def _cmake_version(exe: str) -> tuple[int, ...] | None:
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"cmake version (\d+)\.(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def find_cmake() -> str:
+    """The cmake to run: the `cmake` Python package's own binary (a build requirement), found through the
+    package rather than PATH -- `/path/to/venv/bin/pip install .` does not put the venv's bin on PATH, and
+    Debian's /usr/bin/cmake (3.25) lacks the CUDA 20 dialect. SPECDEC_CMAKE overrides; a cmake on PATH
+    is used only when it is new enough; otherwise a clear error says what to install."""
+    tried = []
+    candidates = []
+    if os.environ.get("SPECDEC_CMAKE"):
+        candidates.append(os.environ["SPECDEC_CMAKE"])
+    try:
+        import cmake as cmake_pkg  # the PyPI `cmake` package
+
+        candidates.append(os.path.join(cmake_pkg.CMAKE_BIN_DIR, "cmake"))
+    except (ImportError, AttributeError):
+        pass
+    on_path = shutil.which("cmake")
+    if on_path:
+        candidates.append(on_path)
+    for exe in candidates:
+        version = _cmake_version(exe)
+        tried.append(f"{exe} ({'.'.join(map(str, version)) if version else 'not runnable'})")
+        if version is not None and version >= CMAKE_MIN:
+            return exe
+    need = ".".join(map(str, CMAKE_MIN))
+    raise RuntimeError(f"specdec needs CMake >= {need} (CUDA 20 dialect); found: {', '.join(tried) or 'none'}. "
+                       f"Install it into this interpreter with `{sys.executable} -m pip install 'cmake>={need}'` "
+                       f"or point SPECDEC_CMAKE at a cmake >= {need}.")
+
+
 class CMakeExtension(Extension):
     def __init__(self, name: str) -> None:
         super().__init__(name, sources=[])
@@ -133,14 +175,16 @@ class CMakeBuild(build_ext):
             except ImportError:
                 pass
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
-        subprocess.run(["cmake", str(ROOT)] + args, cwd=build_dir, check=True)
-        subprocess.run(["cmake", "--build", ".", "-j", jobs], cwd=build_dir, check=True)
+        cmake = find_cmake()
+        subprocess.run([cmake, str(ROOT)] + args, cwd=build_dir, check=True)
+        subprocess.run([cmake, "--build", ".", "-j", jobs], cwd=build_dir, check=True)
         built = next(build_dir.glob("_C*.so"))
         out_path.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(built, out_path)
 
 
-setup(
-    ext_modules=[CMakeExtension("specdec._C")],
-    cmdclass={"build_ext": CMakeBuild},
-)
+if __name__ == "__main__":
+    setup(
+        ext_modules=[CMakeExtension("specdec._C")],
+        cmdclass={"build_ext": CMakeBuild},
+    )

@@ -179,18 +179,22 @@ void verify_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   check_same_device(op, "v_cache", v_cache, q);
   check_same_device(op, "cache_lens", cache_lens, q);
   check_int_vector(op, "cache_lens", cache_lens, B, at::kInt);
+  // Nkv: the step's new nodes in the cache; q holds the last N of them (Nkv = N without a mask).
+  int64_t Nkv = N;
   if (tree_mask.has_value()) {
     const at::Tensor& m = *tree_mask;
-    TORCH_CHECK(m.dim() == 3 && m.size(0) == B && m.size(1) == N && m.size(2) == N && m.scalar_type() == at::kBool,
-                op, ": tree_mask must be bool [B, N, N] = [", B, ", ", N, ", ", N, "], got ", m.scalar_type(), " ",
-                m.sizes());
+    TORCH_CHECK(m.dim() == 3 && m.size(0) == B && m.size(1) == N && m.size(2) >= N && m.scalar_type() == at::kBool,
+                op, ": tree_mask must be bool [B, Nq, Nkv] = [", B, ", ", N, ", Nkv >= ", N,
+                "] (queries = the last Nq of Nkv new nodes), got ", m.scalar_type(), " ", m.sizes());
     check_same_device(op, "tree_mask", m, q);
+    Nkv = m.size(2);
+    TORCH_CHECK(Nkv <= S, op, ": tree_mask has Nkv = ", Nkv, " new nodes, more than the cache capacity S = ", S);
   }
-  check_lens_fit(op, cache_lens, S, N);
+  check_lens_fit(op, cache_lens, S, Nkv);
 }
 
 void append_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_new,
-               const at::Tensor& v_new, const at::Tensor& cache_lens) {
+               const at::Tensor& v_new, const at::Tensor& cache_lens, int64_t offset) {
   const char* op = "append_kv";
   check_cache(op, "k_cache", k_cache);
   check_cache(op, "v_cache", v_cache);
@@ -207,6 +211,8 @@ void append_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::T
               " and ", v_new.scalar_type());
   const int64_t N = k_new.size(2);
   TORCH_CHECK(N >= 1 && N <= S, op, ": k_new must hold 1 <= N <= S = ", S, " nodes, got N = ", N);
+  TORCH_CHECK(offset >= 0 && offset <= S - N, op, ": offset must lie in [0, S - N] = [0, ", S - N,
+              "] (the new nodes go to cache_lens[b] + offset + j), got ", offset);
   check_same_device(op, "v_cache", v_cache, k_cache);
   check_same_device(op, "k_new", k_new, k_cache);
   check_same_device(op, "v_new", v_new, k_cache);
@@ -215,7 +221,7 @@ void append_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::T
   static const char* kNames[] = {"k_cache", "v_cache", "k_new", "v_new", "cache_lens"};
   check_no_overlap(op, {&k_cache, &v_cache, &k_new, &v_new, &cache_lens}, 2,
                    [](int64_t i) { return std::string(kNames[i]); });
-  check_lens_fit(op, cache_lens, S, N);
+  check_lens_fit(op, cache_lens, S, offset + N);
 }
 
 void rejection_sample(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& target_probs,

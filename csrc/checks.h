@@ -22,7 +22,7 @@ void set_strict(bool on);
 void verify_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& cache_lens, const std::optional<at::Tensor>& tree_mask, double scale);
 void append_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_new,
-               const at::Tensor& v_new, const at::Tensor& cache_lens);
+               const at::Tensor& v_new, const at::Tensor& cache_lens, int64_t offset);
 void rejection_sample(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& target_probs,
                       const std::optional<at::Tensor>& draft_probs, const at::Tensor& uniforms);
 void greedy_verify(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& target_logits);

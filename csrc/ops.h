@@ -18,7 +18,7 @@ at::Tensor verify_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
                                 const at::Tensor& cache_lens, const std::optional<at::Tensor>& tree_mask,
                                 double scale);
 void append_kv_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k_new, const at::Tensor& v_new,
-                   const at::Tensor& cache_lens);
+                   const at::Tensor& cache_lens, int64_t offset);
 SampleResult rejection_sample_cpu(const at::Tensor& tokens, const at::Tensor& parents,
                                   const at::Tensor& target_probs, const std::optional<at::Tensor>& draft_probs,
                                   const at::Tensor& uniforms);
@@ -37,7 +37,7 @@ at::Tensor verify_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
                                  const at::Tensor& cache_lens, const std::optional<at::Tensor>& tree_mask,
                                  double scale);
 void append_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k_new, const at::Tensor& v_new,
-                    const at::Tensor& cache_lens);
+                    const at::Tensor& cache_lens, int64_t offset);
 SampleResult rejection_sample_cuda(const at::Tensor& tokens, const at::Tensor& parents,
                                    const at::Tensor& target_probs, const std::optional<at::Tensor>& draft_probs,
                                    const at::Tensor& uniforms);

@@ -21,11 +21,13 @@ void bind_suffix_index(pybind11::module_& m);  // csrc/host/suffix_index_binding
 #endif
 
 TORCH_LIBRARY(specdec, m) {
-  // Attention of N tree nodes over the committed KV prefix + the tree (mask among the new nodes).
+  // Attention of the last Nq of a step's Nkv new tree nodes over the committed KV prefix + the new nodes
+  // (tree_mask [B, Nq, Nkv] among the new nodes; None: causal chain, Nkv = Nq).
   m.def("verify_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, Tensor? tree_mask, "
         "float scale) -> Tensor");
-  // Write the new nodes' K/V at cache_lens[b] + j (cache_lens unchanged).
-  m.def("append_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k_new, Tensor v_new, Tensor cache_lens) -> ()");
+  // Write the new nodes' K/V at cache_lens[b] + offset + j (cache_lens unchanged).
+  m.def("append_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k_new, Tensor v_new, Tensor cache_lens, "
+        "int offset=0) -> ()");
   // Tree speculative sampling (min(1, p/q), residual norm(max(0, p - q)), bonus draw).
   m.def("rejection_sample(Tensor tokens, Tensor parents, Tensor target_probs, Tensor? draft_probs, "
         "Tensor uniforms) -> (Tensor, Tensor, Tensor)");

@@ -28,15 +28,28 @@ _LAZY = {
     "SuffixDrafter": "specdec.drafters.suffix",
     "DocumentDrafter": "specdec.drafters.suffix",
     "TokenRecycling": "specdec.drafters.recycling",
+    "MultiDraft": "specdec.drafters.multi",
+    "CallableDrafter": "specdec.drafters.base",
 }
 
-__all__ = ["ops", "build_info", "__version__", *_LAZY]
+# subpackages / modules served as attributes (``specdec.models.load_bundled(...)``), imported on first use
+_SUBMODULES = ("models", "drafters", "reference", "tree", "cache", "decoding", "sampling", "metrics")
+
+__all__ = ["ops", "build_info", "__version__", *_LAZY, *_SUBMODULES]
 
 
 def __getattr__(name: str):
+    if name in _SUBMODULES:
+        value = importlib.import_module(f"specdec.{name}")
+        globals()[name] = value
+        return value
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'specdec' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

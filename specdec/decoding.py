@@ -33,7 +33,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Un
 import torch
 
 from specdec import ops
-from specdec.drafters.base import Draft, Drafter, StepContext, move_cache_rows
+from specdec.drafters.base import Draft, Drafter, StepContext, check_draft, move_cache_rows
 from specdec.metrics import MemoryProbe, MetricsRecorder, empty_metrics, static_memory_bytes, write_trace
 from specdec.sampling import SamplingParams, draw_uniforms, make_generator, warp_
 from specdec.scheduler import POLICIES, CostModel, Policy, StepTimes, calibrate, make_policy
@@ -352,6 +352,8 @@ class _Run:
                 ctx = StepContext(roots=roots, sequences=[self.seqs[rid] for rid in self.rows],
                                   request_ids=list(self.rows), budgets=plan.budgets)
                 draft = drafter.propose(ctx)
+                if not drafter.trusted:
+                    _check_proposal(drafter, draft, ctx, dec)
             tree = draft.tree
             c1 = clock.mark()
             logits = target.forward(cache, tree.tokens, tree.depths, tree.attention_mask())   # [b, N, V]
@@ -397,6 +399,15 @@ class _Run:
         if drafter is None:
             metrics["policy"] = "none"
         return GenerateOutput(self.new, metrics, self.sched.trace)
+
+
+def _check_proposal(drafter: Drafter, draft, ctx: StepContext, dec: SpeculativeDecoder) -> None:
+    """Host validation of an untrusted drafter's proposal before the target runs; the drafter forgets it on error."""
+    try:
+        check_draft(draft, type(drafter).__name__, ctx.request_ids, dec.vocab_size, dec.max_nodes)
+    except (TypeError, ValueError):
+        drafter.cancel()
+        raise
 
 
 def _int_to_float(x):

@@ -59,27 +59,35 @@ def strict_checks() -> bool:
 def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      cache_lens: torch.Tensor, tree_mask: Optional[torch.Tensor] = None,
                      scale: Optional[float] = None) -> torch.Tensor:
-    """Attention of N new (tree) nodes over a KV cache.
+    """Attention of new (tree) nodes over a KV cache.
+
+    The step has ``Nkv`` new nodes per request whose K/V sit at ``cache_lens[b] + j``,
+    j < Nkv; the ``Nq`` queries are the LAST Nq of them (query i is new node
+    ``Nkv - Nq + i``). ``Nkv = Nq`` (every new node queries: target verification) unless
+    ``tree_mask`` is [B, Nq, Nkv] with Nkv > Nq: a dynamic draft tree expands its
+    frontier that way, attending to ancestors drafted earlier in the same step without
+    recomputing them.
 
     Parameters
     ----------
-    q : Tensor [B, N, Hq, D], float16 / bfloat16 / float32
-        Queries of the N new nodes of each request.
+    q : Tensor [B, Nq, Hq, D], float16 / bfloat16 / float32
+        Queries of the last Nq new nodes of each request.
     k_cache, v_cache : Tensor [B, Hkv, S, D], q's dtype, contiguous
         The caches. The new nodes' K/V must already sit at positions
-        ``cache_lens[b] + j``, j < N (see :func:`append_kv`). Hq % Hkv == 0 (GQA).
+        ``cache_lens[b] + j``, j < Nkv (see :func:`append_kv` and its ``offset``).
+        Hq % Hkv == 0 (GQA).
     cache_lens : Tensor [B], int32
-        Committed prefix length of each request; 0 <= cache_lens[b] <= S - N.
-    tree_mask : Tensor [B, N, N], bool, optional
+        Committed prefix length of each request; 0 <= cache_lens[b] <= S - Nkv.
+    tree_mask : Tensor [B, Nq, Nkv], bool, optional (Nkv >= Nq)
         ``tree_mask[b, i, j]``: query i sees new node j. None means a causal chain
-        (j <= i). The prefix (positions < cache_lens[b]) is always visible and never
-        materialised as a mask.
+        with Nkv = Nq (j <= i). The prefix (positions < cache_lens[b]) is always
+        visible and never materialised as a mask.
     scale : float, optional
         Softmax scale, default ``D ** -0.5``.
 
     Returns
     -------
-    Tensor [B, N, Hq, D] in q's dtype. fp32 accumulation and softmax. A query that
+    Tensor [B, Nq, Hq, D] in q's dtype. fp32 accumulation and softmax. A query that
     sees no key at all (empty prefix, all-false mask row) gets zeros.
     """
     if scale is None:
@@ -88,14 +96,16 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-              cache_lens: torch.Tensor) -> None:
+              cache_lens: torch.Tensor, offset: int = 0) -> None:
     """Write the new nodes' K/V into the caches, in place.
 
     k_cache, v_cache : [B, Hkv, S, D]; k_new, v_new : [B, Hkv, N, D] (cache dtype);
-    cache_lens : [B] int32, unchanged. ``cache[b, :, cache_lens[b] + j] = new[b, :, j]``.
-    Requires 0 <= cache_lens[b] <= S - N.
+    cache_lens : [B] int32, unchanged; offset : int >= 0, new nodes of this step already
+    written (a dynamic draft tree's earlier depths).
+    ``cache[b, :, cache_lens[b] + offset + j] = new[b, :, j]``.
+    Requires 0 <= cache_lens[b] <= S - offset - N.
     """
-    _ops.append_kv(k_cache, v_cache, k_new, v_new, cache_lens)
+    _ops.append_kv(k_cache, v_cache, k_new, v_new, cache_lens, int(offset))
 
 
 def rejection_sample(tokens: torch.Tensor, parents: torch.Tensor, target_probs: torch.Tensor,
@@ -275,7 +285,7 @@ def _verify_attention_fake(q, k_cache, v_cache, cache_lens, tree_mask, scale):
 
 
 @torch.library.register_fake("specdec::append_kv")
-def _append_kv_fake(k_cache, v_cache, k_new, v_new, cache_lens):
+def _append_kv_fake(k_cache, v_cache, k_new, v_new, cache_lens, offset=0):
     return None
 
 

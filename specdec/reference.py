@@ -43,11 +43,11 @@ __all__ = [
 
 # --------------------------------------------------------------------------- attention
 def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
-              v_new: torch.Tensor, cache_lens: torch.Tensor) -> None:
-    """Write k_new/v_new [B, Hkv, N, D] at positions cache_lens[b] + j (in place)."""
+              v_new: torch.Tensor, cache_lens: torch.Tensor, offset: int = 0) -> None:
+    """Write k_new/v_new [B, Hkv, N, D] at positions cache_lens[b] + offset + j (in place)."""
     B, _, N, _ = k_new.shape
     for b in range(B):
-        start = int(cache_lens[b])
+        start = int(cache_lens[b]) + int(offset)
         k_cache[b, :, start:start + N] = k_new[b]
         v_cache[b, :, start:start + N] = v_new[b]
 
@@ -55,30 +55,33 @@ def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
 def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      cache_lens: torch.Tensor, tree_mask: Optional[torch.Tensor],
                      scale: float) -> torch.Tensor:
-    """Attention of N new nodes over the committed prefix plus the tree.
+    """Attention of the last Nq of a step's Nkv new nodes over the committed prefix plus the new nodes.
 
-    q [B, N, Hq, D]; k_cache, v_cache [B, Hkv, S, D]; cache_lens [B] int32;
-    tree_mask [B, N, N] bool or None (None = causal chain). Query i of request b
-    sees cache positions < cache_lens[b] and position cache_lens[b] + j iff
-    tree_mask[b, i, j]. fp32 math. A query that sees no key gets a zero output.
-    Returns [B, N, Hq, D] in q's dtype.
+    q [B, Nq, Hq, D]; k_cache, v_cache [B, Hkv, S, D]; cache_lens [B] int32;
+    tree_mask [B, Nq, Nkv] bool (Nkv >= Nq) or None (causal chain, Nkv = Nq). The step's
+    Nkv new nodes sit at cache_lens[b] + j, j < Nkv; query i is new node Nkv - Nq + i.
+    Query i of request b sees cache positions < cache_lens[b] and position
+    cache_lens[b] + j iff tree_mask[b, i, j]. fp32 math. A query that sees no key gets
+    a zero output. Returns [B, Nq, Hq, D] in q's dtype.
     """
-    B, N, Hq, D = q.shape
+    B, Nq, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     group = Hq // Hkv
-    out = torch.zeros(B, N, Hq, D, dtype=torch.float32, device=q.device)
+    out = torch.zeros(B, Nq, Hq, D, dtype=torch.float32, device=q.device)
     if tree_mask is None:
-        tree = torch.ones(N, N, dtype=torch.bool, device=q.device).tril()
-        tree = tree.expand(B, N, N)
+        Nkv = Nq
+        tree = torch.ones(Nq, Nq, dtype=torch.bool, device=q.device).tril()
+        tree = tree.expand(B, Nq, Nq)
     else:
+        Nkv = tree_mask.shape[2]
         tree = tree_mask.to(torch.bool)
     for b in range(B):
         L = int(cache_lens[b])
-        k = k_cache[b, :, : L + N].float().repeat_interleave(group, dim=0)  # [Hq, L+N, D]
-        v = v_cache[b, :, : L + N].float().repeat_interleave(group, dim=0)
-        qb = q[b].float().transpose(0, 1)  # [Hq, N, D]
-        scores = torch.matmul(qb, k.transpose(1, 2)) * scale  # [Hq, N, L+N]
-        visible = torch.cat([torch.ones(N, L, dtype=torch.bool, device=q.device), tree[b]], dim=1)
+        k = k_cache[b, :, : L + Nkv].float().repeat_interleave(group, dim=0)  # [Hq, L+Nkv, D]
+        v = v_cache[b, :, : L + Nkv].float().repeat_interleave(group, dim=0)
+        qb = q[b].float().transpose(0, 1)  # [Hq, Nq, D]
+        scores = torch.matmul(qb, k.transpose(1, 2)) * scale  # [Hq, Nq, L+Nkv]
+        visible = torch.cat([torch.ones(Nq, L, dtype=torch.bool, device=q.device), tree[b]], dim=1)
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         probs = torch.nan_to_num(probs, nan=0.0)  # rows with no visible key -> 0

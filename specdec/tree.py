@@ -226,10 +226,11 @@ class TokenTree:
         return levels
 
 
-def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+def ancestor_mask(parents: torch.Tensor, max_depth: Optional[int] = None) -> torch.Tensor:
     """[B, N] int32 parents -> [B, N, N] bool ancestor-or-self mask, vectorised (no host sync).
 
-    Walks every node up one generation per iteration; N iterations at most (depth <= N - 1).
+    Walks every node up one generation per iteration; N - 1 iterations at most (depth <= N - 1),
+    or ``max_depth`` when the caller knows the deepest node's depth (a draft tree of depth k).
     """
     B, N = parents.shape
     dev = parents.device
@@ -237,7 +238,8 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     par = parents.to(torch.int64)
     self_index = torch.arange(N, device=dev).expand(B, N)
     cur = par  # [B, N]: current ancestor of each node (-1: none left)
-    for _ in range(N - 1):
+    steps = N - 1 if max_depth is None else min(N - 1, int(max_depth))
+    for _ in range(steps):
         valid = cur >= 0
         # mark the ancestor; nodes without one re-mark themselves (already True)
         mask.scatter_(2, torch.where(valid, cur, self_index).unsqueeze(-1), True)

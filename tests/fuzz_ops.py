@@ -50,7 +50,7 @@ ULP = {torch.float32: 2.0 ** -17, torch.float16: 2.0 ** -9, torch.bfloat16: 2.0 
 DEVICE = "cpu"
 ARGS: Dict[str, Sequence[str]] = {
     "verify_attention": ("q", "k_cache", "v_cache", "cache_lens", "tree_mask", "scale", "head dim"),
-    "append_kv": ("k_cache", "v_cache", "k_new", "v_new", "cache_lens"),
+    "append_kv": ("k_cache", "v_cache", "k_new", "v_new", "cache_lens", "offset"),
     "rejection_sample": ("tokens", "parents", "target_probs", "draft_probs", "uniforms"),
     "greedy_verify": ("tokens", "parents", "target_logits"),
     "kv_commit": ("k_caches", "v_caches", "cache_lens", "accepted", "num_accepted"),
@@ -233,17 +233,19 @@ def attention_case(draw):
         Hq += 1  # not a multiple of Hkv
     D = draw(st.sampled_from([64, 64, 80, 96, 128, 256, 8, 1]))
     dtype = draw(st.sampled_from(FLOATS))
+    # frontier form: the queries are the last N of the step's Nkv new nodes (mask [B, N, Nkv])
+    Nkv = N + draw(st.sampled_from([0, 0, 0, 1, 3, 8]))
     lens = [draw(st.integers(0, 9)) for _ in range(B)]
-    S = max([l + N for l in lens] + [max(N, 1)]) + draw(st.sampled_from([0, 0, 1, 3]))
+    S = max([l + Nkv for l in lens] + [max(Nkv, 1)]) + draw(st.sampled_from([0, 0, 1, 3]))
     if B and draw(st.integers(0, 9)) == 0:  # a length at / past capacity
-        lens[draw(st.integers(0, B - 1))] = draw(st.sampled_from([S - N + 1, S, -1]))
+        lens[draw(st.integers(0, B - 1))] = draw(st.sampled_from([S - Nkv + 1, S, -1]))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31 - 1)))
     k = torch.randn(B, Hkv, S, D, generator=g)
     v = torch.randn(B, Hkv, S, D, generator=g)
-    for b, l in enumerate(lens):  # positions past the tree hold NaN: they must never be read
-        if 0 <= l and l + N < S:
-            k[b, :, l + N:] = float("nan")
-            v[b, :, l + N:] = float("nan")
+    for b, l in enumerate(lens):  # positions past the step's nodes hold NaN: they must never be read
+        if 0 <= l and l + Nkv < S:
+            k[b, :, l + Nkv:] = float("nan")
+            v[b, :, l + Nkv:] = float("nan")
     kdtype = dtype if draw(st.integers(0, 14)) else draw(st.sampled_from(FLOATS))
     q = torch.randn(B, N, Hq, D, generator=g).to(dtype)
     qhow = draw(st.sampled_from(("contig", "contig", "offset1", "hf_transposed", "strided")))
@@ -254,17 +256,19 @@ def attention_case(draw):
     mask_kind = draw(st.sampled_from(("none", "tree", "tree", "random", "all_false_row", "last_only") * 2
                                      + ("wrong_shape",)))
     mask = None
+    if Nkv > N and mask_kind == "none" and draw(st.integers(0, 3)):
+        mask_kind = "tree"  # the frontier form needs a mask (None is causal, Nkv = Nq): mostly valid cases
     if mask_kind != "none" and N > 0:
-        mask = torch.rand(B, N, N, generator=g) < 0.5
-        if mask_kind == "tree":
-            mask = reference.tree_attention_mask(draw(tree(B, N, 5, True))[1])
+        mask = torch.rand(B, N, Nkv, generator=g) < 0.5
+        if mask_kind == "tree":  # the last N rows of a whole tree's ancestor mask
+            mask = reference.tree_attention_mask(draw(tree(B, Nkv, 5, True))[1])[:, Nkv - N:]
         if mask_kind == "all_false_row":
             mask[:, 0] = False
         if mask_kind == "last_only":  # a row that sees only the last node
             mask[:, 0] = False
-            mask[:, 0, N - 1] = True
+            mask[:, 0, Nkv - 1] = True
         if mask_kind == "wrong_shape":
-            mask = mask[:, :, : N - 1] if N > 1 else mask.int()
+            mask = (mask[:, :, : N - 1] if Nkv == N else mask[:, :1]) if N > 1 else mask.int()
         mask = place(mask, draw(st.sampled_from(("contig", "offset1", "transposed"))))
     scale = draw(st.sampled_from([None] * 12 + [0.3, 2.0, float("nan"), float("inf")]))
     args = dict(q=qd, k_cache=place(k.to(kdtype), draw(st.sampled_from(("contig",) * 5 + ("offset4", "offset4", "transposed")))),
@@ -293,10 +297,13 @@ def append_case(draw):
     N = draw(st.sampled_from([1, 2, 3, 0]))
     Hkv, D = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 8, 64, 80]))
     dtype = draw(st.sampled_from(FLOATS))
+    offset = draw(st.sampled_from([0, 0, 0, 1, 3]))  # writes at cache_lens + offset + j
     lens = [draw(st.integers(0, 6)) for _ in range(B)]
-    S = max([l + N for l in lens] + [max(N, 1)]) + draw(st.sampled_from([0, 0, 2]))
+    S = max([l + offset + N for l in lens] + [max(offset + N, 1)]) + draw(st.sampled_from([0, 0, 2]))
     if B and draw(st.integers(0, 7)) == 0:
         lens[draw(st.integers(0, B - 1))] = draw(st.sampled_from([S - N + 1, -1, 2 ** 31 - 1]))
+    if draw(st.integers(0, 11)) == 0:  # an offset out of range
+        offset = draw(st.sampled_from([-1, S - N + 1, 2 ** 31, -2 ** 40]))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31 - 1)))
     k = place(torch.randn(B, Hkv, S, D, generator=g).to(dtype), draw(st.sampled_from(("contig", "contig", "offset4"))))
     v = place(torch.randn(B, Hkv, S, D, generator=g).to(dtype), "contig")
@@ -308,14 +315,16 @@ def append_case(draw):
     elif alias == "new_in_cache" and N > 0 and S >= N:
         kn = k[:, :, S - N:]
     return dict(k_cache=k, v_cache=v, k_new=kn, v_new=vn, cache_lens=place(torch.tensor(lens, dtype=torch.int32),
-                                                                           draw(st.sampled_from(("contig", "strided")))))
+                                                                           draw(st.sampled_from(("contig", "strided")))),
+                offset=offset)
 
 
 @given(append_case())
 def fuzz_append_kv(args):
     def check(out, before):
         k, v = before["k_cache"].cpu(), before["v_cache"].cpu()
-        reference.append_kv(k, v, before["k_new"].cpu(), before["v_new"].cpu(), before["cache_lens"].cpu())
+        reference.append_kv(k, v, before["k_new"].cpu(), before["v_new"].cpu(), before["cache_lens"].cpu(),
+                            before["offset"])
         assert torch.equal(bits(args["k_cache"]), bits(k)), "k_cache differs from the reference"
         assert torch.equal(bits(args["v_cache"]), bits(v)), "v_cache differs from the reference"
     run_property("append_kv", lambda: ops.append_kv(**args), args, check, ["k_new", "v_new", "cache_lens"])

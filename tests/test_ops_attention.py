@@ -39,7 +39,7 @@ HEADS = {"gqa3": (6, 2), "mha": (6, 6), "mqa": (6, 1)}
 def attention_in(q, k_cache, v_cache, cache_lens, tree_mask, scale, dtype) -> torch.Tensor:
     """The same attention computed by torch entirely in ``dtype`` (float64 = the oracle).
 
-    Runs on the CPU, one request at a time, only over positions < cache_lens[b] + N.
+    Runs on the CPU, one request at a time, only over positions < cache_lens[b] + Nkv.
     """
     q, k_cache, v_cache, cache_lens = q.cpu(), k_cache.cpu(), v_cache.cpu(), cache_lens.cpu()
     B, N, Hq, D = q.shape
@@ -48,11 +48,12 @@ def attention_in(q, k_cache, v_cache, cache_lens, tree_mask, scale, dtype) -> to
         tree = torch.ones(N, N, dtype=torch.bool).tril().expand(B, N, N)
     else:
         tree = tree_mask.cpu()
+    Nkv = tree.shape[2]  # queries = the last N of Nkv new nodes
     out = torch.zeros(B, N, Hq, D, dtype=dtype)
     for b in range(B):
         L = int(cache_lens[b])
-        k = k_cache[b, :, : L + N].to(dtype).repeat_interleave(group, dim=0)  # [Hq, L+N, D]
-        v = v_cache[b, :, : L + N].to(dtype).repeat_interleave(group, dim=0)
+        k = k_cache[b, :, : L + Nkv].to(dtype).repeat_interleave(group, dim=0)  # [Hq, L+Nkv, D]
+        v = v_cache[b, :, : L + Nkv].to(dtype).repeat_interleave(group, dim=0)
         qb = q[b].to(dtype).transpose(0, 1)  # [Hq, N, D]
         scores = torch.matmul(qb, k.transpose(1, 2)) * scale  # [Hq, N, L+N]
         visible = torch.cat([torch.ones(N, L, dtype=torch.bool), tree[b]], dim=1)
@@ -248,6 +249,48 @@ def test_append_kv_misaligned(device, dtype):
     kc, vc = misaligned(k_cache.to(device)), misaligned(v_cache.to(device))
     ops.append_kv(kc, vc, misaligned(k_new.to(device)), misaligned(v_new.to(device)), lens.to(device))
     assert torch.equal(kc.cpu(), want_k) and torch.equal(vc.cpu(), want_v)
+
+
+@pytest.mark.parametrize("Nq,Nkv", [(1, 5), (4, 13), (3, 70)])
+@pytest.mark.parametrize("mask_kind", ["tree", "random"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_verify_attention_frontier_queries(device, dtype, D, mask_kind, Nq, Nkv):
+    """Queries for the LAST Nq of a step's Nkv new nodes, mask [B, Nq, Nkv] (dynamic draft trees).
+
+    Nkv = 70 needs two mask words per row. The cache past cache_lens + Nkv holds junk."""
+    Hq, Hkv = HEADS["gqa3"]
+    B = len(LENS_7)
+    seed = 3000 + D + Nkv
+    q_all, k, v, lens = make_case(B, Nkv, Hq, Hkv, D, LENS_7, dtype, seed=seed)
+    full = make_mask(mask_kind, B, Nkv, seed=seed)
+    q, mask = q_all[:, Nkv - Nq:].contiguous(), full[:, Nkv - Nq:].contiguous()
+    out = run(device, q, k, v, lens, mask)
+    assert_attention_close(out, q, k, v, lens, mask, D ** -0.5)
+    if dtype == torch.float32:
+        # the same rows of the all-nodes call: frontier queries are positioned at the end
+        want = run(device, q_all, k, v, lens, full)[:, Nkv - Nq:]
+        torch.testing.assert_close(out, want, atol=FP32_ATOL, rtol=FP32_RTOL)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_append_kv_at_offset(device, dtype):
+    """append_kv(offset=o) writes at cache_lens[b] + o + j; cache_lens unchanged; the rest untouched."""
+    k_cache, v_cache, k_new, v_new, _ = _append_case(dtype, seed=25, B=3, N=5, D=64)
+    lens = torch.tensor([0, 7, 20], dtype=torch.int32)
+    S = k_cache.shape[2]
+    for offset in (0, 1, S - 5 - int(lens.max())):
+        want_k, want_v = k_cache.clone(), v_cache.clone()
+        reference.append_kv(want_k, want_v, k_new, v_new, lens, offset)
+        kc, vc, cl = (t.to(device, copy=True) for t in (k_cache, v_cache, lens))
+        ops.append_kv(kc, vc, k_new.to(device), v_new.to(device), cl, offset)
+        assert torch.equal(kc.cpu(), want_k) and torch.equal(vc.cpu(), want_v)
+        assert torch.equal(cl.cpu(), lens)
+        b = 1
+        start = int(lens[b]) + offset
+        assert torch.equal(kc[b, :, start:start + 5].cpu(), k_new[b])
 
 
 @pytest.mark.parametrize("device", DEVICES)

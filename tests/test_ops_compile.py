@@ -42,6 +42,16 @@ def _append_args(device):
     return [t.to(device) for t in args]
 
 
+def _frontier_args(device):
+    """Queries for the last 3 of 5 new nodes (mask [B, 3, 5]): the dynamic-draft-tree form."""
+    q, k, v, lens, mask, scale = _attention_args(device, torch.float32, True)
+    return [q[:, -3:].contiguous(), k, v, lens, mask[:, -3:].contiguous(), scale]
+
+
+def _append_offset_args(device):
+    return _append_args(device)[:4] + [torch.tensor([0, 3, 10], dtype=torch.int32).to(device), 7]
+
+
 def _tree(g, B=3, N=6, V=11):
     tokens, parents, _ = make_trees(B, N, V, "mixed", g=g, ragged=True)
     return tokens, parents
@@ -100,7 +110,9 @@ OPCHECK_CASES = {
     "verify_attention-fp32-mask": lambda d: (SD.verify_attention.default, _attention_args(d, torch.float32, True)),
     "verify_attention-fp16-causal": lambda d: (SD.verify_attention.default, _attention_args(d, torch.float16, False)),
     "verify_attention-bf16-mask": lambda d: (SD.verify_attention.default, _attention_args(d, torch.bfloat16, True)),
+    "verify_attention-frontier": lambda d: (SD.verify_attention.default, _frontier_args(d)),
     "append_kv": lambda d: (SD.append_kv.default, _append_args(d)),
+    "append_kv-offset": lambda d: (SD.append_kv.default, _append_offset_args(d)),
     "rejection_sample-q": lambda d: (SD.rejection_sample.default, _rejection_args(d, True)),
     "rejection_sample-q_none": lambda d: (SD.rejection_sample.default, _rejection_args(d, False)),
     "greedy_verify-fp32": lambda d: (SD.greedy_verify.default, _greedy_args(d, torch.float32)),

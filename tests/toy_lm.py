@@ -65,9 +65,11 @@ class ToyLM:
         return StaticKVCache(self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity, self.dtype, "cpu")
 
     def forward(self, cache: StaticKVCache, tokens: torch.Tensor, depths: torch.Tensor,
-                tree_mask: Optional[torch.Tensor]) -> torch.Tensor:
+                tree_mask: Optional[torch.Tensor], kv_offset: int = 0) -> torch.Tensor:
         self.forward_calls += 1
         B, N = tokens.shape
+        if kv_offset and tree_mask is None:
+            tree_mask = torch.ones(N, kv_offset + N, dtype=torch.bool).tril(kv_offset).expand(B, N, kv_offset + N)
         pos = cache.lens.to(torch.int64)[:, None] + depths.to(torch.int64)
         x = self.embed[tokens.clamp(min=0)]  # [B, N, H]
         for i, lw in enumerate(self.layers):
@@ -77,7 +79,7 @@ class ToyLM:
             v = (h @ lw["wv"].T).view(B, N, self.num_kv_heads, self.head_dim)
             q, k = self._rope(q, pos), self._rope(k, pos)
             ops.append_kv(cache.k[i], cache.v[i], k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(),
-                          cache.lens)
+                          cache.lens, kv_offset)
             a = ops.verify_attention(q.contiguous(), cache.k[i], cache.v[i], cache.lens, tree_mask)
             x = x + a.reshape(B, N, -1) @ lw["wo"].T
             x = x + torch.relu(self._norm(x) @ lw["w1"].T) @ lw["w2"].T

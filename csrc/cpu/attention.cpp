@@ -46,16 +46,17 @@ at::Tensor verify_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cach
   at::Tensor out = at::empty({B, N, Hq, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   const at::Tensor lens = cache_lens.contiguous();
 
-  // Bit-pack the [B, N, N] bool mask: W words of 64 bits per row.
-  const int64_t W = (N + 63) / 64;
+  // Bit-pack the [B, N, Nkv] bool mask: W words of 64 bits per row.
+  const int64_t Nkv = tree_mask.has_value() ? tree_mask->size(2) : N;
+  const int64_t W = (Nkv + 63) / 64;
   std::vector<uint64_t> packed;
   if (tree_mask.has_value()) {
     const at::Tensor m = tree_mask->contiguous();
     const bool* mp = m.data_ptr<bool>();
     packed.assign(B * N * W, 0);
     for (int64_t r = 0; r < B * N; ++r)
-      for (int64_t j = 0; j < N; ++j)
-        if (mp[r * N + j]) packed[r * W + (j >> 6)] |= uint64_t(1) << (j & 63);
+      for (int64_t j = 0; j < Nkv; ++j)
+        if (mp[r * Nkv + j]) packed[r * W + (j >> 6)] |= uint64_t(1) << (j & 63);
   }
 
   cpu::AttentionParams P;
@@ -68,7 +69,7 @@ at::Tensor verify_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cach
   P.out = out.data_ptr();
   P.lens = lens.data_ptr<int32_t>();
   P.mask = tree_mask.has_value() ? packed.data() : nullptr;
-  P.B = B; P.N = N; P.Hq = Hq; P.Hkv = Hkv; P.S = S; P.D = D; P.W = W;
+  P.B = B; P.N = N; P.Hq = Hq; P.Hkv = Hkv; P.S = S; P.D = D; P.W = W; P.Nkv = Nkv;
   P.scale = static_cast<float>(scale);
   P.dtype = cpu::to_dtype(q.scalar_type());
 
@@ -81,8 +82,8 @@ at::Tensor verify_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cach
 }
 
 void append_kv_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k_new_in, const at::Tensor& v_new_in,
-                   const at::Tensor& cache_lens) {
-  checks::append_kv(k_cache, v_cache, k_new_in, v_new_in, cache_lens);
+                   const at::Tensor& cache_lens, int64_t offset) {
+  checks::append_kv(k_cache, v_cache, k_new_in, v_new_in, cache_lens, offset);
   const at::Tensor k_new = k_new_in.stride(3) == 1 ? k_new_in : k_new_in.contiguous();
   const at::Tensor v_new = v_new_in.stride(3) == 1 ? v_new_in : v_new_in.contiguous();
   const int64_t B = k_cache.size(0), H = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3);
@@ -98,7 +99,7 @@ void append_kv_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = t / H, h = t % H;
       for (int64_t j = 0; j < N; ++j) {
-        const int64_t dst = ((b * H + h) * S + lens[b] + j) * D * es;
+        const int64_t dst = ((b * H + h) * S + lens[b] + offset + j) * D * es;
         std::memcpy(kc + dst, kn + (b * k_new.stride(0) + h * k_new.stride(1) + j * k_new.stride(2)) * es, D * es);
         std::memcpy(vc + dst, vn + (b * v_new.stride(0) + h * v_new.stride(1) + j * v_new.stride(2)) * es, D * es);
       }

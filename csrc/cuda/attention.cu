@@ -1,10 +1,13 @@
 // verify_attention / append_kv, CUDA backend.
 //
-// What it computes: attention of the N new tree nodes of each request over its
-// committed KV prefix plus the tree itself. Query i of request b sees every cache
+// What it computes: attention of the N queries of each request over its committed KV
+// prefix plus the step's Nkv >= N new tree nodes (the queries are the LAST N of them:
+// query i is new node Nkv - N + i; Nkv = N, the plain tree form, unless a [B, N, Nkv]
+// mask says otherwise -- a dynamic draft tree expands its frontier this way, attending
+// to ancestors drafted earlier in the same step). Query i of request b sees every cache
 // position < cache_lens[b] (implicitly: no N x (prefix + N) mask is ever built) and
-// position cache_lens[b] + j iff tree_mask[b, i, j] (None: j <= i). fp32 scores,
-// softmax and accumulation; a query that sees no key outputs zeros.
+// position cache_lens[b] + j iff tree_mask[b, i, j] (None: j <= Nkv - N + i). fp32
+// scores, softmax and accumulation; a query that sees no key outputs zeros.
 //
 // Design: flash-decoding (Dao et al., "Flash-Decoding for long-context inference",
 // 2023) applied to tree verification (SpecInfer, Miao et al. 2024):
@@ -108,12 +111,13 @@ struct AttnParams {
   const void* k;          // [B, Hkv, S, D] contiguous
   const void* v;          // [B, Hkv, S, D] contiguous
   const int32_t* lens;    // [B] contiguous
-  const uint8_t* mask;    // [B, N, N] bool contiguous, or nullptr = causal chain
+  const uint8_t* mask;    // [B, N, Nkv] bool contiguous, or nullptr = causal chain
   void* out;              // [B, N, Hq, D] contiguous, q's dtype (written when splits == 1)
   float* part_o;          // [splits, B * N * Hq, D] fp32, normalised per split (splits > 1)
   float* part_lse;        // [splits, B * N * Hq] fp32, log2(sum exp2) per split (splits > 1)
   int B, N, Hq, Hkv, S, G, R;  // R = G * N query rows per (request, KV head)
-  int W;                  // mask words per node row = ceil(N / 64)
+  int Nkv;                // new nodes in the cache (>= N): the queries are the last N of them
+  int W;                  // mask words per node row = ceil(Nkv / 64)
   int splits, row_tiles;  // grid = B * Hkv * splits * row_tiles
   int min_chunk;          // fewest keys per split (multiple of the key block), see launch_verify_attention
   int wm, wk;             // warps over rows x warps over keys (wm * wk <= 4)
@@ -450,8 +454,9 @@ __global__ void __launch_bounds__(128) verify_attention_kernel(const AttnParams 
   const int64_t rows_all = int64_t(p.B) * N * p.Hq;
 
   // Unchecked lengths (strict checks off) are clamped so that no read leaves the cache.
-  const int len = max(0, min(p.lens[b], p.S - N));
-  const int total = len + N;  // keys [0, total): prefix then the N tree nodes
+  const int Nkv = p.Nkv, qoff = Nkv - N;  // query i is new node qoff + i
+  const int len = max(0, min(p.lens[b], p.S - Nkv));
+  const int total = len + Nkv;  // keys [0, total): prefix then the Nkv new nodes
   const int64_t even = ceil_div(ceil_div(total, p.splits), BK) * BK;
   const int64_t chunk = even > p.min_chunk ? even : int64_t(p.min_chunk);
   const int64_t kbeg64 = int64_t(split) * chunk;
@@ -499,10 +504,10 @@ __global__ void __launch_bounds__(128) verify_attention_kernel(const AttnParams 
     const int pairs = (i_hi - i_lo + 1) * W;
     for (int pr = warp; pr < pairs; pr += nwarps) {  // warp-uniform loop
       const int ni = pr / W, w = pr - ni * W;
-      const uint8_t* mrow = p.mask + (int64_t(b) * N + i_lo + ni) * N;
+      const uint8_t* mrow = p.mask + (int64_t(b) * N + i_lo + ni) * Nkv;
       const int j0 = w * 64 + lane, j1 = j0 + 32;
-      const unsigned lo = __ballot_sync(kFullMask, j0 < N && mrow[j0] != 0);
-      const unsigned hi = __ballot_sync(kFullMask, j1 < N && mrow[j1] != 0);
+      const unsigned lo = __ballot_sync(kFullMask, j0 < Nkv && mrow[j0] != 0);
+      const unsigned hi = __ballot_sync(kFullMask, j1 < Nkv && mrow[j1] != 0);
       if (lane == 0) sMask[pr] = uint64_t(lo) | (uint64_t(hi) << 32);
     }
   }
@@ -531,14 +536,14 @@ __global__ void __launch_bounds__(128) verify_attention_kernel(const AttnParams 
 
   const bool has_mask = p.mask != nullptr;
   // Does tile row lr see cache position pos (kbeg <= pos)? Prefix: always; tree node j = pos - len:
-  // mask bit (or j <= i); past the chunk: never. Padding rows (r >= R) reuse the last node's row.
+  // mask bit (or j <= qoff + i); past the chunk: never. Padding rows (r >= R) reuse the last node's row.
   auto vis = [&](int lr, int pos) -> bool {
     if (pos >= kend) return false;
     if (pos < len) return true;
     const int i = min((row0 + lr) / G, N - 1);
     const int j = pos - len;
     if (has_mask) return ((sMask[(i - i_lo) * W + (j >> 6)] >> (j & 63)) & 1u) != 0;
-    return j <= i;
+    return j <= qoff + i;
   };
 
   EngineFor<T, D> eng;
@@ -714,7 +719,7 @@ bool q_rows_aligned(const at::Tensor& q) {
 }
 
 // ---------------------------------------------------------------- append_kv
-// One thread per VT-sized chunk of one new row: cache[b, h, len_b + j, :] = new[b, h, j, :].
+// One thread per VT-sized chunk of one new row: cache[b, h, len_b + offset + j, :] = new[b, h, j, :].
 template <typename VT>
 __global__ void append_kv_kernel(char* __restrict__ k_cache,        // [B, H, S, D] contiguous
                                  char* __restrict__ v_cache,        // [B, H, S, D] contiguous
@@ -722,7 +727,7 @@ __global__ void append_kv_kernel(char* __restrict__ k_cache,        // [B, H, S,
                                  const char* __restrict__ v_new,    // [B, H, N, D], byte strides below
                                  const int32_t* __restrict__ lens,  // [B]
                                  int64_t kb_s, int64_t kh_s, int64_t kn_s, int64_t vb_s, int64_t vh_s,
-                                 int64_t vn_s, int B, int H, int S, int N, int64_t row_bytes) {
+                                 int64_t vn_s, int B, int H, int S, int N, int offset, int64_t row_bytes) {
   const int64_t chunks = row_bytes / int64_t(sizeof(VT));
   const int64_t total = int64_t(B) * H * N * chunks;
   for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
@@ -733,8 +738,8 @@ __global__ void append_kv_kernel(char* __restrict__ k_cache,        // [B, H, S,
     rest /= N;
     const int h = int(rest % H);
     const int b = int(rest / H);
-    const int len = lens[b];
-    if (len < 0 || len > S - N) continue;  // unchecked bad length: write nothing rather than out of bounds
+    const int len = lens[b] + offset;
+    if (lens[b] < 0 || len > S - N) continue;  // unchecked bad length: write nothing rather than out of bounds
     const int64_t dst = ((int64_t(b) * H + h) * S + len + j) * row_bytes + c * int64_t(sizeof(VT));
     const int64_t off = c * int64_t(sizeof(VT));
     *reinterpret_cast<VT*>(k_cache + dst) =
@@ -756,7 +761,8 @@ at::Tensor verify_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_cac
   const int64_t Hkv = k_cache_in.size(1), S = k_cache_in.size(2);
   TORCH_CHECK(D == 64 || D == 80 || D == 96 || D == 128 || D == 256,
               "verify_attention: head dim D must be one of 64, 80, 96, 128, 256 on CUDA, got ", D);
-  TORCH_CHECK(S + N < std::numeric_limits<int32_t>::max() / 2 && B < std::numeric_limits<int32_t>::max() &&
+  const int64_t Nkv = tree_mask.has_value() ? tree_mask->size(2) : N;
+  TORCH_CHECK(S + Nkv < std::numeric_limits<int32_t>::max() / 2 && B < std::numeric_limits<int32_t>::max() &&
                   Hq * N < std::numeric_limits<int32_t>::max(),
               "verify_attention: sizes too large for the CUDA kernel (B = ", B, ", N = ", N, ", Hq = ", Hq,
               ", S = ", S, ")");
@@ -796,7 +802,8 @@ at::Tensor verify_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_cac
   p.S = int(S);
   p.G = int(Hq / Hkv);
   p.R = int(p.G * N);
-  p.W = int(cuda::ceil_div(N, 64));
+  p.Nkv = int(Nkv);
+  p.W = int(cuda::ceil_div(Nkv, 64));
   p.scale_log2 = float(scale * 1.4426950408889634);  // log2(e)
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   SPECDEC_DISPATCH_FLOAT(q.scalar_type(), "verify_attention", T, [&] {
@@ -808,8 +815,8 @@ at::Tensor verify_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_cac
 }
 
 void append_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k_new_in, const at::Tensor& v_new_in,
-                    const at::Tensor& cache_lens) {
-  checks::append_kv(k_cache, v_cache, k_new_in, v_new_in, cache_lens);
+                    const at::Tensor& cache_lens, int64_t offset) {
+  checks::append_kv(k_cache, v_cache, k_new_in, v_new_in, cache_lens, offset);
   const c10::cuda::CUDAGuard device_guard(k_cache.device());
   const int64_t B = k_cache.size(0), H = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3);
   const int64_t N = k_new_in.size(2);
@@ -847,7 +854,8 @@ void append_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& 
         static_cast<char*>(k_cache.data_ptr()), static_cast<char*>(v_cache.data_ptr()),
         static_cast<const char*>(k_new.data_ptr()), static_cast<const char*>(v_new.data_ptr()),
         lens.data_ptr<int32_t>(), k_new.stride(0) * es, k_new.stride(1) * es, k_new.stride(2) * es,
-        v_new.stride(0) * es, v_new.stride(1) * es, v_new.stride(2) * es, int(B), int(H), int(S), int(N), row_bytes);
+        v_new.stride(0) * es, v_new.stride(1) * es, v_new.stride(2) * es, int(B), int(H), int(S), int(N),
+        int(offset), row_bytes);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   if (vec == 16) launch(uint4{});

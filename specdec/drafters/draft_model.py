@@ -1,35 +1,70 @@
-"""DraftModel: a smaller LM (same vocabulary) drafts k tokens per step, as a chain or a spine tree.
+"""DraftModel: a smaller LM (same vocabulary) drafts per step, as a chain, a spine tree or a dynamic tree.
 
-Drafting: k forwards of ONE node each -- the root (see "pending" below), then the
-spine tokens s_1 .. s_{k-1} -- each giving the draft distribution after the spine so
-far. Greedy takes its argmax as the next spine token; sampling draws it from
-q = warp(draft logits) (the target's temperature / top-k / top-p, a seeded generator)
+Chains and spine trees (``tree="spine"``): k forwards of ONE node each -- the root (see
+"pending" below), then the spine tokens s_1 .. s_{k-1} -- each giving the draft distribution
+after the spine so far. Greedy takes its argmax as the next spine token; sampling draws it
+from q = warp(draft logits) (the target's temperature / top-k / top-p, a seeded generator)
 and writes q into that node's row of ``draft_probs`` (the distribution the token was
 really drawn from, as exact rejection sampling needs).
 
-``top_k = w > 1`` adds, at every depth, w - 1 sibling LEAVES next to the spine token
-(greedy: the next most likely draft tokens; sampling: further independent draws from
-the same q, kept as separate nodes even when equal -- SpecInfer's condition for
-exactness). The drafting cost is unchanged (still k one-node forwards: only the spine
-is expanded), the target verifies 1 + k * w nodes, and a rejected spine token gets a
-second chance. This is the "top-k tree" restricted to expanding the best node of each
-level: expanding several nodes per level would need the draft's forward to attend to
-earlier tree nodes that sit past ``cache.lens`` (not in the adapter protocol) or to
-recompute them. Node (depth d, slot s) has index 1 + (d - 1) * w + s; slot 0 is the spine.
+``top_k = w > 1`` with ``tree="spine"`` adds, at every depth, w - 1 sibling LEAVES next to
+the spine token (greedy: the next most likely draft tokens; sampling: further independent
+draws from the same q, kept as separate nodes even when equal -- SpecInfer's condition for
+exactness). The drafting cost is unchanged (still k one-node forwards: only the spine is
+expanded), the target verifies 1 + k * w nodes. Node (depth d, slot s) has index
+1 + (d - 1) * w + s; slot 0 is the spine.
+
+Dynamic trees (``tree="dynamic"``, EAGLE-2's expand + re-rank): depth 1 is the top w
+children of the root; at each further depth ONE draft forward runs over the current frontier
+(w nodes per request) -- they attend to the committed prefix, the root and their ancestors
+drafted earlier in this step, which sit past ``cache.lens`` (``forward(..., kv_offset=...)``
+and a [b, w, kv_offset + w] mask: verify_attention's frontier form), so no earlier depth is
+ever recomputed. Each frontier node gets its top w children, scored by cumulative draft
+log-probability (sum of log q along the path); the best w of all those children form the next
+frontier. After depth k the whole pool (w + (k - 1) w^2 candidates) is re-ranked to the
+``node_budget - 1`` best nodes: a child never scores above its parent and ties keep pool
+order (a stable sort; parents are created first), so the best-n set is a connected subtree;
+it is emitted in pool order, which is topological. k draft forwards per step, like a chain.
+
+Sampling exactness of dynamic trees. The rejection sampler (SpecInfer multi-step,
+``rejection_sample``) tries a node's children in index order against the current residual p'
+(accept x with probability min(1, p'(x) / q_c(x)); after a rejection p' <- norm(max(0, p' - q_c)),
+q_c one-hot for a deterministic candidate). It emits exactly one token distributed as p if every
+child, at the moment it is tested, is either DETERMINISTIC given everything decided before it or
+DRAWN from its declared q_c independently of everything after it -- and is never dropped or
+reordered because of its own drawn value (that would skew the drawn value away from q_c). Given a
+rejection, the rest of the sibling list sees the residual whatever it holds, so the list may be
+built adaptively from earlier siblings' values. Two rules satisfy this:
+
+* greedy rule (greedy decoding, and sampling with ``sampled_children=False``): all children are
+  deterministic (the top-w tokens of q, a function of the context with fixed tie-breaking), so
+  re-ranking and pruning by score are harmless; ``draft_probs`` is None.
+* sampled rule (sampling, default): the tree's SHAPE is fixed before any draw -- w children of
+  the root, then the remaining node budget spread evenly over depths 2..k and, within a depth,
+  over the w best-scored nodes of the previous depth (their values are already drawn, and only
+  their own children depend on them). Each expanded node's first child is DRAWN from q (its q
+  row goes to ``draft_probs``); its other children are the next most likely tokens of q other
+  than the drawn one (deterministic given the drawn sibling, one-hot rows). Nothing is pruned.
+  With a draft close to the target the drawn child is accepted with probability
+  sum(min(p, q)), which deterministic top-k children cannot reach at temperature 1.
+
+The draft's scores use the warped distribution (temperature / top-k / top-p) under sampling
+and the raw softmax under greedy.
 
 Cache invariant (per request, between steps): the draft cache holds every committed
-token except the root and, possibly, ONE "pending" token before it: the last accepted
-draft node when it has no K/V in the draft cache (s_k, which is drafted but never fed,
-or a sibling leaf). A step then feeds ``[pending, root]`` as a 2-node chain in its first
-forward instead of ``[root]`` (rows without a pending token feed ``[root, padding]``),
+token except the root and, possibly, some "pending" tokens before it: the last accepted
+draft node when it has no K/V in the draft cache (s_k, a sibling leaf, a leaf of a dynamic
+tree), and -- inside :class:`~specdec.MultiDraft` -- tokens accepted from other drafters'
+subtrees (``accept(..., foreign=...)``). A step feeds ``[pending..., root]`` as one chain in
+its first forward instead of ``[root]`` (rows with fewer pending tokens are right-padded),
 so no forward is ever spent on catching up.
 
-Rollback after verification: this step wrote root, s_1 .. s_{k-1} at the draft cache's
-``base + pending + i``; ``kv_commit`` (identity moves) keeps root and the accepted spine
-prefix capped at s_{k-1}; what remains of the accepted path becomes the pending token.
+Rollback after verification: ``kv_commit`` keeps the root and the accepted path's nodes that
+have K/V in the draft cache (spine: identity moves; dynamic: the frontier slots of the
+accepted nodes, general moves); what remains of the accepted path becomes pending.
 
-Confidence stop (``stop_threshold``, off by default): a row stops drafting after a spine
-token whose draft probability is below the threshold (the token itself is still
+Confidence stop (``stop_threshold``, off by default, spine/chain only): a row stops drafting
+after a spine token whose draft probability is below the threshold (the token itself is still
 proposed: dropping it would bias the sampled distribution), and the step stops when
 every row has stopped. Rows that stopped early get padding nodes. Deciding to stop
 reads the confidences on the host once per draft forward (free on CPU; on CUDA a
@@ -37,15 +72,32 @@ synchronisation per draft token -- keep it off there unless drafts are long).
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from specdec.drafters.base import Draft, Drafter, StepContext, move_cache_rows
 from specdec.sampling import SamplingParams, sample_tokens, warp_
-from specdec.tree import TokenTree
+from specdec.tree import TokenTree, ancestor_mask
 
 __all__ = ["DraftModel"]
+
+_TREES = ("spine", "dynamic")
+
+
+def _limit_depths(draft: Draft, limits: Sequence[int], k: int) -> Draft:
+    """Pad a dynamic tree's nodes deeper than each row's limit (the scheduler's per-row depth). Nodes are
+    in non-decreasing depth order, so the padding is a suffix of every row and the rest stays connected."""
+    tree = draft.tree
+    b = tree.tokens.shape[0]
+    lim = torch.tensor(list(limits), dtype=torch.int32, device=tree.tokens.device).view(b, 1)
+    real = tree.depths <= lim                                            # [b, N]
+    depths = torch.where(real, tree.depths, 0)
+    sizes, deepest = torch.stack([real.sum(dim=1), depths.amax(dim=1).to(torch.int64)]).tolist()
+    parents = torch.where(real, tree.parents, -1)
+    new = TokenTree(torch.where(real, tree.tokens, -1), parents, depths, sizes, is_chain=False,
+                    _mask=ancestor_mask(parents, max_depth=k), max_depths=deepest)
+    return Draft(new, draft.draft_probs)
 
 
 class DraftModel(Drafter):
@@ -57,20 +109,31 @@ class DraftModel(Drafter):
         The draft model. Its vocabulary must equal the target's (checked when a
         :class:`~specdec.SpeculativeDecoder` is built).
     k : int
-        Draft depth: spine tokens per step (= forwards of the draft model per step).
+        Draft depth (= forwards of the draft model per step).
     top_k : int
-        Candidates per depth: 1 = a chain; w > 1 = the spine token plus w - 1 sibling
-        leaves at every depth (1 + k * w nodes verified).
+        Branching: 1 = a chain (``tree`` is then irrelevant); w > 1 = a spine tree (the spine
+        token plus w - 1 sibling leaves per depth) or a dynamic tree (w frontier nodes expanded
+        per depth, w children each).
     node_budget : int, optional
-        Cap on tree nodes (root included): k is lowered to (node_budget - 1) // top_k.
+        Spine: cap on tree nodes (root included), k is lowered to (node_budget - 1) // top_k.
+        Dynamic: the tree is re-ranked to this many nodes (root included; default 1 + k * top_k,
+        at most the 1 + top_k + (k - 1) * top_k^2 candidates a step produces).
     stop_threshold : float, optional
-        Stop a row's chain after a drafted token whose draft probability is below this
-        (greedy: the draft's softmax probability of its argmax; sampling: q of the drawn
-        token). None: always draft k tokens.
+        Chains / spine trees: stop a row's chain after a drafted token whose draft probability is
+        below this (greedy: the draft's softmax probability of its argmax; sampling: q of the
+        drawn token). None: always draft k tokens.
+    tree : "spine" or "dynamic"
+        The tree shape for top_k > 1 (see the module docstring). Default "spine".
+    sampled_children : bool
+        Dynamic trees under sampling: True (default) draws the first child of every expanded node
+        from q and fixes the tree's shape before any draw (no pruning); False uses the greedy rule
+        (deterministic top-k children + re-rank) under sampling too. Both are exact.
     """
 
+    trusted = True
+
     def __init__(self, lm, k: int = 4, top_k: int = 1, node_budget: Optional[int] = None,
-                 stop_threshold: Optional[float] = None) -> None:
+                 stop_threshold: Optional[float] = None, tree: str = "spine", sampled_children: bool = True) -> None:
         for name, v in (("k", k), ("top_k", top_k)):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"DraftModel: {name} must be an int, got {type(v).__name__}")
@@ -78,27 +141,48 @@ class DraftModel(Drafter):
             raise ValueError(f"DraftModel: k must be >= 1, got {k}")
         if top_k < 1:
             raise ValueError(f"DraftModel: top_k must be >= 1, got {top_k}")
-        if node_budget is not None:
-            if isinstance(node_budget, bool) or not isinstance(node_budget, int) or node_budget < 1 + top_k:
-                raise ValueError(f"DraftModel: node_budget must be an int >= 1 + top_k = {1 + top_k} "
-                                 f"(root + one level), got {node_budget}")
-            k = min(k, (node_budget - 1) // top_k)  # whole levels only
+        if tree not in _TREES:
+            raise ValueError(f"DraftModel: tree must be one of {_TREES}, got {tree!r}")
         if stop_threshold is not None and not 0.0 <= float(stop_threshold) <= 1.0:
             raise ValueError(f"DraftModel: stop_threshold must lie in [0, 1] or be None, got {stop_threshold}")
+        if tree == "dynamic":
+            if stop_threshold is not None:
+                raise ValueError("DraftModel: stop_threshold applies to chains and spine trees, not tree='dynamic' "
+                                 "(the re-rank to node_budget already drops unlikely nodes)")
+            pool = top_k + (k - 1) * top_k * top_k  # candidates one step produces
+            if node_budget is None:
+                node_budget = 1 + k * top_k
+            if isinstance(node_budget, bool) or not isinstance(node_budget, int) or node_budget < 2:
+                raise ValueError(f"DraftModel: node_budget must be an int >= 2 (root + one node), got {node_budget!r}")
+            self.max_nodes = 1 + min(node_budget - 1, pool)
+        else:
+            if node_budget is not None:
+                if isinstance(node_budget, bool) or not isinstance(node_budget, int) or node_budget < 1 + top_k:
+                    raise ValueError(f"DraftModel: node_budget must be an int >= 1 + top_k = {1 + top_k} "
+                                     f"(root + one level), got {node_budget}")
+                k = min(k, (node_budget - 1) // top_k)  # whole levels only
+            self.max_nodes = 1 + k * top_k
         self.stop_threshold = None if stop_threshold is None else float(stop_threshold)
         self.lm = lm
         self.k = k
         self.top_k = top_k
         self.node_budget = node_budget
-        self.max_nodes = 1 + k * top_k
+        self.tree = tree
+        self.dynamic = tree == "dynamic" and top_k > 1
+        self.sampled_children = bool(sampled_children)
         self.cache = None
         self._views: Dict[int, object] = {}
+        self._foreign = 0  # tokens from other drafters' subtrees that accept() may pass per row
 
     def __repr__(self) -> str:
         stop = "" if self.stop_threshold is None else f", stop_threshold={self.stop_threshold}"
-        return f"DraftModel(k={self.k}, top_k={self.top_k}{stop})"
+        shape = f", tree='dynamic', node_budget={self.max_nodes}" if self.dynamic else ""
+        return f"DraftModel(k={self.k}, top_k={self.top_k}{shape}{stop})"
 
     # ------------------------------------------------------------------ setup
+    def reserve_foreign(self, n: int) -> None:
+        self._foreign = max(self._foreign, int(n))
+
     def bind(self, target, max_batch: int, max_len: int) -> None:
         if int(self.lm.vocab_size) != int(target.vocab_size):
             raise ValueError(f"DraftModel: draft vocabulary size {self.lm.vocab_size} != target vocabulary size "
@@ -106,20 +190,21 @@ class DraftModel(Drafter):
         if torch.device(self.lm.device) != torch.device(target.device):
             raise ValueError(f"DraftModel: draft model on {self.lm.device} but target on {target.device}")
         dev = torch.device(self.lm.device)
-        k = self.k
+        k, w = self.k, self.top_k
         V = int(self.lm.vocab_size)
-        # room for prompt + generated (<= max_len) plus the tokens fed during one step
-        self.cache = self.lm.new_cache(max_batch, max_len + k + 2)
+        self._slots = (k - 1) * w if self.dynamic else k  # step nodes written past the root
+        self._pend_cap = 1 + self._foreign                # most pending tokens per row
+        # committed text (<= max_len) plus one step's writes: padded first forward, then the step's nodes
+        self.cache = self.lm.new_cache(max_batch, max_len + self._pend_cap + self._slots + 2)
         self._views = {}
         self.device = dev
         self.V = V
         self._tokens = torch.zeros(max_batch * self.max_nodes, dtype=torch.int64, device=dev)  # flat [b, N]
         self._probs_flat: Optional[torch.Tensor] = None  # flat [b, N, V], allocated on the first sampled step
-        self._pending = torch.zeros(max_batch, dtype=torch.int64, device=dev)      # 1: a token awaits feeding
-        self._pending_tok = torch.zeros(max_batch, dtype=torch.int64, device=dev)
-        self._any_pending = False
+        self._pend_n = torch.zeros(max_batch, dtype=torch.int64, device=dev)                  # pending per row
+        self._pend_tok = torch.zeros(max_batch, self._pend_cap, dtype=torch.int64, device=dev)
+        self._pend_width = 0   # host: upper bound of _pend_n over the active rows
         self._depths1 = torch.zeros(max_batch, 1, dtype=torch.int32, device=dev)
-        self._depths2 = torch.arange(2, dtype=torch.int32, device=dev).expand(max_batch, 2).contiguous()
         self._identity = torch.arange(k + 1, dtype=torch.int32, device=dev).expand(max_batch, k + 1).contiguous()
         self._shapes: Dict[Tuple[int, int], Tuple[torch.Tensor, ...]] = {}
         self._k_step = 0
@@ -145,7 +230,6 @@ class DraftModel(Drafter):
             dep = torch.tensor(depths, dtype=torch.int32, device=self.device)
             mask = None
             if w > 1:
-                from specdec.tree import ancestor_mask
                 mask = ancestor_mask(par.view(1, N)).expand(b, N, N).contiguous()
             consts = (par.expand(b, N).contiguous(), dep.expand(b, N).contiguous(), mask)
             self._shapes[key] = consts
@@ -158,24 +242,84 @@ class DraftModel(Drafter):
         self.generator = generator
         self.cache.reset()
         self.lm.prefill(self.cache, [list(p) for p in prompts], rows=list(range(len(prompts))))
-        self._pending.zero_()
-        self._any_pending = False
+        self._pend_n.zero_()
+        self._pend_width = 0
         self._behind = False
         self._k_step = 0
 
     # ------------------------------------------------------------------ step
+    def _feed_root(self, roots: torch.Tensor, b: int, cache) -> torch.Tensor:
+        """First forward of a step: [pending..., root] per row (right-padded). Returns the logits after
+        the root [b, V]; cache.lens then counts the pending tokens and the root."""
+        P = self._pend_width
+        if P == 0:
+            last = self.lm.forward(cache, roots.view(b, 1), self._depths1[:b], None)[:, 0]  # [b, V]
+            cache.lens.add_(1)
+            return last
+        pn = self._pend_n[:b]                                               # [b]
+        j = torch.arange(P + 1, device=self.device).view(1, P + 1)
+        x = torch.full((b, P + 1), -1, dtype=torch.int64, device=self.device)
+        x[:, :P] = self._pend_tok[:b, :P]
+        x = torch.where(j < pn.view(b, 1), x, torch.where(j == pn.view(b, 1), roots.view(b, 1), -1))
+        depths = j.to(torch.int32).expand(b, P + 1)
+        logits = self.lm.forward(cache, x, depths, None)                    # [b, P + 1, V]
+        cache.lens.add_((pn + 1).to(torch.int32))
+        return logits[torch.arange(b, device=self.device), pn]              # [b, V] after the root
+
+    def cancel(self) -> None:
+        """Forget the last proposal (a composite drafter rejected the step before verification)."""
+        if self._k_step > 0 and self.cache is not None:
+            self._view(self._b).lens.copy_(self._base)
+        self._k_step = 0
+
     def propose(self, ctx: StepContext) -> Draft:
         b = len(ctx.request_ids)
         k = min(self.k, max(ctx.budgets))
-        w = self.top_k
-        self._k_step = k
         self._b = b
+        self._k_step = k
         if k <= 0:  # nothing worth drafting (last token, or the scheduler chose a plain step)
             self._behind = True  # this step's root is not fed: the next draft catches up first
             return Draft(TokenTree.root_only(ctx.roots))
-        limits = [max(0, min(k, x)) for x in ctx.budgets]  # per-row depth (the scheduler's choice)
-        lm = self.lm
+        limits = [max(0, min(k, int(x))) for x in ctx.budgets]  # per-row depth (the scheduler's choice)
         cache = self._view(b)
+        if self._behind:
+            last = self._catch_up(cache, ctx)
+        else:
+            self._base = cache.lens.clone()  # [b] int32: committed draft prefix (pending tokens excluded)
+            last = self._feed_root(ctx.roots, b, cache)
+        if self.dynamic:
+            if not self.params.greedy and self.sampled_children:
+                draft = self._propose_dynamic_sampled(ctx, k, b, cache, last)
+            else:
+                draft = self._propose_dynamic(ctx, k, b, cache, last)
+            return _limit_depths(draft, limits, k) if min(limits) < k else draft
+        return self._propose_spine(ctx, k, b, cache, last, limits)
+
+    def _catch_up(self, cache, ctx: StepContext) -> torch.Tensor:
+        """After steps that drafted nothing: feed every committed token the draft cache lacks, then the
+        root, as one chain per row (reads the draft lengths on the host once). Returns the draft logits
+        after each row's root [b, V]. The rows of a batch skip the same steps, so they lag by the same
+        count give or take the pending tokens, and the padding stays within the cache's spare room."""
+        b = len(ctx.request_ids)
+        have = cache.lens.tolist()
+        rows = [list(seq[h:]) for seq, h in zip(ctx.sequences, have)]   # [pending..., skipped roots..., root]
+        width = max(len(r) for r in rows)
+        x = torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int64, device=self.device)
+        depths = torch.arange(width, dtype=torch.int32, device=self.device).expand(b, width).contiguous()
+        logits = self.lm.forward(cache, x, depths, None)                       # [b, width, V]
+        idx = torch.tensor([len(r) - 1 for r in rows], dtype=torch.int64, device=self.device)
+        last = logits[torch.arange(b, device=self.device), idx]                # [b, V] after the root
+        self._base = torch.tensor([len(s) - 1 for s in ctx.sequences], dtype=torch.int32, device=self.device)
+        cache.lens.copy_(self._base + 1)
+        self._pend_n[:b] = 0
+        self._pend_width = 0
+        self._behind = False
+        return last
+
+    def _propose_spine(self, ctx: StepContext, k: int, b: int, cache, last: torch.Tensor,
+                       limits: Sequence[int]) -> Draft:
+        lm = self.lm
+        w = self.top_k
         sampling = not self.params.greedy
         N = 1 + k * w
         tokens = self._tokens[: b * N].view(b, N)       # node (d, s) at 1 + (d - 1) * w + s; spine: s = 0
@@ -187,22 +331,6 @@ class DraftModel(Drafter):
                 self._probs_flat = torch.zeros(self._tokens.numel() * self.V, dtype=torch.float32,
                                                device=self.device)
             probs = self._probs_flat[:need].view(b, N, self.V)
-        self._base = cache.lens.clone()  # [b] int32: committed draft prefix (pending token excluded)
-
-        # first forward: [root] or, when some row may hold a pending token, [pending, root] / [root, pad]
-        if self._behind:
-            last = self._catch_up(cache, ctx)
-        elif self._any_pending:
-            pend = self._pending[:b]                                       # [b] 0/1
-            has = pend.bool()
-            x = torch.stack([torch.where(has, self._pending_tok[:b], ctx.roots),
-                             torch.where(has, ctx.roots, -1)], dim=1)      # [b, 2]
-            logits = lm.forward(cache, x, self._depths2[:b], None)         # [b, 2, V]
-            last = logits[torch.arange(b, device=self.device), pend]       # [b, V] after the root
-            cache.lens.add_((pend + 1).to(torch.int32))
-        else:
-            last = lm.forward(cache, ctx.roots.view(b, 1), self._depths1[:b], None)[:, 0]  # [b, V]
-            cache.lens.add_(1)
         stop = self.stop_threshold
         if stop is not None:
             alive = torch.ones(b, dtype=torch.bool, device=self.device)      # [b] still drafting
@@ -264,53 +392,256 @@ class DraftModel(Drafter):
                          is_chain=w == 1, _mask=mask, max_depths=spine)
         return Draft(tree, None if probs is None else probs[:, :n].contiguous())
 
-    def _catch_up(self, cache, ctx: StepContext) -> torch.Tensor:
-        """After steps that drafted nothing: feed every committed token the draft cache lacks, then the
-        root, as one chain per row (reads the draft lengths on the host once). Returns the draft logits
-        after each row's root [b, V]. The rows of a batch skip the same steps, so they lag by the same
-        count give or take the pending token, and the padding stays within the cache's spare room."""
-        b = len(ctx.request_ids)
-        have = cache.lens.tolist()
-        rows = [seq[h:] for seq, h in zip(ctx.sequences, have)]   # [pending?, skipped roots..., root]
-        width = max(len(r) for r in rows)
-        x = torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int64, device=self.device)
-        depths = torch.arange(width, dtype=torch.int32, device=self.device).expand(b, width).contiguous()
-        logits = self.lm.forward(cache, x, depths, None)                       # [b, width, V]
-        idx = torch.tensor([len(r) - 1 for r in rows], dtype=torch.int64, device=self.device)
-        last = logits[torch.arange(b, device=self.device), idx]                # [b, V] after the root
-        self._base = torch.tensor([len(s) - 1 for s in ctx.sequences], dtype=torch.int32, device=self.device)
-        cache.lens.copy_(self._base + 1)
-        self._pending[:b] = 0
-        self._any_pending = False
-        self._behind = False
-        return last
+    def _scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft log-probabilities [..., V] that rank candidates (warped under sampling)."""
+        if self.params.greedy:
+            return torch.log_softmax(logits.float(), dim=-1)
+        return torch.log(warp_(logits.to(torch.float32, copy=True), self.params))
 
-    def accept(self, accepted: torch.Tensor, num_accepted: torch.Tensor, num_host: Sequence[int]) -> None:
+    def _propose_dynamic(self, ctx: StepContext, k: int, b: int, cache, last: torch.Tensor) -> Draft:
+        """EAGLE-2-style expand (w frontier nodes per depth, one forward each) + re-rank (see module docstring)."""
+        w = self.top_k
+        dev = self.device
+        F = (k - 1) * w                       # frontier nodes that get forwarded (K/V in the draft cache)
+        M = w + (k - 1) * w * w               # candidate pool
+        pool_tok = torch.empty(b, M, dtype=torch.int64, device=dev)
+        pool_par = torch.full((b, M), -1, dtype=torch.int64, device=dev)     # pool index of the parent (-1: root)
+        pool_score = torch.empty(b, M, dtype=torch.float32, device=dev)      # cumulative draft log-prob
+        pool_depth = torch.empty(b, M, dtype=torch.int32, device=dev)
+        pool_slot = torch.full((b, M), -1, dtype=torch.int64, device=dev)    # forward slot (-1: a leaf)
+        vals, idx = torch.topk(self._scores(last), w, dim=-1)               # [b, w]
+        pool_tok[:, :w] = idx
+        pool_score[:, :w] = vals
+        pool_depth[:, :w] = 1
+        frontier = torch.arange(w, device=dev).expand(b, w)                  # [b, w] pool indices
+        anc = torch.zeros(b, max(F, 1), max(F, 1), dtype=torch.bool, device=dev)  # ancestor-or-self among slots
+        eye = torch.eye(w, dtype=torch.bool, device=dev)
+        used = w
+        for d in range(1, k):
+            s0 = (d - 1) * w                                                 # slots of this frontier: s0 .. s0 + w
+            pool_slot.scatter_(1, frontier, torch.arange(s0, s0 + w, device=dev).expand(b, w))
+            rows = torch.zeros(b, w, F, dtype=torch.bool, device=dev)
+            if d > 1:
+                pslot = pool_slot.gather(1, pool_par.gather(1, frontier))    # parents are the previous frontier
+                rows = anc[:, :F, :F].gather(1, pslot.unsqueeze(2).expand(b, w, F)).clone()
+            rows[:, :, s0:s0 + w] |= eye
+            anc[:, s0:s0 + w, :F] = rows
+            toks = pool_tok.gather(1, frontier)                              # [b, w]
+            depths = torch.full((b, w), d - 1, dtype=torch.int32, device=dev)  # root is committed: depth d at lens + d - 1
+            logits = self.lm.forward(cache, toks, depths, rows[:, :, :s0 + w].contiguous(), kv_offset=s0)
+            cv, ci = torch.topk(self._scores(logits), w, dim=-1)            # [b, w, w]
+            cs = (pool_score.gather(1, frontier).unsqueeze(2) + cv).reshape(b, w * w)
+            pool_tok[:, used:used + w * w] = ci.reshape(b, w * w)
+            pool_par[:, used:used + w * w] = frontier.unsqueeze(2).expand(b, w, w).reshape(b, w * w)
+            pool_score[:, used:used + w * w] = cs
+            pool_depth[:, used:used + w * w] = d + 1
+            if d < k - 1:
+                frontier = used + torch.topk(cs, w, dim=-1).indices
+            used += w * w
+        n = min(self.max_nodes - 1, used)
+        if ctx.node_budget is not None:
+            n = max(1, min(n, int(ctx.node_budget) - 1))
+        # re-rank: stable descending sort keeps a parent before its equal-scored child -> connected
+        best = torch.sort(pool_score[:, :used], dim=1, descending=True, stable=True).indices[:, :n]
+        sel = torch.sort(best, dim=1).values                                 # [b, n] pool order = topological
+        pos = torch.full((b, used), -1, dtype=torch.int64, device=dev)
+        pos.scatter_(1, sel, torch.arange(1, n + 1, device=dev).expand(b, n))
+        ppool = pool_par.gather(1, sel)
+        par = torch.where(ppool < 0, 0, pos.gather(1, ppool.clamp(min=0)))
+        N = n + 1
+        tokens = torch.cat([ctx.roots.view(b, 1).to(torch.int64), pool_tok.gather(1, sel)], dim=1)
+        parents = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=dev), par], dim=1).to(torch.int32)
+        depths = torch.cat([torch.zeros(b, 1, dtype=torch.int32, device=dev), pool_depth.gather(1, sel)], dim=1)
+        slot = pool_slot.gather(1, sel)
+        self._tree_slot = torch.cat([torch.zeros(b, 1, dtype=torch.int64, device=dev),
+                                     torch.where(slot >= 0, slot + 1, -1)], dim=1)  # [b, N] 0 root, 1 + slot, -1
+        self._step_tokens = tokens
+        self._F = F
+        mask = ancestor_mask(parents, max_depth=k)
+        tree = TokenTree(tokens.contiguous(), parents.contiguous(), depths.contiguous(), [N] * b, is_chain=False,
+                         _mask=mask)
+        return Draft(tree)
+
+    def _level_sizes(self, n: int, k: int) -> List[int]:
+        """Nodes per depth of a sampled dynamic tree of n nodes (fixed before any draw): w, then the rest spread."""
+        w = self.top_k
+        first = min(w, n)
+        sizes = [first]
+        rest = n - first
+        deeper = k - 1
+        for d in range(deeper):
+            m = rest // deeper + (1 if d < rest % deeper else 0)
+            if m <= 0:
+                break
+            sizes.append(m)
+        return sizes
+
+    def _children(self, q: torch.Tensor, counts: List[int]) -> Tuple[torch.Tensor, torch.Tensor, List[int]]:
+        """Children of f parents [b, f, V] (q rows, warped): parent j gets counts[j] children, the first DRAWN
+        from q_j, the others the next most likely tokens of q_j (deterministic). Returns tokens [b, c],
+        log q [b, c] and the parent rank of each child (host list), children grouped by parent."""
+        b, f, V = q.shape
+        cmax = max(counts)
+        drawn = torch.multinomial(q.reshape(b * f, V), 1, generator=self.generator).view(b, f, 1)
+        cand = drawn
+        if cmax > 1:
+            top = torch.topk(q, min(cmax, V), dim=-1).indices                          # [b, f, cmax]
+            other = (top == drawn).to(torch.int8)                                       # the drawn token moves last
+            top = top.gather(2, torch.sort(other, dim=2, stable=True).indices)
+            cand = torch.cat([drawn, top[:, :, :cmax - 1]], dim=2)                      # [b, f, cmax]
+        flat = [j * cand.shape[2] + t for j, c in enumerate(counts) for t in range(c)]
+        rank = [j for j, c in enumerate(counts) for _ in range(c)]
+        idx = torch.tensor(flat, dtype=torch.int64, device=q.device)
+        toks = cand.reshape(b, -1).index_select(1, idx)
+        logq = torch.log(q.gather(2, cand).reshape(b, -1).index_select(1, idx))
+        return toks, logq, rank
+
+    def _propose_dynamic_sampled(self, ctx: StepContext, k: int, b: int, cache, last: torch.Tensor) -> Draft:
+        """Sampling: a dynamic tree whose every node exists before it is drawn (see the module docstring)."""
+        w = self.top_k
+        dev = self.device
+        n = self.max_nodes - 1
+        if ctx.node_budget is not None:
+            n = max(1, min(n, int(ctx.node_budget) - 1))
+        sizes = self._level_sizes(n, k)
+        F = sum(min(w, sizes[d], sizes[d + 1]) for d in range(len(sizes) - 1))  # forwarded frontier nodes
+        toks_l, score_l, par_l, slot_l, depth_l = [], [], [], [], []  # per-level [b, m] tensors
+        drawn_rows: List[Tuple[int, torch.Tensor]] = []               # (pool index, q row [b, V]) of drawn nodes
+        q0 = warp_(last.to(torch.float32, copy=True), self.params).unsqueeze(1)     # [b, 1, V]
+        t, lq, _ = self._children(q0, [sizes[0]])
+        toks_l.append(t)
+        score_l.append(lq)
+        par_l.append(torch.full_like(t, -1))
+        depth_l.append(1)
+        drawn_rows.append((0, q0[:, 0]))
+        start = [0]                                                   # pool index of each level's first node
+        slot_of = torch.full((b, n), -1, dtype=torch.int64, device=dev)
+        anc = torch.zeros(b, max(F, 1), max(F, 1), dtype=torch.bool, device=dev)
+        s0 = 0
+        for d in range(1, len(sizes)):
+            prev = score_l[-1]                                        # [b, m_prev] cumulative log q
+            f = min(w, prev.shape[1], sizes[d])
+            rank_idx = torch.topk(prev, f, dim=-1).indices            # [b, f] best first (values already drawn)
+            frontier = start[-1] + rank_idx                           # pool indices
+            slot_of.scatter_(1, frontier, torch.arange(s0, s0 + f, device=dev).expand(b, f))
+            rows = torch.zeros(b, f, F, dtype=torch.bool, device=dev)
+            if d > 1:
+                ppool = par_l[-1].gather(1, rank_idx)                 # parents of the frontier (pool indices)
+                rows = anc[:, :F, :F].gather(1, slot_of.gather(1, ppool).unsqueeze(2).expand(b, f, F)).clone()
+            rows[:, :, s0:s0 + f] |= torch.eye(f, dtype=torch.bool, device=dev)
+            anc[:, s0:s0 + f, :F] = rows
+            ftok = toks_l[-1].gather(1, rank_idx)
+            depths = torch.full((b, f), d - 1, dtype=torch.int32, device=dev)
+            logits = self.lm.forward(cache, ftok, depths, rows[:, :, :s0 + f].contiguous(), kv_offset=s0)
+            q = warp_(logits.to(torch.float32), self.params)          # [b, f, V]
+            counts = [sizes[d] // f + (1 if j < sizes[d] % f else 0) for j in range(f)]
+            t, lq, rank = self._children(q, counts)
+            ranks = torch.tensor(rank, dtype=torch.int64, device=dev)
+            first = start[-1] + prev.shape[1]
+            pos = 0
+            for j, c in enumerate(counts):
+                drawn_rows.append((first + pos, q[:, j]))
+                pos += c
+            toks_l.append(t)
+            score_l.append(prev.gather(1, rank_idx).index_select(1, ranks) + lq)
+            par_l.append(frontier.index_select(1, ranks))
+            depth_l.append(d + 1)
+            start.append(first)
+            s0 += f
+        tokens = torch.cat([ctx.roots.view(b, 1).to(torch.int64)] + toks_l, dim=1)        # [b, N]
+        N = tokens.shape[1]
+        ppool = torch.cat(par_l, dim=1)
+        parents = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=dev), ppool + 1], dim=1)
+        parents[:, 1:] = torch.where(ppool < 0, 0, ppool + 1)
+        depth_list = [0] + [dl for dl, tl in zip(depth_l, toks_l) for _ in range(tl.shape[1])]
+        depths = torch.tensor(depth_list, dtype=torch.int32, device=dev).expand(b, N).contiguous()
+        parents = parents.to(torch.int32).contiguous()
+        slot = slot_of[:, :N - 1]
+        self._tree_slot = torch.cat([torch.zeros(b, 1, dtype=torch.int64, device=dev),
+                                     torch.where(slot >= 0, slot + 1, -1)], dim=1)
+        self._step_tokens = tokens
+        self._F = F
+        probs = torch.zeros(b, N, self.V, dtype=torch.float32, device=dev)
+        probs.scatter_(2, tokens.clamp(min=0).unsqueeze(2), 1.0)      # deterministic nodes: one-hot q
+        for node, row in drawn_rows:
+            probs[:, 1 + node] = row                                  # drawn nodes: the q they came from
+        probs[:, 0] = 0.0
+        tree = TokenTree(tokens, parents, depths, [N] * b, is_chain=False,
+                         _mask=ancestor_mask(parents, max_depth=len(sizes)), max_depths=[len(sizes)] * b)
+        return Draft(tree, probs)
+
+    def accept(self, accepted: torch.Tensor, num_accepted: torch.Tensor, num_host: Sequence[int],
+               foreign: Optional[Sequence[Sequence[int]]] = None) -> None:
         k = self._k_step
-        if k <= 0:
-            return  # root-only step: every row finishes with it
         b = self._b
+        if k <= 0:
+            self._take_foreign(b, foreign, own=None)
+            return  # root-only step: every row finishes with it
         w = self.top_k
         cache = self._view(b)
-        pend = self._pending[:b]
         num = num_accepted.to(torch.int64)
         last = accepted.gather(1, num.view(b, 1)).view(b).to(torch.int64)   # last accepted node (0: none)
-        # the accepted path is a spine prefix, possibly ended by one sibling leaf; the draft cache holds
-        # root, s_1 .. s_{k-1}: keep the accepted part of that, the rest of the path becomes pending
-        if w == 1:
-            in_cache = num.clamp(max=k - 1)
+        if self.dynamic:
+            # the accepted nodes with K/V in the draft cache: a prefix of the path (a leaf has no children)
+            N = accepted.shape[1]
+            path = accepted[:, 1:].to(torch.int64)                                      # [b, N - 1]
+            slots = self._tree_slot.gather(1, path.clamp(min=0))
+            steps = torch.arange(N - 1, device=self.device).view(1, N - 1)
+            valid = (steps < num.view(b, 1)) & (slots >= 1) & (path >= 0)
+            in_cache = valid.sum(dim=1)                                                 # [b]
+            W = 1 + self._F
+            moves = torch.full((b, W), -1, dtype=torch.int32, device=self.device)
+            moves[:, 0] = 0
+            P = min(N - 1, W - 1)
+            if P > 0:
+                moves[:, 1:1 + P] = torch.where(valid, slots, -1)[:, :P].to(torch.int32)
         else:
-            leaf = (num > 0) & ((last - 1) % w != 0)
-            in_cache = (num - leaf.to(torch.int64)).clamp(max=k - 1)
-        cache.lens.copy_(self._base + pend.to(torch.int32))
-        cache.commit(self._identity[:b, :k + 1], in_cache.to(torch.int32))   # identity moves: lens += in_cache + 1
-        self._pending[:b] = (num > in_cache).to(torch.int64)
-        self._pending_tok[:b] = self._step_tokens.gather(1, last.view(b, 1)).view(b)
-        # chains: pending iff all k accepted (known on the host); trees: assume it may be
-        self._any_pending = any(int(a) == k for a in num_host) if w == 1 else True
+            # the accepted path is a spine prefix, possibly ended by one sibling leaf; the draft cache holds
+            # root, s_1 .. s_{k-1}: keep the accepted part of that, the rest of the path becomes pending
+            if w == 1:
+                in_cache = num.clamp(max=k - 1)
+            else:
+                leaf = (num > 0) & ((last - 1) % w != 0)
+                in_cache = (num - leaf.to(torch.int64)).clamp(max=k - 1)
+            moves = self._identity[:b, :k + 1]
+        cache.lens.copy_(self._base + self._pend_n[:b].to(torch.int32))   # back to the root's position
+        cache.commit(moves, in_cache.to(torch.int32))                      # lens += in_cache + 1
+        own = (num > in_cache).to(torch.int64)
+        self._pend_n[:b] = own
+        self._pend_tok[:b, 0] = self._step_tokens.gather(1, last.view(b, 1)).view(b)
+        # host bound on pending tokens: chains know it exactly (all k accepted); trees assume one if any accepted
+        if w == 1 and not self.dynamic:
+            width = 1 if any(int(a) == k for a in num_host) else 0
+        else:
+            width = 1 if any(int(a) > 0 for a in num_host) else 0
+        self._pend_width = width
+        self._take_foreign(b, foreign, own=own)
+
+    def _take_foreign(self, b: int, foreign: Optional[Sequence[Sequence[int]]], own) -> None:
+        """Append tokens accepted from other drafters' subtrees to the pending tokens of each row."""
+        if own is None:  # root-only step: every row finishes with it, nothing to keep
+            self._pend_width = 0
+            return
+        if not foreign or not any(len(f) for f in foreign):
+            return
+        if len(foreign) != b:
+            raise ValueError(f"DraftModel.accept: foreign must hold one token list per active row ({b}), "
+                             f"got {len(foreign)}")
+        most = max(len(f) for f in foreign)
+        if 1 + most > self._pend_cap:
+            raise ValueError(f"DraftModel.accept: {most} foreign tokens for one row exceed the {self._pend_cap - 1} "
+                             f"reserved (reserve_foreign before bind)")
+        for r, f in enumerate(foreign):
+            if not f:
+                continue
+            start = self._pend_n[r]
+            idx = start + torch.arange(len(f), device=self.device)
+            self._pend_tok[r].scatter_(0, idx, torch.tensor(list(f), dtype=torch.int64, device=self.device))
+            self._pend_n[r] += len(f)
+        self._pend_width = min(self._pend_cap, self._pend_width + most)
 
     def retire(self, moves: Sequence[Tuple[int, int, int]], active: int) -> None:
         move_cache_rows(self.cache, moves)
         for src, dst, _ in moves:
-            self._pending[dst] = self._pending[src]
-            self._pending_tok[dst] = self._pending_tok[src]
+            self._pend_n[dst] = self._pend_n[src]
+            self._pend_tok[dst] = self._pend_tok[src]

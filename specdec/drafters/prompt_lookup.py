@@ -64,6 +64,8 @@ class _NgramIndex:
 class PromptLookup(Drafter):
     """N-gram prompt-lookup drafter (chain of up to ``k`` tokens).
 
+    A step's ``ctx.node_budget`` (MultiDraft's share) caps the proposal at that many nodes.
+
     Parameters
     ----------
     ngram : int
@@ -104,6 +106,8 @@ class PromptLookup(Drafter):
         self.device = torch.device("cpu")
         self._index: Dict[int, _NgramIndex] = {}
 
+    trusted = True
+
     def __repr__(self) -> str:
         extra = f", matches={self.matches}" if self.matches > 1 else ""
         return f"PromptLookup(ngram={self.ngram}, k={self.k}, min_ngram={self.min_ngram}{extra})"
@@ -116,11 +120,13 @@ class PromptLookup(Drafter):
 
     def propose(self, ctx: StepContext) -> Draft:
         conts: List[List[List[int]]] = []
+        cap = self.max_nodes if ctx.node_budget is None else max(1, min(self.max_nodes, int(ctx.node_budget)))
+        k = min(self.k, cap - 1)
         for rid, seq, budget in zip(ctx.request_ids, ctx.sequences, ctx.budgets):
             index = self._index.get(rid)
             if index is None:
                 index = self._index[rid] = _NgramIndex(self.ngram, self.min_ngram, self.matches)
-            conts.append(index.lookup(seq, min(self.k, budget)))
+            conts.append(index.lookup(seq, min(k, budget)))
         if all(len(c) <= 1 for c in conts):  # chains (the common case): no trie to build
             rows = [[seq[-1]] + (c[0] if c else []) for seq, c in zip(ctx.sequences, conts)]
             num_nodes = [len(r) for r in rows]
@@ -132,4 +138,4 @@ class PromptLookup(Drafter):
         # several distinct continuations: a trie (deterministic candidates, merging is exact)
         roots = [seq[-1] for seq in ctx.sequences]
         return Draft(TokenTree.from_candidates(roots, conts, merge=True, device=self.device,
-                                               max_nodes=self.max_nodes))
+                                               max_nodes=cap))

@@ -76,7 +76,7 @@ class LlamaRunner:
         return x * cos + rot * sin
 
     def __call__(self, cache, ids: torch.Tensor, positions: torch.Tensor, tree_mask: Optional[torch.Tensor],
-                 logits_to_keep) -> torch.Tensor:
+                 logits_to_keep, kv_offset: int = 0) -> torch.Tensor:
         B, N = ids.shape
         h = self.embed(ids)
         cos, sin = self.rotary(h, positions)            # [B, N, D] in h's dtype
@@ -87,7 +87,7 @@ class LlamaRunner:
             q = self._rope(L.q(x).view(B, N, self.hq, D), cos, sin)
             k = self._rope(L.k(x).view(B, N, self.hkv, D), cos, sin)
             v = L.v(x).view(B, N, self.hkv, D)
-            ops.append_kv(cache.k[l], cache.v[l], k.transpose(1, 2), v.transpose(1, 2), cache.lens)
+            ops.append_kv(cache.k[l], cache.v[l], k.transpose(1, 2), v.transpose(1, 2), cache.lens, kv_offset)
             a = ops.verify_attention(q, cache.k[l], cache.v[l], cache.lens, tree_mask, L.scale)
             h = h + L.o(a.reshape(B, N, self.hq * D))
             x = self._rms(h, L.ln2_w, L.ln2_eps)

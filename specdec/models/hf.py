@@ -106,13 +106,14 @@ class _Call:
     """What the attention function needs for one forward: the cache, the tree mask, window info."""
 
     cache: Optional[StaticKVCache]
-    tree_mask: Optional[torch.Tensor]            # [B, N, N] bool or None (causal chain)
+    tree_mask: Optional[torch.Tensor]            # [B, N, kv_offset + N] bool or None (causal chain)
     depths: Optional[torch.Tensor] = None        # [B, N] int64 (window masks only)
     window_ok: bool = True                       # every position of this call is inside every window
     total_len: int = 0                           # max(lens) + N, host value (window path only)
     masks: Dict[Optional[int], torch.Tensor] = field(default_factory=dict)  # window -> additive bias
     probe: Optional[dict] = None                 # construction-time probe record
     kwarg_seen: bool = False
+    kv_offset: int = 0                           # new nodes of this step already in the cache (draft trees)
 
 
 def _specdec_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -141,7 +142,7 @@ def _specdec_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     cache = call.cache
     layer = module.layer_idx
     k_cache, v_cache = cache.k[layer], cache.v[layer]
-    ops.append_kv(k_cache, v_cache, key, value, cache.lens)
+    ops.append_kv(k_cache, v_cache, key, value, cache.lens, call.kv_offset)
     if sliding_window is not None and not call.window_ok:
         return _masked_attention(call, query, k_cache, v_cache, scaling, int(sliding_window)), None
     out = ops.verify_attention(query.transpose(1, 2), k_cache, v_cache, cache.lens, call.tree_mask, scaling)
@@ -179,16 +180,19 @@ def _visibility(lens: torch.Tensor, depths: torch.Tensor, tree_mask: Optional[to
 
     Prefix s < lens[b] (within ``window`` of the query position when given); new node j at
     lens[b] + j iff tree_mask[b, i, j] (causal chain when None). Positions are lens + depth.
+    With a [B, N, Nkv] mask (Nkv > N: the queries are the last N of Nkv new nodes) ``window``
+    must be None (the depths of the earlier nodes are not known here).
     """
     B, N = depths.shape
+    Nkv = N if tree_mask is None else tree_mask.shape[2]
     dev = depths.device
     s = torch.arange(total_len, device=dev)                        # [T]
     start = lens.to(torch.long).view(B, 1, 1)                      # [B, 1, 1]
     depth = depths.to(torch.long)                                  # [B, N]
     vis = (s < start).expand(B, N, total_len)                      # prefix
     j = s - start                                                  # [B, 1, T] node index of s
-    inside = (j >= 0) & (j < N)
-    jc = j.clamp(0, N - 1).expand(B, N, total_len)
+    inside = (j >= 0) & (j < Nkv)
+    jc = j.clamp(0, Nkv - 1).expand(B, N, total_len)
     if tree_mask is None:
         tree_mask = torch.ones(N, N, dtype=torch.bool, device=dev).tril().expand(B, N, N)
     tree = torch.gather(tree_mask.to(torch.bool), 2, jc) & inside  # [B, N, T]
@@ -229,10 +233,11 @@ class _StaticCacheBridge(Cache):
 
     is_compileable = False
 
-    def __init__(self, cache: Optional[StaticKVCache], total_len: int) -> None:
+    def __init__(self, cache: Optional[StaticKVCache], total_len: int, kv_offset: int = 0) -> None:
         super().__init__(layers=[])
         self.static = cache
         self.total_len = total_len
+        self.kv_offset = kv_offset
         self.seen: List[dict] = []
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -241,7 +246,7 @@ class _StaticCacheBridge(Cache):
                                   dtype=key_states.dtype))
             return key_states, value_states
         k_cache, v_cache = self.static.k[layer_idx], self.static.v[layer_idx]
-        ops.append_kv(k_cache, v_cache, key_states, value_states, self.static.lens)
+        ops.append_kv(k_cache, v_cache, key_states, value_states, self.static.lens, self.kv_offset)
         return k_cache[:, :, :self.total_len], v_cache[:, :, :self.total_len]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -418,16 +423,25 @@ class HFCausalLM:
 
     @torch.no_grad()
     def forward(self, cache: StaticKVCache, tokens: torch.Tensor, depths: torch.Tensor,
-                tree_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                tree_mask: Optional[torch.Tensor] = None, kv_offset: int = 0) -> torch.Tensor:
         """Score N new nodes per request: logits float32 [B, N, V].
 
         tokens [B, N] (-1 = padding, fed as token 0, output garbage); depths [B, N] int, depth below
         the root (root 0); tree_mask [B, N, N] bool (node i sees node j) or None (causal chain).
         The nodes' K/V are written at cache.lens[b] + j; cache.lens is NOT advanced (the caller
         commits). Position ids are cache.lens[b] + depths[b, j].
+
+        ``kv_offset > 0``: this call continues a step whose first ``kv_offset`` new nodes are already
+        in the cache (at lens[b] + j, j < kv_offset, e.g. a draft tree's earlier depths). The N nodes
+        go to lens[b] + kv_offset + j and tree_mask is [B, N, kv_offset + N] over all the step's new
+        nodes (None: each sees every earlier new node and itself, a chain). Nothing is recomputed.
         """
-        self._check_call(cache, tokens, depths, tree_mask)
-        return self._forward(cache, tokens, depths, tree_mask, logits_to_keep=0)
+        kv_offset = self._check_call(cache, tokens, depths, tree_mask, kv_offset)
+        if kv_offset and tree_mask is None:
+            B, N = tokens.shape
+            tree_mask = torch.ones(N, kv_offset + N, dtype=torch.bool, device=tokens.device).tril(kv_offset)
+            tree_mask = tree_mask.expand(B, N, kv_offset + N)
+        return self._forward(cache, tokens, depths, tree_mask, logits_to_keep=0, kv_offset=kv_offset)
 
     __call__ = forward
 
@@ -453,7 +467,7 @@ class HFCausalLM:
         return out
 
     # ------------------------------------------------------------------ internals
-    def _check_call(self, cache, tokens, depths, tree_mask) -> None:
+    def _check_call(self, cache, tokens, depths, tree_mask, kv_offset: int = 0) -> int:
         if not isinstance(cache, StaticKVCache):
             raise TypeError(f"HFCausalLM.forward: cache must be a StaticKVCache, got {type(cache).__name__}")
         if cache.num_layers != self.num_layers or cache.num_kv_heads != self.num_kv_heads or \
@@ -469,32 +483,42 @@ class HFCausalLM:
             raise ValueError(f"HFCausalLM.forward: depths must have the shape of tokens {tuple(tokens.shape)}, "
                              f"got {tuple(depths.shape)}")
         B, N = tokens.shape
-        if tree_mask is not None and (tree_mask.shape != (B, N, N) or tree_mask.dtype != torch.bool):
-            raise ValueError(f"HFCausalLM.forward: tree_mask must be bool [B, N, N] = [{B}, {N}, {N}], got "
-                             f"{tree_mask.dtype} {tuple(tree_mask.shape)}")
-        if N > cache.capacity:
-            raise ValueError(f"HFCausalLM.forward: N = {N} nodes exceed the cache capacity {cache.capacity}")
+        if isinstance(kv_offset, bool) or not isinstance(kv_offset, int) or kv_offset < 0:
+            raise ValueError(f"HFCausalLM.forward: kv_offset must be an int >= 0, got {kv_offset!r}")
+        nkv = kv_offset + N
+        if tree_mask is not None and (tree_mask.shape != (B, N, nkv) or tree_mask.dtype != torch.bool):
+            raise ValueError(f"HFCausalLM.forward: tree_mask must be bool [B, N, kv_offset + N] = [{B}, {N}, {nkv}], "
+                             f"got {tree_mask.dtype} {tuple(tree_mask.shape)}")
+        if nkv > cache.capacity:
+            raise ValueError(f"HFCausalLM.forward: kv_offset + N = {nkv} nodes exceed the cache capacity "
+                             f"{cache.capacity}")
+        return kv_offset
 
-    def _forward(self, cache, tokens, depths, tree_mask, logits_to_keep) -> torch.Tensor:
+    def _forward(self, cache, tokens, depths, tree_mask, logits_to_keep, kv_offset: int = 0) -> torch.Tensor:
         """Shared by forward and prefill; logits_to_keep as transformers' slice_logits_to_keep."""
         token = _FAST_LINEAR.set(self.fast_linear)
         try:
-            return self._forward_impl(cache, tokens, depths, tree_mask, logits_to_keep)
+            return self._forward_impl(cache, tokens, depths, tree_mask, logits_to_keep, kv_offset)
         finally:
             _FAST_LINEAR.reset(token)
 
-    def _forward_impl(self, cache, tokens, depths, tree_mask, logits_to_keep) -> torch.Tensor:
+    def _forward_impl(self, cache, tokens, depths, tree_mask, logits_to_keep, kv_offset: int = 0) -> torch.Tensor:
         if self._runner is not None:
             positions = cache.lens.to(torch.long).unsqueeze(1) + depths.to(torch.long)  # [B, N]
-            return self._runner(cache, tokens.clamp(min=0), positions, tree_mask, logits_to_keep).float()
+            return self._runner(cache, tokens.clamp(min=0), positions, tree_mask, logits_to_keep,
+                                kv_offset=kv_offset).float()
         B, N = tokens.shape
-        call = _Call(cache=cache, tree_mask=tree_mask)
+        call = _Call(cache=cache, tree_mask=tree_mask, kv_offset=kv_offset)
         if not self.hooked:
             return self._forward_generic(call, tokens, depths, logits_to_keep)
         if self._min_window is not None and cache.capacity > self._min_window:
             # Sliding-window model whose cache can outgrow the window: one host read per call.
             max_len = int(cache.lens.max())
-            if max_len + N > self._min_window:
+            if max_len + kv_offset + N > self._min_window:
+                if kv_offset:
+                    raise ValueError(f"HFCausalLM.forward: kv_offset > 0 past the sliding window "
+                                     f"({self._min_window}) is not supported (the masked window path needs the "
+                                     f"depths of the step's earlier nodes); draft with a chain or spine tree")
                 if not self._warned_window:
                     warnings.warn(f"HFCausalLM: positions past the sliding window ({self._min_window}); "
                                   f"sliding layers use a masked attention path (correct, slower)", stacklevel=3)
@@ -538,7 +562,8 @@ class HFCausalLM:
     def _forward_generic(self, call: _Call, tokens, depths, logits_to_keep) -> torch.Tensor:
         cache = call.cache
         B, N = tokens.shape
-        total = int(cache.lens.max()) + N  # host read: the generic path sizes its mask and K/V views
+        off = call.kv_offset
+        total = int(cache.lens.max()) + off + N  # host read: the generic path sizes its mask and K/V views
         dtype = self.model.get_input_embeddings().weight.dtype
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             dtype = self.dtype
@@ -546,6 +571,9 @@ class HFCausalLM:
         window = layout["window"]
         if window is not None and total <= window:
             window = None  # every position inside the window: the plain mask is exact for all layers
+        if window is not None and off:
+            raise ValueError(f"HFCausalLM.forward: kv_offset > 0 past the sliding window ({window}) is not "
+                             f"supported on the generic path; draft with a chain or spine tree")
         full = _additive_mask(_visibility(cache.lens, depths, call.tree_mask, total, None), dtype)
         if window is None:
             mask = full
@@ -556,7 +584,7 @@ class HFCausalLM:
         kwargs = {}
         if _slices(logits_to_keep) and self._keep_logits:
             kwargs["logits_to_keep"] = logits_to_keep
-        bridge = _StaticCacheBridge(cache, total)
+        bridge = _StaticCacheBridge(cache, total, off)
         out = self.model(input_ids=tokens.clamp(min=0), position_ids=positions, attention_mask=mask,
                          use_cache=True, **{self._cache_kwarg: bridge}, **kwargs)
         return self._select_logits(out.logits, logits_to_keep).float()

@@ -9,9 +9,11 @@
 // Napkin math: R * (len + N) * D * 2 FMAs per task and (len + N) * D * 2 * sizeof(dtype)
 // bytes read; at R = 64 the work is compute-bound on a CPU (AVX2: 16 FMA lanes/cycle).
 //
-// Masking: keys < len (the prefix) are always visible; key len + j is visible to
-// node i iff bit j of mask row i is set (bit-packed, W = ceil(N / 64) words per row),
-// or j <= i when no mask is given. A row that sees no key at all outputs zeros.
+// Masking: the step has Nkv new nodes at len + j (j < Nkv) and the N queries are the
+// last N of them (query i = new node Nkv - N + i; Nkv = N is the plain tree form).
+// Keys < len (the prefix) are always visible; key len + j is visible to query i iff
+// bit j of mask row i is set (bit-packed, W = ceil(Nkv / 64) words per row), or
+// j <= Nkv - N + i when no mask is given. A row that sees no key at all outputs zeros.
 //
 // This header is compiled once per ISA (SPECDEC_CPU_ISA names the namespace).
 #pragma once
@@ -37,8 +39,9 @@ struct AttentionParams {
   const void* v_cache;      // [B, Hkv, S, D] contiguous
   void* out;                // [B, N, Hq, D] contiguous
   const int32_t* lens;      // [B]
-  const uint64_t* mask;     // [B, N, W] packed tree mask, or nullptr = causal chain
+  const uint64_t* mask;     // [B, N, W] packed tree mask (N queries x Nkv new keys), or nullptr = causal
   int64_t B, N, Hq, Hkv, S, D, W;
+  int64_t Nkv;              // new nodes of the step in the cache (>= N; the queries are the last N)
   float scale;
   DType dtype;
 };
@@ -104,7 +107,8 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, Atten
   const int64_t Rp = (R + kRowTile - 1) / kRowTile * kRowTile;  // rows padded to the tile (zero rows)
   const int64_t Dp = (D + 7) / 8 * 8;                              // head dim padded to 8 (zero tail)
   const int64_t len = P.lens[b];
-  const int64_t total = len + N;
+  const int64_t total = len + P.Nkv;
+  const int64_t qoff = P.Nkv - N;  // new-node index of query 0
   const int64_t es = dtype_size(P.dtype);
   const float ninf = -std::numeric_limits<float>::infinity();
   W.q.assign(Rp * Dp, 0.f);
@@ -161,7 +165,7 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, Atten
         const uint64_t* mrow = P.mask ? P.mask + (b * N + i) * P.W : nullptr;
         for (int64_t k = std::max<int64_t>(0, len - s0); k < nk; ++k) {
           const int64_t j = s0 + k - len;
-          const bool visible = mrow ? ((mrow[j >> 6] >> (j & 63)) & 1u) != 0 : j <= i;
+          const bool visible = mrow ? ((mrow[j >> 6] >> (j & 63)) & 1u) != 0 : j <= qoff + i;
           if (!visible) s[k] = ninf;
         }
       }

@@ -1,0 +1,292 @@
+"""MultiDraft: several drafters' proposals merged into ONE token tree per request (SpecInfer).
+
+Each step every member proposes its own tree (rooted at the same root) within its share of
+the node budget; the trees are merged on the host, member by member in order, and the
+target verifies the union in one pass.
+
+Merging rules (what keeps the output exact):
+
+* greedy: equal tokens under the same parent become one node (greedy verification only
+  compares tokens with the target's argmax, so a duplicate is pure waste);
+* sampling: a node DRAWN from a distribution q keeps its own q row in ``draft_probs`` and is
+  never merged with anything (verifying it against another drafter's q, or folding two
+  independent draws into one, changes the acceptance probabilities and breaks exactness);
+  equal siblings from different draws stay separate nodes, which the SpecInfer multi-step
+  sampler handles exactly (after a rejection the residual is norm(max(0, p - q_c)); a second
+  copy of a rejected deterministic token meets a residual with zero mass on it and is simply
+  rejected -- wasted, never wrong). DETERMINISTIC candidates (prompt lookup, callables,
+  dynamic trees: one-hot q) of different members are merged like in greedy mode: a
+  deterministic candidate set is a function of the context, and the sampler is exact for any
+  such set of distinct tokens. Sibling order is member order then each member's node order,
+  fixed before any verification draw.
+
+Node budget: ``budgets=[n_0, n_1, ...]`` gives each member a fixed number of draft nodes;
+otherwise ``node_budget`` (root included; default: the sum of the members' own sizes) is split
+every step in proportion to each member's recent acceptance (an exponential average of the
+accepted tokens that lay in its own subtree), at least one node each so that every member
+keeps being measured. A member learns its share through ``StepContext.node_budget`` (DraftModel
+dynamic trees re-rank to it, prompt lookup shortens its chain) and its proposal is cut to it
+(a prefix in index order, which is a connected subtree).
+
+Rollback: after verification every member gets the part of the accepted path that lies in its
+own tree (``accept(accepted, num, num_host, foreign=...)``) and the accepted tokens after that
+part (``foreign``), so a draft model feeds them with its next root instead of running a
+catch-up forward. The merge and this mapping run on the host: MultiDraft reads the accepted
+path once per step (free on CPU; one more device sync per step on CUDA).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from specdec.drafters.base import Draft, Drafter, StepContext, check_draft
+from specdec.sampling import SamplingParams
+from specdec.tree import TokenTree
+
+__all__ = ["MultiDraft"]
+
+_EMA = 0.8  # weight of the past in the acceptance average that splits the node budget
+
+
+class MultiDraft(Drafter):
+    """SpecInfer-style merge of several drafters' trees into one tree per request.
+
+    Parameters
+    ----------
+    drafters : sequence of Drafter
+        Members (DraftModel, PromptLookup, CallableDrafter, another MultiDraft, ...), distinct objects.
+    budgets : sequence of int, optional
+        Fixed draft nodes per member per step (root excluded), each >= 1.
+    node_budget : int, optional
+        Total nodes per request (root included) split across members by recent acceptance when
+        ``budgets`` is None. Default: 1 + the sum of the members' own ``max_nodes - 1``.
+    """
+
+    trusted = True
+
+    def __init__(self, drafters: Sequence[Drafter], budgets: Optional[Sequence[int]] = None,
+                 node_budget: Optional[int] = None) -> None:
+        if isinstance(drafters, Drafter) or not isinstance(drafters, (list, tuple)):
+            raise TypeError(f"MultiDraft: drafters must be a list of specdec drafters, got {type(drafters).__name__}")
+        if not drafters:
+            raise ValueError("MultiDraft: needs at least one drafter, got an empty list")
+        for i, d in enumerate(drafters):
+            if not isinstance(d, Drafter):
+                raise TypeError(f"MultiDraft: drafter {i} must be a specdec Drafter, got {type(d).__name__}")
+        if len({id(d) for d in drafters}) != len(drafters):
+            raise ValueError("MultiDraft: the same drafter object appears twice (each member keeps its own state)")
+        self.members = list(drafters)
+        caps = [max(0, int(d.max_nodes) - 1) for d in self.members]
+        self._caps = caps
+        if budgets is not None:
+            if node_budget is not None:
+                raise ValueError("MultiDraft: give budgets (per member) or node_budget (total), not both")
+            budgets = list(budgets)
+            if len(budgets) != len(self.members):
+                raise ValueError(f"MultiDraft: budgets must hold one int per drafter ({len(self.members)}), "
+                                 f"got {len(budgets)}")
+            for i, n in enumerate(budgets):
+                if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                    raise ValueError(f"MultiDraft: budgets[{i}] must be an int >= 1, got {n!r}")
+            self.budgets: Optional[List[int]] = [min(n, c) if c > 0 else 0 for n, c in zip(budgets, caps)]
+            total = sum(self.budgets)
+        else:
+            self.budgets = None
+            total = sum(caps)
+            if node_budget is not None:
+                if isinstance(node_budget, bool) or not isinstance(node_budget, int) or \
+                        node_budget < 1 + len(self.members):
+                    raise ValueError(f"MultiDraft: node_budget must be an int >= 1 + {len(self.members)} (root + one "
+                                     f"node per drafter), got {node_budget!r}")
+                total = min(total, node_budget - 1)
+        self.max_nodes = 1 + total
+        self._outer_foreign = 0
+        self._ema = [1.0] * len(self.members)
+        self.device = torch.device("cpu")
+        self.vocab_size = None
+        self.params: Optional[SamplingParams] = None
+        self._step: Optional[dict] = None
+
+    def __repr__(self) -> str:
+        inner = ", ".join(repr(d) for d in self.members)
+        extra = f", budgets={self.budgets}" if self.budgets is not None else f", node_budget={self.max_nodes}"
+        return f"MultiDraft([{inner}]{extra})"
+
+    def _name(self, i: int) -> str:
+        return f"MultiDraft member {i} ({self.members[i]!r})"
+
+    # ------------------------------------------------------------------ setup
+    def reserve_foreign(self, n: int) -> None:
+        self._outer_foreign = max(self._outer_foreign, int(n))
+
+    def bind(self, target, max_batch: int, max_len: int) -> None:
+        self.device = torch.device(target.device)
+        self.vocab_size = int(target.vocab_size)
+        for d in self.members:
+            d.reserve_foreign(self.max_nodes - 1 + self._outer_foreign)
+            d.bind(target, max_batch, max_len)
+
+    def start(self, prompts: Sequence[Sequence[int]], params: SamplingParams, generator: torch.Generator) -> None:
+        self.params = params
+        self._ema = [1.0] * len(self.members)
+        self._step = None
+        for d in self.members:
+            d.start(prompts, params, generator)
+
+    # ------------------------------------------------------------------ budget
+    def split(self) -> List[int]:
+        """Draft nodes per member for the next step (fixed budgets, or by recent acceptance)."""
+        if self.budgets is not None:
+            return list(self.budgets)
+        caps = self._caps
+        total = self.max_nodes - 1
+        if total >= sum(caps):
+            return list(caps)
+        live = [i for i, c in enumerate(caps) if c > 0]
+        alloc = [0] * len(caps)
+        for i in live:  # one node each: every member keeps being measured
+            alloc[i] = 1
+        left = total - len(live)
+        weights = {i: self._ema[i] + 0.05 for i in live}
+        while left > 0:
+            open_ = [i for i in live if alloc[i] < caps[i]]
+            if not open_:
+                break
+            wsum = sum(weights[i] for i in open_)
+            shares = {i: left * weights[i] / wsum for i in open_}
+            give = {i: min(caps[i] - alloc[i], int(shares[i])) for i in open_}
+            if sum(give.values()) == 0:  # hand out the remainder by largest share
+                i = max(open_, key=lambda j: (shares[j], -j))
+                give[i] = 1
+            for i, g in give.items():
+                alloc[i] += g
+                left -= g
+        return alloc
+
+    # ------------------------------------------------------------------ step
+    def cancel(self) -> None:
+        for d in self.members:
+            d.cancel()
+        self._step = None
+
+    def propose(self, ctx: StepContext) -> Draft:
+        alloc = self.split()
+        if ctx.node_budget is not None:  # an outer MultiDraft's share: shrink ours proportionally
+            scale = max(0, int(ctx.node_budget) - 1) / max(1, sum(alloc))
+            if scale < 1:
+                alloc = [max(1 if a else 0, int(a * scale)) for a in alloc]
+        b = len(ctx.request_ids)
+        drafts: List[Draft] = []
+        try:
+            for i, d in enumerate(self.members):
+                sub = StepContext(roots=ctx.roots, sequences=ctx.sequences, request_ids=ctx.request_ids,
+                                  budgets=ctx.budgets, node_budget=1 + alloc[i])
+                try:
+                    draft = d.propose(sub)
+                except (ValueError, TypeError) as exc:
+                    raise type(exc)(f"{self._name(i)}: {exc}") from exc
+                drafts.append(draft)
+                if not d.trusted:
+                    check_draft(draft, self._name(i), ctx.request_ids, self.vocab_size, int(d.max_nodes))
+            return self._merge(ctx, drafts, alloc, b)
+        except Exception:
+            for d in self.members[:len(drafts)]:
+                d.cancel()
+            self._step = None
+            raise
+
+    def _merge(self, ctx: StepContext, drafts: List[Draft], alloc: List[int], b: int) -> Draft:
+        sampling = not self.params.greedy
+        host = [(d.tree.tokens.tolist(), d.tree.parents.tolist()) for d in drafts]
+        roots = [int(seq[-1]) for seq in ctx.sequences]
+        all_tok: List[List[int]] = []
+        all_par: List[List[int]] = []
+        sources: List[List[Optional[Tuple[int, int]]]] = []   # per row, per merged node: (member, node) of q
+        maps: List[List[Dict[int, int]]] = [[{} for _ in range(b)] for _ in drafts]  # merged -> member node
+        for r in range(b):
+            tok, par, src = [roots[r]], [-1], [None]
+            by_key: Dict[Tuple[int, int], int] = {}
+            for i, d in enumerate(drafts):
+                mtok, mpar = host[i][0][r], host[i][1][r]
+                drawn = sampling and d.draft_probs is not None
+                local = {0: 0}
+                maps[i][r][0] = 0
+                kept = 0
+                for j in range(1, len(mtok)):
+                    p = mpar[j]
+                    if p < 0 or p not in local:
+                        continue  # padding, or below a node cut by the budget
+                    if kept >= alloc[i]:
+                        break
+                    kept += 1
+                    P, t = local[p], int(mtok[j])
+                    key = (P, t)
+                    if not drawn and key in by_key:
+                        m = by_key[key]
+                    else:
+                        m = len(tok)
+                        tok.append(t)
+                        par.append(P)
+                        src.append((i, j) if drawn else None)
+                        if not drawn:
+                            by_key[key] = m
+                    local[j] = m
+                    maps[i][r][m] = j
+            all_tok.append(tok)
+            all_par.append(par)
+            sources.append(src)
+        tree = TokenTree.from_lists(all_tok, all_par, device=self.device)
+        q = None
+        if sampling and any(d.draft_probs is not None for d in drafts):
+            N = tree.size
+            q = torch.zeros(b, N, self.vocab_size, dtype=torch.float32, device=self.device)
+            det_r, det_m, det_t = [], [], []
+            for r in range(b):
+                for m in range(1, len(all_tok[r])):
+                    s = sources[r][m]
+                    if s is None:
+                        det_r.append(r)
+                        det_m.append(m)
+                        det_t.append(all_tok[r][m])
+                    else:
+                        q[r, m] = drafts[s[0]].draft_probs[r, s[1]]
+            if det_r:
+                idx = [torch.tensor(x, dtype=torch.long, device=self.device) for x in (det_r, det_m, det_t)]
+                q.index_put_(tuple(idx), torch.ones(len(det_r), dtype=torch.float32, device=self.device))
+        self._step = dict(drafts=drafts, maps=maps, tokens=all_tok, b=b)
+        return Draft(tree, q)
+
+    def accept(self, accepted: torch.Tensor, num_accepted: torch.Tensor, num_host: Sequence[int],
+               foreign: Optional[Sequence[Sequence[int]]] = None) -> None:
+        step = self._step
+        if step is None:
+            raise RuntimeError("MultiDraft.accept: no proposal to accept (propose first)")
+        b = step["b"]
+        acc = accepted.tolist()   # host read: the member mapping runs on the host
+        paths = [acc[r][1:int(num_host[r]) + 1] for r in range(b)]
+        for i, d in enumerate(self.members):
+            N_i = step["drafts"][i].tree.size
+            rows, nums, extra = [], [], []
+            for r in range(b):
+                own = [0]
+                for node in paths[r]:
+                    j = step["maps"][i][r].get(node)
+                    if j is None:
+                        break
+                    own.append(j)
+                n_own = len(own) - 1
+                f = [step["tokens"][r][node] for node in paths[r][n_own:]]
+                if foreign is not None:
+                    f += list(foreign[r])
+                rows.append(own + [-1] * (N_i - len(own)))
+                nums.append(n_own)
+                extra.append(f)
+            d.accept(torch.tensor(rows, dtype=torch.int32, device=self.device),
+                     torch.tensor(nums, dtype=torch.int32, device=self.device), nums, foreign=extra)
+            self._ema[i] = _EMA * self._ema[i] + (1 - _EMA) * (sum(nums) / max(1, b))
+        self._step = None
+
+    def retire(self, moves: Sequence[Tuple[int, int, int]], active: int) -> None:
+        for d in self.members:
+            d.retire(moves, active)
