@@ -23,6 +23,10 @@ _LAZY = {
     "load_bundled": "specdec.models.bundled",
     "SpeculativeDecoder": "specdec.decoding",
     "GenerateOutput": "specdec.decoding",
+    "Engine": "specdec.engine",
+    "RequestParams": "specdec.engine",
+    "RequestOutput": "specdec.engine",
+    "QueueFull": "specdec.engine",
     "DraftModel": "specdec.drafters.draft_model",
     "PromptLookup": "specdec.drafters.prompt_lookup",
     "SuffixDrafter": "specdec.drafters.suffix",
@@ -33,7 +37,7 @@ _LAZY = {
 }
 
 # subpackages / modules served as attributes (``specdec.models.load_bundled(...)``), imported on first use
-_SUBMODULES = ("models", "drafters", "reference", "tree", "cache", "decoding", "sampling", "metrics")
+_SUBMODULES = ("models", "drafters", "reference", "tree", "cache", "decoding", "engine", "sampling", "metrics")
 
 __all__ = ["ops", "build_info", "__version__", *_LAZY, *_SUBMODULES]
 

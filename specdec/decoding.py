@@ -22,6 +22,10 @@ Lengths: every request must satisfy ``len(prompt) + max_new_tokens <= max_len``
 (checked up front, before any state changes, with the offending request named).
 The caches get ``max_len + max_nodes`` positions so that the last verification tree
 always fits.
+
+The loop itself lives in :class:`specdec.Engine` (continuous batching: requests join and leave
+at step boundaries); :meth:`SpeculativeDecoder.generate` adds one static batch of requests with
+one setting to its engine and steps it until every request is done -- one code path.
 """
 from __future__ import annotations
 
@@ -33,11 +37,11 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Un
 import torch
 
 from specdec import ops
-from specdec.drafters.base import Draft, Drafter, StepContext, check_draft, move_cache_rows
-from specdec.metrics import MemoryProbe, MetricsRecorder, empty_metrics, static_memory_bytes, write_trace
-from specdec.sampling import SamplingParams, draw_uniforms, make_generator, warp_
-from specdec.scheduler import POLICIES, CostModel, Policy, StepTimes, calibrate, make_policy
-from specdec.tree import TokenTree
+from specdec.drafters.base import Drafter
+from specdec.engine import Engine, RequestParams
+from specdec.metrics import MemoryProbe, MetricsRecorder, empty_metrics, write_trace
+from specdec.sampling import SamplingParams, make_generator
+from specdec.scheduler import Policy, calibrate
 
 __all__ = ["SpeculativeDecoder", "GenerateOutput"]
 
@@ -77,48 +81,35 @@ class SpeculativeDecoder:
 
     def __init__(self, target, drafter: Optional[Drafter] = None, max_batch: int = 8, max_len: int = 2048,
                  policy: Union[str, Policy] = "goodput", calibrate: bool = False) -> None:
-        for name, v in (("max_batch", max_batch), ("max_len", max_len)):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"SpeculativeDecoder: {name} must be an int, got {type(v).__name__}")
-            if v < 1:
-                raise ValueError(f"SpeculativeDecoder: {name} must be >= 1, got {v}")
-        if not isinstance(policy, Policy) and policy not in POLICIES:
-            raise ValueError(f"SpeculativeDecoder: policy must be one of {POLICIES} or a specdec.scheduler.Policy, "
-                             f"got {policy!r}")
-        if drafter is not None and not isinstance(drafter, Drafter):
-            raise TypeError(f"SpeculativeDecoder: drafter must be a specdec Drafter (DraftModel, PromptLookup, ...) "
-                            f"or None, got {type(drafter).__name__}")
-        for attr in ("vocab_size", "device", "new_cache", "forward", "prefill"):
-            if not hasattr(target, attr):
-                raise TypeError(f"SpeculativeDecoder: target lacks {attr!r}; wrap a transformers model with "
-                                f"specdec.HFCausalLM(model)")
+        #: the continuous-batching engine that runs every generate call (specdec/engine.py)
+        self.engine = Engine(target, drafter, max_batch=max_batch, max_len=max_len, policy=policy,
+                             drafter_errors="raise", _name="SpeculativeDecoder")
+        eng = self.engine
         self.target = target
-        self.drafter = drafter
         self.max_batch = max_batch
         self.max_len = max_len
-        self.policy = policy if isinstance(policy, str) else policy.name
-        self.device = torch.device(target.device)
-        self.vocab_size = int(target.vocab_size)
-        if drafter is not None:
-            drafter.bind(target, max_batch, max_len)  # vocabulary / device checks happen here
-        self.max_nodes = drafter.max_nodes if drafter is not None else 1
-        self.cache = target.new_cache(max_batch, max_len + self.max_nodes)
-        self._views: Dict[int, object] = {}
+        self.policy = eng.policy
+        self.device = eng.device
+        self.vocab_size = eng.vocab_size
+        self.max_nodes = eng.max_nodes
+        self.cache = eng.cache
         #: the step policy (specdec/scheduler.py); its cost model persists across generate calls
-        self.scheduler: Policy = make_policy(policy if drafter is not None else "fixed", drafter, CostModel())
+        self.scheduler: Policy = eng.scheduler
         self._calibrate = bool(calibrate)
         #: weights (target + draft model) + KV caches, for the peak-memory metric
-        self.static_memory_bytes = static_memory_bytes(target, drafter, [self.cache, getattr(drafter, "cache", None)])
+        self.static_memory_bytes = eng.static_memory_bytes
+
+    @property
+    def drafter(self) -> Optional[Drafter]:
+        return self.engine.drafter
+
+    @drafter.setter
+    def drafter(self, d: Optional[Drafter]) -> None:  # the engine's (tests swap in a misbehaving one)
+        self.engine.drafter = d
 
     def __repr__(self) -> str:
         return (f"SpeculativeDecoder(drafter={self.drafter!r}, max_batch={self.max_batch}, "
                 f"max_len={self.max_len}, policy={self.policy!r})")
-
-    def _view(self, b: int):
-        view = self._views.get(b)
-        if view is None:
-            view = self._views[b] = self.cache.rows(0, b)
-        return view
 
     # ------------------------------------------------------------------ validation
     def _prompts(self, input_ids) -> List[List[int]]:
@@ -180,15 +171,6 @@ class SpeculativeDecoder:
             raise TypeError(f"generate: eos_token_id must hold ints, got {ids!r}")
         return frozenset(ids)
 
-    # ------------------------------------------------------------------ verification
-    def _verify(self, tree: TokenTree, logits: torch.Tensor, q: Optional[torch.Tensor], params: SamplingParams,
-                generator: torch.Generator):
-        if params.greedy:
-            return ops.greedy_verify(tree.tokens, tree.parents, logits)
-        p = warp_(logits, params)  # [b, N, V], in place on the logits the forward returned
-        u = draw_uniforms(tree.batch, tree.size, generator, self.device)  # [b, N] float64
-        return ops.rejection_sample(tree.tokens, tree.parents, p, q, u)
-
     # ------------------------------------------------------------------ generate
     def generate(self, input_ids: Union[torch.Tensor, Sequence[Sequence[int]]], max_new_tokens: int = 128,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -227,187 +209,69 @@ class SpeculativeDecoder:
             self._calibrate = False
             nodes = sorted({1, 2, 4, self.max_nodes} | {n for n in (8, 12, 16) if n < self.max_nodes})
             calibrate(self.target, self.cache, self.scheduler.cost, sorted({1, self.max_batch}), nodes)
-        out = _Run(self, prompts, max_new_tokens, params, eos, seed, callback, bool(trace)).run()
+        out = self._run(prompts, max_new_tokens, params, eos, seed, callback, bool(trace))
         if trace and not isinstance(trace, bool):
             write_trace(out.trace, trace)
         return out
 
-
-class _Run:
-    """State of one generate call."""
-
-    def __init__(self, dec: SpeculativeDecoder, prompts: List[List[int]], max_new: int, params: SamplingParams,
-                 eos: frozenset, seed: Optional[int], callback, trace: bool = False) -> None:
-        self.dec = dec
-        self.prompts = prompts
-        self.max_new = max_new
-        self.params = params
-        self.eos = eos
-        self.callback = callback
-        dev = dec.device
-        self.generator = make_generator(seed, dev)
-        self.draft_generator = make_generator(None if seed is None else seed + 0x5EED, dev)
+    def _run(self, prompts: List[List[int]], max_new: int, params: SamplingParams, eos: frozenset,
+             seed: Optional[int], callback, trace: bool) -> GenerateOutput:
+        """One static batch through the engine: add every request, step until all are done."""
+        eng = self.engine
+        if eng.has_unfinished():
+            raise RuntimeError("generate: the decoder's engine holds requests (Engine.step them to completion or "
+                               "abort them first)")
         B = len(prompts)
-        self.B = B
-        self.seqs = [list(p) for p in prompts]           # prompt + new tokens, per request
-        self.new: List[List[int]] = [[] for _ in range(B)]
-        self.finish = [""] * B
-        self.rows = list(range(B))                       # row -> request id (active rows only)
-        self.rec = MetricsRecorder(B, dev)
-        self.sched = dec.scheduler
-        self.sched.begin(B, trace)
-
-    # ------------------------------------------------------------------ bookkeeping
-    def _emit(self, rid: int, toks: Sequence[int]) -> Tuple[int, bool]:
-        """Append tokens to request rid up to EOS / max_new; returns (count appended, finished)."""
-        out = self.new[rid]
-        seq = self.seqs[rid]
-        n = 0
-        done = False
-        for t in toks:
-            out.append(t)
-            seq.append(t)
-            n += 1
-            if t in self.eos:
-                self.finish[rid] = "eos"
-                done = True
-                break
-            if len(out) >= self.max_new:
-                self.finish[rid] = "length"
-                done = True
-                break
-        if n and self.callback is not None:
-            self.callback(rid, out[len(out) - n:])
-        return n, done
-
-    def _retire(self, finished_rows: List[int], roots: torch.Tensor) -> torch.Tensor:
-        """Drop finished rows: the last active rows move into the holes. Returns the new roots [b']."""
-        dec = self.dec
-        b = len(self.rows)
-        gone = set(finished_rows)
-        keep = [r for r in range(b) if r not in gone]
-        b_new = len(keep)
-        if b_new == 0:
-            self.rows = []
-            if dec.drafter is not None:
-                dec.drafter.retire([], 0)   # the last rows leave too (drafters that keep per-request state)
-            return roots[:0]
-        holes = [r for r in range(b_new) if r in gone]
-        tail = [r for r in range(b_new, b) if r not in gone]
-        moves = [(src, dst, len(self.seqs[self.rows[src]])) for src, dst in zip(tail, holes)]
-        perm = list(range(b_new))
-        for src, dst, _ in moves:
-            perm[dst] = src
-            self.rows[dst] = self.rows[src]
-        self.rows = self.rows[:b_new]
-        move_cache_rows(dec.cache, moves)
-        if dec.drafter is not None:
-            dec.drafter.retire(moves, b_new)
-        if not moves:
-            return roots[:b_new]
-        return roots.index_select(0, torch.tensor(perm, dtype=torch.int64, device=roots.device))
-
-    # ------------------------------------------------------------------ the loop
-    def run(self) -> GenerateOutput:
-        dec, params, rec = self.dec, self.params, self.rec
-        clock = rec.clock
-        target, drafter = dec.target, dec.drafter
-        B = self.B
-        mem = MemoryProbe(dec.device, dec.static_memory_bytes)
+        dev = self.device
+        rec = MetricsRecorder(B, dev)
+        eng.recorder = rec
+        eng._auto_recorder = False
+        eng.draft_generator = make_generator(None if seed is None else seed + 0x5EED, dev)
+        self.scheduler.begin(B, trace)
+        mem = MemoryProbe(dev, self.static_memory_bytes)
+        # per-request generators: request i of a seeded call draws from seed (mixed with i)
+        rp = RequestParams(max_new_tokens=max_new, temperature=params.temperature, top_k=params.top_k,
+                           top_p=params.top_p, stop_token_ids=tuple(sorted(eos)))
+        new: List[List[int]] = [[] for _ in range(B)]
+        finish = [""] * B
+        t_first = None
         t_start = time.perf_counter()
-
-        # ---- prefill the target; the first token is drawn exactly like a plain step
-        dec.cache.reset()
-        c0 = clock.mark()
-        logits0 = target.prefill(dec.cache, self.prompts, rows=list(range(B)))   # [B, V]
-        root_tree = TokenTree.root_only(torch.zeros(B, dtype=torch.int64, device=dec.device))
-        _, _, out0 = dec._verify(root_tree, logits0.float().view(B, 1, -1), None, params, self.generator)
-        clock.add("prefill", c0, clock.mark())
-        first = out0[:, 0].tolist()                        # host sync: the first token of each request
-        t_first = time.perf_counter()
-        roots = out0[:, 0].contiguous()                    # [B] int64 on the device
-        finished_rows = []
-        for r, t in enumerate(first):
-            _, done = self._emit(r, [t])
-            if done:
-                finished_rows.append(r)
-
-        if drafter is not None:
-            c0 = clock.mark()
-            drafter.start(self.prompts, params, self.draft_generator)
-            clock.add("draft_prefill", c0, clock.mark())
-        if finished_rows:
-            roots = self._retire(finished_rows, roots)
-        t_prev = time.perf_counter()
-
-        # ---- speculative steps
-        while self.rows:
-            b = len(self.rows)
-            cache = dec._view(b)
-            c0 = clock.mark()
-            plan = self.sched.plan(self.rows, [self.max_new - len(self.new[rid]) - 1 for rid in self.rows])
-            if drafter is None:
-                draft = Draft(TokenTree.root_only(roots))
-            else:
-                ctx = StepContext(roots=roots, sequences=[self.seqs[rid] for rid in self.rows],
-                                  request_ids=list(self.rows), budgets=plan.budgets)
-                draft = drafter.propose(ctx)
-                if not drafter.trusted:
-                    _check_proposal(drafter, draft, ctx, dec)
-            tree = draft.tree
-            c1 = clock.mark()
-            logits = target.forward(cache, tree.tokens, tree.depths, tree.attention_mask())   # [b, N, V]
-            if drafter is not None:
-                drafter.observe_verify(tree, logits)       # before warp_ (in place); no host sync
-            accepted, num, out = dec._verify(tree, logits, draft.draft_probs, params, self.generator)
-            c2 = clock.mark()
-            cache.commit(accepted, num)                    # ops.kv_commit; lens += num + 1
-            c3 = clock.mark()
-            # THE host sync of the step: accepted counts and tokens, to append them and check EOS
-            host = torch.cat([num.view(b, 1).to(torch.int64), out], dim=1).tolist()
-            num_host = [h[0] for h in host]
-            c4 = clock.mark()
-            if drafter is not None:
-                drafter.accept(accepted, num, num_host)    # drafter rollback (kv_commit)
-            c5 = clock.mark()
-            roots = out.gather(1, num.view(b, 1).to(torch.int64)).view(b)   # next roots [b]
-            clock.add("draft", c0, c1)
-            clock.add("verify", c1, c2)
-            clock.add("commit", c2, c3)
-            clock.add("commit", c4, c5)
-
-            t_now = time.perf_counter()
-            finished_rows = []
-            emitted = []
-            for r, rid in enumerate(self.rows):
-                a = num_host[r]
-                n, done = self._emit(rid, host[r][1:a + 2])
-                emitted.append(n)
-                if done:
-                    finished_rows.append(r)
-            depths = tree.depth_per_request() if drafter is not None else tree.num_drafted
-            rec.step(self.rows, tree.num_drafted, depths, num_host, emitted, t_now - t_prev)
-            self.sched.observe(plan, self.rows, tree.size, depths, tree.num_drafted, num_host, emitted,
-                               StepTimes(*clock.split(c0, c1, c2, c3, c4, c5), total=t_now - t_prev))
-            t_prev = t_now
-            if finished_rows:
-                roots = self._retire(finished_rows, roots)
-
+        try:
+            for i, p in enumerate(prompts):
+                gen = None
+                if not params.greedy:
+                    gen = make_generator(None if seed is None else _mix_seed(seed, i), "cpu")
+                eng._enqueue(i, p, rp, gen)
+            while eng.has_unfinished():
+                deltas = eng.step()
+                if t_first is None:
+                    t_first = time.perf_counter()
+                for d in deltas:
+                    i = d.request_id
+                    new[i].extend(d.new_tokens)
+                    if d.finished:
+                        finish[i] = "eos" if d.finish_reason == "stop" else d.finish_reason
+                    if callback is not None and d.new_tokens:
+                        callback(i, list(d.new_tokens))
+        finally:
+            if eng.has_unfinished():
+                eng.abort_all()  # an exception mid-call (a callback raised): the engine is left empty
+            eng._auto_recorder = True
         t_end = time.perf_counter()
-        metrics = rec.summary(self.new, self.finish, t_start, t_first, t_end, mem.peak(), mem.static)
-        metrics.update(self.sched.summary())
-        if drafter is None:
+        metrics = rec.summary(new, finish, t_start, t_first if t_first is not None else t_end, t_end, mem.peak(),
+                              mem.static)
+        metrics.update(self.scheduler.summary())
+        if self.drafter is None:
             metrics["policy"] = "none"
-        return GenerateOutput(self.new, metrics, self.sched.trace)
+        return GenerateOutput(new, metrics, self.scheduler.trace)
 
 
-def _check_proposal(drafter: Drafter, draft, ctx: StepContext, dec: SpeculativeDecoder) -> None:
-    """Host validation of an untrusted drafter's proposal before the target runs; the drafter forgets it on error."""
-    try:
-        check_draft(draft, type(drafter).__name__, ctx.request_ids, dec.vocab_size, dec.max_nodes)
-    except (TypeError, ValueError):
-        drafter.cancel()
-        raise
+def _mix_seed(seed: int, i: int) -> int:
+    """A 63-bit seed for request i of a call seeded with ``seed`` (splitmix64 of the pair)."""
+    x = (int(seed) * 0x9E3779B97F4A7C15 + i * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
 def _int_to_float(x):

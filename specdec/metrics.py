@@ -114,6 +114,11 @@ class MetricsRecorder:
         if grow > 0:
             self.pos_drafted += [0] * grow
             self.pos_accepted += [0] * grow
+        grow = max(request_ids, default=-1) + 1 - len(self.passes)
+        if grow > 0:  # requests that joined a running batch (specdec.Engine)
+            self.passes += [0] * grow
+            self.drafted += [0] * grow
+            self.accepted += [0] * grow
         for rid, d, depth, a, n in zip(request_ids, drafted, depths, accepted, emitted):
             self.passes[rid] += 1
             self.drafted[rid] += d

@@ -40,7 +40,7 @@ import torch
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
 
-__all__ = ["Draft", "StepContext", "Drafter", "CallableDrafter", "move_cache_rows", "check_draft"]
+__all__ = ["Draft", "StepContext", "Drafter", "CallableDrafter", "move_cache_rows", "check_draft", "draft_errors"]
 
 
 @dataclass
@@ -56,6 +56,9 @@ class StepContext:
     request_ids: List[int]         # index of each active row's request in the generate call
     budgets: List[int]             # draft tokens worth proposing per row (new tokens still allowed - 1)
     node_budget: Optional[int] = None  # most nodes per row (root included) for this step, None: max_nodes
+    #: the step's sampling setting for drafting (rows of an Engine batch may differ: then greedy, whose
+    #: deterministic candidates are exact under every setting); None: the one given to start()
+    params: Optional[SamplingParams] = None
 
 
 class Drafter:
@@ -71,6 +74,11 @@ class Drafter:
 
     def start(self, prompts: Sequence[Sequence[int]], params: SamplingParams, generator: torch.Generator) -> None:
         """A new generate call: prompts of rows 0..len(prompts)-1."""
+
+    def admit(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
+        """Requests join a running batch (continuous batching, :class:`specdec.Engine`): ``prompts[i]``
+        now occupies the free row ``rows[i]`` (rows past the active ones, consecutive). Drafters with
+        per-row state (a draft model's cache) set it up here; the default keeps nothing."""
 
     def propose(self, ctx: StepContext) -> Draft:
         raise NotImplementedError
@@ -95,14 +103,34 @@ class Drafter:
         """Rows leave the batch: for (src, dst, length) row src moves to row dst; ``active`` rows remain."""
 
 
-def check_draft(draft, name: str, request_ids: Sequence[int], vocab_size: int, max_nodes: int) -> None:
+def check_draft(draft, name: str, request_ids: Sequence[int], vocab_size: int, max_nodes: int,
+                roots: Optional[Sequence[int]] = None) -> None:
     """Validate a proposal on the host; raise naming the drafter ``name`` and the request.
 
     Checks: a :class:`Draft` holding a :class:`TokenTree` of [b, N] int64 tokens / int32 parents,
-    N <= ``max_nodes`` (what the caches reserve), node 0 the root (parent -1), every other parent
-    -1 (padding) or < its index (topological), real nodes' tokens in [0, vocab_size), depths
-    = parent's depth + 1, draft_probs float32 [b, N, V] when given. Reads the tree on the host.
+    N <= ``max_nodes`` (what the caches reserve), node 0 the root (parent -1; its token
+    ``roots[r]`` when given), every other parent -1 (padding) or < its index (topological), real
+    nodes' tokens in [0, vocab_size), depths = parent's depth + 1, draft_probs float32 [b, N, V]
+    when given. Reads the tree on the host.
     """
+    fatal, bad = draft_errors(draft, name, request_ids, vocab_size, max_nodes, roots)
+    if fatal is not None:
+        raise fatal
+    if bad:
+        raise ValueError(bad[min(bad)])
+
+
+def draft_errors(draft, name: str, request_ids: Sequence[int], vocab_size: int, max_nodes: int,
+                 roots: Optional[Sequence[int]] = None):
+    """The checks of :func:`check_draft` without raising: (an exception for a proposal that is unusable
+    as a whole, or None; {row: message} for the rows whose tree is invalid)."""
+    try:
+        return None, _draft_rows(draft, name, request_ids, vocab_size, max_nodes, roots)
+    except (TypeError, ValueError) as exc:
+        return exc, {}
+
+
+def _draft_rows(draft, name, request_ids, vocab_size, max_nodes, roots):
     b = len(request_ids)
     if not isinstance(draft, Draft) or not isinstance(getattr(draft, "tree", None), TokenTree):
         raise TypeError(f"{name}: propose must return a specdec Draft holding a TokenTree, got {type(draft).__name__}")
@@ -126,23 +154,30 @@ def check_draft(draft, name: str, request_ids: Sequence[int], vocab_size: int, m
         r = max(range(b), key=lambda i: real[i])
         raise ValueError(f"{name}: request {request_ids[r]}: the proposal has {N} nodes per request ({real[r]} real), "
                          f"more than the {max_nodes} the caches reserve (the drafter's max_nodes)")
+    bad = {}
     for r, (ts, ps, ds) in enumerate(rows):
-        rid = request_ids[r]
-        if ps[0] != -1:
-            raise ValueError(f"{name}: request {rid}: node 0 must be the root (parent -1), got parent {ps[0]}")
-        for i in range(1, N):
-            p = ps[i]
-            if p == -1:
-                continue  # padding
-            if not 0 <= p < i:
-                raise ValueError(f"{name}: request {rid}: node {i} has parent {p}; parents must be -1 (padding) or "
-                                 f"a node index < {i} (topological order)")
-            if not 0 <= ts[i] < vocab_size:
-                raise ValueError(f"{name}: request {rid}: node {i} holds token {ts[i]}, outside the vocabulary "
-                                 f"[0, {vocab_size})")
-            if ds[i] != ds[p] + 1:
-                raise ValueError(f"{name}: request {rid}: node {i} has depth {ds[i]} but its parent {p} has depth "
-                                 f"{ds[p]}")
+        msg = _row_error(ts, ps, ds, N, vocab_size, None if roots is None else roots[r])
+        if msg is not None:
+            bad[r] = f"{name}: request {request_ids[r]}: {msg}"
+    return bad
+
+
+def _row_error(ts, ps, ds, N, vocab_size, root) -> Optional[str]:
+    if ps[0] != -1:
+        return f"node 0 must be the root (parent -1), got parent {ps[0]}"
+    if root is not None and ts[0] != root:
+        return f"node 0 must hold the root token {root} (the last emitted token), got {ts[0]}"
+    for i in range(1, N):
+        p = ps[i]
+        if p == -1:
+            continue  # padding
+        if not 0 <= p < i:
+            return f"node {i} has parent {p}; parents must be -1 (padding) or a node index < {i} (topological order)"
+        if not 0 <= ts[i] < vocab_size:
+            return f"node {i} holds token {ts[i]}, outside the vocabulary [0, {vocab_size})"
+        if ds[i] != ds[p] + 1:
+            return f"node {i} has depth {ds[i]} but its parent {p} has depth {ds[p]}"
+    return None
 
 
 def move_cache_rows(cache, moves: Sequence[Tuple[int, int, int]]) -> None:

@@ -266,14 +266,27 @@ class DraftModel(Drafter):
         cache.lens.add_((pn + 1).to(torch.int32))
         return logits[torch.arange(b, device=self.device), pn]              # [b, V] after the root
 
+    def admit(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
+        """Requests join the batch: prefill their prompts into the draft cache rows, nothing pending."""
+        if self.cache is None:
+            raise RuntimeError("DraftModel: not bound to a decoder (SpeculativeDecoder(target, drafter) binds it)")
+        rows = [int(r) for r in rows]
+        self.lm.prefill(self.cache, [list(p) for p in prompts], rows=rows)
+        idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        self._pend_n.index_fill_(0, idx, 0)
+
     def cancel(self) -> None:
-        """Forget the last proposal (a composite drafter rejected the step before verification)."""
+        """Forget the last proposal (it will not be verified: a composite drafter rejected the step, or the
+        engine runs a plain step instead). The next proposal catches up on whatever was emitted meanwhile."""
         if self._k_step > 0 and self.cache is not None:
             self._view(self._b).lens.copy_(self._base)
         self._k_step = 0
+        self._behind = True
 
     def propose(self, ctx: StepContext) -> Draft:
         b = len(ctx.request_ids)
+        if ctx.params is not None:
+            self.params = ctx.params
         k = min(self.k, max(ctx.budgets))
         self._b = b
         self._k_step = k
@@ -296,19 +309,34 @@ class DraftModel(Drafter):
         return self._propose_spine(ctx, k, b, cache, last, limits)
 
     def _catch_up(self, cache, ctx: StepContext) -> torch.Tensor:
-        """After steps that drafted nothing: feed every committed token the draft cache lacks, then the
-        root, as one chain per row (reads the draft lengths on the host once). Returns the draft logits
-        after each row's root [b, V]. The rows of a batch skip the same steps, so they lag by the same
-        count give or take the pending tokens, and the padding stays within the cache's spare room."""
+        """After steps that drafted nothing (plain steps, a cancelled proposal) and for rows that joined
+        since: feed every committed token the draft cache lacks, then the root, as one chain per row
+        (reads the draft lengths on the host once). Returns the draft logits after each row's root
+        [b, V]. Rows are right-padded to the longest; when the padding of a row would run past the
+        cache's capacity (rows lagging by very different counts) the chains go in several chunks."""
         b = len(ctx.request_ids)
         have = cache.lens.tolist()
         rows = [list(seq[h:]) for seq, h in zip(ctx.sequences, have)]   # [pending..., skipped roots..., root]
-        width = max(len(r) for r in rows)
-        x = torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int64, device=self.device)
-        depths = torch.arange(width, dtype=torch.int32, device=self.device).expand(b, width).contiguous()
-        logits = self.lm.forward(cache, x, depths, None)                       # [b, width, V]
-        idx = torch.tensor([len(r) - 1 for r in rows], dtype=torch.int64, device=self.device)
-        last = logits[torch.arange(b, device=self.device), idx]                # [b, V] after the root
+        cap = self.cache.capacity
+        done = [0] * b                                                   # tokens of each row fed so far
+        last = torch.empty(b, self.V, dtype=torch.float32, device=self.device)
+        while True:
+            left = [len(r) - d for r, d in zip(rows, done)]
+            if max(left) <= 0:
+                break
+            room = min(cap - h - d for h, d in zip(have, done))
+            width = max(1, min(max(left), room))
+            chunk = [r[d:d + width] for r, d in zip(rows, done)]
+            x = torch.tensor([c + [-1] * (width - len(c)) for c in chunk], dtype=torch.int64, device=self.device)
+            depths = torch.arange(width, dtype=torch.int32, device=self.device).expand(b, width).contiguous()
+            logits = self.lm.forward(cache, x, depths, None)                   # [b, width, V]
+            ends = [r for r in range(b) if chunk[r] and done[r] + len(chunk[r]) == len(rows[r])]
+            if ends:
+                sel = torch.tensor(ends, dtype=torch.int64, device=self.device)
+                pos = torch.tensor([len(chunk[r]) - 1 for r in ends], dtype=torch.int64, device=self.device)
+                last.index_copy_(0, sel, logits[sel, pos].float())
+            cache.lens.add_(torch.tensor([len(c) for c in chunk], dtype=torch.int32, device=self.device))
+            done = [d + len(c) for d, c in zip(done, chunk)]
         self._base = torch.tensor([len(s) - 1 for s in ctx.sequences], dtype=torch.int32, device=self.device)
         cache.lens.copy_(self._base + 1)
         self._pend_n[:b] = 0

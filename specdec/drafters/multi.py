@@ -134,6 +134,10 @@ class MultiDraft(Drafter):
         for d in self.members:
             d.start(prompts, params, generator)
 
+    def admit(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
+        for d in self.members:
+            d.admit(rows, prompts)
+
     # ------------------------------------------------------------------ budget
     def split(self) -> List[int]:
         """Draft nodes per member for the next step (fixed budgets, or by recent acceptance)."""
@@ -176,12 +180,14 @@ class MultiDraft(Drafter):
             scale = max(0, int(ctx.node_budget) - 1) / max(1, sum(alloc))
             if scale < 1:
                 alloc = [max(1 if a else 0, int(a * scale)) for a in alloc]
+        if ctx.params is not None:
+            self.params = ctx.params
         b = len(ctx.request_ids)
         drafts: List[Draft] = []
         try:
             for i, d in enumerate(self.members):
                 sub = StepContext(roots=ctx.roots, sequences=ctx.sequences, request_ids=ctx.request_ids,
-                                  budgets=ctx.budgets, node_budget=1 + alloc[i])
+                                  budgets=ctx.budgets, node_budget=1 + alloc[i], params=ctx.params)
                 try:
                     draft = d.propose(sub)
                 except (ValueError, TypeError) as exc:

@@ -127,6 +127,9 @@ class PromptLookup(Drafter):
             if index is None:
                 index = self._index[rid] = _NgramIndex(self.ngram, self.min_ngram, self.matches)
             conts.append(index.lookup(seq, min(k, budget)))
+        if len(self._index) > 2 * len(ctx.request_ids) + 16:  # requests that left (a long-running engine)
+            live = set(ctx.request_ids)
+            self._index = {rid: x for rid, x in self._index.items() if rid in live}
         if all(len(c) <= 1 for c in conts):  # chains (the common case): no trie to build
             rows = [[seq[-1]] + (c[0] if c else []) for seq, c in zip(ctx.sequences, conts)]
             num_nodes = [len(r) for r in rows]

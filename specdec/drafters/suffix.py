@@ -228,8 +228,18 @@ class SuffixDrafter(_SuffixProposer):
         self._rows = list(ctx.request_ids)
         return self._tree(ctx, rows)
 
+    def admit(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
+        """Joining requests get their index at their first proposal; until then their rows hold None."""
+        need = max(rows) + 1 - len(self._rows) if rows else 0
+        if need > 0:
+            self._rows = list(self._rows) + [None] * need
+
     def retire(self, moves: Sequence[Tuple[int, int, int]], active: int) -> None:
         rows = list(self._rows)
+        if moves:
+            need = max(max(src, dst) for src, dst, _ in moves) + 1 - len(rows)
+            if need > 0:
+                rows += [None] * need
         for src, dst, _ in moves:
             rows[dst] = rows[src]
         rows = rows[:active]
