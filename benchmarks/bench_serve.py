@@ -49,9 +49,63 @@ def pct(xs: List[float], q: float) -> Optional[float]:
     return xs[i]
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
+def rss_bytes(pid: Optional[int] = None) -> int:
+    with open(f"/proc/{pid or 'self'}/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ProcLive:
+    """``specdec serve`` in its own process (the deployment shape: no GIL shared with the load generator)."""
+
+    def __init__(self, draft: str, policy: str, max_batch: int, threads: Optional[int], max_queue: int = 256) -> None:
+        import subprocess
+
+        import httpx
+
+        self.port = _free_port()
+        cmd = [sys.executable, "-m", "specdec.cli", "serve", "--model", "smollm2-135m", "--draft", draft,
+               "--policy", policy, "--max-batch", str(max_batch), "--max-len", "2048", "--max-queue", str(max_queue),
+               "--port", str(self.port), "--log-level", "warning"]
+        if draft == "lookup":
+            cmd += ["--k", "10", "--ngram", "3"]
+        if threads:
+            cmd += ["--threads", str(threads)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.url = f"http://127.0.0.1:{self.port}"
+        t0 = time.time()
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError("bench_serve: specdec serve exited: " + self.proc.stderr.read().decode()[-2000:])
+            if time.time() - t0 > 300:
+                raise RuntimeError("bench_serve: specdec serve did not come up")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+
+    def health(self) -> dict:
+        import httpx
+
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def rss(self) -> int:
+        return rss_bytes(self.proc.pid)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except Exception:  # noqa: BLE001
+            self.proc.kill()
 
 
 class Live:
@@ -90,7 +144,7 @@ async def one_request(client, url: str, text: str, max_tokens: int, abort_after:
     import httpx
 
     body = dict(model="smollm2-135m", messages=[{"role": "user", "content": text}], max_tokens=max_tokens,
-                temperature=0, stream=True, stream_options={"include_usage": True})
+                temperature=0, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
     t0 = time.perf_counter()
     rec = dict(ok=False, ttft=None, itl=[], text="", tokens=0, status=None, error=None)
     last = None
@@ -109,20 +163,22 @@ async def one_request(client, url: str, text: str, max_tokens: int, abort_after:
                 if "error" in ev:
                     rec["error"] = ev["error"]["message"]
                     return rec
+                n_now = ev["usage"]["completion_tokens"] if ev.get("usage") else prev_tokens
                 if ev.get("usage"):
-                    rec["tokens"] = ev["usage"]["completion_tokens"]
+                    rec["tokens"] = n_now
                 if not ev.get("choices"):
                     continue
                 delta = ev["choices"][0]["delta"].get("content")
-                if delta:
+                if delta or n_now > prev_tokens:
                     now = time.perf_counter()
-                    rec["text"] += delta
+                    rec["text"] += delta or ""
                     chunks += 1
                     if last is None:
                         rec["ttft"] = now - t0
-                    else:
-                        rec["itl"].append(now - last)
+                    elif n_now > prev_tokens:  # the gap, spread over the tokens this chunk carries
+                        rec["itl"] += [(now - last) / (n_now - prev_tokens)] * (n_now - prev_tokens)
                     last = now
+                    prev_tokens = n_now
                     if abort_after is not None and chunks >= abort_after:
                         rec["aborted"] = True
                         return rec
@@ -130,7 +186,6 @@ async def one_request(client, url: str, text: str, max_tokens: int, abort_after:
         rec["seconds"] = time.perf_counter() - t0
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         rec["error"] = f"{type(exc).__name__}: {exc}"
-    del prev_tokens
     return rec
 
 
@@ -201,7 +256,7 @@ def inprocess_tps(target, tok, drafter, prompts: List[str], max_tokens: int, pol
     return n / (time.perf_counter() - t0)
 
 
-def soak(target, tok, n: int, max_batch: int, seed: int) -> dict:
+def soak(target, tok, n: int, max_batch: int, seed: int, threads: Optional[int]) -> dict:
     """n requests, random aborts and bad requests mixed in; checks completeness, correctness, rows, RSS."""
     import httpx
 
@@ -210,7 +265,7 @@ def soak(target, tok, n: int, max_batch: int, seed: int) -> dict:
     prompts = PROMPT_SETS["grounded"][:3] + PROMPT_SETS["open"][:3]
     max_tokens = 12
     want = solo_texts(target, tok, None, prompts, max_tokens)
-    live = Live(Engine(target, PromptLookup(ngram=3, k=8, min_ngram=2), max_batch=max_batch, max_len=2048), tok)
+    live = ProcLive("lookup", "goodput", max_batch, threads)
     rng = random.Random(seed)
     stats = dict(good=0, good_ok=0, wrong=0, aborted=0, bad=0, bad_400=0, other_errors=[])
     rss: List[int] = []
@@ -243,15 +298,16 @@ def soak(target, tok, n: int, max_batch: int, seed: int) -> dict:
                         else:
                             stats["other_errors"].append(r.get("error"))
                     if i % 25 == 0:
-                        rss.append(rss_bytes())
+                        rss.append(live.rss())
 
             await asyncio.gather(*(go(i) for i in range(n)))
 
     t0 = time.perf_counter()
     asyncio.run(main())
     wall = time.perf_counter() - t0
-    time.sleep(0.5)
-    leaked = dict(active=live.engine.num_active, waiting=live.engine.num_waiting, outstanding=live.loop.outstanding)
+    time.sleep(1.0)
+    h = live.health()
+    leaked = dict(active=h["active"], waiting=h["waiting"], outstanding=h["outstanding"])
     live.close()
     warm = rss[len(rss) // 4:] or rss
     drift = (max(warm) - min(warm)) / min(warm) if warm else 0.0
@@ -302,6 +358,8 @@ def main(argv=None) -> int:
     ap.add_argument("--time-limit", type=float, default=300.0, help="seconds per (mode, load, mix) at most")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--mixes", default="grounded,open")
+    ap.add_argument("--server", default="process", choices=["process", "thread"],
+                    help="process: `specdec serve` subprocesses (default); thread: in this process")
     ap.add_argument("--soak", type=int, default=0, help="run the soak test with this many requests instead")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -317,7 +375,7 @@ def main(argv=None) -> int:
     machine = dict(cpu=_cpu_name(), cores=os.cpu_count(), torch_threads=torch.get_num_threads(),
                    loadavg_start=_loadavg())
     if args.soak:
-        res = soak(target, tok, args.soak, args.max_batch, seed=1)
+        res = soak(target, tok, args.soak, args.max_batch, seed=1, threads=args.threads)
         res.update(benchmark="bench_serve soak", date=date, git_commit=_git_commit(),
                    machine=dict(machine, loadavg_end=_loadavg()))
         out = Path(args.out or f"benchmarks/results/serve_soak_{date}.json")
@@ -339,8 +397,11 @@ def main(argv=None) -> int:
     # the HTTP overhead at batch 1: in-process engine vs the light-load HTTP run, same prompts (grounded)
     inproc = {m: inprocess_tps(target, tok, mk(), PROMPT_SETS[mixes[0]], args.max_tokens, args.policy)
               for m, mk in modes.items()}
-    lives = {m: Live(Engine(target, mk(), max_batch=args.max_batch, max_len=2048, policy=args.policy), tok)
-             for m, mk in modes.items()}
+    if args.server == "process":
+        lives = {m: ProcLive("none" if m == "plain" else m, args.policy, args.max_batch, args.threads) for m in modes}
+    else:
+        lives = {m: Live(Engine(target, mk(), max_batch=args.max_batch, max_len=2048, policy=args.policy), tok)
+                 for m, mk in modes.items()}
     try:
         for li, (load, rate, conc) in enumerate(loads):
             for mix in mixes:
@@ -385,7 +446,7 @@ def main(argv=None) -> int:
     result = dict(benchmark="bench_serve", date=date, git_commit=_git_commit(),
                   machine=dict(machine, loadavg_end=_loadavg(),
                                note="shared machine; compare ratios measured in this run"),
-                  settings=dict(requests=args.requests, rates=rates, max_tokens=args.max_tokens,
+                  settings=dict(server=args.server, requests=args.requests, rates=rates, max_tokens=args.max_tokens,
                                 max_batch=args.max_batch, policy=args.policy, greedy=True, chat_template=True,
                                 lookup=dict(ngram=3, k=10, min_ngram=2)),
                   inprocess_tokens_per_second_batch1=inproc, runs=runs, targets=targets)

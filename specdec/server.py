@@ -22,7 +22,9 @@ and the engine goes on with an empty batch; nothing stops the server.
 Sampling defaults follow OpenAI's API: ``temperature`` 1.0, ``top_p`` 1.0, ``max_tokens`` 16
 (completions) / up to ``max_len`` (chat). ``top_k`` (0 = off) and ``seed`` are accepted too.
 ``stop`` strings end the text before the stop string (finish_reason "stop"); the tokenizer's EOS
-always stops.
+always stops. ``stream_options``: ``include_usage`` (OpenAI: a last chunk with the usage) and
+``continuous_usage_stats`` (vLLM's extension: the running usage in every chunk, so a client can
+tell how many tokens each chunk carries -- a speculative step emits several).
 """
 
 import asyncio
@@ -200,6 +202,9 @@ class EngineLoop:
                     self._handle(cmd)
                 if not eng.has_unfinished():
                     continue
+                first = eng.admit()      # first tokens out before the step (time to first token)
+                if first:
+                    self._dispatch(first)
                 deltas = eng.step()
             except Exception:  # noqa: BLE001 -- nothing may stop the engine thread
                 log.exception("specdec serve: engine step failed; failing its requests")
@@ -209,30 +214,35 @@ class EngineLoop:
                     self._deliver(rid, _Event(finished=True, reason="error",
                                               error="internal error in the engine step"), True)
                 continue
-            now = time.perf_counter()
-            n_new = 0
-            for d in deltas:
-                st = self._streams.get(d.request_id)
-                if st is None:
-                    continue
-                n = len(d.new_tokens)
-                n_new += n
-                if n:
-                    if st.t_last is None:
-                        m.ttft.observe(now - st.t_submit)
-                        if n > 1:
-                            for _ in range(n - 1):
-                                m.itl.observe(0.0)
-                    else:
-                        per = (now - st.t_last) / n
-                        for _ in range(n):
-                            m.itl.observe(per)
-                    st.t_last = now
-                    st.n_tokens += n
-                if d.finished:
-                    m.requests.labels(d.finish_reason or "stop").inc()
-                self._deliver(d.request_id, _Event(list(d.new_tokens), d.finished, d.finish_reason), d.finished)
-            self._update_gauges(now, n_new)
+            self._dispatch(deltas)
+
+    def _dispatch(self, deltas) -> None:
+        m = self.metrics
+        now = time.perf_counter()
+        n_new = 0
+        for d in deltas:
+            st = self._streams.get(d.request_id)
+            if st is None:
+                continue
+            n = len(d.new_tokens)
+            n_new += n
+            if n:
+                if st.t_last is None:
+                    m.ttft.observe(now - st.t_submit)
+                    if n > 1:
+                        for _ in range(n - 1):
+                            m.itl.observe(0.0)
+                else:
+                    per = (now - st.t_last) / n
+                    for _ in range(n):
+                        m.itl.observe(per)
+                st.t_last = now
+                st.n_tokens += n
+            if d.finished:
+                m.requests.labels(d.finish_reason or "stop").inc()
+            self._deliver(d.request_id, _Event(list(d.new_tokens), d.finished, d.finish_reason), d.finished)
+        self._update_gauges(now, n_new)
+
 
     def _update_gauges(self, now: float, n_new: int) -> None:
         eng, m = self.engine, self.metrics
@@ -271,6 +281,7 @@ class _Parsed:
     stop: List[str]
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False
 
 
 class Server:
@@ -334,7 +345,8 @@ class Server:
         stops = (self.eos,) if self.eos is not None else ()
         params = RequestParams(max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                seed=seed, stop_token_ids=stops)
-        return _Parsed(prompt_ids, params, stop, stream, bool(opts.get("include_usage", False)))
+        return _Parsed(prompt_ids, params, stop, stream, bool(opts.get("include_usage", False)),
+                       bool(opts.get("continuous_usage_stats", False)))
 
     def parse_completion(self, body: Dict[str, Any]) -> _Parsed:
         if "prompt" not in body:
@@ -473,7 +485,8 @@ def build_app(loop_: EngineLoop, tokenizer, model_name: str):
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "active": loop_.engine.num_active, "outstanding": loop_.outstanding}
+        return {"status": "ok", "active": loop_.engine.num_active, "waiting": loop_.engine.num_waiting,
+                "outstanding": loop_.outstanding}
 
     @app.get("/v1/models")
     async def models():
@@ -524,7 +537,7 @@ def build_app(loop_: EngineLoop, tokenizer, model_name: str):
         except APIError as e:
             return err(e)
 
-        def chunk(delta: Optional[str], reason, role: bool = False):
+        def chunk(delta: Optional[str], reason, role: bool = False, n: int = 0):
             if chat:
                 d: Dict[str, Any] = {}
                 if role:
@@ -536,6 +549,8 @@ def build_app(loop_: EngineLoop, tokenizer, model_name: str):
                 choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
             out = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
                    "model": model_name, "choices": [choice]}
+            if parsed.continuous_usage:  # vLLM's extension: the running token counts in every chunk
+                out["usage"] = usage(n)
             return "data: " + json.dumps(out) + "\n\n"
 
         async def sse():
@@ -545,10 +560,10 @@ def build_app(loop_: EngineLoop, tokenizer, model_name: str):
                     yield chunk(None, None, role=True)
                 if first is not None:
                     delta, reason, n = first
-                    yield chunk(delta, reason)
+                    yield chunk(delta, reason, n=n)
                     if reason is None:
                         async for delta, reason, n in gen:
-                            yield chunk(delta, reason)
+                            yield chunk(delta, reason, n=n)
                 if parsed.include_usage:
                     u = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion",
                          "created": created, "model": model_name, "choices": [], "usage": usage(n)}

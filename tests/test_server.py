@@ -132,6 +132,13 @@ def test_openai_client_completions_and_chat(tiny):
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want_chat
         assert chunks[-1].usage.completion_tokens >= 1
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
+        # vLLM's continuous_usage_stats: running token counts in every chunk (how many tokens each carries)
+        with httpx.stream("POST", url + "/v1/chat/completions", timeout=30, json=dict(
+                model="tiny", messages=msgs, max_tokens=10, temperature=0, stream=True,
+                stream_options={"continuous_usage_stats": True})) as s:
+            counts = [json.loads(x[6:])["usage"]["completion_tokens"] for x in s.iter_lines()
+                      if x.startswith("data: {")]
+        assert counts == sorted(counts) and counts[-1] == r.usage.completion_tokens
         # token-id prompts work too, and a stop string ends the text before it
         r = client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0)
         assert r.choices[0].text == want
