@@ -318,6 +318,29 @@ def soak(target, tok, n: int, max_batch: int, seed: int, threads: Optional[int])
                 and stats["bad_400"] == stats["bad"])
 
 
+def overhead(target, tok, rounds: int, max_tokens: int) -> dict:
+    """The HTTP path at batch 1 against the in-process engine, plain decoding, 1 and 2 torch threads,
+    interleaved rounds (medians). The load generator shares the machine with the server."""
+    prompts = PROMPT_SETS["open"][:3]
+    out = {}
+    for th in (1, 2):
+        torch.set_num_threads(th)
+        live = ProcLive("none", "fixed", 8, th)
+        ip, hp = [], []
+        try:
+            for _ in range(rounds):
+                ip.append(inprocess_tps(target, tok, None, prompts, max_tokens, "fixed"))
+                hp.append(asyncio.run(run_load(live.url, prompts, len(prompts), max_tokens, None, 1, 0, 300))
+                          ["output_tokens_per_second"])
+        finally:
+            live.close()
+        out[f"threads_{th}"] = dict(inprocess_tokens_per_second=ip, http_tokens_per_second=hp,
+                                    ratio_of_medians=statistics.median(hp) / statistics.median(ip))
+        print(f"threads {th}: in-process {statistics.median(ip):.1f} tok/s, HTTP {statistics.median(hp):.1f} tok/s, "
+              f"ratio {out[f'threads_{th}']['ratio_of_medians']:.3f}", flush=True)
+    return out
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -361,6 +384,8 @@ def main(argv=None) -> int:
     ap.add_argument("--server", default="process", choices=["process", "thread"],
                     help="process: `specdec serve` subprocesses (default); thread: in this process")
     ap.add_argument("--soak", type=int, default=0, help="run the soak test with this many requests instead")
+    ap.add_argument("--overhead", type=int, default=0,
+                    help="only measure the HTTP overhead at batch 1 (1 and 2 torch threads), this many rounds")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.threads:
@@ -374,6 +399,15 @@ def main(argv=None) -> int:
     date = _dt.date.today().isoformat()
     machine = dict(cpu=_cpu_name(), cores=os.cpu_count(), torch_threads=torch.get_num_threads(),
                    loadavg_start=_loadavg())
+    if args.overhead:
+        res = dict(benchmark="bench_serve overhead", date=date, git_commit=_git_commit(),
+                   settings=dict(max_tokens=args.max_tokens, rounds=args.overhead, prompts="open[:3]", greedy=True),
+                   results=overhead(target, tok, args.overhead, args.max_tokens))
+        res["machine"] = dict(machine, loadavg_end=_loadavg())
+        out = Path(args.out or f"benchmarks/results/serve_overhead_{date}.json")
+        out.write_text(json.dumps(res, indent=1))
+        print(f"wrote {out}")
+        return 0
     if args.soak:
         res = soak(target, tok, args.soak, args.max_batch, seed=1, threads=args.threads)
         res.update(benchmark="bench_serve soak", date=date, git_commit=_git_commit(),

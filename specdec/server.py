@@ -607,8 +607,15 @@ def build_app(loop_: EngineLoop, tokenizer, model_name: str):
 def serve(engine: Engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           max_queue: int = 64, log_level: str = "info") -> None:
     """Run the server in this process until interrupted."""
+    import os
+    import sys
+
     import uvicorn
 
+    # the engine thread and the event loop hand the GIL back and forth every step: a 1 ms switch interval
+    # (Python's default is 5 ms) measured tokens/s at batch 1 equal to the in-process engine's (1 torch
+    # thread, benchmarks/bench_serve.py --overhead), against 0.95x at 5 ms
+    sys.setswitchinterval(float(os.environ.get("SPECDEC_SWITCH_INTERVAL", "0.001")))
     loop_ = EngineLoop(engine, max_queue=max_queue).start()
     app = build_app(loop_, tokenizer, model_name)
     try:
