@@ -28,13 +28,18 @@ argmax child and draws the argmax: the same decisions as ``greedy_verify``). The
 told the step's common setting (``StepContext.params``), or greedy when the rows disagree:
 deterministic candidates are exact under every setting.
 
-Randomness: every request owns a generator (``seed``, or a fresh nondeterministic one) that
-gives it ``max_nodes`` float64 uniforms per step whatever the tree's size, so a seeded request's
-draws depend on its own history only: with plain decoding or a deterministic drafter (prompt
-lookup, suffix / document drafters, token recycling, greedy-children trees) under
-``policy="fixed"`` it produces the same tokens whatever else is in the batch. (Sampled draft
-models draw their candidates from one drafter generator for the batch, and the goodput policy
-picks depths from batch-wide costs; both keep the output's distribution exact.)
+Randomness. A request added with a ``seed`` is *seed-coupled*: the token at sequence position t
+is the Gumbel-max draw argmax_x(log p_t(x) + G(seed, t)(x)), with noise G a function of the
+seed and the position only (i.i.d. Gumbel over the vocabulary, independent across positions:
+exact sampling from p_t). Verification then accepts a draft token iff it equals that draw (every
+node's warped p becomes the one-hot row of its position's draw and the rejection sampler accepts
+exactly the matching child), so the output equals plain seeded sampling token for token, whatever
+the drafter, the policy and the rest of the batch. Its acceptance is sum_x q(x) p(x) for sampled
+drafts (p(argmax q) for greedy ones) instead of sum_x min(p, q): reproducibility costs some
+speculation. Each step draws one V-vector of noise per request and depth on the host. Requests
+without a seed use the SpecInfer rejection sampler (``rejection_sample``) with a fresh generator
+of their own; :meth:`SpeculativeDecoder.generate` (``seed=`` per call) uses that sampler with
+per-request generators seeded from the call's seed (reproducible for the same call).
 
 Failure isolation: a drafter that raises is cancelled and the step runs as a plain step for
 every row; a proposal that is invalid for some rows (untrusted drafters: the host check of
@@ -67,8 +72,10 @@ log = logging.getLogger("specdec.engine")
 
 @dataclass(frozen=True)
 class RequestParams:
-    """Per-request settings. ``temperature == 0`` is greedy (top_k / top_p ignored); ``seed`` None draws
-    a fresh seed; ``stop_token_ids``: the request finishes right after emitting any of them."""
+    """Per-request settings. ``temperature == 0`` is greedy (top_k / top_p ignored). ``seed``: a sampled
+    request becomes seed-coupled (the module docstring): its tokens equal plain seeded sampling
+    whatever the drafter and the batch; None: the rejection sampler with a fresh generator.
+    ``stop_token_ids``: the request finishes right after emitting any of them."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -126,7 +133,8 @@ class _Req:
     params: RequestParams
     sampling: SamplingParams
     stops: frozenset
-    generator: Optional[torch.Generator]   # CPU; None for greedy requests
+    generator: Optional[torch.Generator]   # CPU; None for greedy and seed-coupled requests
+    coupled: bool = False                   # seeded engine request: Gumbel-max on (seed, position) noise
     seq: List[int] = field(default_factory=list)
     new: List[int] = field(default_factory=list)
     finish: Optional[str] = None
@@ -241,9 +249,13 @@ class Engine:
     def _enqueue(self, request_id, prompt: List[int], params: RequestParams, generator) -> _Req:
         sampling = params.sampling
         gen = None
+        coupled = False
         if not sampling.greedy:
-            gen = generator if generator is not None else make_generator(params.seed, "cpu")
-        req = _Req(request_id, -1, prompt, params, sampling, frozenset(params.stop_token_ids), gen,
+            if generator is None and params.seed is not None:
+                coupled = True
+            else:
+                gen = generator if generator is not None else make_generator(params.seed, "cpu")
+        req = _Req(request_id, -1, prompt, params, sampling, frozenset(params.stop_token_ids), gen, coupled,
                    seq=list(prompt), t_arrival=time.perf_counter())
         self._waiting.append(req)
         self._by_id[request_id] = req
@@ -385,20 +397,23 @@ class Engine:
         """Accept per row under each row's own setting (see the module docstring)."""
         b, N = tree.batch, tree.size
         first = reqs[0].sampling
-        same = all(r.sampling == first for r in reqs)
+        same = all(r.sampling == first for r in reqs) and not any(r.coupled for r in reqs)
         if same and first.greedy:
             return ops.greedy_verify(tree.tokens, tree.parents, logits)
         if same:
             p = warp_(logits, first)  # [b, N, V], in place on the logits the forward returned
         else:
             p = logits
-            groups: Dict[SamplingParams, List[int]] = {}
+            groups: Dict[Tuple[SamplingParams, bool], List[int]] = {}
             for r, req in enumerate(reqs):
-                groups.setdefault(req.sampling, []).append(r)
-            for sp, rows in groups.items():
+                groups.setdefault((req.sampling, req.coupled), []).append(r)
+            for (sp, coupled), rows in groups.items():
                 idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
                 part = p.index_select(0, idx)
-                if sp.greedy:  # one-hot at the argmax (first max; NaN counts as max, like greedy_verify)
+                if coupled:  # the Gumbel-max draw of every node's position, as a one-hot row
+                    warp_(part, sp)
+                    part = part.log_().add_(self._gumbel([reqs[r] for r in rows], tree, rows))
+                if sp.greedy or coupled:  # one-hot at the argmax (first max; NaN counts as max, like greedy_verify)
                     arg = part.argmax(dim=-1, keepdim=True)
                     part = torch.zeros_like(part).scatter_(-1, arg, 1.0)
                 else:
@@ -406,6 +421,27 @@ class Engine:
                 p.index_copy_(0, idx, part)
         u = self._uniforms(reqs, N)
         return ops.rejection_sample(tree.tokens, tree.parents, p, q, u)
+
+    def _gumbel(self, reqs: Sequence[_Req], tree: TokenTree, rows: Sequence[int]) -> torch.Tensor:
+        """[len(rows), N, V] float32 Gumbel noise: node i of a request gets the noise of the sequence position
+        it predicts (len(seq) + depth_i), a function of (seed, position) only."""
+        N = tree.size
+        V = self.vocab_size
+        depths = tree.depths.index_select(0, torch.tensor(list(rows), dtype=torch.int64,
+                                                          device=tree.depths.device)).tolist()
+        out = torch.empty(len(rows), N, V, dtype=torch.float32)
+        g = torch.Generator()
+        for j, req in enumerate(reqs):
+            base = len(req.seq)
+            seen: Dict[int, torch.Tensor] = {}
+            for i, d in enumerate(depths[j]):
+                noise = seen.get(d)
+                if noise is None:
+                    g.manual_seed(_position_seed(req.params.seed, base + d))
+                    u = torch.rand(V, dtype=torch.float64, generator=g).clamp_(min=1e-300)
+                    noise = seen[d] = (-torch.log(-torch.log(u))).to(torch.float32)
+                out[j, i] = noise
+        return out.to(self.device)
 
     def _uniforms(self, reqs: Sequence[_Req], N: int) -> torch.Tensor:
         """[b, N] float64: each sampled request draws max_nodes uniforms per step from its own generator."""
@@ -608,6 +644,14 @@ class Engine:
 
 class QueueFull(RuntimeError):
     """:meth:`Engine.add_request` past ``max_waiting`` waiting requests (a server answers 429)."""
+
+
+def _position_seed(seed: int, pos: int) -> int:
+    """A 63-bit seed for the noise of sequence position ``pos`` of a request seeded with ``seed`` (splitmix64)."""
+    x = (int(seed) * 0x9E3779B97F4A7C15 + int(pos) * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
 def _cut_rows(draft: Draft, rows: Sequence[int], b: int, roots: torch.Tensor) -> Draft:

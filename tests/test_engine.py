@@ -114,30 +114,40 @@ def test_generate_is_the_engine(toy):
 
 
 def test_mixed_settings_share_a_batch(toy):
-    """Greedy rows next to sampled rows stay token-identical to solo greedy; a seeded sampled request
-    (deterministic drafter, fixed policy) gives the same tokens alone and in any batch."""
+    """Greedy rows next to sampled rows stay token-identical to solo greedy; a seeded (seed-coupled)
+    sampled request gives the tokens of plain seeded sampling alone, whatever the drafter, the policy and
+    the rest of the batch."""
     target, weak = toy
     sampled = RequestParams(max_new_tokens=12, temperature=0.9, top_k=6, top_p=0.95, seed=1234)
 
-    def run(batch_mates: int, drafter):
-        eng = Engine(target, drafter, max_batch=4, max_len=64, policy="fixed")
+    def run(batch_mates: int, drafter, policy="fixed"):
+        eng = Engine(target, drafter, max_batch=4, max_len=64, policy=policy)
         schedule = {0: [("s", PROMPTS[4], sampled)]}
         for j in range(batch_mates):
             schedule.setdefault(j, []).append((f"g{j}", PROMPTS[j], RequestParams(max_new_tokens=9 + j)))
-            schedule.setdefault(j + 1, []).append(
-                (f"t{j}", PROMPTS[j + 1], RequestParams(max_new_tokens=8, temperature=1.3, seed=j)))
+            schedule.setdefault(j + 1, []).append(   # unseeded sampled mates: the rejection sampler
+                (f"t{j}", PROMPTS[j + 1], RequestParams(max_new_tokens=8, temperature=1.3)))
         out, _, _ = _drive(eng, schedule)
         for j in range(batch_mates):
             assert out[f"g{j}"] == target.greedy(PROMPTS[j], 9 + j)
         return out["s"]
 
-    for make in (lambda: None, lambda: PromptLookup(ngram=2, k=3, min_ngram=1)):
-        alone = run(0, make())
-        assert len(alone) == 12
-        assert run(2, make()) == alone
-        assert run(3, make()) == alone
-    # a draft model under mixed settings drafts deterministic candidates: greedy rows stay exact
-    run(3, DraftModel(weak, k=3))
+    plain = run(0, None)
+    assert len(plain) == 12 and plain != target.greedy(PROMPTS[4], 12)
+    makers = {"lookup": lambda: PromptLookup(ngram=2, k=3, min_ngram=1), "draft": lambda: DraftModel(weak, k=3),
+              "dynamic": lambda: DraftModel(weak, k=4, top_k=2, node_budget=8, tree="dynamic")}
+    for name, make in makers.items():
+        for mates in (0, 3):
+            for policy in ("fixed", "goodput"):
+                assert run(mates, make(), policy) == plain, (name, mates, policy)
+    # another seed gives other tokens (the noise really depends on the seed)
+    other = Engine(target, None, max_batch=1, max_len=64)
+    other.add_request("o", PROMPTS[4], RequestParams(max_new_tokens=12, temperature=0.9, top_k=6, top_p=0.95,
+                                                     seed=99))
+    toks = []
+    while other.has_unfinished():
+        toks += [t for d in other.step() for t in d.new_tokens]
+    assert toks != plain
 
 
 def test_mixed_batch_sampling_is_exact():
@@ -156,8 +166,10 @@ def test_mixed_batch_sampling_is_exact():
     for rnd in range(rounds):
         for i in range(per):
             for k, (t, tk, tp) in settings.items():
+                # setting a: seed-coupled (Gumbel-max on per-position noise); b: the rejection sampler
+                seed = rnd * 100003 + i if k == "a" else None
                 eng.add_request((rnd, k, i), prompt, RequestParams(max_new_tokens=3, temperature=t, top_k=tk,
-                                                                   top_p=tp, seed=rnd * 100003 + i * 2 + (k == "b")))
+                                                                   top_p=tp, seed=seed))
             eng.add_request((rnd, "g", i), prompt, RequestParams(max_new_tokens=3))
         out: Dict[tuple, List[int]] = {}
         while eng.has_unfinished():
