@@ -80,6 +80,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=1, help="1: one short generate per configuration first")
     ap.add_argument("--grounded", default="", help="comma list: only these configurations run the grounded set")
+    ap.add_argument("--policy", default="fixed", choices=["fixed", "goodput", "heuristic"],
+                    help="step policy (default fixed: every step drafts the configuration's full shape)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.threads:
@@ -95,7 +97,7 @@ def main() -> int:
             "grounded": [encode(tok, t) for t in GROUNDED[:args.prompts]]}
     max_len = max(len(p) for ps in sets.values() for p in ps) + args.max_new_tokens + 8
     drafters = make_drafters(drafts, [x for x in args.only.split(",") if x])
-    decoders = {name: SpeculativeDecoder(target, d, max_batch=args.batch, max_len=max_len)
+    decoders = {name: SpeculativeDecoder(target, d, max_batch=args.batch, max_len=max_len, policy=args.policy)
                 for name, d in drafters.items()}
     names = list(decoders)
     modes = args.modes.split(",")

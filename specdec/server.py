@@ -74,6 +74,7 @@ class _Event:
     finished: bool = False
     reason: Optional[str] = None
     error: Optional[str] = None
+    status: int = 400          # HTTP status of an error
 
 
 class Metrics:
@@ -153,8 +154,10 @@ class EngineLoop:
             self._streams[rid] = _Stream(loop, q, time.perf_counter())
         self._cmds.put(("add", rid, prompt, params))
 
-    def abort(self, rid: str) -> None:
-        self._cmds.put(("abort", rid))
+    def abort(self, rid: str, outcome: str = "aborted") -> None:
+        """Drop a request (``outcome`` labels it in specdec_requests_total: "aborted", or "stop" for a stop
+        string the handler found)."""
+        self._cmds.put(("abort", rid, outcome))
 
     # ---- the engine thread
     def _deliver(self, rid: str, ev: _Event, final: bool) -> None:
@@ -181,10 +184,10 @@ class EngineLoop:
             except (ValueError, TypeError, QueueFull) as exc:
                 self._deliver(rid, _Event(finished=True, reason="error", error=str(exc)), True)
         elif cmd[0] == "abort":
-            rid = cmd[1]
+            rid, outcome = cmd[1], cmd[2]
             if rid in self._streams:
                 eng.abort(rid)
-                self.metrics.requests.labels("aborted").inc()
+                self.metrics.requests.labels(outcome).inc()
                 self._deliver(rid, _Event(finished=True, reason="abort"), True)
 
     def _run(self) -> None:
@@ -212,7 +215,7 @@ class EngineLoop:
                 for rid in list(self._streams):
                     eng.abort(rid)
                     self._deliver(rid, _Event(finished=True, reason="error",
-                                              error="internal error in the engine step"), True)
+                                              error="internal error in the engine step", status=500), True)
                 continue
             self._dispatch(deltas)
 
@@ -418,8 +421,8 @@ class Server:
                         continue
                 if ev.error is not None:
                     done = True
-                    status = 400 if ev.reason == "error" and "internal" not in ev.error else 500
-                    raise APIError(status, ev.error, kind="invalid_request_error" if status == 400 else "server_error")
+                    raise APIError(ev.status, ev.error,
+                                   kind="invalid_request_error" if ev.status == 400 else "server_error")
                 ids += ev.tokens
                 text = self.tok.decode(ids, skip_special_tokens=True)
                 reason = None
@@ -431,7 +434,7 @@ class Server:
                     text = text[:cut]
                     reason = "stop"
                     if not done:
-                        self.loop.abort(rid)
+                        self.loop.abort(rid, outcome="stop")
                         done = True
                 if reason is None and text.endswith("\ufffd"):
                     continue   # an incomplete multi-byte character: wait for the rest
