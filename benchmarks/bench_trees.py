@@ -121,19 +121,19 @@ def main() -> int:
                 job += 1
                 for name in order:
                     t0 = time.perf_counter()
-                    out = decoders[name].generate(group, max_new_tokens=args.max_new_tokens, eos_token_id=eos,
+                    gen = decoders[name].generate(group, max_new_tokens=args.max_new_tokens, eos_token_id=eos,
                                                   temperature=temps[mode], seed=1234 + gi)
                     dt = time.perf_counter() - t0
-                    m = out.metrics
+                    m = gen.metrics
                     key = f"{name}|{mode}|{set_name}"
                     a = acc.setdefault(key, dict(tokens=0, passes=0, request_steps=0, accepted=0, seconds=0.0))
-                    a["tokens"] += sum(len(t) for t in out.tokens)
+                    a["tokens"] += sum(len(t) for t in gen.tokens)
                     a["passes"] += int(m["target_passes"])
                     a["request_steps"] += int(sum(m["per_request"]["target_passes"]))
                     a["accepted"] += int(m["accepted_tokens"])
                     a["seconds"] += dt
                     if mode == "greedy":
-                        a.setdefault("outputs", []).extend(out.tokens)
+                        a.setdefault("outputs", []).extend(gen.tokens)
                 print(f"{set_name} group {gi} {mode}: done ({time.perf_counter() - t_start:.0f} s, "
                       f"load {os.getloadavg()[0]:.1f})", flush=True)
                 partial.write_text(json.dumps(dict(load_average_start=load_start, load_average_now=os.getloadavg(),
@@ -144,6 +144,7 @@ def main() -> int:
         if mode == "greedy" and "plain|greedy|" + set_name in acc:
             if a["outputs"] != acc["plain|greedy|" + set_name]["outputs"]:
                 mismatch.append(key)
+    for a in acc.values():
         a.pop("outputs", None)
         a["mean_accepted_length"] = ratio(a["accepted"] + a["request_steps"], a["request_steps"])
         a["tokens_per_second"] = ratio(a["tokens"], a["seconds"])
