@@ -74,6 +74,29 @@ def run_attention(g):
                 want = reference.verify_attention(q, k, v, cl, mask, D ** -0.5)
                 err = (out.cpu().float() - want.float()).abs().max().item()
                 check(f"D={D} {dtype} N={N} mask={masked}: max |err| {err:.2e}", err < (1e-4 if dtype == torch.float32 else 5e-2))
+            # frontier form (dynamic draft trees): the step's first Nkv - Nq nodes are already in the cache,
+            # append_kv writes the last Nq at offset Nkv - Nq, queries see mask [B, Nq, Nkv] (70: two mask words)
+            for Nq, Nkv in ((3, 13),) if QUICK else ((3, 13), (1, 5), (4, 70)):
+                lens = [0, 17, 300]
+                B, Hq, Hkv = len(lens), 4, 2
+                S = max(lens) + Nkv + 2
+                q = torch.randn(B, Nq, Hq, D, generator=g).to(dtype)
+                k = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+                v = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+                kn = torch.randn(B, Hkv, Nq, D, generator=g).to(dtype)
+                vn = torch.randn(B, Hkv, Nq, D, generator=g).to(dtype)
+                cl = torch.tensor(lens, dtype=torch.int32)
+                mask = reference.tree_attention_mask(tree(B, Nkv, g, ragged=False))[:, Nkv - Nq:].contiguous()
+                kd, vd = k.to(DEV, copy=True), v.to(DEV, copy=True)
+                ops.append_kv(kd, vd, kn.to(DEV), vn.to(DEV), cl.to(DEV), offset=Nkv - Nq)
+                out = ops.verify_attention(q.to(DEV), kd, vd, cl.to(DEV), mask.to(DEV))
+                sync()
+                reference.append_kv(k, v, kn, vn, cl, Nkv - Nq)
+                want = reference.verify_attention(q, k, v, cl, mask, D ** -0.5)
+                err = (out.cpu().float() - want.float()).abs().max().item()
+                same_cache = torch.equal(kd.cpu(), k) and torch.equal(vd.cpu(), v)
+                check(f"D={D} {dtype} frontier Nq={Nq} Nkv={Nkv} (append_kv offset {Nkv - Nq}): max |err| {err:.2e}",
+                      same_cache and err < (1e-4 if dtype == torch.float32 else 5e-2))
 
 
 def run_sampling(g):
