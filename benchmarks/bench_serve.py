@@ -28,7 +28,6 @@ import os
 import random
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -108,36 +107,11 @@ class ProcLive:
             self.proc.kill()
 
 
-class Live:
-    """One server (engine loop + uvicorn in threads) on a free port."""
+def Live(engine: Engine, tok, max_queue: int = 256):
+    """The server in a thread of this process (``--server thread``)."""
+    from specdec.server import ServerThread
 
-    def __init__(self, engine: Engine, tok, max_queue: int = 256) -> None:
-        import socket
-
-        import uvicorn
-
-        from specdec.server import EngineLoop, build_app
-
-        self.engine = engine
-        self.loop = EngineLoop(engine, max_queue=max_queue).start()
-        app = build_app(self.loop, tok, "smollm2-135m")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        t0 = time.time()
-        while not self.server.started:
-            if time.time() - t0 > 60:
-                raise RuntimeError("bench_serve: the server did not start")
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.loop.stop()
+    return ServerThread(engine, tok, "smollm2-135m", max_queue=max_queue)
 
 
 async def one_request(client, url: str, text: str, max_tokens: int, abort_after: Optional[int] = None) -> dict:

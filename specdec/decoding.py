@@ -40,7 +40,7 @@ from specdec import ops
 from specdec.drafters.base import Drafter
 from specdec.engine import Engine, RequestParams
 from specdec.metrics import MemoryProbe, MetricsRecorder, empty_metrics, write_trace
-from specdec.sampling import SamplingParams, make_generator
+from specdec.sampling import SamplingParams, make_generator, mix_seed
 from specdec.scheduler import Policy, calibrate
 
 __all__ = ["SpeculativeDecoder", "GenerateOutput"]
@@ -240,7 +240,7 @@ class SpeculativeDecoder:
             for i, p in enumerate(prompts):
                 gen = None
                 if not params.greedy:
-                    gen = make_generator(None if seed is None else _mix_seed(seed, i), "cpu")
+                    gen = make_generator(None if seed is None else mix_seed(seed, i), "cpu")
                 eng._enqueue(i, p, rp, gen)
             while eng.has_unfinished():
                 deltas = eng.step()
@@ -264,14 +264,6 @@ class SpeculativeDecoder:
         if self.drafter is None:
             metrics["policy"] = "none"
         return GenerateOutput(new, metrics, self.scheduler.trace)
-
-
-def _mix_seed(seed: int, i: int) -> int:
-    """A 63-bit seed for request i of a call seeded with ``seed`` (splitmix64 of the pair)."""
-    x = (int(seed) * 0x9E3779B97F4A7C15 + i * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
 def _int_to_float(x):

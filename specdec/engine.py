@@ -61,7 +61,7 @@ import torch
 from specdec import ops
 from specdec.drafters.base import Draft, Drafter, StepContext, check_draft, draft_errors, move_cache_rows
 from specdec.metrics import MetricsRecorder, static_memory_bytes
-from specdec.sampling import SamplingParams, make_generator, warp_
+from specdec.sampling import SamplingParams, make_generator, mix_seed, warp_
 from specdec.scheduler import POLICIES, CostModel, Policy, StepTimes, make_policy
 from specdec.tree import TokenTree
 
@@ -437,7 +437,7 @@ class Engine:
             for i, d in enumerate(depths[j]):
                 noise = seen.get(d)
                 if noise is None:
-                    g.manual_seed(_position_seed(req.params.seed, base + d))
+                    g.manual_seed(mix_seed(req.params.seed, base + d))
                     u = torch.rand(V, dtype=torch.float64, generator=g).clamp_(min=1e-300)
                     noise = seen[d] = (-torch.log(-torch.log(u))).to(torch.float32)
                 out[j, i] = noise
@@ -644,14 +644,6 @@ class Engine:
 
 class QueueFull(RuntimeError):
     """:meth:`Engine.add_request` past ``max_waiting`` waiting requests (a server answers 429)."""
-
-
-def _position_seed(seed: int, pos: int) -> int:
-    """A 63-bit seed for the noise of sequence position ``pos`` of a request seeded with ``seed`` (splitmix64)."""
-    x = (int(seed) * 0x9E3779B97F4A7C15 + int(pos) * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
 def _cut_rows(draft: Draft, rows: Sequence[int], b: int, roots: torch.Tensor) -> Draft:

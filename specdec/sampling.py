@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["SamplingParams", "warp_", "warp", "make_generator", "draw_uniforms", "sample_tokens"]
+__all__ = ["SamplingParams", "warp_", "warp", "make_generator", "draw_uniforms", "sample_tokens", "mix_seed"]
 
 
 @dataclass(frozen=True)
@@ -122,3 +122,12 @@ def draw_uniforms(batch: int, nodes: int, generator: torch.Generator, device: to
 def sample_tokens(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token per row of probs [b, V] (normalised) -> int64 [b]."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def mix_seed(seed: int, salt: int) -> int:
+    """A 63-bit seed derived from (seed, salt) by splitmix64: request i of a seeded generate call, the
+    noise of sequence position t of a seed-coupled engine request."""
+    x = (int(seed) * 0x9E3779B97F4A7C15 + int(salt) * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF

@@ -34,12 +34,13 @@ import queue
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 from specdec.engine import Engine, QueueFull, RequestParams
 
-__all__ = ["EngineLoop", "build_app", "serve"]
+__all__ = ["EngineLoop", "build_app", "serve", "ServerThread"]
 
 log = logging.getLogger("specdec.server")
 
@@ -103,15 +104,15 @@ class Metrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("specdec_inter_token_latency_seconds", "time between tokens of a request",
                              buckets=_LATENCY_BUCKETS, registry=r)
-        self._window: List[Tuple[float, int]] = []
+        self._window: Deque[Tuple[float, int]] = deque()
 
     def observe_tokens(self, now: float, n: int) -> None:
         self._window.append((now, n))
         while self._window and self._window[0][0] < now - 10.0:
-            self._window.pop(0)
+            self._window.popleft()
         if len(self._window) > 1:
             span = max(1e-9, now - self._window[0][0])
-            self.tokens_per_second.set(sum(c for _, c in self._window[1:]) / span)
+            self.tokens_per_second.set((sum(c for _, c in self._window) - self._window[0][1]) / span)
 
 
 class EngineLoop:
@@ -208,7 +209,7 @@ class EngineLoop:
                 first = eng.admit()      # first tokens out before the step (time to first token)
                 if first:
                     self._dispatch(first)
-                deltas = eng.step()
+                self._dispatch(eng.step())
             except Exception:  # noqa: BLE001 -- nothing may stop the engine thread
                 log.exception("specdec serve: engine step failed; failing its requests")
                 m.engine_errors.inc()
@@ -217,7 +218,6 @@ class EngineLoop:
                     self._deliver(rid, _Event(finished=True, reason="error",
                                               error="internal error in the engine step", status=500), True)
                 continue
-            self._dispatch(deltas)
 
     def _dispatch(self, deltas) -> None:
         m = self.metrics
@@ -607,18 +607,61 @@ def build_app(loop_: EngineLoop, tokenizer, model_name: str):
     return app
 
 
-def serve(engine: Engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          max_queue: int = 64, log_level: str = "info") -> None:
-    """Run the server in this process until interrupted."""
+def _switch_interval() -> None:
+    """The engine thread and the event loop hand the GIL back and forth every step: 1 ms instead of Python's
+    5 ms (``SPECDEC_SWITCH_INTERVAL`` overrides). With it the HTTP path at batch 1 runs at 0.99x the
+    in-process engine (1 torch thread, benchmarks/results/serve_overhead_2026-12-01.json)."""
     import os
     import sys
 
+    sys.setswitchinterval(float(os.environ.get("SPECDEC_SWITCH_INTERVAL", "0.001")))
+
+
+class ServerThread:
+    """The server in a background thread of this process on 127.0.0.1 and a free port (tests, benchmarks):
+    ``with ServerThread(engine, tok, "name") as srv: httpx.get(srv.url + "/health")``."""
+
+    def __init__(self, engine: Engine, tokenizer, model_name: str, max_queue: int = 64,
+                 start_timeout: float = 60.0) -> None:
+        import socket
+
+        import uvicorn
+
+        _switch_interval()
+        self.loop = EngineLoop(engine, max_queue=max_queue).start()
+        app = build_app(self.loop, tokenizer, model_name)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, name="specdec-http", daemon=True)
+        self.thread.start()
+        t0 = time.time()
+        while not self.server.started:
+            if time.time() - t0 > start_timeout or not self.thread.is_alive():
+                self.close()
+                raise RuntimeError("specdec.server.ServerThread: the server did not start")
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.loop.stop()
+
+    def __enter__(self) -> "ServerThread":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def serve(engine: Engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+          max_queue: int = 64, log_level: str = "info") -> None:
+    """Run the server in this process until interrupted."""
     import uvicorn
 
-    # the engine thread and the event loop hand the GIL back and forth every step: a 1 ms switch interval
-    # (Python's default is 5 ms) measured tokens/s at batch 1 equal to the in-process engine's (1 torch
-    # thread, benchmarks/bench_serve.py --overhead), against 0.95x at 5 ms
-    sys.setswitchinterval(float(os.environ.get("SPECDEC_SWITCH_INTERVAL", "0.001")))
+    _switch_interval()
     loop_ = EngineLoop(engine, max_queue=max_queue).start()
     app = build_app(loop_, tokenizer, model_name)
     try:

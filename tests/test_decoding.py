@@ -230,6 +230,29 @@ def _tv_bound(exact: Dict[tuple, float], n: int, delta: float = 1e-4) -> float:
     return mean + math.sqrt(math.log(1 / delta) / (2 * n))
 
 
+def assert_sampled_exact(target, drafter, prompt, temperature, top_k, top_p, per_call: int, calls: int,
+                         new_tokens: int, seed_base: int) -> int:
+    """Sample the first 3 tokens ``per_call * calls`` times through the speculative loop (policy fixed: the
+    sampler under the drafter on every step; later calls run on warm drafter state) and assert they lie in
+    the warped support with total variation to the exact joint law under :func:`_tv_bound`. Returns the
+    accepted draft tokens (callers check that speculation really happened)."""
+    exact = _exact_first3(target, prompt, temperature, top_k, top_p)
+    n = per_call * calls
+    dec = SpeculativeDecoder(target, drafter, max_batch=per_call, max_len=len(prompt) + 6, policy="fixed")
+    counts: Counter = Counter()
+    accepted = 0
+    for seed in range(calls):
+        out = dec.generate([prompt] * per_call, max_new_tokens=new_tokens, temperature=temperature, top_k=top_k,
+                           top_p=top_p, seed=1000 * seed + seed_base)
+        counts.update(tuple(t[:3]) for t in out.tokens)
+        accepted += out.metrics["accepted_tokens"]
+    assert set(counts) <= set(exact), "sampled a sequence outside the warped support"
+    tv = 0.5 * sum(abs(counts.get(x, 0) / n - p) for x, p in exact.items())
+    bound = _tv_bound(exact, n)
+    assert tv < bound, f"TV {tv:.4f} >= bound {bound:.4f} with {n} samples over {len(exact)} outcomes"
+    return accepted
+
+
 @pytest.mark.parametrize("name", ["plain", "small-draft", "draft-stop", "draft-tree", "lookup", "tree"])
 def test_sampled_distribution_is_exact(name):
     temperature, top_k, top_p = 0.7, 5, 0.9
@@ -241,23 +264,11 @@ def test_sampled_distribution_is_exact(name):
                "draft-tree": DraftModel(draft, k=3, top_k=3, stop_threshold=0.4),
                "tree": CallableDrafter(lambda ctx: [[ctx[-3], ctx[-2]], [ctx[-1], ctx[-1], ctx[-1]], [0]],
                                        max_nodes=8)}[name]
-    exact = _exact_first3(target, prompt, temperature, top_k, top_p)
-    per_call, calls = 4000, 4
-    n = per_call * calls
     # policy fixed: this test is about the sampler under each drafter, so speculation must happen every
     # step (the scheduler's own exactness tests are in tests/test_scheduler.py)
-    dec = SpeculativeDecoder(target, drafter, max_batch=per_call, max_len=len(prompt) + 6, policy="fixed")
-    counts: Counter = Counter()
-    accepted = 0
-    for seed in range(calls):
-        out = dec.generate([prompt] * per_call, max_new_tokens=6, temperature=temperature, top_k=top_k,
-                           top_p=top_p, seed=1000 * seed + 7)
-        counts.update(tuple(t[:3]) for t in out.tokens)
-        accepted += out.metrics["accepted_tokens"]
-    assert set(counts) <= set(exact), "sampled a sequence outside the warped support"
-    tv = 0.5 * sum(abs(counts.get(x, 0) / n - p) for x, p in exact.items())
-    bound = _tv_bound(exact, n)
-    assert tv < bound, f"TV {tv:.4f} >= bound {bound:.4f} with {n} samples over {len(exact)} outcomes"
+    per_call, calls = 4000, 4
+    n = per_call * calls
+    accepted = assert_sampled_exact(target, drafter, prompt, temperature, top_k, top_p, per_call, calls, 6, 7)
     if name != "plain":
         assert accepted > 0.05 * n  # speculation really happened
 

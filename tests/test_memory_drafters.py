@@ -21,7 +21,7 @@ from hypothesis import given, settings, strategies as st
 
 sys.path.insert(0, os.path.dirname(__file__))
 from toy_lm import ToyLM  # noqa: E402
-from test_decoding import SMOL_TEXTS, _bundled, _exact_first3, _tv_bound  # noqa: E402
+from test_decoding import SMOL_TEXTS, TOY_PROMPTS, _bundled, assert_sampled_exact  # noqa: E402
 
 from specdec import _C  # noqa: E402
 from specdec.decoding import SpeculativeDecoder  # noqa: E402
@@ -230,9 +230,6 @@ def test_token_recycling_proposes_from_the_table():
 
 
 # ============================================================================ toy LM end to end
-TOY_PROMPTS = [[1, 2, 3, 4, 5], [3, 3], [7, 1, 2, 9, 4, 4, 4, 2], [0], [5, 6, 5, 6, 5], [11, 10, 9, 8, 7, 6, 5]]
-
-
 @pytest.fixture(scope="module")
 def toy():
     n = torch.get_num_threads()
@@ -302,21 +299,10 @@ def test_sampled_distribution_is_exact(name):
     drafter = {"suffix": SuffixDrafter(min_match=1, node_budget=8),
                "recycle": TokenRecycling(top_w=3, node_budget=8, max_depth=3),
                "docs": DocumentDrafter([[3, 1, 2, 3, 4], [3, 5, 6, 1, 2, 3, 1]], min_match=1)}[name]
-    exact = _exact_first3(target, prompt, temperature, top_k, top_p)
     per_call, calls = 4000, 3
     n = per_call * calls
-    dec = SpeculativeDecoder(target, drafter, max_batch=per_call, max_len=len(prompt) + 6, policy="fixed")
-    counts: Counter = Counter()
-    accepted = 0
-    for seed in range(calls):  # later calls run on a warm cache / table: still exact
-        out = dec.generate([prompt] * per_call, max_new_tokens=6, temperature=temperature, top_k=top_k,
-                           top_p=top_p, seed=1000 * seed + 7)
-        counts.update(tuple(t[:3]) for t in out.tokens)
-        accepted += out.metrics["accepted_tokens"]
-    assert set(counts) <= set(exact), "sampled a sequence outside the warped support"
-    tv = 0.5 * sum(abs(counts.get(x, 0) / n - p) for x, p in exact.items())
-    bound = _tv_bound(exact, n)
-    assert tv < bound, f"TV {tv:.4f} >= bound {bound:.4f} with {n} samples over {len(exact)} outcomes"
+    # later calls run on a warm cache / table: still exact
+    accepted = assert_sampled_exact(target, drafter, prompt, temperature, top_k, top_p, per_call, calls, 6, 7)
     assert accepted > 0.05 * n  # speculation really happened
 
 

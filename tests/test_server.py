@@ -9,7 +9,6 @@ import json
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List
@@ -66,26 +65,10 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def live_server(engine: Engine, tok, max_queue: int = 16):
-    import uvicorn
+    from specdec.server import ServerThread
 
-    from specdec.server import EngineLoop, build_app
-
-    loop_ = EngineLoop(engine, max_queue=max_queue).start()
-    app = build_app(loop_, tok, "tiny")
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=server.run, daemon=True)
-    th.start()
-    t0 = time.time()
-    while not server.started:
-        assert time.time() - t0 < 30, "server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}", loop_
-    finally:
-        server.should_exit = True
-        th.join(10)
-        loop_.stop()
+    with ServerThread(engine, tok, "tiny", max_queue=max_queue, start_timeout=30) as srv:
+        yield srv.url, srv.loop
 
 
 def _solo(target, drafter, prompt_ids, params: RequestParams) -> List[int]:

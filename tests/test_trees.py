@@ -17,10 +17,9 @@ from specdec import CallableDrafter, DraftModel, MultiDraft, PromptLookup, Specu
 from specdec.drafters.base import Draft, Drafter
 from specdec.tree import TokenTree
 
-from test_decoding import SMOL_TEXTS, _bundled, _exact_first3, _tv_bound
+from test_decoding import SMOL_TEXTS, TOY_PROMPTS, _bundled, _exact_first3, _tv_bound, assert_sampled_exact
 from toy_lm import ToyLM
 
-TOY_PROMPTS = [[1, 2, 3, 4, 5], [3, 3], [7, 1, 2, 9, 4, 4, 4, 2], [0], [5, 6, 5, 6, 5], [11, 10, 9, 8, 7, 6, 5]]
 
 # fp32 K/V of the same text computed incrementally (chunks of 1..N nodes, ops.linear on few rows,
 # online softmax over the prefix) vs in one prefill (BLAS GEMM, one softmax): both round in fp32,
@@ -159,21 +158,9 @@ def test_tree_sampled_distribution_is_exact(name):
         "multi-sampled-lookup": lambda: MultiDraft([DraftModel(draft, k=3, top_k=2, tree="dynamic"),
                                                     PromptLookup(ngram=2, k=3, min_ngram=1)]),
     }[name]()
-    exact = _exact_first3(target, prompt, temperature, top_k, top_p)
     per_call, calls = 2000, 4
     n = per_call * calls
-    dec = SpeculativeDecoder(target, drafter, max_batch=per_call, max_len=len(prompt) + 6, policy="fixed")
-    counts: Counter = Counter()
-    accepted = 0
-    for seed in range(calls):
-        out = dec.generate([prompt] * per_call, max_new_tokens=4, temperature=temperature, top_k=top_k,
-                           top_p=top_p, seed=1000 * seed + 11)
-        counts.update(tuple(t[:3]) for t in out.tokens)
-        accepted += out.metrics["accepted_tokens"]
-    assert set(counts) <= set(exact)
-    tv = 0.5 * sum(abs(counts.get(x, 0) / n - p) for x, p in exact.items())
-    bound = _tv_bound(exact, n)
-    assert tv < bound, f"TV {tv:.4f} >= bound {bound:.4f} with {n} samples over {len(exact)} outcomes"
+    accepted = assert_sampled_exact(target, drafter, prompt, temperature, top_k, top_p, per_call, calls, 4, 11)
     assert accepted > 0.05 * n
 
 
