@@ -442,5 +442,53 @@ std::optional<at::Tensor> linear_trivial(const at::Tensor& x, const at::Tensor& 
   return y;
 }
 
+void rms_norm(const char* op, const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
+              double eps) {
+  TORCH_CHECK(x.dim() >= 1, op, ": x must be [..., H], got a 0-d tensor");
+  TORCH_CHECK(is_float_dtype(x.scalar_type()), op, ": x must be float32, float16 or bfloat16, got ", x.scalar_type());
+  const int64_t H = x.size(-1);
+  if (residual != nullptr) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(), op,
+                ": residual must be ", x.scalar_type(), " ", x.sizes(), " like x, got ", residual->scalar_type(), " ",
+                residual->sizes());
+    check_same_device(op, "residual", *residual, x);
+  }
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H && weight.scalar_type() == x.scalar_type(), op,
+              ": weight must be ", x.scalar_type(), " [", H, "] (x's dtype and last size), got ", weight.scalar_type(),
+              " ", weight.sizes());
+  check_same_device(op, "weight", weight, x);
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, op, ": eps must be a finite number >= 0, got ", eps);
+}
+
+void rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  const char* op = "rope";
+  TORCH_CHECK(q.dim() == 4, op, ": q must be [B, N, Hq, D], got ", q.sizes());
+  TORCH_CHECK(is_float_dtype(q.scalar_type()), op, ": q must be float32, float16 or bfloat16, got ", q.scalar_type());
+  const int64_t B = q.size(0), N = q.size(1), D = q.size(3);
+  TORCH_CHECK(D % 2 == 0, op, ": the head dim D must be even (rotate-half pairs), got D = ", D);
+  TORCH_CHECK(k.dim() == 4 && k.size(0) == B && k.size(1) == N && k.size(3) == D && k.scalar_type() == q.scalar_type(),
+              op, ": k must be ", q.scalar_type(), " [B, N, Hkv, D] = [", B, ", ", N, ", Hkv, ", D, "], got ",
+              k.scalar_type(), " ", k.sizes());
+  check_same_device(op, "k", k, q);
+  auto table = [&](const char* name, const at::Tensor& t) {
+    TORCH_CHECK(t.dim() == 3 && t.size(0) == B && t.size(1) == N && t.size(2) == D &&
+                    t.scalar_type() == q.scalar_type(),
+                op, ": ", name, " must be ", q.scalar_type(), " [B, N, D] = [", B, ", ", N, ", ", D,
+                "] (the model's rotary table at each position), got ", t.scalar_type(), " ", t.sizes());
+    check_same_device(op, name, t, q);
+  };
+  table("cos", cos);
+  table("sin", sin);
+}
+
+void silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  const char* op = "silu_mul";
+  TORCH_CHECK(is_float_dtype(gate.scalar_type()), op, ": gate must be float32, float16 or bfloat16, got ",
+              gate.scalar_type());
+  TORCH_CHECK(up.sizes() == gate.sizes() && up.scalar_type() == gate.scalar_type(), op, ": up must be ",
+              gate.scalar_type(), " ", gate.sizes(), " like gate, got ", up.scalar_type(), " ", up.sizes());
+  check_same_device(op, "up", up, gate);
+}
+
 }  // namespace checks
 }  // namespace specdec

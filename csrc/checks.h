@@ -38,6 +38,14 @@ void qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& s
 at::Tensor qlinear_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
                               const std::optional<at::Tensor>& mins, int64_t bits, at::ScalarType dtype);
 
+// rms_norm / add_rms_norm (residual != nullptr): x [..., H], residual like x, weight [H] of x's dtype.
+void rms_norm(const char* op, const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
+              double eps);
+// rope: q [B, N, Hq, D], k [B, N, Hkv, D], cos / sin [B, N, D], one float dtype, D even.
+void rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
+// silu_mul: gate and up of one shape and float dtype.
+void silu_mul(const at::Tensor& gate, const at::Tensor& up);
+
 // Rows of linear's x: the product of its leading sizes (well defined for K = 0).
 int64_t linear_rows(const at::Tensor& x);
 // linear's result when there is nothing to stream (M = 0, N = 0 or K = 0): bias broadcast

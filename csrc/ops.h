@@ -30,6 +30,12 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::
                       const std::optional<at::Tensor>& weight_scale);
 at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits);
+at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(const at::Tensor& x, const at::Tensor& residual,
+                                                    const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> rope_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                            const at::Tensor& sin);
+at::Tensor silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up);
 
 #ifdef SPECDEC_WITH_CUDA
 // ---------------------------------------------------------------- CUDA (csrc/cuda/*.cu)
@@ -49,6 +55,12 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std:
                        const std::optional<at::Tensor>& weight_scale);
 at::Tensor qlinear_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits);
+at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& residual,
+                                                    const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> rope_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                            const at::Tensor& sin);
+at::Tensor silu_mul_cuda(const at::Tensor& gate, const at::Tensor& up);
 #endif
 
 }  // namespace specdec

@@ -39,6 +39,13 @@ TORCH_LIBRARY(specdec, m) {
   // y = x W^T (* weight_scale per output row for int8 W) (+ bias), float32 accumulation; few-row x.
   m.def("linear(Tensor x, Tensor weight, Tensor? bias, Tensor? weight_scale) -> Tensor");
   m.def("qlinear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int bits) -> Tensor");
+  // The fused small ops of a Llama-style layer (transformers' rounding steps, one call each).
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  // (rms_norm(x + residual), x + residual)
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  // rotate-half RoPE of q [B, N, Hq, D] and k [B, N, Hkv, D] with the model's cos / sin [B, N, D]
+  m.def("rope(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
@@ -49,6 +56,10 @@ TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("kv_commit", &specdec::kv_commit_cpu);
   m.impl("linear", &specdec::linear_cpu);
   m.impl("qlinear", &specdec::qlinear_cpu);
+  m.impl("rms_norm", &specdec::rms_norm_cpu);
+  m.impl("add_rms_norm", &specdec::add_rms_norm_cpu);
+  m.impl("rope", &specdec::rope_cpu);
+  m.impl("silu_mul", &specdec::silu_mul_cpu);
 }
 
 #ifdef SPECDEC_WITH_CUDA
@@ -60,6 +71,10 @@ TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
   m.impl("kv_commit", &specdec::kv_commit_cuda);
   m.impl("linear", &specdec::linear_cuda);
   m.impl("qlinear", &specdec::qlinear_cuda);
+  m.impl("rms_norm", &specdec::rms_norm_cuda);
+  m.impl("add_rms_norm", &specdec::add_rms_norm_cuda);
+  m.impl("rope", &specdec::rope_cuda);
+  m.impl("silu_mul", &specdec::silu_mul_cuda);
 }
 #endif
 

@@ -24,6 +24,10 @@ __all__ = [
     "kv_commit",
     "linear",
     "qlinear",
+    "rms_norm",
+    "add_rms_norm",
+    "rope",
+    "silu_mul",
     "quantize_weight_int8",
     "set_strict_checks",
     "strict_checks",
@@ -225,6 +229,39 @@ def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: 
     return _ops.qlinear(x, qweight, scales, mins, bias, int(bits))
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim as transformers' LlamaRMSNorm computes it:
+    ``weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)`` with x32 = x in float32.
+
+    x : [..., H] float32 / float16 / bfloat16; weight : [H] of x's dtype; eps >= 0.
+    One call instead of ~6 torch calls; float32 within rounding of the reference.
+    """
+    return _ops.rms_norm(x, weight, float(eps))
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next norm in one call: ``s = x + residual`` (rounded to x's dtype,
+    as torch's add), returns ``(rms_norm(s, weight, eps), s)``. residual : like x."""
+    return _ops.add_rms_norm(x, residual, weight, float(eps))
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half rotary embedding of q and k in one call: ``x * cos + rotate_half(x) * sin``.
+
+    q : [B, N, Hq, D], k : [B, N, Hkv, D], cos / sin : [B, N, D] (the model's own rotary
+    tables at each token's position, any rope_type), one float dtype, D even. Each product
+    and the sum round to the dtype as torch's do: the result is bit-identical to
+    :func:`specdec.reference.rope` on every backend. Returns new (q, k).
+    """
+    return _ops.rope(q, k, cos, sin)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` (SwiGLU), one call; silu rounds to the dtype before the product, as torch's."""
+    return _ops.silu_mul(gate, up)
+
+
 def quantize_weight_groups(weight: torch.Tensor, fmt: str) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Group-quantize a float [N, K] weight (K % 32 == 0) for :func:`qlinear`, llama.cpp's rules.
 
@@ -320,3 +357,25 @@ def _qlinear_fake(x, qweight, scales, mins, bias, bits):
 @torch.library.register_fake("specdec::linear")
 def _linear_fake(x, weight, bias, weight_scale):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.register_fake("specdec::rms_norm")
+def _rms_norm_fake(x, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("specdec::add_rms_norm")
+def _add_rms_norm_fake(x, residual, weight, eps):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
+@torch.library.register_fake("specdec::rope")
+def _rope_fake(q, k, cos, sin):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format))
+
+
+@torch.library.register_fake("specdec::silu_mul")
+def _silu_mul_fake(gate, up):
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)

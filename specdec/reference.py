@@ -32,6 +32,10 @@ __all__ = [
     "linear",
     "qlinear",
     "dequantize_groups",
+    "rms_norm",
+    "add_rms_norm",
+    "rope",
+    "silu_mul",
     "sample_from",
     "quantize_row",
     "draw_threshold",
@@ -337,3 +341,38 @@ def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: 
     if bias is not None:
         y = y + bias.double()
     return y.to(x.dtype)
+
+
+# --------------------------------------------------------------------------- fused small ops
+# The unfused torch expressions of transformers' Llama modules, step by step in the
+# tensor's dtype (each op rounds where torch rounds). rope's kernels are bit-identical to
+# this; rms_norm (sum of squares) and silu_mul (exp) agree within float32 rounding.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype)`` over the last dim (LlamaRMSNorm)."""
+    x32 = x.float()
+    r = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * r.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(s), s)`` with ``s = x + residual`` in x's dtype (the residual stream)."""
+    s = x + residual
+    return rms_norm(s, weight, eps), s
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE: ``x * cos + rotate_half(x) * sin`` for q [B, N, Hq, D] and k [B, N, Hkv, D];
+    cos / sin [B, N, D] (the model's rotary tables at each node's position), broadcast over heads."""
+    c, s = cos.unsqueeze(2), sin.unsqueeze(2)
+
+    def one(x):
+        half = x.shape[-1] // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * c + rot * s
+    return one(q), one(k)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` (the SwiGLU MLP's activation), in gate's dtype."""
+    return torch.nn.functional.silu(gate) * up

@@ -239,12 +239,14 @@ def test_fast_linear_routes_linear_layers(arch, monkeypatch):
     _close(outs[0], outs[1], "fast_linear vs F.linear")
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_fast_path_equals_transformers_modules(arch):
-    """The lean Llama-style forward and transformers' own modules (hooked) agree: chain, tree, batch."""
+def test_fast_path_equals_transformers_modules(arch, fused):
+    """The lean Llama-style forward (fused ops or torch's) and transformers' own modules (hooked) agree:
+    chain, tree, batch."""
     model = _tiny(arch)
-    fast, slow = HFCausalLM(model), HFCausalLM(model, fast_path=False)
-    assert fast.fast_path and not slow.fast_path
+    fast, slow = HFCausalLM(model, fused_ops=fused), HFCausalLM(model, fast_path=False)
+    assert fast.fast_path and not slow.fast_path and fast._runner.fused_ops == fused
     check_equivalence(model, slow)
     outs = []
     for lm in (fast, slow):

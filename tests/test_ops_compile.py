@@ -106,6 +106,19 @@ def _qlinear_args(device, fmt, M=3):
             8 if fmt == "q8_0" else 4]
 
 
+def _fused_args(device, op, dtype):
+    g = gen(7)
+    if op == "rope":
+        args = [torch.randn(2, 3, 4, 8, generator=g), torch.randn(2, 3, 2, 8, generator=g),
+                torch.randn(2, 3, 8, generator=g), torch.randn(2, 3, 8, generator=g)]
+    elif op == "silu_mul":
+        args = [torch.randn(3, 40, generator=g), torch.randn(3, 40, generator=g)]
+    else:
+        args = [torch.randn(2, 3, 40, generator=g)] + ([torch.randn(2, 3, 40, generator=g)] if op == "add_rms_norm"
+                                                        else []) + [torch.rand(40, generator=g)]
+    return [t.to(dtype).to(device) for t in args] + ([1e-5] if "rms_norm" in op else [])
+
+
 OPCHECK_CASES = {
     "verify_attention-fp32-mask": lambda d: (SD.verify_attention.default, _attention_args(d, torch.float32, True)),
     "verify_attention-fp16-causal": lambda d: (SD.verify_attention.default, _attention_args(d, torch.float16, False)),
@@ -125,6 +138,11 @@ OPCHECK_CASES = {
     "qlinear-q4_1": lambda d: (SD.qlinear.default, _qlinear_args(d, "q4_1")),
     "qlinear-q8_0": lambda d: (SD.qlinear.default, _qlinear_args(d, "q8_0")),
     "qlinear-q4_0-prefill": lambda d: (SD.qlinear.default, _qlinear_args(d, "q4_0", M=40)),
+    "rms_norm-fp32": lambda d: (SD.rms_norm.default, _fused_args(d, "rms_norm", torch.float32)),
+    "add_rms_norm-bf16": lambda d: (SD.add_rms_norm.default, _fused_args(d, "add_rms_norm", torch.bfloat16)),
+    "rope-fp32": lambda d: (SD.rope.default, _fused_args(d, "rope", torch.float32)),
+    "rope-fp16": lambda d: (SD.rope.default, _fused_args(d, "rope", torch.float16)),
+    "silu_mul-fp32": lambda d: (SD.silu_mul.default, _fused_args(d, "silu_mul", torch.float32)),
 }
 
 

@@ -50,12 +50,13 @@ void run(const LinearParams& P) {
 }
 
 // y[:, :] for all M rows of a group-quantized weight, output rows split over threads.
+// The kernel is compute-bound (codes widened to float32): tasks of >= ~256K multiply-adds
+// (~25 us on one core), so that the 576-row layers of a small model still use both cores.
 void run_q(const QLinearParams& P) {
   const bool avx2 = has_avx2_fma_f16c();
   constexpr int64_t nr = base::kQNr;
   const int64_t blocks = (P.N + nr - 1) / nr;
-  const int64_t row_bytes = P.bits == 8 ? P.K : P.K / 2;
-  const int64_t grain = std::max<int64_t>(1, (int64_t(256) << 10) / std::max<int64_t>(1, nr * row_bytes));
+  const int64_t grain = std::max<int64_t>(1, (int64_t(256) << 10) / std::max<int64_t>(1, nr * P.K * P.M));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     const int64_t n0 = begin * nr, n1 = std::min(end * nr, P.N);
     if (avx2) qlinear_rows_avx2(P, n0, n1);
@@ -118,8 +119,17 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at:
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   const at::Tensor x2 = x.reshape({M, K}).to(at::kFloat).contiguous();
-  at::Tensor xsum;
-  if (mins.has_value()) xsum = x2.view({M, G, cpu::kQGroup}).sum(2).contiguous();
+  // Q4_1's min term needs the sum of x over each group: one pass here, not per weight row.
+  std::vector<float> xsum;
+  if (mins.has_value()) {
+    xsum.resize(M * G);
+    const float* xp = x2.data_ptr<float>();
+    for (int64_t i = 0; i < M * G; ++i) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t j = 0; j < cpu::kQGroup; ++j) acc[j & 7] += xp[i * cpu::kQGroup + j];
+      xsum[i] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    }
+  }
   std::optional<at::Tensor> b32;
   if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
@@ -138,7 +148,7 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at:
   for (int64_t m0 = 0; m0 < M; m0 += cpu::kSmallM) {
     P.M = std::min(cpu::kSmallM, M - m0);
     P.x = x2.data_ptr<float>() + m0 * K;
-    P.xsum = xsum.defined() ? xsum.data_ptr<float>() + m0 * G : nullptr;
+    P.xsum = xsum.empty() ? nullptr : xsum.data() + m0 * G;
     P.y = y.data_ptr<float>() + m0 * N;
     cpu::run_q(P);
   }

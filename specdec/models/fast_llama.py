@@ -3,13 +3,18 @@
 Why: on a CPU a 30-layer model spends ~20 ms per forward in transformers' per-layer Python
 (module calls, kwargs plumbing, mask / cache bookkeeping, ~40 small torch ops per layer),
 as much as the weights take to stream. A draft model pays that on every drafted token. This
-runner reads the model's own parameters and runs the same math with ~20 calls per layer:
+runner reads the model's own parameters and runs the same math with 11 op calls per layer
+(fused_ops=True, the default: specdec's fused small ops, transformers' rounding steps):
 
-    h = embed(ids)
-    per layer:  x = rms_norm(h);  q, k, v = linear(x)  (+ bias: Qwen2);  RoPE(q, k) with the
-                model's own rotary module (any rope_type);  append_kv + verify_attention on the
-                StaticKVCache;  h += o_proj(attn);  x = rms_norm(h);  h += down(silu(gate(x)) * up(x))
-    logits = lm_head(norm(h)[positions kept])
+    h = embed(ids);  x = rms_norm(h)
+    per layer:  q, k, v = linear(x)  (+ bias: Qwen2);  q, k = rope(q, k, cos, sin) with the
+                model's own rotary tables (any rope_type);  append_kv + verify_attention on the
+                StaticKVCache;  x, h = add_rms_norm(o_proj(attn), h);
+                x, h = add_rms_norm(down(silu_mul(gate(x), up(x))), h)  (the next layer's norm,
+                or the final one)
+    logits = lm_head(x[positions kept])
+
+fused_ops=False runs the unfused torch expressions (~35 calls per layer; kept for comparison).
 
 Linear layers are called as specdec.ops.linear on their weight (nn.Linear, Int8Linear);
 any other module type is called as a module (e.g. torch.ao dynamic-quantized layers).
@@ -55,7 +60,7 @@ class LlamaRunner:
     """Callable ``(cache, ids [B, N], positions [B, N], tree_mask, logits_to_keep) -> logits``."""
 
     def __init__(self, model: torch.nn.Module, layers: List[_Layer], heads: Tuple[int, int, int],
-                 fast_linear: bool) -> None:
+                 fast_linear: bool, fused_ops: bool = True) -> None:
         inner = model.model
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
@@ -63,6 +68,10 @@ class LlamaRunner:
         self.lm_head = _linear_fn(model.lm_head, fast_linear)
         self.layers = layers
         self.hq, self.hkv, self.head_dim = heads
+        dtype = self.embed.weight.dtype
+        norms = [self.norm_w] + [w for L in layers for w in (L.ln1_w, L.ln2_w)]
+        # the fused ops take norm weights of the activations' dtype (transformers keeps them so)
+        self.fused_ops = bool(fused_ops) and all(w.dtype == dtype for w in norms)
 
     @staticmethod
     def _rms(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -77,6 +86,8 @@ class LlamaRunner:
 
     def __call__(self, cache, ids: torch.Tensor, positions: torch.Tensor, tree_mask: Optional[torch.Tensor],
                  logits_to_keep, kv_offset: int = 0) -> torch.Tensor:
+        if self.fused_ops:
+            return self._fused(cache, ids, positions, tree_mask, logits_to_keep, kv_offset)
         B, N = ids.shape
         h = self.embed(ids)
         cos, sin = self.rotary(h, positions)            # [B, N, D] in h's dtype
@@ -97,10 +108,34 @@ class LlamaRunner:
         return self.lm_head(self._rms(h, self.norm_w, self.norm_eps))
 
 
-def build(model: torch.nn.Module, fast_linear: bool = True) -> Tuple[Optional[LlamaRunner], str]:
+    def _fused(self, cache, ids, positions, tree_mask, logits_to_keep, kv_offset):
+        B, N = ids.shape
+        D, hq, hkv = self.head_dim, self.hq, self.hkv
+        h = self.embed(ids)
+        cos, sin = self.rotary(h, positions)  # [B or 1, N, D] in h's dtype
+        if cos.shape[0] != B:
+            cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
+        layers = self.layers
+        x = ops.rms_norm(h, layers[0].ln1_w, layers[0].ln1_eps)
+        for l, L in enumerate(layers):
+            q, k = ops.rope(L.q(x).view(B, N, hq, D), L.k(x).view(B, N, hkv, D), cos, sin)
+            v = L.v(x).view(B, N, hkv, D)
+            ops.append_kv(cache.k[l], cache.v[l], k.transpose(1, 2), v.transpose(1, 2), cache.lens, kv_offset)
+            a = ops.verify_attention(q, cache.k[l], cache.v[l], cache.lens, tree_mask, L.scale)
+            x, h = ops.add_rms_norm(L.o(a.reshape(B, N, hq * D)), h, L.ln2_w, L.ln2_eps)
+            nw, ne = (layers[l + 1].ln1_w, layers[l + 1].ln1_eps) if l + 1 < len(layers) else (
+                self.norm_w, self.norm_eps)
+            x, h = ops.add_rms_norm(L.down(ops.silu_mul(L.gate(x), L.up(x))), h, nw, ne)
+        if isinstance(logits_to_keep, torch.Tensor) or logits_to_keep != 0:
+            x = slice_logits_to_keep(x, logits_to_keep)  # the norm is per row: slicing after it is the same
+        return self.lm_head(x)
+
+
+def build(model: torch.nn.Module, fast_linear: bool = True, fused_ops: bool = True) -> Tuple[Optional[LlamaRunner], str]:
     """(runner, "") when the model is a supported Llama-style decoder, else (None, why not).
 
-    fast_linear: run plain nn.Linear weights through specdec.ops.linear (else F.linear)."""
+    fast_linear: run plain nn.Linear weights through specdec.ops.linear (else F.linear).
+    fused_ops: the fused small ops (rms_norm, add_rms_norm, rope, silu_mul); else torch's."""
     name = type(model).__name__
     if name not in _SUPPORTED:
         return None, f"{name} is not one of {_SUPPORTED}"
@@ -154,4 +189,4 @@ def build(model: torch.nn.Module, fast_linear: bool = True) -> Tuple[Optional[Ll
         layers.append(L)
     if not layers:
         return None, "no layers"
-    return LlamaRunner(model, layers, heads, fast_linear), ""
+    return LlamaRunner(model, layers, heads, fast_linear, fused_ops), ""
