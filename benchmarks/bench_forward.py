@@ -1,14 +1,21 @@
 """One forward of the bundled SmolLM2-135M through HFCausalLM, by adapter configuration.
 
+    python benchmarks/bench_forward.py [--rounds 15] [--threads 2]
+
 Measures the latency of a decode step (N = 1 new token) and a verify step (N = 8 chain
 nodes) over a 150-token prefix, for:
-  modules+F.linear   transformers' modules, torch's F.linear (fast_path=False, fast_linear=False)
-  modules+ops.linear transformers' modules, specdec.ops.linear   (fast_path=False)
-  lean+ops.linear    specdec.models.fast_llama + ops.linear     (the default)
-on the fp32 target and on the w8 draft (weight-only int8: always ops.linear). Configurations
-are interleaved round by round (medians), and for the default configuration a profiler
-split gives the time inside specdec::linear versus everything else.
-Writes benchmarks/results/forward_cpu_<date>.json.
+  fp32 modules+F.linear   transformers' modules, torch's F.linear (fast_path=False, fast_linear=False)
+  fp32 lean unfused       specdec.models.fast_llama + ops.linear, torch's small ops (fused_ops=False)
+  fp32 lean fused         the default: + the fused small ops (rms_norm, add_rms_norm, rope, silu_mul)
+  q8_0 / q4_1 lean fused  the target at group-quantized precision (ops.qlinear; q4_1 = the GGUF's blocks)
+  w8 lean unfused / fused the weight-only int8 draft
+Configurations are interleaved round by round (medians). Then, per configuration:
+  small-op time  the same forward with every linear layer replaced by a preallocated output of
+                 its shape (so the linears cost nothing): what the rest of the step costs
+                 (norms, RoPE, attention, residuals, Python);
+  linear GB/s    weight bytes read per forward / (forward - small-op time), against the
+                 machine's read bandwidth measured here (a 1 GiB float32 sum, same threads).
+Writes benchmarks/results/forward_cpu_<date>.json (load average recorded).
 """
 from __future__ import annotations
 
@@ -25,67 +32,142 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every linear layer's weight data (codes + scales + mins, or the float weight)."""
+    from specdec.models.quant import GroupQuantLinear, Int8Linear
+
+    total = 0
+    for m in model.modules():
+        if type(m) is torch.nn.Linear:
+            total += m.weight.numel() * m.weight.element_size()
+        elif isinstance(m, (Int8Linear, GroupQuantLinear)):
+            total += sum(b.numel() * b.element_size() for b in m.buffers() if b is not None)
+    return total
+
+
+def read_bandwidth_gbs() -> float:
+    buf = torch.ones(256 << 20)  # 1 GiB of float32
+    ts = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        buf.sum()
+        ts.append(time.perf_counter() - t0)
+    return buf.numel() * 4 / statistics.median(ts[2:]) / 1e9
+
+
+def stub_linears(lm) -> None:
+    """Replace every linear of lm's lean runner by a function returning a cached output of its shape."""
+    runner = lm._runner
+    outs = {}
+
+    def stub(width, dtype):
+        def f(x):
+            key = (tuple(x.shape[:-1]), width)
+            if key not in outs:
+                outs[key] = torch.zeros(*x.shape[:-1], width, dtype=dtype)
+            return outs[key]
+        return f
+
+    cfg = lm.config
+    hd = lm.head_dim
+    widths = dict(q=cfg.num_attention_heads * hd, k=cfg.num_key_value_heads * hd, v=cfg.num_key_value_heads * hd,
+                  o=cfg.hidden_size, gate=cfg.intermediate_size, up=cfg.intermediate_size, down=cfg.hidden_size)
+    for L in runner.layers:
+        for name, w in widths.items():
+            setattr(L, name, stub(w, lm.dtype))
+    runner.lm_head = stub(cfg.vocab_size, lm.dtype)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from specdec import HFCausalLM
     from specdec.models import load_bundled
 
     model, _, w8 = load_bundled("smollm2-135m", draft="w8")
+    q8 = load_bundled("smollm2-135m", precision="q8_0")[0]
+    q4 = load_bundled("smollm2-135m", precision="q4_1")[0]
+    models = {"fp32": model, "q8_0": q8, "q4_1": q4, "w8": w8}
     configs = {
-        "fp32 modules+F.linear": HFCausalLM(model, fast_path=False, fast_linear=False),
-        "fp32 modules+ops.linear": HFCausalLM(model, fast_path=False),
-        "fp32 lean+ops.linear": HFCausalLM(model),
-        "w8 modules": HFCausalLM(w8, fast_path=False),
-        "w8 lean": HFCausalLM(w8),
+        "fp32 modules+F.linear": ("fp32", dict(fast_path=False, fast_linear=False)),
+        "fp32 lean unfused": ("fp32", dict(fused_ops=False)),
+        "fp32 lean fused": ("fp32", {}),
+        "q8_0 lean fused": ("q8_0", {}),
+        "q4_1 lean fused": ("q4_1", {}),
+        "w8 lean unfused": ("w8", dict(fused_ops=False)),
+        "w8 lean fused": ("w8", {}),
     }
     prefix = list(range(1, 151))
-    caches = {}
-    for name, lm in configs.items():
-        caches[name] = lm.new_cache(1, 512)
-        lm.prefill(caches[name], [prefix])
+
+    def make(name):
+        which, kw = configs[name]
+        lm = HFCausalLM(models[which], **kw)
+        cache = lm.new_cache(1, 512)
+        lm.prefill(cache, [prefix])
+        return lm, cache
+
+    built = {name: make(name) for name in configs}
     times = {(name, N): [] for name in configs for N in (1, 8)}
     for r in range(args.rounds + 2):  # 2 warm-up rounds
         for N in (1, 8):
             tok = torch.zeros(1, N, dtype=torch.long)
             dep = torch.arange(N)[None]
-            for name, lm in configs.items():
+            for name, (lm, cache) in built.items():
                 t0 = time.perf_counter()
-                lm.forward(caches[name], tok, dep)
+                lm.forward(cache, tok, dep)
                 if r >= 2:
                     times[(name, N)].append(time.perf_counter() - t0)
-    rows = []
-    for (name, N), ts in times.items():
-        rows.append(dict(config=name, N=N, median_ms=1e3 * statistics.median(ts)))
+    median_ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
-    split = {}
-    for name in ("fp32 lean+ops.linear", "w8 lean"):
-        lm, cache = configs[name], caches[name]
+    # small-op time: the lean configurations with free linears (fresh adapters; interleaved too)
+    lean = [n for n in configs if "lean" in n]
+    stubbed = {}
+    for name in lean:
+        lm, cache = make(name)
+        stub_linears(lm)
+        stubbed[name] = (lm, cache)
+    small = {(name, N): [] for name in lean for N in (1, 8)}
+    for r in range(args.rounds + 2):
         for N in (1, 8):
             tok, dep = torch.zeros(1, N, dtype=torch.long), torch.arange(N)[None]
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                for _ in range(5):
-                    lm.forward(cache, tok, dep)
-            ev = {e.key: e for e in prof.key_averages()}
-            total = sum(e.self_cpu_time_total for e in ev.values()) / 5e3
-            lin = (ev["specdec::linear"].self_cpu_time_total / 5e3) if "specdec::linear" in ev else 0.0
-            split[f"{name} N={N}"] = dict(total_ms=total, linear_ms=lin, other_ms=total - lin)
+            for name, (lm, cache) in stubbed.items():
+                t0 = time.perf_counter()
+                lm.forward(cache, tok, dep)
+                if r >= 2:
+                    small[(name, N)].append(time.perf_counter() - t0)
+    small_ms = {k: 1e3 * statistics.median(v) for k, v in small.items()}
+    bw = read_bandwidth_gbs()
+
+    rows = []
+    for name in configs:
+        which = configs[name][0]
+        wb = weight_bytes(models[which])
+        row = dict(config=name, weight_mb=round(wb / 1e6, 1))
+        for N in (1, 8):
+            row[f"N={N} ms"] = round(median_ms[(name, N)], 2)
+            if name in lean:
+                so = small_ms[(name, N)]
+                row[f"N={N} small-op ms"] = round(so, 2)
+                lin = max(median_ms[(name, N)] - so, 1e-6)
+                row[f"N={N} linear GB/s"] = round(wb / lin / 1e6, 1)
+        row["N=8 / N=1"] = round(median_ms[(name, 8)] / median_ms[(name, 1)], 3)
+        rows.append(row)
 
     print(f"# HFCausalLM forward, SmolLM2-135M, 150-token prefix, threads {torch.get_num_threads()}, "
-          f"median of {args.rounds} interleaved rounds")
-    print(f"{'config':<26} {'N=1 ms':>8} {'N=8 ms':>8}")
-    for name in configs:
-        a = next(r["median_ms"] for r in rows if r["config"] == name and r["N"] == 1)
-        b = next(r["median_ms"] for r in rows if r["config"] == name and r["N"] == 8)
-        print(f"{name:<26} {a:>8.1f} {b:>8.1f}")
-    print("# profiler split (self CPU time per forward, profiler overhead included)")
-    for k, v in split.items():
-        print(f"{k:<28} total {v['total_ms']:.1f} ms, specdec::linear {v['linear_ms']:.1f} ms, "
-              f"other ops {v['other_ms']:.1f} ms")
+          f"median of {args.rounds} interleaved rounds; read bandwidth {bw:.1f} GB/s")
+    print(f"{'config':<24} {'MB':>6} {'N=1 ms':>8} {'N=8 ms':>8} {'8/1':>6} {'small1':>7} {'small8':>7} {'GB/s@1':>7}")
+    for r in rows:
+        print(f"{r['config']:<24} {r['weight_mb']:>6.0f} {r['N=1 ms']:>8.2f} {r['N=8 ms']:>8.2f} {r['N=8 / N=1']:>6.2f} "
+              f"{r.get('N=1 small-op ms', float('nan')):>7.2f} {r.get('N=8 small-op ms', float('nan')):>7.2f} "
+              f"{r.get('N=1 linear GB/s', float('nan')):>7.1f}")
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                 text=True).stdout.strip()
@@ -96,7 +178,12 @@ def main() -> int:
     out.write_text(json.dumps(dict(date=now.isoformat(timespec="seconds"), commit=commit,
                                    torch=torch.__version__, threads=torch.get_num_threads(),
                                    loadavg=os.getloadavg() if hasattr(os, "getloadavg") else None,
-                                   rows=rows, profiler_split=split), indent=2))
+                                   read_bandwidth_gbs=round(bw, 1), rounds=args.rounds, rows=rows,
+                                   keys={"N=k ms": "median forward latency with k new nodes",
+                                         "N=k small-op ms": "the same forward with free linear layers",
+                                         "N=k linear GB/s": "weight bytes / (forward - small-op time)",
+                                         "weight_mb": "bytes of the linear layers' weight data per forward"}),
+                              indent=2))
     print(f"# wrote {out}")
     return 0
 

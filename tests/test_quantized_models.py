@@ -80,6 +80,34 @@ def test_quantized_target_speculative_equals_its_plain_greedy(quantized):
     assert int(a) == int(b)
 
 
+def test_merged_projections_are_views_and_match_separate_calls(quantized):
+    """The lean forward runs q / k / v and gate / up of a quantized model as one qlinear each; the modules'
+    buffers become views of the merged tensors (no copy; a second adapter shares them) and the result
+    equals the separate calls of the unfused path within float32 rounding."""
+    import specdec
+
+    model = quantized["q41"]
+    att = model.model.layers[3].self_attn
+    before = {n: getattr(att.k_proj, n).clone() for n in ("qweight", "scales", "mins")}
+    fused = specdec.HFCausalLM(model)
+    assert fused._runner.layers[3].qkv is not None and fused._runner.layers[3].gate_up is not None
+    for n, t in before.items():
+        assert torch.equal(getattr(att.k_proj, n), t)  # same values, now a view
+    ptr = att.q_proj.qweight.untyped_storage().data_ptr()
+    assert att.k_proj.qweight.untyped_storage().data_ptr() == ptr
+    again = specdec.HFCausalLM(model)  # shares the merged storage, allocates nothing new
+    assert att.q_proj.qweight.untyped_storage().data_ptr() == ptr
+    unfused = specdec.HFCausalLM(model, fused_ops=False)
+    ids = quantized["tok"]("The capital of France is")["input_ids"]
+    outs = []
+    for lm in (fused, again, unfused):
+        cache = lm.new_cache(1, 64)
+        lm.prefill(cache, [ids])
+        outs.append(lm.forward(cache, torch.tensor([[5, 17, 29]]), torch.arange(3)[None]))
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[0], outs[2], rtol=1e-4, atol=1e-4)
+
+
 def test_precision_errors():
     from specdec.models.bundled import load_bundled
 

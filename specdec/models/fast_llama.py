@@ -47,13 +47,73 @@ def _linear_fn(module: torch.nn.Module, fast_linear: bool) -> Callable[[torch.Te
         if not fast_linear or w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return lambda x: F.linear(x, w, b)
         return lambda x: ops.linear(x, w, b)
-    if type(module) in (Int8Linear, GroupQuantLinear):
-        return module.forward
+    if type(module) is GroupQuantLinear:  # its tensors bound once (a module attribute read costs ~1 us)
+        qw, d, m, b, bits = module.qweight, module.scales, module.mins, module.bias, module.bits
+        return lambda x: ops.qlinear(x, qw, d, m, b if b is None or b.dtype == x.dtype else b.to(x.dtype), bits)
+    if type(module) is Int8Linear:
+        qw, sc, b = module.qweight, module.scale, module.bias
+        return lambda x: ops.linear(x, qw, b if b is None or b.dtype == x.dtype else b.to(x.dtype), sc)
     return module  # e.g. torch.ao dynamic-quantized Linear: its own forward
 
 
 class _Layer:
-    __slots__ = ("ln1_w", "ln1_eps", "ln2_w", "ln2_eps", "q", "k", "v", "o", "gate", "up", "down", "scale")
+    __slots__ = ("ln1_w", "ln1_eps", "ln2_w", "ln2_eps", "q", "k", "v", "o", "gate", "up", "down", "scale",
+                 "qkv", "gate_up")
+
+
+def _adjacent(parts: List[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The tensor spanning ``parts`` when they are consecutive row blocks of one contiguous storage."""
+    first = parts[0]
+    if not all(t.is_contiguous() and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+               for t in parts):
+        return None
+    for a, b in zip(parts, parts[1:]):
+        if b.storage_offset() != a.storage_offset() + a.numel():
+            return None
+    rows = sum(t.shape[0] for t in parts)
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]),
+                                   first.stride())
+
+
+def _merged_fn(modules) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """One call for several quantized linears of the same input (q / k / v, gate / up): their
+    buffers are concatenated along N once and each module's buffers become views of the merged
+    ones (no extra memory; the modules compute what they did). None when they are not all
+    specdec-quantized layers of one format (float nn.Linear weights stay the user's tensors)."""
+    from specdec.models.quant import GroupQuantLinear, Int8Linear
+
+    kind = type(modules[0])
+    if kind not in (GroupQuantLinear, Int8Linear) or any(type(m) is not kind for m in modules):
+        return None
+    if kind is GroupQuantLinear:
+        names = ("qweight", "scales", "mins", "bias")
+        if len({(m.bits, m.in_features, m.mins is None, m.bias is None) for m in modules}) != 1:
+            return None
+    else:
+        names = ("qweight", "scale", "bias")
+        if len({(m.in_features, m.bias is None) for m in modules}) != 1:
+            return None
+    merged = {}
+    for name in names:
+        parts = [getattr(m, name) for m in modules]
+        if parts[0] is None:
+            merged[name] = None
+            continue
+        whole = _adjacent(parts)
+        if whole is not None:  # merged before (another adapter on this model): share it
+            merged[name] = whole
+            continue
+        whole = torch.cat(parts, 0)
+        merged[name] = whole
+        start = 0
+        for m, t in zip(modules, parts):
+            setattr(m, name, whole[start:start + t.shape[0]])  # a view: the model keeps working unchanged
+            start += t.shape[0]
+    if kind is GroupQuantLinear:
+        qw, d, mn, b, bits = merged["qweight"], merged["scales"], merged["mins"], merged["bias"], modules[0].bits
+        return lambda x: ops.qlinear(x, qw, d, mn, b if b is None or b.dtype == x.dtype else b.to(x.dtype), bits)
+    qw, sc, b = merged["qweight"], merged["scale"], merged["bias"]
+    return lambda x: ops.linear(x, qw, b if b is None or b.dtype == x.dtype else b.to(x.dtype), sc)
 
 
 class LlamaRunner:
@@ -117,15 +177,24 @@ class LlamaRunner:
             cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
         layers = self.layers
         x = ops.rms_norm(h, layers[0].ln1_w, layers[0].ln1_eps)
+        nq, nkv = hq * D, hkv * D
         for l, L in enumerate(layers):
-            q, k = ops.rope(L.q(x).view(B, N, hq, D), L.k(x).view(B, N, hkv, D), cos, sin)
-            v = L.v(x).view(B, N, hkv, D)
+            if L.qkv is not None:
+                q, k, v = L.qkv(x).split([nq, nkv, nkv], dim=-1)
+            else:
+                q, k, v = L.q(x), L.k(x), L.v(x)
+            q, k = ops.rope(q.view(B, N, hq, D), k.view(B, N, hkv, D), cos, sin)
+            v = v.view(B, N, hkv, D)
             ops.append_kv(cache.k[l], cache.v[l], k.transpose(1, 2), v.transpose(1, 2), cache.lens, kv_offset)
             a = ops.verify_attention(q, cache.k[l], cache.v[l], cache.lens, tree_mask, L.scale)
             x, h = ops.add_rms_norm(L.o(a.reshape(B, N, hq * D)), h, L.ln2_w, L.ln2_eps)
             nw, ne = (layers[l + 1].ln1_w, layers[l + 1].ln1_eps) if l + 1 < len(layers) else (
                 self.norm_w, self.norm_eps)
-            x, h = ops.add_rms_norm(L.down(ops.silu_mul(L.gate(x), L.up(x))), h, nw, ne)
+            if L.gate_up is not None:
+                g, u = L.gate_up(x).chunk(2, dim=-1)
+            else:
+                g, u = L.gate(x), L.up(x)
+            x, h = ops.add_rms_norm(L.down(ops.silu_mul(g, u)), h, nw, ne)
         if isinstance(logits_to_keep, torch.Tensor) or logits_to_keep != 0:
             x = slice_logits_to_keep(x, logits_to_keep)  # the norm is per row: slicing after it is the same
         return self.lm_head(x)
@@ -185,6 +254,8 @@ def build(model: torch.nn.Module, fast_linear: bool = True, fused_ops: bool = Tr
         L.ln2_w, L.ln2_eps = norms[1].weight, float(norms[1].variance_epsilon)
         L.q, L.k, L.v, L.o = (_linear_fn(m, fast_linear) for m in (att.q_proj, att.k_proj, att.v_proj, att.o_proj))
         L.gate, L.up, L.down = (_linear_fn(m, fast_linear) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        L.qkv = _merged_fn([att.q_proj, att.k_proj, att.v_proj]) if fused_ops else None
+        L.gate_up = _merged_fn([mlp.gate_proj, mlp.up_proj]) if fused_ops else None
         L.scale = float(getattr(att, "scaling", hd ** -0.5))
         layers.append(L)
     if not layers:
