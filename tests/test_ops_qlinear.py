@@ -116,3 +116,20 @@ def test_qlinear_errors(device):
         args = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
         with pytest.raises(RuntimeError, match=re.escape(msg)):
             ops.qlinear(**args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", list(FMTS))
+def test_qlinear_batch_invariant(device, fmt):
+    """Each output row is computed by the same sequence of operations whatever M is: a verify pass
+    over N nodes gives bit for bit the logits N decode steps would (so greedy speculation on a
+    quantized model is token-exact, not only close)."""
+    (qw, d, m), _ = case(70, 576, fmt, seed=9)
+    g = gen(10)
+    x = torch.randn(16, 576, generator=g)
+    dev = lambda t: None if t is None else t.to(device)  # noqa: E731
+    args = (dev(qw), dev(d), dev(m), None, FMTS[fmt])
+    for M in (2, 5, 8, 16):
+        whole = ops.qlinear(x[:M].to(device), *args).cpu()
+        rows = torch.cat([ops.qlinear(x[i:i + 1].to(device), *args).cpu() for i in range(M)])
+        assert torch.equal(whole, rows), (fmt, M)

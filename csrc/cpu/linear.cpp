@@ -54,7 +54,7 @@ void run(const LinearParams& P) {
 // (~25 us on one core), so that the 576-row layers of a small model still use both cores.
 void run_q(const QLinearParams& P) {
   const bool avx2 = has_avx2_fma_f16c();
-  constexpr int64_t nr = base::kQNr;
+  constexpr int64_t nr = 8;  // rows per task unit: the AVX2 tile's M = 1 block
   const int64_t blocks = (P.N + nr - 1) / nr;
   const int64_t grain = std::max<int64_t>(1, (int64_t(256) << 10) / std::max<int64_t>(1, nr * P.K * P.M));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
@@ -119,9 +119,10 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at:
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   const at::Tensor x2 = x.reshape({M, K}).to(at::kFloat).contiguous();
-  // Q4_1's min term needs the sum of x over each group: one pass here, not per weight row.
+  // The baseline kernel's Q4_1 min term needs the sum of x over each group (the AVX2 tile folds
+  // the min into the weights): one pass here, not per weight row.
   std::vector<float> xsum;
-  if (mins.has_value()) {
+  if (mins.has_value() && !cpu::has_avx2_fma_f16c()) {
     xsum.resize(M * G);
     const float* xp = x2.data_ptr<float>();
     for (int64_t i = 0; i < M * G; ++i) {

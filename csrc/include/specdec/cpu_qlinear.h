@@ -7,11 +7,15 @@
 // d = scales[n, g], m = mins[n, g] (float16). 4-bit byte j of group g holds element
 // g*32 + j in its low nibble and g*32 + j + 16 in its high nibble (GGUF order).
 //
-// Per group and weight row: the 32 codes are widened to float once and feed kMr x rows
-// (4 FMA vectors each); the group's partial dot is scaled by d into the row's accumulator.
-// The min term m * sum(x[group]) uses per-group sums of x computed once per call
-// (xsum[M, K/32]). Napkin math (SmolLM2-135M as its GGUF ships it, Q4_1 layers + Q8_0
-// head): 98 MB per forward instead of 538 MB of fp32 weights.
+// AVX2 (q_tile_avx2): per group and weight row the 32 codes become the float weights
+// d * q (+ m) once and feed up to 4 x rows with 4 FMAs each. Baseline build (q_micro_tile):
+// the codes feed kQMr x rows, the group's partial dot is scaled by d, and the min term
+// m * sum(x[group]) uses per-group sums of x computed once per call (xsum[M, K/32]).
+// Both compute each output with one sequence of operations for any M (batch invariance).
+// The weight rows two blocks ahead are prefetched in software (as in cpu_linear.h).
+// Napkin math (SmolLM2-135M as its GGUF ships it, Q4_1 layers + Q8_0 head): 98 MB per
+// forward instead of 538 MB of fp32 weights; at M = 1 the AVX2 tile is bound by the code
+// widening (~12 vector ops per 32 weights), not by DRAM.
 //
 // This header is compiled once per ISA (SPECDEC_CPU_ISA names the namespace).
 #pragma once
@@ -161,13 +165,28 @@ inline void q_micro_tile(const QLinearParams& P, int64_t n0, int64_t m0, const c
   }
 }
 
+// Prefetch target of the block at n0: the codes of the block two blocks ahead (at least 8
+// rows: DRAM latency is longer than one block's compute at M = 1), rows [n0 + ahead, + NR),
+// as a pointer and a count of 64-byte lines (0 past the end). The scales / mins, 16x
+// smaller, ride the hardware prefetcher.
+template <int BITS, int NR>
+inline const char* q_prefetch_target(const QLinearParams& P, int64_t n0, int64_t n_end, int64_t& lines) {
+  const int64_t row_bytes = BITS == 8 ? P.K : P.K / 2;
+  const int64_t ahead = n0 + std::max(8, 2 * NR);
+  const int64_t rows = std::min<int64_t>(NR, n_end - ahead);
+  lines = rows > 0 ? (rows * row_bytes + 63) / 64 : 0;
+  return static_cast<const char*>(P.qw) + (rows > 0 ? ahead * row_bytes : 0);
+}
+
 #if defined(__AVX2__)
-// The AVX2 micro-tile (same sums as q_micro_tile, fewer shuffles): a 4-bit group's 16 bytes
-// are widened to 32-bit lanes by two vpmovzxbd loads (bytes 0-7, 8-15); each lane's low nibble
-// (and) is element j, its high nibble (shift) element j + 16, so the four 8-wide vectors cost
-// 2 shuffles instead of 6. Q4_0's -8 is subtracted in the integer domain. Per group and row
-// of x the 4 products form two short chains (mul + fma each) joined by one add, scaled by d
-// into the row's accumulator.
+// The AVX2 tile. Per weight row and group the 32 codes are widened once (a 4-bit group's 16
+// bytes by two vpmovzxbd loads: each 32-bit lane's low nibble is element j, its high nibble
+// element j + 16, two shuffles for four vectors) and turned into the weights themselves,
+// w = d * q (+ m) (one mul or fma per 8), which then feed MR rows of x with 4 FMAs each into
+// one accumulator per (row, x row). Every output is the same sequence of operations whatever
+// M and the tile shape are (batch invariance: a verify pass of N nodes computes the logits a
+// decode step would, bit for bit, so greedy speculation stays token-exact); NR only sets how
+// many independent chains are in flight (8 at M = 1, 2 x 4 otherwise).
 template <int BITS, bool MINS, int NR, int MR>
 inline void q_tile_avx2(const QLinearParams& P, int64_t n0, int64_t m0, const char* pf, int64_t pf_lines) {
   const int64_t G = P.K / kQGroup;
@@ -176,54 +195,44 @@ inline void q_tile_avx2(const QLinearParams& P, int64_t n0, int64_t m0, const ch
   const float* xr[MR];
   for (int m = 0; m < MR; ++m) xr[m] = P.x + (m0 + m) * P.x_stride;
   __m256 acc[NR][MR];
-  float macc[NR][MR];
   for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MR; ++m) {
-      acc[r][m] = _mm256_setzero_ps();
-      macc[r][m] = 0.0f;
-    }
+    for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi32(15);
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t j = 0; j < per_group && issued < pf_lines; ++j, ++issued) __builtin_prefetch(pf + issued * 64, 0, 2);
     for (int r = 0; r < NR; ++r) {
       const int64_t n = n0 + r;
-      __m256 w0, w1, w2, w3;
+      __m256i c[4];
       if constexpr (BITS == 8) {
         const int8_t* q = static_cast<const int8_t*>(P.qw) + n * P.K + g * kQGroup;
-        w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
-        w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8))));
-        w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16))));
-        w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 24))));
+        for (int k = 0; k < 4; ++k)
+          c[k] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * k)));
       } else {
         const uint8_t* q = static_cast<const uint8_t*>(P.qw) + n * (P.K / 2) + g * (kQGroup / 2);
         const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
         const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
-        __m256i c0 = _mm256_and_si256(a, low4), c1 = _mm256_and_si256(b, low4);
-        __m256i c2 = _mm256_srli_epi32(a, 4), c3 = _mm256_srli_epi32(b, 4);
+        c[0] = _mm256_and_si256(a, low4);
+        c[1] = _mm256_and_si256(b, low4);
+        c[2] = _mm256_srli_epi32(a, 4);
+        c[3] = _mm256_srli_epi32(b, 4);
         if constexpr (!MINS) {
           const __m256i eight = _mm256_set1_epi32(8);
-          c0 = _mm256_sub_epi32(c0, eight);
-          c1 = _mm256_sub_epi32(c1, eight);
-          c2 = _mm256_sub_epi32(c2, eight);
-          c3 = _mm256_sub_epi32(c3, eight);
+          for (int k = 0; k < 4; ++k) c[k] = _mm256_sub_epi32(c[k], eight);
         }
-        w0 = _mm256_cvtepi32_ps(c0);
-        w1 = _mm256_cvtepi32_ps(c1);
-        w2 = _mm256_cvtepi32_ps(c2);
-        w3 = _mm256_cvtepi32_ps(c3);
       }
       const __m256 d = _mm256_set1_ps(_cvtsh_ss(P.scales[n * G + g]));
+      __m256 w[4];
+      if constexpr (BITS == 4 && MINS) {
+        const __m256 mn = _mm256_set1_ps(_cvtsh_ss(P.mins[n * G + g]));
+        for (int k = 0; k < 4; ++k) w[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c[k]), d, mn);
+      } else {
+        for (int k = 0; k < 4; ++k) w[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(c[k]), d);
+      }
       for (int m = 0; m < MR; ++m) {
         const float* xg = xr[m] + g * kQGroup;
-        __m256 p0 = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
-        __m256 p1 = _mm256_mul_ps(w1, _mm256_loadu_ps(xg + 8));
-        p0 = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), p0);
-        p1 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), p1);
-        acc[r][m] = _mm256_fmadd_ps(d, _mm256_add_ps(p0, p1), acc[r][m]);
-      }
-      if constexpr (BITS == 4 && MINS) {
-        const float mn = _cvtsh_ss(P.mins[n * G + g]);
-        for (int m = 0; m < MR; ++m) macc[r][m] += mn * P.xsum[(m0 + m) * G + g];
+        __m256 s = acc[r][m];
+        for (int k = 0; k < 4; ++k) s = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(xg + 8 * k), s);
+        acc[r][m] = s;
       }
     }
   }
@@ -233,35 +242,45 @@ inline void q_tile_avx2(const QLinearParams& P, int64_t n0, int64_t m0, const ch
     for (int m = 0; m < MR; ++m) {
       const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[r][m]), _mm256_extractf128_ps(acc[r][m], 1));
       const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-      const float dot = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-      P.y[(m0 + m) * P.y_stride + n] = dot + macc[r][m] + b;
+      P.y[(m0 + m) * P.y_stride + n] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1))) + b;
     }
   }
 }
-#define SPECDEC_Q_TILE q_tile_avx2
+
+// Weight rows [n0, n0 + NR) against all M rows of x, in x tiles of up to 4.
+template <int BITS, bool MINS, int NR>
+inline void q_row_block_avx2(const QLinearParams& P, int64_t n0, int64_t n_end) {
+  int64_t lines = 0;
+  const char* pf = q_prefetch_target<BITS, NR>(P, n0, n_end, lines);
+  int64_t m = 0;
+  for (; m + 4 <= P.M; m += 4, lines = 0) q_tile_avx2<BITS, MINS, NR, 4>(P, n0, m, pf, lines);
+  const int64_t rest = P.M - m;
+  if (rest == 3) q_tile_avx2<BITS, MINS, NR, 3>(P, n0, m, pf, lines);
+  else if (rest == 2) q_tile_avx2<BITS, MINS, NR, 2>(P, n0, m, pf, lines);
+  else if (rest == 1) q_tile_avx2<BITS, MINS, NR, 1>(P, n0, m, pf, lines);
+}
+
+template <int BITS, bool MINS>
+inline void qlinear_rows_t(const QLinearParams& P, int64_t n_begin, int64_t n_end) {
+  int64_t n = n_begin;
+  if (P.M == 1) {
+    for (; n + 8 <= n_end; n += 8) q_row_block_avx2<BITS, MINS, 8>(P, n, n_end);
+  } else {
+    for (; n + 2 <= n_end; n += 2) q_row_block_avx2<BITS, MINS, 2>(P, n, n_end);
+  }
+  for (; n < n_end; ++n) q_row_block_avx2<BITS, MINS, 1>(P, n, n_end);
+}
 #else
-#define SPECDEC_Q_TILE q_micro_tile
-#endif
-
-// Weight rows ahead of the current block that the prefetches cover (DRAM latency is
-// longer than one block's compute at M = 1).
-constexpr int64_t kQPrefetchAhead = 2 * kQNr;
-
-// All M rows of x against weight rows [n0, n0 + NR); the first tile prefetches the codes of
-// rows [n0 + kQPrefetchAhead, + NR) (the scales / mins, 16x smaller, ride the same lines'
-// neighbours and the hardware prefetcher).
+// All M rows of x against weight rows [n0, n0 + NR).
 template <int BITS, bool MINS, int NR>
 inline void q_row_block(const QLinearParams& P, int64_t n0, int64_t n_end) {
-  const int64_t row_bytes = BITS == 8 ? P.K : P.K / 2;
-  const int64_t ahead = n0 + kQPrefetchAhead;
-  const int64_t rows = std::min<int64_t>(NR, n_end - ahead);
-  const char* pf = static_cast<const char*>(P.qw) + ahead * row_bytes;
-  int64_t lines = rows > 0 ? (rows * row_bytes + 63) / 64 : 0;
+  int64_t lines = 0;
+  const char* pf = q_prefetch_target<BITS, NR>(P, n0, n_end, lines);
   int64_t m = 0;
-  for (; m + kQMr <= P.M; m += kQMr, lines = 0) SPECDEC_Q_TILE<BITS, MINS, NR, kQMr>(P, n0, m, pf, lines);
+  for (; m + kQMr <= P.M; m += kQMr, lines = 0) q_micro_tile<BITS, MINS, NR, kQMr>(P, n0, m, pf, lines);
   const int64_t rest = P.M - m;
-  if (rest == 2) SPECDEC_Q_TILE<BITS, MINS, NR, 2>(P, n0, m, pf, lines);
-  else if (rest == 1) SPECDEC_Q_TILE<BITS, MINS, NR, 1>(P, n0, m, pf, lines);
+  if (rest == 2) q_micro_tile<BITS, MINS, NR, 2>(P, n0, m, pf, lines);
+  else if (rest == 1) q_micro_tile<BITS, MINS, NR, 1>(P, n0, m, pf, lines);
 }
 
 template <int BITS, bool MINS>
@@ -270,6 +289,7 @@ inline void qlinear_rows_t(const QLinearParams& P, int64_t n_begin, int64_t n_en
   for (; n + kQNr <= n_end; n += kQNr) q_row_block<BITS, MINS, kQNr>(P, n, n_end);
   for (; n < n_end; ++n) q_row_block<BITS, MINS, 1>(P, n, n_end);
 }
+#endif
 
 // Outputs y[:, n_begin:n_end].
 inline void qlinear_rows(const QLinearParams& P, int64_t n_begin, int64_t n_end) {
@@ -278,7 +298,6 @@ inline void qlinear_rows(const QLinearParams& P, int64_t n_begin, int64_t n_end)
   else qlinear_rows_t<4, false>(P, n_begin, n_end);
 }
 
-#undef SPECDEC_Q_TILE
 
 }  // namespace SPECDEC_CPU_ISA
 }  // namespace cpu
