@@ -51,7 +51,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def read_bandwidth_gbs() -> float:
     buf = torch.ones(256 << 20)  # 1 GiB of float32
     ts = []
-    for _ in range(7):
+    for _ in range(15):
         t0 = time.perf_counter()
         buf.sum()
         ts.append(time.perf_counter() - t0)
@@ -78,6 +78,10 @@ def stub_linears(lm) -> None:
     for L in runner.layers:
         for name, w in widths.items():
             setattr(L, name, stub(w, lm.dtype))
+        if L.qkv is not None:  # the merged projections of quantized layers
+            L.qkv = stub(widths["q"] + widths["k"] + widths["v"], lm.dtype)
+        if L.gate_up is not None:
+            L.gate_up = stub(2 * widths["gate"], lm.dtype)
     runner.lm_head = stub(cfg.vocab_size, lm.dtype)
 
 

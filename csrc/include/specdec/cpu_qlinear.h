@@ -186,7 +186,7 @@ inline const char* q_prefetch_target(const QLinearParams& P, int64_t n0, int64_t
 // one accumulator per (row, x row). Every output is the same sequence of operations whatever
 // M and the tile shape are (batch invariance: a verify pass of N nodes computes the logits a
 // decode step would, bit for bit, so greedy speculation stays token-exact); NR only sets how
-// many independent chains are in flight (8 at M = 1, 2 x 4 otherwise).
+// many independent chains are in flight (4 at M = 1, 2 x 4 otherwise).
 template <int BITS, bool MINS, int NR, int MR>
 inline void q_tile_avx2(const QLinearParams& P, int64_t n0, int64_t m0, const char* pf, int64_t pf_lines) {
   const int64_t G = P.K / kQGroup;
@@ -264,7 +264,7 @@ template <int BITS, bool MINS>
 inline void qlinear_rows_t(const QLinearParams& P, int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
   if (P.M == 1) {
-    for (; n + 8 <= n_end; n += 8) q_row_block_avx2<BITS, MINS, 8>(P, n, n_end);
+    for (; n + 4 <= n_end; n += 4) q_row_block_avx2<BITS, MINS, 4>(P, n, n_end);
   } else {
     for (; n + 2 <= n_end; n += 2) q_row_block_avx2<BITS, MINS, 2>(P, n, n_end);
   }
