@@ -174,6 +174,33 @@ def run_qlinear(g):
                       bool(torch.allclose(y.cpu().float(), ref.float(), atol=5e-2, rtol=5e-2)))
 
 
+def run_fused(g):
+    print("rms_norm / add_rms_norm / rope / silu_mul")
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        for shape in ((1, 576), (3, 7, 33), (70, 1000)):
+            x = torch.randn(*shape, generator=g).to(dt)
+            r = torch.randn(*shape, generator=g).to(dt)
+            w = torch.rand(shape[-1], generator=g).to(dt)
+            out, s = ops.add_rms_norm(x.to(DEV), r.to(DEV), w.to(DEV), 1e-5)
+            ref_out, ref_s = reference.add_rms_norm(x, r, w, 1e-5)
+            tol = 1e-4 if dt == torch.float32 else 3e-2
+            check(f"add_rms_norm {dt} {shape}", torch.equal(s.cpu(), ref_s) and
+                  bool(torch.allclose(out.cpu().float(), ref_out.float(), atol=tol, rtol=tol)))
+            y = ops.rms_norm(x.to(DEV), w.to(DEV), 1e-5)
+            check(f"rms_norm {dt} {shape}", bool(torch.allclose(y.cpu().float(), reference.rms_norm(x, w, 1e-5).float(),
+                                                                 atol=tol, rtol=tol)))
+            y = ops.silu_mul(x.to(DEV), r.to(DEV))
+            check(f"silu_mul {dt} {shape}", bool(torch.allclose(y.cpu().float(), reference.silu_mul(x, r).float(),
+                                                                 atol=tol, rtol=tol)))
+        for B, N, Hq, Hkv, D in ((1, 1, 9, 3, 64), (2, 5, 4, 2, 8), (3, 40, 2, 1, 6)):
+            q = torch.randn(B, N, Hq, D, generator=g).to(dt)
+            k = torch.randn(B, N, Hkv, D, generator=g).to(dt)
+            c, s_ = torch.randn(B, N, D, generator=g).to(dt), torch.randn(B, N, D, generator=g).to(dt)
+            gq, gk = ops.rope(q.to(DEV), k.to(DEV), c.to(DEV), s_.to(DEV))
+            wq, wk = reference.rope(q, k, c, s_)
+            check(f"rope {dt} B={B} N={N} D={D} (bit-identical)", torch.equal(gq.cpu(), wq) and torch.equal(gk.cpu(), wk))
+
+
 def run_bad_values(g):
     """Strict checks off: invalid VALUES must not make any kernel touch memory out of bounds
     (outputs are unspecified; compute-sanitizer judges)."""
@@ -214,8 +241,9 @@ def run_bad_values(g):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ops", nargs="*", default=["verify_attention", "sampling", "kv_commit", "linear", "qlinear", "bad_values"],
-                    help="subset of: verify_attention sampling kv_commit linear qlinear bad_values")
+    ap.add_argument("--ops", nargs="*", default=["verify_attention", "sampling", "kv_commit", "linear", "qlinear", "fused",
+                                                 "bad_values"],
+                    help="subset of: verify_attention sampling kv_commit linear qlinear fused bad_values")
     ap.add_argument("--quick", action="store_true", help="attention: one case per head dim x dtype (for racecheck)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself (bad_values skipped)")
     args = ap.parse_args(argv)
@@ -228,7 +256,7 @@ def main(argv=None) -> int:
         args.ops.remove("bad_values")  # CPU always value-checks: those inputs raise there
     g = torch.Generator().manual_seed(0)
     steps = {"verify_attention": run_attention, "sampling": run_sampling, "kv_commit": run_commit, "linear": run_linear, "qlinear": run_qlinear,
-             "bad_values": run_bad_values}
+             "fused": run_fused, "bad_values": run_bad_values}
     for name in args.ops:
         steps[name](g)
     sync()
