@@ -56,7 +56,9 @@ step it shares). Two rules move a request to fallback (trace event, reason given
   predict (a slower machine, a cost spike).
 
 A request in fallback decodes plainly (k = 0). It is re-probed after ``backoff`` steps
-(4, doubled after every failed probe, at most ``max_backoff``): the probe step drafts at the
+(4, doubled after every failed probe, at most ``max_backoff``; a paid probe that could not pass
+even if every drafted token were accepted, at the measured costs, is skipped and backs off the
+same way, so a drafter that is too slow for the batch costs no catch-up): the probe step drafts at the
 depth that would pay with acceptance ``probe_alpha`` (0.7) under the measured costs; it succeeds when rho_r >= 1 + ``hysteresis``
 with the request's own fresh statistics (on entering fallback its history and the
 decoder-wide prior are dropped: a prior of 0, so only observed acceptance counts). While
@@ -774,9 +776,23 @@ class GoodputPolicy(Policy):
                 best_k, best_g = k, g
         plain_g = b / costs[0] if costs[0] > 0 else float(b)
         if best_k == 0 and any(probing):
-            # a paid probe: the depth that would pay if the drafter were decent (alpha = probe_alpha)
-            _, best_k = self._rho([expected_tokens(self.probe_alpha, k) for k in range(k_cap + 1)], costs)
-            best_g = total(best_k) / costs[best_k] if costs[best_k] > 0 else total(best_k)
+            # A paid probe (nobody else drafts: the probe pays the draft's catch-up over every row that
+            # fell behind, and the drafting). Skipped when even a perfect drafter (every token accepted)
+            # could not reach the resume threshold at these costs: no acceptance makes such a probe pass.
+            perfect, _ = self._rho([float(k + 1) for k in range(k_cap + 1)], costs)
+            if perfect < 1.0 + self.hysteresis:
+                for rid, req, p in zip(request_ids, reqs, probing):
+                    if p:
+                        req.backoff = min(self.max_backoff, 2 * req.backoff)
+                        req.next_probe = self.step_index + req.backoff
+                        self._event(rid, f"probe skipped: a perfect drafter would reach goodput ratio {perfect:.2f} "
+                                    f"< {1.0 + self.hysteresis:.2f} at these costs", FALLBACK, FALLBACK,
+                                    goodput_ratio=perfect, next_probe_step=req.next_probe)
+                probing = [False] * b
+            else:
+                # the depth that would pay if the drafter were decent (alpha = probe_alpha)
+                _, best_k = self._rho([expected_tokens(self.probe_alpha, k) for k in range(k_cap + 1)], costs)
+                best_g = total(best_k) / costs[best_k] if costs[best_k] > 0 else total(best_k)
         states, out, expected = [], [], []
         for req, curve, s, p, x in zip(reqs, curves, spec, probing, budgets):
             k = min(best_k, x)

@@ -534,3 +534,22 @@ def test_bundled_int8_draft_hooks(smollm2):
     cache = lm.new_cache(1, 16)
     logits = lm.prefill(cache, [[1, 9690, 198]])
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_forward_last_equals_forward_at_the_positions(fast_path):
+    """forward_last: the logits forward would give at one node per request (the LM head runs on B rows)."""
+    model = _tiny("llama")
+    lm = HFCausalLM(model, fast_path=fast_path)
+    outs = []
+    for method in ("forward", "forward_last"):
+        cache = lm.new_cache(2, 32)
+        lm.prefill(cache, [[5, 17, 29], [7, 8, 9, 10, 11]])
+        tokens = torch.tensor([[3, 40, 41, -1], [4, 50, 51, 52]])
+        depths = torch.arange(4).expand(2, 4)
+        if method == "forward":
+            outs.append(lm.forward(cache, tokens, depths)[torch.arange(2), torch.tensor([2, 3])])
+        else:
+            outs.append(lm.forward_last(cache, tokens, depths, torch.tensor([2, 3])))
+    assert outs[1].shape == (2, lm.vocab_size) and outs[1].dtype == torch.float32
+    _close(outs[1], outs[0], "forward_last vs forward")

@@ -267,6 +267,26 @@ def test_goodput_falls_back_with_useless_drafter_and_backs_off():
     assert pol.summary()["fallback_request_steps"] == 60 - len(drafted)
 
 
+def test_goodput_skips_probes_that_cannot_pay():
+    """Each drafted token costs a whole plain step (a same-size draft at a large batch): even perfect
+    acceptance gives a goodput ratio below 1, so after the fallback no probe is paid for (the draft
+    would first have to catch up every row), the skips back off, and nothing is drafted."""
+    cost = SyntheticCost(lambda b, n: 1.0 + 0.05 * (n - 1), lambda b, k: 1.0 * k)
+    pol = GoodputPolicy(max_depth=8, cost=cost, max_backoff=16)
+    pol.begin(2)
+    plans = run_steps(pol, [0, 1], 100, lambda s, rid, k: k, 60)  # the drafter would be perfect
+    assert all(p.k == 0 for p in plans)
+    skips = [e for e in pol.events if e["reason"].startswith("probe skipped")]
+    assert skips and all(e["old_state"] == e["new_state"] == "fallback" for e in skips)
+    gaps = [b["step"] - a["step"] for a, b in zip(skips[::2], skips[2::2])]  # two rows skip together
+    assert gaps[:3] == [8, 16, 16]
+    # with cheap drafting the same perfect drafter is probed and resumes
+    pol = GoodputPolicy(max_depth=8, cost=flat_cost(), max_backoff=16)
+    pol.begin(1)
+    plans = run_steps(pol, [0], 100, lambda s, rid, k: k, 30)
+    assert plans[-1].states == ["spec"] and plans[-1].k > 0
+
+
 def test_goodput_resumes_when_the_drafter_becomes_useful():
     pol = GoodputPolicy(max_depth=6, cost=flat_cost())
     pol.begin(1)

@@ -173,6 +173,7 @@ class DraftModel(Drafter):
         self.cache = None
         self._views: Dict[int, object] = {}
         self._foreign = 0  # tokens from other drafters' subtrees that accept() may pass per row
+        self.catch_up_tokens = 512  # positions (rows x width) per catch-up forward: bounds its activations
 
     def __repr__(self) -> str:
         stop = "" if self.stop_threshold is None else f", stop_threshold={self.stop_threshold}"
@@ -240,11 +241,10 @@ class DraftModel(Drafter):
             raise RuntimeError("DraftModel: not bound to a decoder (SpeculativeDecoder(target, drafter) binds it)")
         self.params = params
         self.generator = generator
-        self.cache.reset()
-        self.lm.prefill(self.cache, [list(p) for p in prompts], rows=list(range(len(prompts))))
+        self.cache.reset()  # lazy: the first proposal that drafts feeds the prompts (see _catch_up)
         self._pend_n.zero_()
         self._pend_width = 0
-        self._behind = False
+        self._behind = True
         self._k_step = 0
 
     # ------------------------------------------------------------------ step
@@ -267,13 +267,16 @@ class DraftModel(Drafter):
         return logits[torch.arange(b, device=self.device), pn]              # [b, V] after the root
 
     def admit(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
-        """Requests join the batch: prefill their prompts into the draft cache rows, nothing pending."""
+        """Requests join the batch. Lazy: their draft cache rows are emptied and the first proposal
+        that drafts feeds the prompts (:meth:`_catch_up`), so a request the scheduler never drafts
+        for (plain decoding, a drafter too slow for the batch) costs no draft prefill."""
         if self.cache is None:
             raise RuntimeError("DraftModel: not bound to a decoder (SpeculativeDecoder(target, drafter) binds it)")
         rows = [int(r) for r in rows]
-        self.lm.prefill(self.cache, [list(p) for p in prompts], rows=rows)
+        self.cache.reset(rows)
         idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
         self._pend_n.index_fill_(0, idx, 0)
+        self._behind = True
 
     def cancel(self) -> None:
         """Forget the last proposal (it will not be verified: a composite drafter rejected the step, or the
@@ -310,31 +313,42 @@ class DraftModel(Drafter):
 
     def _catch_up(self, cache, ctx: StepContext) -> torch.Tensor:
         """After steps that drafted nothing (plain steps, a cancelled proposal) and for rows that joined
-        since: feed every committed token the draft cache lacks, then the root, as one chain per row
-        (reads the draft lengths on the host once). Returns the draft logits after each row's root
-        [b, V]. Rows are right-padded to the longest; when the padding of a row would run past the
-        cache's capacity (rows lagging by very different counts) the chains go in several chunks."""
+        since (their prompts: admission is lazy): feed every committed token the draft cache lacks,
+        then the root, as one chain per row (reads the draft lengths on the host once). Returns the
+        draft logits after each row's root [b, V]. Rows are right-padded to the longest; the chains go
+        in chunks of at most ``catch_up_tokens`` positions per forward (all rows together), and
+        sooner when the padding of a row would run past the cache's capacity. With an LM that has
+        ``forward_last`` (HFCausalLM) only the logits after each row's last fed token are computed."""
         b = len(ctx.request_ids)
         have = cache.lens.tolist()
         rows = [list(seq[h:]) for seq, h in zip(ctx.sequences, have)]   # [pending..., skipped roots..., root]
         cap = self.cache.capacity
         done = [0] * b                                                   # tokens of each row fed so far
         last = torch.empty(b, self.V, dtype=torch.float32, device=self.device)
+        forward_last = getattr(self.lm, "forward_last", None)
+        per_forward = max(1, self.catch_up_tokens // max(1, b))
         while True:
             left = [len(r) - d for r, d in zip(rows, done)]
             if max(left) <= 0:
                 break
             room = min(cap - h - d for h, d in zip(have, done))
-            width = max(1, min(max(left), room))
+            width = max(1, min(max(left), room, per_forward))
             chunk = [r[d:d + width] for r, d in zip(rows, done)]
             x = torch.tensor([c + [-1] * (width - len(c)) for c in chunk], dtype=torch.int64, device=self.device)
             depths = torch.arange(width, dtype=torch.int32, device=self.device).expand(b, width).contiguous()
-            logits = self.lm.forward(cache, x, depths, None)                   # [b, width, V]
             ends = [r for r in range(b) if chunk[r] and done[r] + len(chunk[r]) == len(rows[r])]
-            if ends:
-                sel = torch.tensor(ends, dtype=torch.int64, device=self.device)
-                pos = torch.tensor([len(chunk[r]) - 1 for r in ends], dtype=torch.int64, device=self.device)
-                last.index_copy_(0, sel, logits[sel, pos].float())
+            if forward_last is not None:
+                pos = torch.tensor([max(0, len(c) - 1) for c in chunk], dtype=torch.int64, device=self.device)
+                got = forward_last(cache, x, depths, pos)                     # [b, V]
+                if ends:
+                    sel = torch.tensor(ends, dtype=torch.int64, device=self.device)
+                    last.index_copy_(0, sel, got[sel].float())
+            else:
+                logits = self.lm.forward(cache, x, depths, None)               # [b, width, V]
+                if ends:
+                    sel = torch.tensor(ends, dtype=torch.int64, device=self.device)
+                    pos = torch.tensor([len(chunk[r]) - 1 for r in ends], dtype=torch.int64, device=self.device)
+                    last.index_copy_(0, sel, logits[sel, pos].float())
             cache.lens.add_(torch.tensor([len(c) for c in chunk], dtype=torch.int32, device=self.device))
             done = [d + len(c) for d, c in zip(done, chunk)]
         self._base = torch.tensor([len(s) - 1 for s in ctx.sequences], dtype=torch.int32, device=self.device)

@@ -450,6 +450,20 @@ class HFCausalLM:
     __call__ = forward
 
     @torch.no_grad()
+    def forward_last(self, cache: StaticKVCache, tokens: torch.Tensor, depths: torch.Tensor,
+                     last: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` of a causal chain per request (no tree mask) that returns only the logits
+        at one node per request, ``last`` [B] (node index): float32 [B, V]. The LM head runs on B
+        rows instead of B * N (a drafter catching up on many tokens needs the logits after the last)."""
+        self._check_call(cache, tokens, depths, None, 0)
+        B, N = tokens.shape
+        last = torch.as_tensor(last, device=tokens.device).to(torch.long).view(B, 1)
+        if self._runner is not None:  # the lean forward slices the hidden states per row (2-D positions)
+            return self._forward(cache, tokens, depths, None, logits_to_keep=last)[:, 0]
+        logits = self._forward(cache, tokens, depths, None, logits_to_keep=0)
+        return logits[torch.arange(B, device=logits.device), last[:, 0]]
+
+    @torch.no_grad()
     def prefill(self, cache: StaticKVCache, prompts: Sequence[Sequence[int]],
                 rows: Optional[Sequence[int]] = None) -> torch.Tensor:
         """Write each prompt's K/V into its cache row and return float32 logits [len(prompts), V] after its last token.
