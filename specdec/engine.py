@@ -558,6 +558,7 @@ class Engine:
             ctx = StepContext(roots=roots, sequences=[r.seq for r in reqs], request_ids=uids,
                               budgets=plan.budgets, params=self._step_params())
             draft, consulted = self._propose(ctx)
+        catch_up = float(getattr(drafter, "catch_up_seconds", 0.0) or 0.0) if consulted else 0.0
         tree = draft.tree
         c1 = clock.mark()
         logits = target.forward(cache, tree.tokens, tree.depths, tree.attention_mask())   # [b, N, V]
@@ -599,7 +600,8 @@ class Engine:
         depths = tree.depth_per_request() if drafter is not None else drafted
         rec.step(uids, drafted, depths, num_host, emitted, t_now - t_prev)
         self.scheduler.observe(plan, uids, tree.size, depths, drafted, num_host, emitted,
-                               StepTimes(*clock.split(c0, c1, c2, c3, c4, c5), total=t_now - t_prev))
+                               StepTimes(*clock.split(c0, c1, c2, c3, c4, c5), total=t_now - t_prev,
+                                         catch_up=catch_up))
         self._t_prev = t_now
         if self._auto_recorder and rec.target_passes % 4096 == 0:  # a server that never idles: bounded state
             clock.totals()

@@ -59,6 +59,8 @@ type="step", one per request and step:
   expected_tokens E[T] predicted for the row at k before the step
   predicted_goodput_ratio   the step's predicted goodput / a plain step's
   draft_seconds, verify_seconds, commit_seconds   the step's phase times (shared by its rows)
+  catch_up_seconds  of draft_seconds: the drafter bringing its state up to date (a draft model's
+                  lazy prompt prefill, the tokens of plain steps); kept out of the cost model
   step_seconds    wall time of the step;  plain_seconds_estimate: the cost model's plain step at this batch
 type="event", one per state change:
   step, request, reason (text: the rule and the measured ratio), old_state, new_state,
@@ -83,7 +85,7 @@ __all__ = ["MetricsRecorder", "PhaseClock", "MemoryProbe", "static_memory_bytes"
 #: keys of a type="step" trace record
 TRACE_STEP_KEYS = ("type", "step", "request", "row", "batch", "state", "k", "nodes", "depth", "drafted", "accepted",
                    "emitted", "expected_tokens", "predicted_goodput_ratio", "draft_seconds", "verify_seconds",
-                   "commit_seconds", "step_seconds", "plain_seconds_estimate")
+                   "commit_seconds", "catch_up_seconds", "step_seconds", "plain_seconds_estimate")
 #: keys every type="event" trace record has (entering fallback adds next_probe_step)
 TRACE_EVENT_KEYS = ("type", "step", "request", "reason", "old_state", "new_state", "goodput_ratio")
 #: policy keys of the summary

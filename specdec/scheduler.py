@@ -525,6 +525,7 @@ class StepTimes:
     verify: float
     commit: float
     total: float
+    catch_up: float = 0.0  # of draft (and total): the drafter catching up, kept out of the per-step costs
 
 
 @dataclass
@@ -609,7 +610,10 @@ class Policy:
         """The step's outcome: per row its draft depth, drafted nodes, accepted and emitted tokens."""
         b = len(request_ids)
         k_run = max(depths, default=0)
-        self.cost.observe(b, k_run, nodes, times.draft, times.verify, times.commit, times.total)
+        # a catch-up (draft prefill of new prompts, tokens of plain steps) is a one-time cost, not the
+        # price of drafting k tokens: charging it to (b, k) would make the first drafting step look slow
+        catch = min(max(0.0, times.catch_up), times.draft)
+        self.cost.observe(b, k_run, nodes, times.draft - catch, times.verify, times.commit, times.total - catch)
         plain = self.cost.plain_seconds(b)
         self.n_steps += 1
         self.k_sum += plan.k
@@ -626,7 +630,7 @@ class Policy:
                 self.pred_sum += req.stats.expected(d)  # E[T] at the depth really drafted, before this step
                 self.obs_sum += a + 1
                 req.stats.observe(d, a)
-                req.window.append((int(emitted[r]), times.total, plain))
+                req.window.append((int(emitted[r]), times.total - catch, plain))
                 del req.window[:-self.window_size()]
             if self.trace is not None:
                 self.trace.append(dict(
@@ -634,7 +638,8 @@ class Policy:
                     k=plan.budgets[r], nodes=nodes, depth=d, drafted=int(drafted[r]), accepted=a,
                     emitted=int(emitted[r]), expected_tokens=plan.expected[r],
                     predicted_goodput_ratio=plan.predicted_ratio, draft_seconds=times.draft,
-                    verify_seconds=times.verify, commit_seconds=times.commit, step_seconds=times.total,
+                    verify_seconds=times.verify, commit_seconds=times.commit, catch_up_seconds=times.catch_up,
+                    step_seconds=times.total,
                     plain_seconds_estimate=plain))
         self._after(plan, request_ids, depths, accepted, emitted, times)
         self.step_index += 1

@@ -68,6 +68,10 @@ class Drafter:
     max_nodes: int = 1
     #: proposals are valid by construction (built-in drafters); others are checked by check_draft
     trusted: bool = False
+    #: host seconds the last propose() spent bringing the drafter's own state up to date (a draft
+    #: model feeding the tokens of plain steps or a new prompt): a one-time cost the scheduler keeps
+    #: out of its per-step cost model. 0 for drafters without such state.
+    catch_up_seconds: float = 0.0
 
     def bind(self, target, max_batch: int, max_len: int) -> None:
         """Check compatibility with the target and allocate state for max_batch requests."""

@@ -72,6 +72,8 @@ synchronisation per draft token -- keep it off there unless drafts are long).
 """
 from __future__ import annotations
 
+import time
+
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -298,8 +300,11 @@ class DraftModel(Drafter):
             return Draft(TokenTree.root_only(ctx.roots))
         limits = [max(0, min(k, int(x))) for x in ctx.budgets]  # per-row depth (the scheduler's choice)
         cache = self._view(b)
+        self.catch_up_seconds = 0.0
         if self._behind:
+            t0 = time.perf_counter()
             last = self._catch_up(cache, ctx)
+            self.catch_up_seconds = time.perf_counter() - t0
         else:
             self._base = cache.lens.clone()  # [b] int32: committed draft prefix (pending tokens excluded)
             last = self._feed_root(ctx.roots, b, cache)

@@ -184,6 +184,7 @@ class MultiDraft(Drafter):
             self.params = ctx.params
         b = len(ctx.request_ids)
         drafts: List[Draft] = []
+        self.catch_up_seconds = 0.0
         try:
             for i, d in enumerate(self.members):
                 sub = StepContext(roots=ctx.roots, sequences=ctx.sequences, request_ids=ctx.request_ids,
@@ -193,6 +194,7 @@ class MultiDraft(Drafter):
                 except (ValueError, TypeError) as exc:
                     raise type(exc)(f"{self._name(i)}: {exc}") from exc
                 drafts.append(draft)
+                self.catch_up_seconds += float(getattr(d, "catch_up_seconds", 0.0))
                 if not d.trusted:
                     check_draft(draft, self._name(i), ctx.request_ids, self.vocab_size, int(d.max_nodes))
             return self._merge(ctx, drafts, alloc, b)
