@@ -56,7 +56,8 @@ step it shares). Two rules move a request to fallback (trace event, reason given
   predict (a slower machine, a cost spike).
 
 A request in fallback decodes plainly (k = 0). It is re-probed after ``backoff`` steps
-(4, doubled after every failed probe, at most ``max_backoff``; a paid probe that could not pass
+(4, doubled after every failed probe, at most ``max_backoff``; a request that falls back on the
+decoder-wide statistics alone starts at the backoff recent probes reached; a paid probe that could not pass
 even if every drafted token were accepted, at the measured costs, is skipped and backs off the
 same way, so a drafter that is too slow for the batch costs no catch-up): the probe step drafts at the
 depth that would pay with acceptance ``probe_alpha`` (0.7) under the measured costs; it succeeds when rho_r >= 1 + ``hysteresis``
@@ -392,10 +393,10 @@ class CostModel:
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"CostModel: smoothing must lie in (0, 1], got {smoothing}")
         self.smoothing = smoothing
-        # one observed draft depth: assume the same cost at the others (optimistic, so the policy tries a
-        # deeper draft and the second observation fixes the slope; a first step after plain steps also
-        # carries the draft's catch-up, which a proportional guess would charge to every token)
-        self.draft = _CostTable(smoothing, zero_at_zero=True, single="constant")       # (b, k)
+        # one observed draft depth: assume a cost proportional to the depth (a draft model runs one
+        # forward per depth; a free drafter measures ~0 at any depth). Catch-ups (a draft model's
+        # prefill, the tokens of plain steps) are kept out of these observations (StepTimes.catch_up).
+        self.draft = _CostTable(smoothing, zero_at_zero=True, single="proportional")   # (b, k)
         self.verify = _CostTable(smoothing, zero_at_zero=False, single="constant")     # (b, n)
         self.commit = _CostTable(smoothing, zero_at_zero=False, single="constant")     # (b, n)
         self.rest = _CostTable(smoothing, zero_at_zero=False, single="constant")       # (b, n)
@@ -404,7 +405,8 @@ class CostModel:
     def observe(self, b: int, k: int, n: int, draft: float, verify: float, commit: float,
                 total: Optional[float] = None) -> None:
         """One step of b rows, draft depth k, n verified nodes per row, with its phase seconds
-        (``total``: the step's wall time; what the phases do not cover goes to ``rest``)."""
+        (``total``: the step's wall time; what the phases do not cover goes to ``rest``). A NaN
+        phase is not observed."""
         self.draft.observe(b, k, draft)
         self.verify.observe(b, n, verify)
         self.commit.observe(b, n, commit)
@@ -610,10 +612,15 @@ class Policy:
         """The step's outcome: per row its draft depth, drafted nodes, accepted and emitted tokens."""
         b = len(request_ids)
         k_run = max(depths, default=0)
-        # a catch-up (draft prefill of new prompts, tokens of plain steps) is a one-time cost, not the
-        # price of drafting k tokens: charging it to (b, k) would make the first drafting step look slow
+        # A step whose drafter caught up (its lazy prompt prefill, the tokens of plain steps) measures
+        # no per-depth draft cost: the catch-up forward also produced the first depth, so neither the
+        # whole draft time nor the time less the catch-up is the price of k tokens. Its verify and
+        # commit times still count.
         catch = min(max(0.0, times.catch_up), times.draft)
-        self.cost.observe(b, k_run, nodes, times.draft - catch, times.verify, times.commit, times.total - catch)
+        if catch > 0:
+            self.cost.observe(b, k_run, nodes, float("nan"), times.verify, times.commit, None)
+        else:
+            self.cost.observe(b, k_run, nodes, times.draft, times.verify, times.commit, times.total)
         plain = self.cost.plain_seconds(b)
         self.n_steps += 1
         self.k_sum += plan.k
@@ -724,6 +731,9 @@ class GoodputPolicy(Policy):
         self.window = window
         self.hysteresis = hysteresis
         self.max_backoff = max_backoff
+        # the backoff that recent failed (or skipped) probes reached: a new request that falls back on
+        # the decoder-wide evidence alone starts there instead of re-learning it at 4, 8, 16 ...
+        self.backoff_hint = 4
 
     def window_size(self) -> int:
         return self.window
@@ -745,6 +755,8 @@ class GoodputPolicy(Policy):
     def _to_fallback(self, rid: int, req: _Request, reason: str, **extra) -> None:
         old = req.state
         req.state = FALLBACK
+        if req.stats.observations == 0:  # decided on the decoder-wide statistics: inherit their backoff
+            req.backoff = max(req.backoff, self.backoff_hint)
         # from now on the request's own evidence only: a probe must show that this request pays
         req.stats = AcceptanceStats(decay=self.decay, prior=0.0, prior_weight=req.stats.prior_weight)
         req.window = []
@@ -780,6 +792,9 @@ class GoodputPolicy(Policy):
             if g > best_g * (1.0 + 1e-9):
                 best_k, best_g = k, g
         plain_g = b / costs[0] if costs[0] > 0 else float(b)
+        drafts_seen = getattr(self.cost, "draft", None)
+        if best_k > 1 and drafts_seen is not None and not any(x > 0 for _, x in drafts_seen.cells):
+            best_k = 1  # the draft's cost is unknown (0 until measured): measure it on one cheap step first
         if best_k == 0 and any(probing):
             # A paid probe (nobody else drafts: the probe pays the draft's catch-up over every row that
             # fell behind, and the drafting). Skipped when even a perfect drafter (every token accepted)
@@ -790,6 +805,7 @@ class GoodputPolicy(Policy):
                     if p:
                         req.backoff = min(self.max_backoff, 2 * req.backoff)
                         req.next_probe = self.step_index + req.backoff
+                        self.backoff_hint = max(self.backoff_hint, req.backoff)
                         self._event(rid, f"probe skipped: a perfect drafter would reach goodput ratio {perfect:.2f} "
                                     f"< {1.0 + self.hysteresis:.2f} at these costs", FALLBACK, FALLBACK,
                                     goodput_ratio=perfect, next_probe_step=req.next_probe)
@@ -836,12 +852,14 @@ class GoodputPolicy(Policy):
                     req.state = SPEC
                     req.stats.parent = self.global_stats
                     req.backoff = 4
+                    self.backoff_hint = 4
                     req.window = []
                     self._event(rid, f"probe: predicted goodput ratio {rho:.2f} >= {1.0 + self.hysteresis:.2f} "
                                 f"at k={k}", FALLBACK, SPEC, goodput_ratio=rho)
                 else:  # the probe failed: back off
                     req.backoff = min(self.max_backoff, 2 * req.backoff)
                     req.next_probe = self.step_index + req.backoff
+                    self.backoff_hint = max(self.backoff_hint, req.backoff)
                     req.stats.reset()
 
 

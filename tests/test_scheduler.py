@@ -200,11 +200,11 @@ def test_cost_model_cells_interpolation_and_fit():
     assert cm2.verify.predict(1, 1) == pytest.approx(0.15)
     cm2.observe(1, 0, 1, 0.0, 100.0, 0.0, None)
     assert cm2.verify.predict(1, 1) == pytest.approx(0.15 + 0.5 * (0.6 - 0.15))
-    # drafting: k = 0 costs nothing until seen; one observed depth holds for the others (optimistic),
-    # two give the slope
+    # drafting: k = 0 costs nothing until seen; one observed depth scales with the depth (one draft
+    # forward per depth), two give the slope
     cm3 = CostModel()
     cm3.observe(2, 4, 5, 0.040, 0.1, 0.0, 0.2)
-    assert cm3.draft.predict(2, 0) == 0.0 and cm3.draft.predict(2, 2) == pytest.approx(0.040)
+    assert cm3.draft.predict(2, 0) == 0.0 and cm3.draft.predict(2, 2) == pytest.approx(0.020)
     cm3.observe(2, 8, 9, 0.070, 0.1, 0.0, 0.2)
     assert cm3.draft.predict(2, 6) == pytest.approx(0.055) and cm3.draft.predict(2, 10) == pytest.approx(0.085)
     assert cm3.rest.predict(2, 5) == pytest.approx(0.060)  # total - phases

@@ -290,6 +290,7 @@ class DraftModel(Drafter):
 
     def propose(self, ctx: StepContext) -> Draft:
         b = len(ctx.request_ids)
+        self.catch_up_seconds = 0.0
         if ctx.params is not None:
             self.params = ctx.params
         k = min(self.k, max(ctx.budgets))
@@ -300,7 +301,6 @@ class DraftModel(Drafter):
             return Draft(TokenTree.root_only(ctx.roots))
         limits = [max(0, min(k, int(x))) for x in ctx.budgets]  # per-row depth (the scheduler's choice)
         cache = self._view(b)
-        self.catch_up_seconds = 0.0
         if self._behind:
             t0 = time.perf_counter()
             last = self._catch_up(cache, ctx)
