@@ -792,9 +792,6 @@ class GoodputPolicy(Policy):
             if g > best_g * (1.0 + 1e-9):
                 best_k, best_g = k, g
         plain_g = b / costs[0] if costs[0] > 0 else float(b)
-        drafts_seen = getattr(self.cost, "draft", None)
-        if best_k > 1 and drafts_seen is not None and not any(x > 0 for _, x in drafts_seen.cells):
-            best_k = 1  # the draft's cost is unknown (0 until measured): measure it on one cheap step first
         if best_k == 0 and any(probing):
             # A paid probe (nobody else drafts: the probe pays the draft's catch-up over every row that
             # fell behind, and the drafting). Skipped when even a perfect drafter (every token accepted)
