@@ -85,6 +85,21 @@ def stub_linears(lm) -> None:
     runner.lm_head = stub(cfg.vocab_size, lm.dtype)
 
 
+def interleaved_medians(built, rounds: int):
+    """{(name, N): median ms} of one forward of N = 1 and 8 nodes, configurations interleaved round by
+    round (2 warm-up rounds)."""
+    times = {(name, N): [] for name in built for N in (1, 8)}
+    for r in range(rounds + 2):
+        for N in (1, 8):
+            tok, dep = torch.zeros(1, N, dtype=torch.long), torch.arange(N)[None]
+            for name, (lm, cache) in built.items():
+                t0 = time.perf_counter()
+                lm.forward(cache, tok, dep)
+                if r >= 2:
+                    times[(name, N)].append(time.perf_counter() - t0)
+    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=15)
@@ -118,19 +133,7 @@ def main() -> int:
         lm.prefill(cache, [prefix])
         return lm, cache
 
-    built = {name: make(name) for name in configs}
-    times = {(name, N): [] for name in configs for N in (1, 8)}
-    for r in range(args.rounds + 2):  # 2 warm-up rounds
-        for N in (1, 8):
-            tok = torch.zeros(1, N, dtype=torch.long)
-            dep = torch.arange(N)[None]
-            for name, (lm, cache) in built.items():
-                t0 = time.perf_counter()
-                lm.forward(cache, tok, dep)
-                if r >= 2:
-                    times[(name, N)].append(time.perf_counter() - t0)
-    median_ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-
+    median_ms = interleaved_medians({name: make(name) for name in configs}, args.rounds)
     # small-op time: the lean configurations with free linears (fresh adapters; interleaved too)
     lean = [n for n in configs if "lean" in n]
     stubbed = {}
@@ -138,16 +141,7 @@ def main() -> int:
         lm, cache = make(name)
         stub_linears(lm)
         stubbed[name] = (lm, cache)
-    small = {(name, N): [] for name in lean for N in (1, 8)}
-    for r in range(args.rounds + 2):
-        for N in (1, 8):
-            tok, dep = torch.zeros(1, N, dtype=torch.long), torch.arange(N)[None]
-            for name, (lm, cache) in stubbed.items():
-                t0 = time.perf_counter()
-                lm.forward(cache, tok, dep)
-                if r >= 2:
-                    small[(name, N)].append(time.perf_counter() - t0)
-    small_ms = {k: 1e3 * statistics.median(v) for k, v in small.items()}
+    small_ms = interleaved_medians(stubbed, args.rounds)
     bw = read_bandwidth_gbs()
 
     rows = []

@@ -53,7 +53,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_e2e import CODE, CSV, EMAIL, GROUNDED, OPEN, PASSAGE, cpu_name, encode, git_commit  # noqa: E402
+from bench_e2e import GROUNDED, OPEN, cpu_name, encode, git_commit  # noqa: E402
+from specdec.bench import CODE, CSV, EMAIL, PASSAGE  # noqa: E402  (the texts live in the package)
 from specdec.decoding import SpeculativeDecoder  # noqa: E402
 from specdec.drafters import DocumentDrafter, PromptLookup, SuffixDrafter, TokenRecycling  # noqa: E402
 from specdec.models.bundled import load_bundled  # noqa: E402

@@ -326,6 +326,12 @@ class DraftModel(Drafter):
         ``forward_last`` (HFCausalLM) only the logits after each row's last fed token are computed."""
         b = len(ctx.request_ids)
         have = cache.lens.tolist()
+        # rows that joined since (empty draft rows): their prompts (all but the root) go through the LM's
+        # own prefill, grouped and chunked as it does for a target, as an eager admission would have
+        fresh = [r for r in range(b) if have[r] == 0 and len(ctx.sequences[r]) > 1]
+        if fresh:
+            self.lm.prefill(self.cache, [list(ctx.sequences[r][:-1]) for r in fresh], rows=fresh)
+            have = cache.lens.tolist()
         rows = [list(seq[h:]) for seq, h in zip(ctx.sequences, have)]   # [pending..., skipped roots..., root]
         cap = self.cache.capacity
         done = [0] * b                                                   # tokens of each row fed so far
