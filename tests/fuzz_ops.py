@@ -56,6 +56,10 @@ ARGS: Dict[str, Sequence[str]] = {
     "kv_commit": ("k_caches", "v_caches", "cache_lens", "accepted", "num_accepted"),
     "linear": ("x", "weight", "bias", "weight_scale"),
     "qlinear": ("x", "qweight", "scales", "mins", "bias", "bits", "K"),
+    "rms_norm": ("x", "weight", "eps"),
+    "add_rms_norm": ("x", "residual", "weight", "eps"),
+    "rope": ("q", "k", "cos", "sin", "head dim"),
+    "silu_mul": ("gate", "up"),
 }
 STATS = {"examples": 0, "raised": 0, "matched": 0}
 ERRORS: "collections.Counter[str]" = collections.Counter()  # error kinds seen (message up to the first digit)
@@ -560,6 +564,142 @@ def fuzz_qlinear(args):
     run_property("qlinear", lambda: ops.qlinear(**args), args, check, list(args))
 
 
+def _equal_nan(got: torch.Tensor, want: torch.Tensor) -> bool:
+    got, want = got.detach().cpu(), want.detach().cpu()
+    return got.shape == want.shape and got.dtype == want.dtype and bool(
+        ((got == want) | (torch.isnan(got) & torch.isnan(want))).all())
+
+
+@st.composite
+def norm_case(draw, residual: bool):
+    lead = draw(st.sampled_from([(1,), (3,), (0,), (2, 5), (70,)]))
+    H = draw(st.sampled_from([0, 1, 7, 64, 576]))
+    dtype = draw(st.sampled_from(FLOATS))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31 - 1)))
+    x = torch.randn(*lead, H, generator=g) * draw(st.sampled_from([1e-3, 1.0, 30.0]))
+    w = torch.rand(H, generator=g) + 0.25
+    r = torch.randn(*lead, H, generator=g)
+    eps = draw(st.sampled_from([1e-6, 1e-5, 0.0]))
+    special = draw(st.sampled_from(("none",) * 8 + ("zeros", "inf", "nan", "wdtype", "wshape", "eps", "rdtype",
+                                                    "rshape", "xint", "x0d")))
+    if special == "zeros":
+        x.zero_()
+    elif special in ("inf", "nan") and x.numel():
+        x.view(-1)[draw(st.integers(0, x.numel() - 1))] = float(special)
+    x, w, r = x.to(dtype), w.to(dtype), r.to(dtype)
+    if special == "wdtype":
+        w = w.to(torch.float32 if dtype != torch.float32 else torch.float16)
+    elif special == "wshape":
+        w = torch.ones(H + 1, dtype=dtype)
+    elif special == "eps":
+        eps = draw(st.sampled_from([-1e-5, float("nan"), float("inf")]))
+    elif special == "rdtype":
+        r = r.to(torch.float32 if dtype != torch.float32 else torch.bfloat16)
+    elif special == "rshape":
+        r = torch.zeros(*lead, H + 1, dtype=dtype)
+    elif special == "xint":
+        x = x.to(torch.int32)
+    elif special == "x0d":
+        x = torch.tensor(1.0, dtype=dtype)
+    args = dict(x=place(x, draw(layouts())))
+    if residual:
+        args["residual"] = place(r, draw(layouts()))
+    args.update(weight=place(w, draw(st.sampled_from(("contig", "offset1", "strided")))), eps=eps)
+    return args
+
+
+def _check_norm(out, before, residual: bool):
+    x = before["x"].cpu()
+    if residual:
+        want_out, want_sum = reference.add_rms_norm(x, before["residual"].cpu(), before["weight"].cpu(), before["eps"])
+        got_out, got_sum = out
+        assert _equal_nan(got_sum, want_sum), "add_rms_norm: the residual sum is not x + residual"
+    else:
+        want_out, got_out = reference.rms_norm(x, before["weight"].cpu(), before["eps"]), out
+    assert got_out.dtype == x.dtype
+    close(got_out, want_out, x.dtype, 0.0, "rms_norm")
+
+
+@given(norm_case(False))
+def fuzz_rms_norm(args):
+    run_property("rms_norm", lambda: ops.rms_norm(**args), args, lambda o, b: _check_norm(o, b, False), list(args))
+
+
+@given(norm_case(True))
+def fuzz_add_rms_norm(args):
+    run_property("add_rms_norm", lambda: ops.add_rms_norm(**args), args, lambda o, b: _check_norm(o, b, True),
+                 list(args))
+
+
+@st.composite
+def rope_case(draw):
+    B, N = draw(st.sampled_from([(1, 1), (2, 3), (0, 2), (3, 0), (1, 17)]))
+    Hq, Hkv = draw(st.sampled_from([(1, 1), (4, 2), (9, 3), (2, 0)]))
+    D = draw(st.sampled_from([2, 6, 8, 64]))
+    dtype = draw(st.sampled_from(FLOATS))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31 - 1)))
+    q = torch.randn(B, N, Hq, D, generator=g)
+    k = torch.randn(B, N, Hkv, D, generator=g)
+    ang = torch.rand(B, N, D // 2, generator=g) * 1000
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    special = draw(st.sampled_from(("none",) * 8 + ("inf", "odd", "kshape", "cshape", "sdtype", "q3d", "qint")))
+    if special == "inf" and q.numel():
+        q.view(-1)[0] = float("inf")
+    q, k, cos, sin = q.to(dtype), k.to(dtype), cos.to(dtype), sin.to(dtype)
+    if special == "odd":
+        q, k = q[..., :D - 1], k[..., :D - 1]
+    elif special == "kshape":
+        k = torch.zeros(B, N + 1, Hkv, D, dtype=dtype)
+    elif special == "cshape":
+        cos = cos[:, :, : D // 2]
+    elif special == "sdtype":
+        sin = sin.to(torch.float32 if dtype != torch.float32 else torch.float16)
+    elif special == "q3d":
+        q = q.reshape(B, N, Hq * D)
+    elif special == "qint":
+        q = q.to(torch.int64)
+    lay = lambda: draw(layouts())  # noqa: E731
+    return dict(q=place(q, lay()), k=place(k, lay()), cos=place(cos, lay()), sin=place(sin, lay()))
+
+
+@given(rope_case())
+def fuzz_rope(args):
+    def check(out, before):
+        want = reference.rope(*(before[n].cpu() for n in ("q", "k", "cos", "sin")))
+        assert _equal_nan(out[0], want[0]) and _equal_nan(out[1], want[1]), "rope is not bit-identical to the reference"
+    run_property("rope", lambda: ops.rope(**args), args, check, list(args))
+
+
+@st.composite
+def silu_case(draw):
+    shape = draw(st.sampled_from([(1, 1536), (3, 7), (0, 4), (2, 0), (5, 2, 11), (40, 1700)]))
+    dtype = draw(st.sampled_from(FLOATS))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31 - 1)))
+    gate = torch.randn(*shape, generator=g) * draw(st.sampled_from([1.0, 8.0, 60.0]))
+    up = torch.randn(*shape, generator=g)
+    special = draw(st.sampled_from(("none",) * 8 + ("nan", "shape", "dtype", "double")))
+    if special == "nan" and gate.numel():
+        gate.view(-1)[0] = float("nan")
+    gate, up = gate.to(dtype), up.to(dtype)
+    if special == "shape":
+        up = up.reshape(-1) if up.dim() > 1 and up.numel() else torch.zeros(7, dtype=dtype)
+    elif special == "dtype":
+        up = up.to(torch.float32 if dtype != torch.float32 else torch.bfloat16)
+    elif special == "double":
+        gate, up = gate.double(), up.double()
+    return dict(gate=place(gate, draw(layouts())), up=place(up, draw(layouts())))
+
+
+@given(silu_case())
+def fuzz_silu_mul(args):
+    def check(out, before):
+        gate, up = before["gate"].cpu(), before["up"].cpu()
+        want = reference.silu_mul(gate, up)
+        assert out.dtype == gate.dtype
+        close(out, want, gate.dtype, 2.0 ** -12 if gate.dtype == torch.float16 else 1e-30, "silu_mul")
+    run_property("silu_mul", lambda: ops.silu_mul(**args), args, check, list(args))
+
+
 FUZZERS = {
     "verify_attention": fuzz_verify_attention,
     "append_kv": fuzz_append_kv,
@@ -568,6 +708,10 @@ FUZZERS = {
     "kv_commit": fuzz_kv_commit,
     "linear": fuzz_linear,
     "qlinear": fuzz_qlinear,
+    "rms_norm": fuzz_rms_norm,
+    "add_rms_norm": fuzz_add_rms_norm,
+    "rope": fuzz_rope,
+    "silu_mul": fuzz_silu_mul,
 }
 
 
