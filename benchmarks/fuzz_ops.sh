@@ -10,7 +10,7 @@ PY="${PYTHON:-python}"
 EXAMPLES="${EXAMPLES:-5000}"
 SEEDS="${SEEDS:-1 2 3}"
 DEVICES="${DEVICES:-cpu}"
-OPS="verify_attention append_kv rejection_sample greedy_verify kv_commit linear qlinear"
+OPS="verify_attention append_kv rejection_sample greedy_verify kv_commit linear qlinear rms_norm add_rms_norm rope silu_mul"
 OUT="benchmarks/results/fuzz_$(date +%Y%m%d-%H%M%S)_$(git rev-parse --short HEAD 2>/dev/null || echo unknown).txt"
 mkdir -p benchmarks/results
 fail=0
