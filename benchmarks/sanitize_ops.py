@@ -51,52 +51,44 @@ def tree(B, N, g, ragged=True):
     return parents
 
 
+def attention_case(g, D, dtype, lens, Nq, Nkv, mask, label):
+    """append_kv of the step's last Nq new nodes at offset Nkv - Nq, then verify_attention of their
+    queries (mask [B, Nq, Nkv] or None: causal), against the reference; the caches must match too."""
+    B, Hq, Hkv = len(lens), 4, 2
+    S = max(lens) + Nkv + 3
+    q = torch.randn(B, Nq, Hq, D, generator=g).to(dtype)
+    k = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    kn = torch.randn(B, Hkv, Nq, D, generator=g).to(dtype)
+    vn = torch.randn(B, Hkv, Nq, D, generator=g).to(dtype)
+    cl = torch.tensor(lens, dtype=torch.int32)
+    kd, vd = k.to(DEV, copy=True), v.to(DEV, copy=True)
+    ops.append_kv(kd, vd, kn.to(DEV), vn.to(DEV), cl.to(DEV), offset=Nkv - Nq)
+    out = ops.verify_attention(q.to(DEV), kd, vd, cl.to(DEV), None if mask is None else mask.to(DEV))
+    sync()
+    reference.append_kv(k, v, kn, vn, cl, Nkv - Nq)
+    want = reference.verify_attention(q, k, v, cl, mask, D ** -0.5)
+    err = (out.cpu().float() - want.float()).abs().max().item()
+    same_cache = torch.equal(kd.cpu(), k) and torch.equal(vd.cpu(), v)
+    check(f"D={D} {dtype} {label}: max |err| {err:.2e}",
+          same_cache and err < (1e-4 if dtype == torch.float32 else 5e-2))
+
+
 def run_attention(g):
     print("verify_attention / append_kv")
     for D in (64, 80, 96, 128, 256):
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             configs = ((13, [0, 1, 300], True), (1, [5, 0, 700], False), (64, [0, 129, 40], True))
             for N, lens, masked in configs[:1] if QUICK else configs:
-                B, Hq, Hkv = len(lens), 4, 2
-                S = max(lens) + N + 3
-                q = torch.randn(B, N, Hq, D, generator=g).to(dtype)
-                k = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
-                v = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
-                kn = torch.randn(B, Hkv, N, D, generator=g).to(dtype)
-                vn = torch.randn(B, Hkv, N, D, generator=g).to(dtype)
-                cl = torch.tensor(lens, dtype=torch.int32)
-                mask = reference.tree_attention_mask(tree(B, N, g)) if masked else None
-                kd, vd = k.to(DEV, copy=True), v.to(DEV, copy=True)
-                ops.append_kv(kd, vd, kn.to(DEV), vn.to(DEV), cl.to(DEV))
-                out = ops.verify_attention(q.to(DEV), kd, vd, cl.to(DEV), None if mask is None else mask.to(DEV))
-                sync()
-                reference.append_kv(k, v, kn, vn, cl)
-                want = reference.verify_attention(q, k, v, cl, mask, D ** -0.5)
-                err = (out.cpu().float() - want.float()).abs().max().item()
-                check(f"D={D} {dtype} N={N} mask={masked}: max |err| {err:.2e}", err < (1e-4 if dtype == torch.float32 else 5e-2))
+                mask = reference.tree_attention_mask(tree(len(lens), N, g)) if masked else None
+                attention_case(g, D, dtype, lens, N, N, mask, f"N={N} mask={masked}")
             # frontier form (dynamic draft trees): the step's first Nkv - Nq nodes are already in the cache,
             # append_kv writes the last Nq at offset Nkv - Nq, queries see mask [B, Nq, Nkv] (70: two mask words)
             for Nq, Nkv in ((3, 13),) if QUICK else ((3, 13), (1, 5), (4, 70)):
                 lens = [0, 17, 300]
-                B, Hq, Hkv = len(lens), 4, 2
-                S = max(lens) + Nkv + 2
-                q = torch.randn(B, Nq, Hq, D, generator=g).to(dtype)
-                k = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
-                v = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
-                kn = torch.randn(B, Hkv, Nq, D, generator=g).to(dtype)
-                vn = torch.randn(B, Hkv, Nq, D, generator=g).to(dtype)
-                cl = torch.tensor(lens, dtype=torch.int32)
-                mask = reference.tree_attention_mask(tree(B, Nkv, g, ragged=False))[:, Nkv - Nq:].contiguous()
-                kd, vd = k.to(DEV, copy=True), v.to(DEV, copy=True)
-                ops.append_kv(kd, vd, kn.to(DEV), vn.to(DEV), cl.to(DEV), offset=Nkv - Nq)
-                out = ops.verify_attention(q.to(DEV), kd, vd, cl.to(DEV), mask.to(DEV))
-                sync()
-                reference.append_kv(k, v, kn, vn, cl, Nkv - Nq)
-                want = reference.verify_attention(q, k, v, cl, mask, D ** -0.5)
-                err = (out.cpu().float() - want.float()).abs().max().item()
-                same_cache = torch.equal(kd.cpu(), k) and torch.equal(vd.cpu(), v)
-                check(f"D={D} {dtype} frontier Nq={Nq} Nkv={Nkv} (append_kv offset {Nkv - Nq}): max |err| {err:.2e}",
-                      same_cache and err < (1e-4 if dtype == torch.float32 else 5e-2))
+                mask = reference.tree_attention_mask(tree(len(lens), Nkv, g, ragged=False))[:, Nkv - Nq:].contiguous()
+                attention_case(g, D, dtype, lens, Nq, Nkv, mask,
+                               f"frontier Nq={Nq} Nkv={Nkv} (append_kv offset {Nkv - Nq})")
 
 
 def run_sampling(g):

@@ -616,8 +616,7 @@ class Policy:
         # no per-depth draft cost: the catch-up forward also produced the first depth, so neither the
         # whole draft time nor the time less the catch-up is the price of k tokens. Its verify and
         # commit times still count.
-        catch = min(max(0.0, times.catch_up), times.draft)
-        if catch > 0:
+        if times.catch_up > 0:
             self.cost.observe(b, k_run, nodes, float("nan"), times.verify, times.commit, None)
         else:
             self.cost.observe(b, k_run, nodes, times.draft, times.verify, times.commit, times.total)
@@ -637,7 +636,7 @@ class Policy:
                 self.pred_sum += req.stats.expected(d)  # E[T] at the depth really drafted, before this step
                 self.obs_sum += a + 1
                 req.stats.observe(d, a)
-                req.window.append((int(emitted[r]), times.total - catch, plain))
+                req.window.append((int(emitted[r]), times.total - times.catch_up, plain))
                 del req.window[:-self.window_size()]
             if self.trace is not None:
                 self.trace.append(dict(

@@ -18,6 +18,7 @@
 #include <cmath>
 
 #include "checks.h"
+#include "fused_host.h"
 #include "ops.h"
 
 namespace specdec {
@@ -71,17 +72,14 @@ void rms_rows(const T* x, const T* res, const T* w, T* out, T* sum, int64_t rows
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_impl(const at::Tensor& x_in, const at::Tensor* res_in,
                                                  const at::Tensor& w_in, double eps) {
-  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
-  const at::Tensor res = res_in ? res_in->contiguous() : at::Tensor();
-  const int64_t H = x.size(-1), rows = H == 0 ? 0 : x.numel() / H;
-  at::Tensor out = at::empty(x.sizes(), x.options());
-  at::Tensor sum = res_in ? at::empty(x.sizes(), x.options()) : at::Tensor();
-  if (rows == 0) return {out, sum};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
-    rms_rows<scalar_t>(x.data_ptr<scalar_t>(), res_in ? res.data_ptr<scalar_t>() : nullptr, w.data_ptr<scalar_t>(),
-                       out.data_ptr<scalar_t>(), res_in ? sum.data_ptr<scalar_t>() : nullptr, rows, H, float(eps));
+  NormBuffers b = norm_buffers(x_in, res_in, w_in);
+  if (b.rows == 0) return {b.out, b.sum};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, b.x.scalar_type(), "rms_norm", [&] {
+    rms_rows<scalar_t>(b.x.data_ptr<scalar_t>(), res_in ? b.res.data_ptr<scalar_t>() : nullptr,
+                       b.w.data_ptr<scalar_t>(), b.out.data_ptr<scalar_t>(),
+                       res_in ? b.sum.data_ptr<scalar_t>() : nullptr, b.rows, b.H, float(eps));
   });
-  return {out, sum};
+  return {b.out, b.sum};
 }
 
 template <typename T>

@@ -17,6 +17,7 @@
 
 #include "checks.h"
 #include "common.cuh"
+#include "fused_host.h"
 #include "ops.h"
 
 namespace specdec {
@@ -102,29 +103,25 @@ __global__ void silu_mul_kernel(const T* __restrict__ g, const T* __restrict__ u
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_impl(const at::Tensor& x_in, const at::Tensor* res_in,
                                                  const at::Tensor& w_in, double eps) {
-  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
-  const at::Tensor res = res_in ? res_in->contiguous() : at::Tensor();
-  const int64_t H = x.size(-1), rows = H == 0 ? 0 : x.numel() / H;
-  at::Tensor out = at::empty(x.sizes(), x.options());
-  at::Tensor sum = res_in ? at::empty(x.sizes(), x.options()) : at::Tensor();
-  if (rows == 0) return {out, sum};
-  TORCH_CHECK(rows <= int64_t(INT32_MAX), "rms_norm: at most 2^31 - 1 rows on CUDA, got ", rows);
+  NormBuffers b = norm_buffers(x_in, res_in, w_in);
+  if (b.rows == 0) return {b.out, b.sum};
+  TORCH_CHECK(b.rows <= int64_t(INT32_MAX), "rms_norm: at most 2^31 - 1 rows on CUDA, got ", b.rows);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  SPECDEC_DISPATCH_FLOAT(x.scalar_type(), "rms_norm", T, [&] {
-    const T* xp = reinterpret_cast<const T*>(x.data_ptr());
-    const T* wp = reinterpret_cast<const T*>(w.data_ptr());
-    T* op = reinterpret_cast<T*>(out.data_ptr());
+  SPECDEC_DISPATCH_FLOAT(b.x.scalar_type(), "rms_norm", T, [&] {
+    const T* xp = reinterpret_cast<const T*>(b.x.data_ptr());
+    const T* wp = reinterpret_cast<const T*>(b.w.data_ptr());
+    T* op = reinterpret_cast<T*>(b.out.data_ptr());
     if (res_in) {
-      rms_norm_kernel<T, true><<<unsigned(rows), kNormThreads, 0, stream>>>(
-          xp, reinterpret_cast<const T*>(res.data_ptr()), wp, op, reinterpret_cast<T*>(sum.data_ptr()), H,
+      rms_norm_kernel<T, true><<<unsigned(b.rows), kNormThreads, 0, stream>>>(
+          xp, reinterpret_cast<const T*>(b.res.data_ptr()), wp, op, reinterpret_cast<T*>(b.sum.data_ptr()), b.H,
           float(eps));
     } else {
-      rms_norm_kernel<T, false><<<unsigned(rows), kNormThreads, 0, stream>>>(xp, nullptr, wp, op, nullptr, H,
-                                                                              float(eps));
+      rms_norm_kernel<T, false><<<unsigned(b.rows), kNormThreads, 0, stream>>>(xp, nullptr, wp, op, nullptr, b.H,
+                                                                                float(eps));
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return {out, sum};
+  return {b.out, b.sum};
 }
 
 at::Tensor rope_one(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin, cudaStream_t stream) {

@@ -348,18 +348,14 @@ class DraftModel(Drafter):
             x = torch.tensor([c + [-1] * (width - len(c)) for c in chunk], dtype=torch.int64, device=self.device)
             depths = torch.arange(width, dtype=torch.int32, device=self.device).expand(b, width).contiguous()
             ends = [r for r in range(b) if chunk[r] and done[r] + len(chunk[r]) == len(rows[r])]
+            pos = torch.tensor([max(0, len(c) - 1) for c in chunk], dtype=torch.int64, device=self.device)
             if forward_last is not None:
-                pos = torch.tensor([max(0, len(c) - 1) for c in chunk], dtype=torch.int64, device=self.device)
-                got = forward_last(cache, x, depths, pos)                     # [b, V]
-                if ends:
-                    sel = torch.tensor(ends, dtype=torch.int64, device=self.device)
-                    last.index_copy_(0, sel, got[sel].float())
+                got = forward_last(cache, x, depths, pos)                                   # [b, V]
             else:
-                logits = self.lm.forward(cache, x, depths, None)               # [b, width, V]
-                if ends:
-                    sel = torch.tensor(ends, dtype=torch.int64, device=self.device)
-                    pos = torch.tensor([len(chunk[r]) - 1 for r in ends], dtype=torch.int64, device=self.device)
-                    last.index_copy_(0, sel, logits[sel, pos].float())
+                got = self.lm.forward(cache, x, depths, None)[torch.arange(b, device=self.device), pos]
+            if ends:
+                sel = torch.tensor(ends, dtype=torch.int64, device=self.device)
+                last.index_copy_(0, sel, got[sel].float())
             cache.lens.add_(torch.tensor([len(c) for c in chunk], dtype=torch.int32, device=self.device))
             done = [d + len(c) for d, c in zip(done, chunk)]
         self._base = torch.tensor([len(s) - 1 for s in ctx.sequences], dtype=torch.int32, device=self.device)

@@ -55,48 +55,38 @@ struct QLinearParams {
 
 namespace SPECDEC_CPU_ISA {
 
-constexpr int kQNr = 4;  // weight rows per micro-tile
-constexpr int kQMr = 3;  // x rows per micro-tile
+constexpr int kQNr = 4;  // weight rows per micro-tile (baseline build)
+constexpr int kQMr = 3;  // x rows per micro-tile (baseline build)
+
+// Software prefetch of [pf, pf + lines * 64) spread evenly over a tile's G groups (see
+// cpu_linear.h: the rows are too short for the hardware prefetchers alone).
+struct QPrefetch {
+  const char* pf;
+  int64_t lines, per_group, issued = 0;
+  QPrefetch(const char* p, int64_t n, int64_t G) : pf(p), lines(n), per_group(G > 0 ? (n + G - 1) / G : 0) {}
+  inline void step() {
+    for (int64_t j = 0; j < per_group && issued < lines; ++j, ++issued) __builtin_prefetch(pf + issued * 64, 0, 2);
+  }
+};
 
 typedef int8_t qv8i8 __attribute__((vector_size(8)));
 typedef uint8_t qv8u8 __attribute__((vector_size(8)));
 
+#if !defined(__AVX2__)
+// The baseline tile (the AVX2 build has q_tile_avx2 below).
 // The 32 weights of group g of row n as 4 vectors of 8 floats (codes only: d, m applied by
 // the caller; Q4_0 codes are already shifted by -8).
-#if defined(__AVX2__)
-inline v8f m256_as_v8f(__m256 v) {
-  v8f f;
-  std::memcpy(&f, &v, sizeof(f));
-  return f;
-}
-#endif
-
 template <int BITS, bool MINS>
 inline void decode_group(const QLinearParams& P, int64_t n, int64_t g, v8f (&w)[4]) {
   if constexpr (BITS == 8) {
     const int8_t* q = static_cast<const int8_t*>(P.qw) + n * P.K + g * kQGroup;
-#if defined(__AVX2__)
-    for (int c = 0; c < 4; ++c)
-      w[c] = m256_as_v8f(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * c)))));
-#else
     for (int c = 0; c < 4; ++c) {
       qv8i8 b;
       std::memcpy(&b, q + 8 * c, sizeof(b));
       w[c] = __builtin_convertvector(b, v8f);
     }
-#endif
   } else {
     const uint8_t* q = static_cast<const uint8_t*>(P.qw) + n * (P.K / 2) + g * (kQGroup / 2);
-#if defined(__AVX2__)
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    const __m128i mask = _mm_set1_epi8(15);
-    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-    w[0] = m256_as_v8f(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)));
-    w[1] = m256_as_v8f(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))));
-    w[2] = m256_as_v8f(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)));
-    w[3] = m256_as_v8f(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))));
-#else
     for (int c = 0; c < 2; ++c) {
       qv8u8 b;
       std::memcpy(&b, q + 8 * c, sizeof(b));
@@ -104,28 +94,18 @@ inline void decode_group(const QLinearParams& P, int64_t n, int64_t g, v8f (&w)[
       w[c] = __builtin_convertvector(lo, v8f);
       w[c + 2] = __builtin_convertvector(hi, v8f);
     }
-#endif
     if constexpr (!MINS) {
       for (int c = 0; c < 4; ++c) w[c] -= v8_set1(8.0f);
     }
   }
 }
 
-inline float scale_of(uint16_t h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  return half_to_float(h);
-#endif
-}
+inline float scale_of(uint16_t h) { return half_to_float(h); }
 
 template <int BITS, bool MINS, int NR, int MR>
 inline void q_micro_tile(const QLinearParams& P, int64_t n0, int64_t m0, const char* pf, int64_t pf_lines) {
   const int64_t G = P.K / kQGroup;
-  // Prefetch [pf, pf + pf_lines * 64) spread evenly over the group loop (see cpu_linear.h:
-  // the rows are too short for the hardware prefetchers alone).
-  const int64_t per_group = G > 0 ? (pf_lines + G - 1) / G : 0;
-  int64_t issued = 0;
+  QPrefetch prefetch(pf, pf_lines, G);
   const float* xr[MR];
   for (int m = 0; m < MR; ++m) xr[m] = P.x + (m0 + m) * P.x_stride;
   v8f acc[NR][MR];
@@ -136,7 +116,7 @@ inline void q_micro_tile(const QLinearParams& P, int64_t n0, int64_t m0, const c
       macc[r][m] = 0.0f;
     }
   for (int64_t g = 0; g < G; ++g) {
-    for (int64_t j = 0; j < per_group && issued < pf_lines; ++j, ++issued) __builtin_prefetch(pf + issued * 64, 0, 2);
+    prefetch.step();
     v8f xv[MR][4];
     for (int m = 0; m < MR; ++m)
       for (int c = 0; c < 4; ++c) xv[m][c] = v8_load(xr[m] + g * kQGroup + 8 * c);
@@ -164,6 +144,7 @@ inline void q_micro_tile(const QLinearParams& P, int64_t n0, int64_t m0, const c
     for (int m = 0; m < MR; ++m) P.y[(m0 + m) * P.y_stride + n] = v8_hsum(acc[r][m]) + macc[r][m] + b;
   }
 }
+#endif  // !__AVX2__
 
 // Prefetch target of the block at n0: the codes of the block two blocks ahead (at least 8
 // rows: DRAM latency is longer than one block's compute at M = 1), rows [n0 + ahead, + NR),
@@ -190,8 +171,7 @@ inline const char* q_prefetch_target(const QLinearParams& P, int64_t n0, int64_t
 template <int BITS, bool MINS, int NR, int MR>
 inline void q_tile_avx2(const QLinearParams& P, int64_t n0, int64_t m0, const char* pf, int64_t pf_lines) {
   const int64_t G = P.K / kQGroup;
-  const int64_t per_group = G > 0 ? (pf_lines + G - 1) / G : 0;
-  int64_t issued = 0;
+  QPrefetch prefetch(pf, pf_lines, G);
   const float* xr[MR];
   for (int m = 0; m < MR; ++m) xr[m] = P.x + (m0 + m) * P.x_stride;
   __m256 acc[NR][MR];
@@ -199,7 +179,7 @@ inline void q_tile_avx2(const QLinearParams& P, int64_t n0, int64_t m0, const ch
     for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi32(15);
   for (int64_t g = 0; g < G; ++g) {
-    for (int64_t j = 0; j < per_group && issued < pf_lines; ++j, ++issued) __builtin_prefetch(pf + issued * 64, 0, 2);
+    prefetch.step();
     for (int r = 0; r < NR; ++r) {
       const int64_t n = n0 + r;
       __m256i c[4];
