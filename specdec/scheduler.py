@@ -175,8 +175,10 @@ class AcceptanceStats:
     """Exponentially weighted acceptance by draft position (and by tree depth / sibling rank).
 
     ``alpha(i)`` (i = 0 for the first draft position) = (hits_i + w * prior_i) / (trials_i + w),
-    where hits / trials decay by ``decay`` at every observation of that position and prior_i is
-    the parent statistics' estimate (a decoder-wide :class:`AcceptanceStats`) or ``prior``.
+    where hits / trials decay by ``decay`` at every observation (of every position: a position the
+    step did not reach keeps its ratio but loses weight) and prior_i is the parent statistics'
+    estimate (a decoder-wide :class:`AcceptanceStats`), or for a root ``prior`` at position 0 and
+    the estimate of position i - 1 deeper (see :meth:`alphas`).
     """
 
     def __init__(self, decay: float = 0.8, prior: float = 0.5, prior_weight: float = 0.5,
@@ -201,24 +203,45 @@ class AcceptanceStats:
         self.tree_hits, self.tree_trials = {}, {}
         self.observations = 0
 
-    def _prior(self, i: int) -> float:
-        if self.parent is not None:
-            return self.parent.alpha(i)
-        return self.prior
+    def alphas(self, k: int) -> List[float]:
+        """[alpha(0), ..., alpha(k - 1)]: P(draft position i + 1 accepted | position i accepted).
+
+        alpha(i) = (hits_i + w * prior_i) / (trials_i + w). The prior of position 0 is the parent's
+        estimate (a decoder-wide :class:`AcceptanceStats`) or ``prior``; deeper positions of a root
+        statistics take the estimate of the position before as their prior (acceptance by position
+        is roughly flat), so a position never observed, or observed long ago (its evidence decays
+        while it is not observed, see :meth:`observe`), extrapolates the shallower ones. Capping
+        such positions at a fixed prior would be a trap: a policy that drafts k = 2 never observes
+        position 4 again, so one early rejection there would keep every deeper draft looking bad.
+        A request's statistics with a parent use the parent's estimate of each position as its
+        prior; deeper than the request has observed, its deepest estimate, capped by the parent's
+        where the parent has evidence there (other requests drafted that deep).
+        """
+        w = self.prior_weight
+        pa = self.parent.alphas(k) if self.parent is not None else None
+        n = len(self.trials)
+        out: List[float] = []
+        for i in range(k):
+            if pa is not None:
+                prior = pa[i]
+            else:
+                prior = out[-1] if out else self.prior
+            if i < n:
+                a = (self.hits[i] + w * prior) / (self.trials[i] + w)
+            elif pa is None or n == 0:
+                a = prior
+            else:
+                own = out[n - 1]
+                a = min(own, prior) if self.parent._observed(i) else own
+            out.append(a)
+        return out
 
     def alpha(self, i: int) -> float:
-        """P(draft position i + 1 accepted | position i accepted), 0-based i."""
-        if i < len(self.trials):
-            return (self.hits[i] + self.prior_weight * self._prior(i)) / (self.trials[i] + self.prior_weight)
-        prior = self._prior(i)
-        if self.trials:  # deeper than observed: the deepest observed estimate, capped by the prior
-            j = len(self.trials) - 1
-            own = (self.hits[j] + self.prior_weight * self._prior(j)) / (self.trials[j] + self.prior_weight)
-            return min(own, prior)
-        return prior
+        """P(draft position i + 1 accepted | position i accepted), 0-based i (see :meth:`alphas`)."""
+        return self.alphas(i + 1)[i]
 
-    def alphas(self, k: int) -> List[float]:
-        return [self.alpha(i) for i in range(k)]
+    def _observed(self, i: int) -> bool:
+        return i < len(self.trials) and self.trials[i] > 1e-3
 
     def expected(self, k: int) -> float:
         """E[T] of a depth-k draft with these statistics."""
@@ -227,8 +250,8 @@ class AcceptanceStats:
     def expected_curve(self, k_max: int) -> List[float]:
         """[E[T](0), E[T](1), ..., E[T](k_max)]."""
         out, total, run = [1.0], 1.0, 1.0
-        for i in range(k_max):
-            run *= self.alpha(i)
+        for a in self.alphas(k_max):
+            run *= a
             total += run
             out.append(total)
         return out
@@ -246,6 +269,9 @@ class AcceptanceStats:
         for i in range(seen):
             self.hits[i] = d * self.hits[i] + (1.0 if i < accepted else 0.0)
             self.trials[i] = d * self.trials[i] + 1.0
+        for i in range(seen, len(self.trials)):  # not reached this time: older evidence weighs less
+            self.hits[i] *= d
+            self.trials[i] *= d
         self.observations += 1
         if self.parent is not None:
             self.parent.observe(depth, accepted)
@@ -337,9 +363,22 @@ class _CostTable:
         return self._fit
 
     def predict(self, b: int, x: int) -> float:
+        """A cell's mean, shrunk towards what its neighbours and the fit say while it holds few
+        observations (weight count / (count + 1)): a cell seen once or twice, early or in a spike,
+        and not revisited because it looked slow, must not keep its depth out of reach for good."""
         cell = self.cells.get((b, x))
         if cell is not None:
-            return cell[0]
+            m, c = cell
+            if x == 0 and self.zero_at_zero:
+                return m
+            if c >= 16 or self._fitted() is None:
+                return m
+            est = self._estimate(b, x)
+            return (c * m + est) / (c + 1.0)
+        return self._estimate(b, x)
+
+    def _estimate(self, b: int, x: int) -> float:
+        """Interpolation between the neighbours at the same b, else the fit at the level of b."""
         if x == 0 and self.zero_at_zero:
             return 0.0
         if not self.cells:

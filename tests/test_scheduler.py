@@ -76,8 +76,8 @@ class FixedAlpha(AcceptanceStats):
         super().__init__()
         self.a = alpha
 
-    def alpha(self, i: int) -> float:
-        return self.a
+    def alphas(self, k: int) -> List[float]:
+        return [self.a] * k
 
     def observe(self, depth: int, accepted: int) -> None:
         pass
@@ -155,8 +155,11 @@ def test_acceptance_stats_positions_prior_and_decay():
     assert st.alpha(0) == 0.5 and st.expected(2) == pytest.approx(1.75)
     st.observe(depth=4, accepted=2)   # positions 1, 2 accepted, 3 rejected, 4 not reached
     assert st.trials == [1.0, 1.0, 1.0] and st.hits == [1.0, 1.0, 0.0]
-    assert st.alpha(0) == pytest.approx(0.75) and st.alpha(2) == pytest.approx(0.25)
-    assert st.alpha(5) == pytest.approx(0.25)  # deeper than observed: the deepest estimate
+    # position 0's prior is `prior`, deeper positions' the estimate of the position before
+    assert st.alpha(0) == pytest.approx(0.75) and st.alpha(1) == pytest.approx((1.0 + 0.75) / 2.0)
+    assert st.alpha(2) == pytest.approx((0.0 + 0.875) / 2.0)
+    assert st.alpha(5) == pytest.approx(st.alpha(2))  # deeper than observed: the deepest estimate
+    assert st.alphas(6) == pytest.approx([st.alpha(i) for i in range(6)])
     st.observe(depth=3, accepted=3)
     assert st.hits == [2.0, 2.0, 1.0] and st.trials == [2.0, 2.0, 2.0]
     decayed = AcceptanceStats(decay=0.5, prior=0.5, prior_weight=1.0)
@@ -168,6 +171,25 @@ def test_acceptance_stats_positions_prior_and_decay():
     assert child.alpha(0) == pytest.approx(st.alpha(0))
     child.observe(2, 0)
     assert st.trials[0] == 3.0  # observations reach the parent too
+
+
+def test_acceptance_stats_stale_positions_recover():
+    """One early rejection at a deep position must not keep deeper drafts looking bad once the
+    policy stops drafting that deep: unreached positions lose weight, and their prior is the
+    estimate of the position before (a trap seen with the w8 draft: k stuck at 2-3 after the
+    first step's k = 8 draft was rejected at position 4)."""
+    st = AcceptanceStats(decay=0.8, prior=0.5, prior_weight=0.5)
+    st.observe(depth=8, accepted=3)           # position 4 rejected once
+    assert st.alpha(3) < 0.35
+    for _ in range(12):                       # then only depth-3 drafts, all accepted
+        st.observe(depth=3, accepted=3)
+    assert st.alpha(2) > 0.9
+    assert st.alpha(3) > 0.8 and st.alpha(6) == pytest.approx(st.alpha(3))
+    child = AcceptanceStats(parent=st)
+    child.observe(depth=2, accepted=2)
+    # deeper than the child observed: its deepest estimate, capped where the parent has evidence
+    assert child.alpha(3) == pytest.approx(min(child.alpha(1), st.alpha(3)))
+    assert not st._observed(7) and child.alpha(7) == pytest.approx(child.alpha(1))  # the parent never saw it
 
 
 def test_acceptance_stats_tree_depth_rank():
@@ -207,7 +229,18 @@ def test_cost_model_cells_interpolation_and_fit():
     assert cm3.draft.predict(2, 0) == 0.0 and cm3.draft.predict(2, 2) == pytest.approx(0.020)
     cm3.observe(2, 8, 9, 0.070, 0.1, 0.0, 0.2)
     assert cm3.draft.predict(2, 6) == pytest.approx(0.055) and cm3.draft.predict(2, 10) == pytest.approx(0.085)
-    assert cm3.rest.predict(2, 5) == pytest.approx(0.060)  # total - phases
+    assert cm3.rest.cells[(2, 5)][0] == pytest.approx(0.060)  # total - phases
+    # a cell seen once (a spike, or an early step) is shrunk towards its neighbours / the fit, by
+    # weight count / (count + 1), until it holds 16 observations; then it is its own mean
+    cm5 = CostModel(smoothing=0.5)
+    for k in (1, 2, 4):
+        for _ in range(20):
+            cm5.observe(1, k, k + 1, 0.010 * k, 0.1, 0.0, None)
+    cm5.observe(1, 3, 4, 0.090, 0.1, 0.0, None)   # depth 3 once, 3x its true cost
+    assert cm5.draft.predict(1, 3) == pytest.approx((0.090 + 0.030) / 2.0)
+    for _ in range(15):
+        cm5.observe(1, 3, 4, 0.090, 0.1, 0.0, None)
+    assert cm5.draft.predict(1, 3) == pytest.approx(0.090)
     state = cm.state_dict()
     cm4 = CostModel()
     cm4.load_state_dict(json.loads(json.dumps(state)))
