@@ -12,6 +12,8 @@ drifts of the machine hit all configurations alike), greedy and temperature 1.0 
 for the int8 (dynamic-quantized) and w8 (weight-only int8, specdec.ops.linear) drafts, plus
   lookup       PromptLookup(ngram=3, k=10)
   w8_dynamic_16 + lookup: multi_w8_lookup = MultiDraft([w8 dynamic_16, lookup])
+  lookup + w8_chain_5:    multi_lookup_w8_esc = MultiDraft([lookup, w8 chain_5], escalate=2.0)
+                          (the w8 chain drafts only for rows where lookup is not trusted)
   plain        no drafter (one target pass per token)
 
 Reported per configuration, mode and prompt set: mean accepted length (tokens emitted per target
@@ -61,6 +63,9 @@ def make_drafters(drafts: Dict[str, HFCausalLM], only: List[str]) -> Dict[str, o
     k, w = DYNAMIC_KW[16]
     out["multi_w8_lookup"] = MultiDraft([DraftModel(drafts["w8"], k=k, top_k=w, node_budget=16, tree="dynamic"),
                                          PromptLookup(ngram=3, k=10)])
+    # cheapest first with escalation: the w8 chain drafts only for rows where lookup is not trusted
+    out["multi_lookup_w8_esc"] = MultiDraft([PromptLookup(ngram=3, k=10), DraftModel(drafts["w8"], k=4)],
+                                            escalate=2.0)
     if only:
         out = {k: v for k, v in out.items() if k in only}
     return out
@@ -187,6 +192,10 @@ def main() -> int:
             best_member = max(get("w8_dynamic_16", mode, "mixed", T), get("lookup", mode, "mixed", T))
             target(f"{mode}, mixed: MultiDraft(w8 dynamic_16 + lookup) / better member tokens/s",
                    ratio(get("multi_w8_lookup", mode, "mixed", T), best_member), 1.0)
+        if "multi_lookup_w8_esc" in names:
+            best_member = max(get("w8_chain_5", mode, "mixed", T), get("lookup", mode, "mixed", T))
+            target(f"{mode}, mixed: MultiDraft(lookup + w8 chain_5, escalate=2) / better member tokens/s",
+                   ratio(get("multi_lookup_w8_esc", mode, "mixed", T), best_member), 1.0)
 
     print()
     for mode in modes:

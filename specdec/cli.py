@@ -41,13 +41,14 @@ def _model_options(g: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="smollm2-135m",
                    help="the bundled model's name (smollm2-135m, the default) or a local Hugging Face causal-LM "
                         "folder")
-    g.add_argument("--draft", default=None, choices=["int8", "w8", "bf16", "lookup", "suffix", "recycle", "docs",
-                                                     "model", "none"],
-                   help="drafter: int8 (dynamic-quantized) / w8 (weight-only int8) / bf16 copy of the bundled model, "
-                        "prompt lookup (n-gram), suffix (suffix decoding), recycle (token recycling), "
-                        "docs FILE (retrieval from the text of FILE; see --docs), model (--draft-model PATH), or "
-                        "none (plain decoding). Default: w8 for the bundled model, model with --draft-model, "
-                        "else lookup")
+    g.add_argument("--draft", default=None, choices=["auto", "int8", "w8", "bf16", "lookup", "suffix", "recycle",
+                                                     "docs", "model", "none"],
+                   help="drafter: auto (prompt lookup first, the w8 draft only where lookup is not trusted: "
+                        "MultiDraft with escalation), int8 (dynamic-quantized) / w8 (weight-only int8) / bf16 copy "
+                        "of the bundled model, prompt lookup (n-gram), suffix (suffix decoding), recycle (token "
+                        "recycling), docs FILE (retrieval from the text of FILE; see --docs), model (--draft-model "
+                        "PATH), or none (plain decoding). Default: auto for the bundled model, model with "
+                        "--draft-model, else lookup")
     g.add_argument("--draft-model", default=None, metavar="PATH",
                    help="a local Hugging Face causal-LM folder to draft with (same tokenizer as the model)")
     g.add_argument("--docs", dest="docs_opt", action="append", default=None, metavar="FILE",
@@ -138,17 +139,17 @@ def _load(args: argparse.Namespace):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from specdec.drafters import DocumentDrafter, DraftModel, PromptLookup, SuffixDrafter, TokenRecycling
+    from specdec.drafters import DocumentDrafter, DraftModel, MultiDraft, PromptLookup, SuffixDrafter, TokenRecycling
     from specdec.models.bundled import load_bundled
     from specdec.models.hf import HFCausalLM
 
     bundled = _is_bundled(args.model)
-    draft = args.draft or ("model" if args.draft_model else "w8" if bundled else "lookup")
+    draft = args.draft or ("model" if args.draft_model else "auto" if bundled else "lookup")
     if draft == "model" and not args.draft_model:
         raise ValueError("--draft model needs --draft-model PATH (a Hugging Face model folder)")
     if args.draft_model and draft != "model":
         raise ValueError(f"--draft-model is used with --draft model (got --draft {draft})")
-    if draft in ("int8", "w8", "bf16") and not bundled:
+    if draft in ("auto", "int8", "w8", "bf16") and not bundled:
         raise ValueError(f"--draft {draft} derives a draft from the bundled model; for a model folder use "
                          f"--draft-model PATH, lookup, suffix, recycle, docs or none")
     doc_files = args.docs_opt or []
@@ -157,7 +158,8 @@ def _load(args: argparse.Namespace):
     if doc_files and draft != "docs":
         raise ValueError(f"document files are only used with --draft docs (got --draft {draft})")
     if bundled:
-        loaded = load_bundled(args.model, draft=draft if draft in ("int8", "w8", "bf16") else None)
+        loaded = load_bundled(args.model, draft="w8" if draft == "auto" else
+                              draft if draft in ("int8", "w8", "bf16") else None)
         model, tok = loaded[0], loaded[1]
     else:
         model, tok = load_hf_folder(args.model)
@@ -169,6 +171,12 @@ def _load(args: argparse.Namespace):
         k, tree, stop = {"int8": (6, 4, 0.3), "w8": (6, 1, None), "bf16": (8, 1, None)}[draft]
         stop = stop if args.stop is None else (args.stop or None)
         drafter = DraftModel(HFCausalLM(loaded[2]), k=args.k or k, top_k=args.tree or tree, stop_threshold=stop)
+    elif draft == "auto":
+        # free candidates first; the w8 chain runs only for a request whose lookup is not trusted
+        # (MultiDraft escalation: fewer than 2 accepted tokens per proposing step recently)
+        drafter = MultiDraft([PromptLookup(ngram=args.ngram, k=10),
+                              DraftModel(HFCausalLM(loaded[2]), k=args.k or 6, top_k=args.tree or 1,
+                                         stop_threshold=args.stop or None)], escalate=2.0)
     elif draft == "model":
         dmodel, _ = load_hf_folder(args.draft_model)
         drafter = DraftModel(HFCausalLM(dmodel), k=args.k or 4, top_k=args.tree or 1,

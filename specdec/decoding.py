@@ -242,6 +242,7 @@ class SpeculativeDecoder:
                 if not params.greedy:
                     gen = make_generator(None if seed is None else mix_seed(seed, i), "cpu")
                 eng._enqueue(i, p, rp, gen)
+            eng._closed = True
             while eng.has_unfinished():
                 deltas = eng.step()
                 if t_first is None:
@@ -257,6 +258,7 @@ class SpeculativeDecoder:
             if eng.has_unfinished():
                 eng.abort_all()  # an exception mid-call (a callback raised): the engine is left empty
             eng._auto_recorder = True
+            eng._closed = False
         t_end = time.perf_counter()
         metrics = rec.summary(new, finish, t_start, t_first if t_first is not None else t_end, t_end, mem.peak(),
                               mem.static)

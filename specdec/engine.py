@@ -208,6 +208,9 @@ class Engine:
         self.draft_generator = make_generator(draft_seed, self.device)
         self.recorder = MetricsRecorder(0, self.device)
         self._waiting: Deque[_Req] = deque()
+        # a closed batch (SpeculativeDecoder.generate: every request is queued up front, none joins
+        # later): once nothing waits, the call ends with its slowest row and the policy plans for that
+        self._closed = False
         self._rows: List[_Req] = []                   # active requests in row order
         self._by_id: Dict[Hashable, _Req] = {}        # waiting + active
         self._roots = torch.zeros(0, dtype=torch.int64, device=self.device)
@@ -550,7 +553,8 @@ class Engine:
         cache = self._view(b)
         t_prev = self._t_prev if self._t_prev is not None else time.perf_counter()
         c0 = clock.mark()
-        plan = self.scheduler.plan(uids, [r.params.max_new_tokens - len(r.new) - 1 for r in reqs])
+        plan = self.scheduler.plan(uids, [r.params.max_new_tokens - len(r.new) - 1 for r in reqs],
+                                   closed=self._closed and not self._waiting)
         consulted = False
         if drafter is None:
             draft = Draft(TokenTree.root_only(roots))

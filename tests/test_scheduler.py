@@ -331,6 +331,35 @@ def test_goodput_resumes_when_the_drafter_becomes_useful():
     assert all(p.k == 6 for p in plans[-5:])
 
 
+def test_goodput_closed_batch_plans_for_its_slowest_row():
+    """A closed batch ends with its slowest row. Row 1's drafter never proposes anything (prompt
+    lookup without a match): per-step goodput still speculates for row 0, which only makes the
+    batch's steps dearer while row 1 needs as many steps as ever; the closed-batch choice drafts
+    nothing once row 1's hit rate has shown it. Open batches (a server) keep the per-step choice,
+    and one row is the per-step choice either way."""
+    cost = SyntheticCost(lambda b, n: 1.0 + 0.15 * b * (n - 1))
+
+    def drive(closed: bool, rows: List[int]) -> List[StepPlan]:
+        pol = GoodputPolicy(max_depth=8, cost=cost)
+        pol.begin(len(rows))
+        for rid in rows:
+            pol._request(rid).stats = FixedAlpha(0.9)
+        plans = []
+        for _ in range(6):
+            plan = pol.plan(rows, [40] * len(rows), closed=closed)
+            depths = [k if rid == 0 else 0 for rid, k in zip(rows, plan.budgets)]  # row 1: never a proposal
+            pol.observe(plan, rows, pol.nodes(plan.k), depths, depths, depths, [d + 1 for d in depths], times())
+            plans.append(plan)
+        return plans
+
+    open_ = drive(False, [0, 1])
+    assert all(p.k > 0 for p in open_)
+    closed = drive(True, [0, 1])
+    assert closed[0].k > 0       # hit rates start at 1: the first step cannot know
+    assert all(p.k == 0 for p in closed[3:])
+    assert [p.k for p in drive(True, [0])] == [p.k for p in drive(False, [0])]
+
+
 def test_goodput_collapse_on_observed_goodput():
     """Acceptance stays high but the steps take 3x what the cost model says: the observed window fires."""
     pol = GoodputPolicy(max_depth=4, cost=flat_cost(), window=3)
@@ -526,7 +555,10 @@ def test_rows_of_one_batch_get_different_k_in_the_loop(toy):
     target, _, refs = toy
     fut = oracle(refs, PROMPTS)
     drafter = ChainDrafter(lambda s, rid, seq, b: fut(rid, seq, b) if rid < 2 else useless(s)(), k=4)
-    dec = SpeculativeDecoder(target, drafter, max_batch=4, max_len=64, policy=GoodputPolicy(4, cost=flat_cost()))
+    # steps cost more with more rows (as on a CPU), so that in this closed batch (a generate call) rows
+    # 0 and 1 finishing early pays through the cheaper steps of the two rows left
+    cost = SyntheticCost(lambda b, n: 0.5 + 0.25 * b + 0.02 * b * (n - 1), lambda b, k: 0.03 * k)
+    dec = SpeculativeDecoder(target, drafter, max_batch=4, max_len=64, policy=GoodputPolicy(4, cost=cost))
     out = dec.generate(PROMPTS, max_new_tokens=NEW, trace=True)
     assert out.tokens == refs
     mixed = [b for b in drafter.budgets if len(b) == 4 and b[0] == 4 and b[1] == 4 and b[2] == 0 and b[3] == 0]

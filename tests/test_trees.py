@@ -51,6 +51,8 @@ def _drafters(target, weak):
                                                        node_budget=5),
         "multi-two-models": lambda: MultiDraft([DraftModel(weak, k=3), DraftModel(target, k=3, top_k=2,
                                                                                    tree="dynamic")]),
+        "multi-lookup-escalate": lambda: MultiDraft([PromptLookup(ngram=2, k=4, min_ngram=1), DraftModel(weak, k=4)],
+                                                    escalate=1.0),
     }
 
 
@@ -93,13 +95,18 @@ def _check_caches(dec, drafter, ctx, target_lm, draft_lm, draft_cache, pend_n, b
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("kind", ["dynamic", "multi", "chain", "spine", "multi-chain"])
+@pytest.mark.parametrize("kind", ["dynamic", "multi", "chain", "spine", "multi-chain", "multi-escalate"])
 def test_toy_caches_equal_fresh_prefill_after_every_commit(toy, kind, temperature):
     target, weak, refs = toy
     dm = {"chain": lambda: DraftModel(weak, k=4), "multi-chain": lambda: DraftModel(weak, k=4),
-          "spine": lambda: DraftModel(weak, k=3, top_k=2)}.get(
+          "multi-escalate": lambda: DraftModel(weak, k=4), "spine": lambda: DraftModel(weak, k=3, top_k=2)}.get(
         kind, lambda: DraftModel(weak, k=4, top_k=3, node_budget=10, tree="dynamic"))()
-    drafter = MultiDraft([dm, PromptLookup(ngram=2, k=5, min_ngram=1)]) if kind.startswith("multi") else dm
+    if kind == "multi-escalate":  # the draft model after a lookup it skips behind (rows fall behind, then catch up)
+        drafter = MultiDraft([PromptLookup(ngram=2, k=5, min_ngram=1), dm], escalate=0.5)
+    elif kind.startswith("multi"):
+        drafter = MultiDraft([dm, PromptLookup(ngram=2, k=5, min_ngram=1)])
+    else:
+        drafter = dm
     dec = SpeculativeDecoder(target, drafter, max_batch=4, max_len=64, policy="fixed")
     steps = []
     propose = drafter.propose
@@ -147,7 +154,8 @@ def test_dynamic_tree_is_connected_topological_and_ranked(toy):
 
 
 # ------------------------------------------------------------------ sampling exactness (whole loop)
-@pytest.mark.parametrize("name", ["dynamic-sampled", "dynamic-topk", "multi-two-sampled", "multi-sampled-lookup"])
+@pytest.mark.parametrize("name", ["dynamic-sampled", "dynamic-topk", "multi-two-sampled", "multi-sampled-lookup",
+                                  "multi-escalate"])
 def test_tree_sampled_distribution_is_exact(name):
     temperature, top_k, top_p = 1.0, 0, 1.0
     target = ToyLM(vocab=8, seed=3, scale=1.0, hidden=16, heads=2, kv_heads=1)
@@ -162,6 +170,9 @@ def test_tree_sampled_distribution_is_exact(name):
         "multi-two-sampled": lambda: MultiDraft([DraftModel(draft, k=2), DraftModel(draft2, k=2)]),
         "multi-sampled-lookup": lambda: MultiDraft([DraftModel(draft, k=3, top_k=2, tree="dynamic"),
                                                     PromptLookup(ngram=2, k=3, min_ngram=1)]),
+        # escalation: the sampled draft model runs only where lookup is not trusted
+        "multi-escalate": lambda: MultiDraft([PromptLookup(ngram=2, k=3, min_ngram=1), DraftModel(draft, k=3)],
+                                             escalate=0.5),
     }[name]()
     per_call, calls = 2000, 4
     n = per_call * calls
@@ -255,6 +266,48 @@ def test_edge_multidraft_member_that_proposes_nothing(toy):
     dec = SpeculativeDecoder(target, multi, max_batch=6, max_len=64, policy="fixed")
     out = dec.generate(TOY_PROMPTS, max_new_tokens=16)
     assert out.tokens == [r[:16] for r in refs]
+
+
+def test_multidraft_escalation_skips_the_draft_model_behind_a_trusted_member(toy):
+    """escalate: a member after a trusted one drafts nothing for that row. An oracle first member (the
+    target's own greedy continuation) is trusted after its first accepted proposals, so the draft model
+    stops running forwards; a useless first member is never trusted, so the draft model keeps drafting.
+    Greedy output equals the target's either way."""
+    target, weak, refs = toy
+    prompts = TOY_PROMPTS[:3]
+    full = {tuple(p): p + r for p, r in zip(prompts, refs[:3])}
+
+    def oracle(ctx):
+        for p, seq in full.items():
+            if list(ctx[:len(p)]) == list(p):
+                return [seq[len(ctx):len(ctx) + 4]] if len(seq) > len(ctx) else []
+        return []
+
+    for first, expect_skips in ((CallableDrafter(oracle, max_nodes=5, name="oracle"), True),
+                                (CallableDrafter(lambda ctx: [[(ctx[-1] + 5) % 12] * 3], max_nodes=4, name="bad"),
+                                 False)):
+        dm = DraftModel(weak, k=3)
+        budgets = []
+        propose = dm.propose
+
+        def spy(ctx, propose=propose, budgets=budgets):
+            budgets.append(list(ctx.budgets))
+            return propose(ctx)
+
+        dm.propose = spy
+        multi = MultiDraft([first, dm], escalate=2.0)
+        assert "escalate=2" in repr(multi)
+        dec = SpeculativeDecoder(target, multi, max_batch=3, max_len=64, policy="fixed")
+        out = dec.generate(prompts, max_new_tokens=24)
+        assert out.tokens == [r[:24] for r in refs[:3]]
+        drafting = [bs for bs in budgets if max(bs) > 0]
+        if expect_skips:
+            assert len(drafting) <= 3 < len(budgets)  # after the oracle is trusted: no draft forwards
+            assert out.metrics["accepted_tokens"] >= 2 * 24  # the oracle's chains were accepted
+        else:
+            assert len(drafting) >= len(budgets) - 1  # never trusted: it drafts every step but the last
+    with pytest.raises(ValueError, match=r"MultiDraft: escalate must be a number > 0 .*got 0"):
+        MultiDraft([PromptLookup(), DraftModel(weak, k=2)], escalate=0)
 
 
 def test_multidraft_budget_split_follows_acceptance(toy):

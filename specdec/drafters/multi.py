@@ -28,6 +28,17 @@ keeps being measured. A member learns its share through ``StepContext.node_budge
 dynamic trees re-rank to it, prompt lookup shortens its chain) and its proposal is cut to it
 (a prefix in index order, which is a connected subtree).
 
+Escalation (``escalate=t``, off by default): members go cheapest first, and a member after the
+first drafts only for the rows where no member before it is trusted this step. A member is
+trusted for a request when it proposed something for that row and its recent accepted tokens
+per proposing step for that request (an exponential average) reach ``t``. On a CPU this is what
+makes ``MultiDraft([PromptLookup(), DraftModel(w8)])`` pay everywhere: on text that copies its
+input the free lookup chain is trusted and the draft model runs no forward at all (it catches up
+when it is next needed); on open text lookup proposes little or is not trusted and the draft
+model drafts. The decision reads only the members' proposals of this step and acceptance of
+earlier steps -- never this step's verification draws -- so the candidate set stays a function
+of what is known before verification and sampling stays exact.
+
 Rollback: after verification every member gets the part of the accepted path that lies in its
 own tree (``accept(accepted, num, num_host, foreign=...)``) and the accepted tokens after that
 part (``foreign``), so a draft model feeds them with its next root instead of running a
@@ -47,6 +58,7 @@ from specdec.tree import TokenTree
 __all__ = ["MultiDraft"]
 
 _EMA = 0.8  # weight of the past in the acceptance average that splits the node budget
+_TRUST = 0.5  # weight of the past in a member's per-request acceptance average (escalation)
 
 
 class MultiDraft(Drafter):
@@ -61,12 +73,17 @@ class MultiDraft(Drafter):
     node_budget : int, optional
         Total nodes per request (root included) split across members by recent acceptance when
         ``budgets`` is None. Default: 1 + the sum of the members' own ``max_nodes - 1``.
+    escalate : float, optional
+        Cheapest member first: a later member skips the rows where an earlier member proposed
+        something and has recently averaged at least ``escalate`` accepted tokens per proposing
+        step for that request (see the module docstring). None (default): every member drafts
+        for every row.
     """
 
     trusted = True
 
     def __init__(self, drafters: Sequence[Drafter], budgets: Optional[Sequence[int]] = None,
-                 node_budget: Optional[int] = None) -> None:
+                 node_budget: Optional[int] = None, escalate: Optional[float] = None) -> None:
         if isinstance(drafters, Drafter) or not isinstance(drafters, (list, tuple)):
             raise TypeError(f"MultiDraft: drafters must be a list of specdec drafters, got {type(drafters).__name__}")
         if not drafters:
@@ -77,6 +94,13 @@ class MultiDraft(Drafter):
         if len({id(d) for d in drafters}) != len(drafters):
             raise ValueError("MultiDraft: the same drafter object appears twice (each member keeps its own state)")
         self.members = list(drafters)
+        if escalate is not None:
+            if isinstance(escalate, bool) or not isinstance(escalate, (int, float)) or not escalate > 0:
+                raise ValueError(f"MultiDraft: escalate must be a number > 0 (accepted tokens per step) or None, "
+                                 f"got {escalate!r}")
+            escalate = float(escalate)
+        self.escalate = escalate
+        self._trust: Dict[int, List[float]] = {}  # request id -> per member: recent accepted tokens when it proposed
         caps = [max(0, int(d.max_nodes) - 1) for d in self.members]
         self._caps = caps
         if budgets is not None:
@@ -111,6 +135,8 @@ class MultiDraft(Drafter):
     def __repr__(self) -> str:
         inner = ", ".join(repr(d) for d in self.members)
         extra = f", budgets={self.budgets}" if self.budgets is not None else f", node_budget={self.max_nodes}"
+        if self.escalate is not None:
+            extra += f", escalate={self.escalate:g}"
         return f"MultiDraft([{inner}]{extra})"
 
     def _name(self, i: int) -> str:
@@ -130,6 +156,7 @@ class MultiDraft(Drafter):
     def start(self, prompts: Sequence[Sequence[int]], params: SamplingParams, generator: torch.Generator) -> None:
         self.params = params
         self._ema = [1.0] * len(self.members)
+        self._trust = {}
         self._step = None
         for d in self.members:
             d.start(prompts, params, generator)
@@ -185,10 +212,18 @@ class MultiDraft(Drafter):
         b = len(ctx.request_ids)
         drafts: List[Draft] = []
         self.catch_up_seconds = 0.0
+        esc = self.escalate
+        if esc is not None:
+            self._trust = {rid: self._trust.get(rid, [0.0] * len(self.members)) for rid in ctx.request_ids}
+            trusted = [False] * b      # a member before the current one is trusted for the row this step
+        proposed: List[List[int]] = []  # per member, per row: real nodes proposed
         try:
             for i, d in enumerate(self.members):
+                budgets = ctx.budgets
+                if esc is not None and i > 0:
+                    budgets = [0 if t else x for t, x in zip(trusted, ctx.budgets)]
                 sub = StepContext(roots=ctx.roots, sequences=ctx.sequences, request_ids=ctx.request_ids,
-                                  budgets=ctx.budgets, node_budget=1 + alloc[i], params=ctx.params)
+                                  budgets=budgets, node_budget=1 + alloc[i], params=ctx.params)
                 try:
                     draft = d.propose(sub)
                 except (ValueError, TypeError) as exc:
@@ -197,14 +232,23 @@ class MultiDraft(Drafter):
                 self.catch_up_seconds += float(getattr(d, "catch_up_seconds", 0.0))
                 if not d.trusted:
                     check_draft(draft, self._name(i), ctx.request_ids, self.vocab_size, int(d.max_nodes))
-            return self._merge(ctx, drafts, alloc, b)
+                if esc is not None:
+                    n = (draft.tree.parents[:, 1:] >= 0).sum(dim=1).tolist() if draft.tree.size > 1 else [0] * b
+                    if i > 0:  # a skipped row proposes nothing, whatever the member did with a zero budget
+                        n = [0 if t else x for t, x in zip(trusted, n)]
+                    proposed.append(n)
+                    for r, rid in enumerate(ctx.request_ids):
+                        if n[r] > 0 and self._trust[rid][i] >= esc:
+                            trusted[r] = True
+            return self._merge(ctx, drafts, alloc, b, proposed if esc is not None else None)
         except Exception:
             for d in self.members[:len(drafts)]:
                 d.cancel()
             self._step = None
             raise
 
-    def _merge(self, ctx: StepContext, drafts: List[Draft], alloc: List[int], b: int) -> Draft:
+    def _merge(self, ctx: StepContext, drafts: List[Draft], alloc: List[int], b: int,
+               proposed: Optional[List[List[int]]] = None) -> Draft:
         sampling = not self.params.greedy
         host = [(d.tree.tokens.tolist(), d.tree.parents.tolist()) for d in drafts]
         roots = [int(seq[-1]) for seq in ctx.sequences]
@@ -221,7 +265,8 @@ class MultiDraft(Drafter):
                 local = {0: 0}
                 maps[i][r][0] = 0
                 kept = 0
-                for j in range(1, len(mtok)):
+                skip = proposed is not None and proposed[i][r] == 0
+                for j in range(1, 0 if skip else len(mtok)):
                     p = mpar[j]
                     if p < 0 or p not in local:
                         continue  # padding, or below a node cut by the budget
@@ -262,7 +307,8 @@ class MultiDraft(Drafter):
             if det_r:
                 idx = [torch.tensor(x, dtype=torch.long, device=self.device) for x in (det_r, det_m, det_t)]
                 q.index_put_(tuple(idx), torch.ones(len(det_r), dtype=torch.float32, device=self.device))
-        self._step = dict(drafts=drafts, maps=maps, tokens=all_tok, b=b)
+        self._step = dict(drafts=drafts, maps=maps, tokens=all_tok, b=b, proposed=proposed,
+                          request_ids=list(ctx.request_ids))
         return Draft(tree, q)
 
     def accept(self, accepted: torch.Tensor, num_accepted: torch.Tensor, num_host: Sequence[int],
@@ -293,6 +339,11 @@ class MultiDraft(Drafter):
             d.accept(torch.tensor(rows, dtype=torch.int32, device=self.device),
                      torch.tensor(nums, dtype=torch.int32, device=self.device), nums, foreign=extra)
             self._ema[i] = _EMA * self._ema[i] + (1 - _EMA) * (sum(nums) / max(1, b))
+            if step["proposed"] is not None:
+                for r, rid in enumerate(step["request_ids"]):
+                    if step["proposed"][i][r] > 0:
+                        tr = self._trust[rid]
+                        tr[i] = _TRUST * tr[i] + (1 - _TRUST) * nums[r]
         self._step = None
 
     def retire(self, moves: Sequence[Tuple[int, int, int]], active: int) -> None:
