@@ -457,3 +457,11 @@ def test_smollm2_cli_generate(smol, capsys):
     assert stats.startswith("[specdec] ") and "tok/s" in stats and "acceptance" in stats
     assert "mean accepted length" in stats and "speedup" in stats and "same text" in stats
     assert sum(line.startswith("[specdec]") for line in out) == 1
+
+
+def test_smollm2_cli_generate_default_drafter(smol, capsys):
+    """The default drafter of the bundled model: prompt lookup first, the w8 draft where lookup is not trusted."""
+    from specdec.cli import main
+    rc = main(["generate", "Write one sentence about the sea.", "--max-new-tokens", "10", "--compare", "--no-stream"])
+    stats = capsys.readouterr().out.strip().splitlines()[-1]
+    assert rc == 0 and "draft=auto policy=goodput" in stats and "same text" in stats

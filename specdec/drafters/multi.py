@@ -31,8 +31,11 @@ dynamic trees re-rank to it, prompt lookup shortens its chain) and its proposal 
 Escalation (``escalate=t``, off by default): members go cheapest first, and a member after the
 first drafts only for the rows where no member before it is trusted this step. A member is
 trusted for a request when it proposed something for that row and its recent accepted tokens
-per proposing step for that request (an exponential average) reach ``t``. On a CPU this is what
-makes ``MultiDraft([PromptLookup(), DraftModel(w8)])`` pay everywhere: on text that copies its
+per proposing step for that request (an exponential average, weight 1/2, that starts at ``t``:
+a new request trusts a member until it fails) reach ``t``; a member with nothing to propose is
+forgiven two steps in a row (the row decodes plainly) before the next member drafts, and the
+next member keeps drafting while it stays empty. On a CPU this is what makes
+``MultiDraft([PromptLookup(), DraftModel(w8)])`` pay everywhere: on text that copies its
 input the free lookup chain is trusted and the draft model runs no forward at all (it catches up
 when it is next needed); on open text lookup proposes little or is not trusted and the draft
 model drafts. The decision reads only the members' proposals of this step and acceptance of
@@ -59,6 +62,7 @@ __all__ = ["MultiDraft"]
 
 _EMA = 0.8  # weight of the past in the acceptance average that splits the node budget
 _TRUST = 0.5  # weight of the past in a member's per-request acceptance average (escalation)
+_PATIENCE = 2  # escalation: steps in a row a member may propose nothing before the next member drafts
 
 
 class MultiDraft(Drafter):
@@ -101,6 +105,7 @@ class MultiDraft(Drafter):
             escalate = float(escalate)
         self.escalate = escalate
         self._trust: Dict[int, List[float]] = {}  # request id -> per member: recent accepted tokens when it proposed
+        self._empty: Dict[int, List[int]] = {}    # request id -> per member: asked steps in a row it proposed nothing
         caps = [max(0, int(d.max_nodes) - 1) for d in self.members]
         self._caps = caps
         if budgets is not None:
@@ -156,7 +161,7 @@ class MultiDraft(Drafter):
     def start(self, prompts: Sequence[Sequence[int]], params: SamplingParams, generator: torch.Generator) -> None:
         self.params = params
         self._ema = [1.0] * len(self.members)
-        self._trust = {}
+        self._trust, self._empty = {}, {}
         self._step = None
         for d in self.members:
             d.start(prompts, params, generator)
@@ -214,7 +219,11 @@ class MultiDraft(Drafter):
         self.catch_up_seconds = 0.0
         esc = self.escalate
         if esc is not None:
-            self._trust = {rid: self._trust.get(rid, [0.0] * len(self.members)) for rid in ctx.request_ids}
+            # a new request trusts its members until one fails it: a free member's first proposal spares
+            # a draft model its first forward (and the prompt prefill that its lazy admission would run)
+            m = len(self.members)
+            self._trust = {rid: self._trust.get(rid, [esc] * m) for rid in ctx.request_ids}
+            self._empty = {rid: self._empty.get(rid, [0] * m) for rid in ctx.request_ids}
             trusted = [False] * b      # a member before the current one is trusted for the row this step
         proposed: List[List[int]] = []  # per member, per row: real nodes proposed
         try:
@@ -238,8 +247,15 @@ class MultiDraft(Drafter):
                         n = [0 if t else x for t, x in zip(trusted, n)]
                     proposed.append(n)
                     for r, rid in enumerate(ctx.request_ids):
-                        if n[r] > 0 and self._trust[rid][i] >= esc:
-                            trusted[r] = True
+                        if trusted[r] or budgets[r] <= 0:
+                            continue
+                        empty = self._empty[rid]
+                        if n[r] > 0:
+                            trusted[r] = self._trust[rid][i] >= esc
+                            empty[i] = 0
+                        else:  # nothing to propose: forgiven _PATIENCE times in a row before the next member drafts
+                            trusted[r] = empty[i] < _PATIENCE and i < m - 1
+                            empty[i] += 1
             return self._merge(ctx, drafts, alloc, b, proposed if esc is not None else None)
         except Exception:
             for d in self.members[:len(drafts)]:
