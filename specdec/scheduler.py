@@ -453,6 +453,10 @@ class CostModel:
             self.rest.observe(b, n, max(0.0, total - draft - verify - commit))
         self.steps += 1
 
+    def observe_draft(self, b: int, k: int, seconds: float) -> None:
+        """Only a draft time: k depths for b rows (the depths after a catch-up forward)."""
+        self.draft.observe(b, k, seconds)
+
     def step_seconds(self, b: int, k: int, n: int) -> float:
         """Predicted wall seconds of one step."""
         return (self.draft.predict(b, k) + self.verify.predict(b, n) + self.commit.predict(b, n)
@@ -581,6 +585,7 @@ class _Request:
     next_probe: int = 0
     window: List[Tuple[int, float, float]] = field(default_factory=list)  # (emitted, seconds, plain seconds)
     hit: float = 1.0              # how often the drafter proposed something when asked (exponential average)
+    proven: bool = True           # speculation paid over a full window since the last resume from fallback
 
 
 class Policy:
@@ -667,6 +672,12 @@ class Policy:
         # commit times still count.
         if times.catch_up > 0:
             self.cost.observe(b, k_run, nodes, float("nan"), times.verify, times.commit, None)
+            # ... but the time after the catch-up is the price of the other k - 1 depths: without it a
+            # decoder whose every drafting step catches up (probes after fallback steps) would never
+            # learn what drafting costs, and would keep paying for probes that cannot pass
+            observe_draft = getattr(self.cost, "observe_draft", None)  # duck-typed cost models may lack it
+            if k_run >= 2 and observe_draft is not None:
+                observe_draft(b, k_run - 1, max(0.0, times.draft - times.catch_up))
         else:
             self.cost.observe(b, k_run, nodes, times.draft, times.verify, times.commit, times.total)
         plain = self.cost.plain_seconds(b)
@@ -858,8 +869,11 @@ class GoodputPolicy(Policy):
                                     goodput_ratio=perfect, next_probe_step=req.next_probe)
                 probing = [False] * b
             else:
-                # the depth that would pay if the drafter were decent (alpha = probe_alpha)
+                # the depth that would pay if the drafter were decent (alpha = probe_alpha), at least 2:
+                # a probe after fallback steps catches up, and only its depths after the first measure
+                # the draft cost (see observe)
                 _, best_k = self._rho([expected_tokens(self.probe_alpha, k) for k in range(k_cap + 1)], costs)
+                best_k = max(best_k, min(2, k_cap))
                 best_g = total(best_k) / costs[best_k] if costs[best_k] > 0 else total(best_k)
         if self._closed and b > 1 and best_k > 0 and not any(probing):
             best_k = self._closed_batch_k(reqs, curves, spec, budgets, costs, best_k)
@@ -938,18 +952,26 @@ class GoodputPolicy(Policy):
                 plain = sum(w[2] for w in req.window) / len(req.window)
                 ratio = tok * plain / secs if secs > 0 else float("inf")
                 if ratio < self.collapse_ratio:
+                    if not req.proven:  # resumed on a probe and collapsed again before paying: probe less often
+                        req.backoff = min(self.max_backoff, 2 * req.backoff)
+                        self.backoff_hint = max(self.backoff_hint, req.backoff)
                     self._to_fallback(rid, req, f"collapse: observed goodput ratio {ratio:.2f} < "
                                       f"{self.collapse_ratio} over the last {len(req.window)} speculative steps",
                                       goodput_ratio=ratio)
+                else:  # speculation has paid over a full window: a later fallback starts its backoff afresh
+                    req.backoff = 4
+                    req.proven = True
+                    self.backoff_hint = 4
             elif state == PROBE and depths[r] > 0 and req.state == FALLBACK:
                 if costs is None:
                     costs = self._costs(b, k_cap)
                 rho, k = self._rho(req.stats.expected_curve(k_cap), costs)
                 if rho >= 1.0 + self.hysteresis:
+                    # resume; the backoff is kept until a full window of speculation has paid (a drafter
+                    # whose lucky probes are followed by collapses is re-probed ever more rarely)
                     req.state = SPEC
+                    req.proven = False
                     req.stats.parent = self.global_stats
-                    req.backoff = 4
-                    self.backoff_hint = 4
                     req.window = []
                     self._event(rid, f"probe: predicted goodput ratio {rho:.2f} >= {1.0 + self.hysteresis:.2f} "
                                 f"at k={k}", FALLBACK, SPEC, goodput_ratio=rho)

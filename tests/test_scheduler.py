@@ -376,6 +376,36 @@ def test_goodput_collapse_on_observed_goodput():
     assert ev["step"] == 2 and ev["goodput_ratio"] == pytest.approx(2 * 3 * flat_cost().plain_seconds(1) / 9.0)
 
 
+def test_goodput_lucky_probes_followed_by_collapses_back_off():
+    """Every probe is accepted in full, but speculative steps then take 3x what the cost model says
+    (a draft as slow as the target): the request collapses after each resume. The backoff must keep
+    growing across these cycles (it is reset only after a full window of speculation that paid)."""
+    pol = GoodputPolicy(max_depth=4, cost=flat_cost(), window=3, max_backoff=64)
+    pol.begin(1)
+    for _ in range(300):
+        plan = pol.plan([0], [1000])
+        k = plan.k
+        slow = plan.states[0] == "spec"
+        pol.observe(plan, [0], pol.nodes(k), [k], [k], [k], [k + 1], StepTimes(0.0, 0.0, 0.0, 9.0 if slow else 1.0))
+    falls = [e["step"] for e in pol.events if e["new_state"] == "fallback"]
+    resumes = [e["step"] for e in pol.events if e["new_state"] == "spec"]
+    assert len(falls) >= 3 and len(resumes) >= 2
+    gaps = [r - f for f, r in zip(falls, resumes)]
+    assert gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0]
+    assert len(falls) <= 8  # with a backoff reset at every resume: one cycle every ~8 steps (35+)
+
+
+def test_draft_cost_is_learned_from_steps_that_catch_up():
+    """A drafting step that caught up first measures its other k - 1 depths (time after the catch-up)."""
+    pol = GoodputPolicy(max_depth=4, cost=CostModel())
+    pol.begin(1)
+    plan = pol.plan([0], [100])
+    plan.budgets, plan.k = [3], 3
+    pol.observe(plan, [0], 4, [3], [3], [3], [4], StepTimes(0.050, 0.020, 0.001, 0.080, catch_up=0.020))
+    assert pol.cost.draft.cells[(1, 2)][0] == pytest.approx(0.030)
+    assert (1, 3) not in pol.cost.draft.cells
+
+
 def test_goodput_rows_of_one_batch_get_different_k():
     pol = GoodputPolicy(max_depth=5, cost=flat_cost())
     pol.begin(2)
