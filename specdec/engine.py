@@ -553,8 +553,11 @@ class Engine:
         cache = self._view(b)
         t_prev = self._t_prev if self._t_prev is not None else time.perf_counter()
         c0 = clock.mark()
+        behind = None
+        if drafter is not None and self.scheduler.name == "goodput":
+            behind = drafter.pending_catch_up([len(r.seq) for r in reqs])
         plan = self.scheduler.plan(uids, [r.params.max_new_tokens - len(r.new) - 1 for r in reqs],
-                                   closed=self._closed and not self._waiting)
+                                   closed=self._closed and not self._waiting, behind=behind)
         consulted = False
         if drafter is None:
             draft = Draft(TokenTree.root_only(roots))
@@ -563,6 +566,7 @@ class Engine:
                               budgets=plan.budgets, params=self._step_params())
             draft, consulted = self._propose(ctx)
         catch_up = float(getattr(drafter, "catch_up_seconds", 0.0) or 0.0) if consulted else 0.0
+        catch_up_pos = int(getattr(drafter, "catch_up_positions", 0) or 0) if consulted else 0
         tree = draft.tree
         c1 = clock.mark()
         logits = target.forward(cache, tree.tokens, tree.depths, tree.attention_mask())   # [b, N, V]
@@ -605,7 +609,7 @@ class Engine:
         rec.step(uids, drafted, depths, num_host, emitted, t_now - t_prev)
         self.scheduler.observe(plan, uids, tree.size, depths, drafted, num_host, emitted,
                                StepTimes(*clock.split(c0, c1, c2, c3, c4, c5), total=t_now - t_prev,
-                                         catch_up=catch_up))
+                                         catch_up=catch_up, catch_up_positions=catch_up_pos))
         self._t_prev = t_now
         if self._auto_recorder and rec.target_passes % 4096 == 0:  # a server that never idles: bounded state
             clock.totals()

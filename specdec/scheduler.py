@@ -24,14 +24,22 @@ where ``rest`` is the step's wall time not inside the three phases (host sync, a
 tokens). Each term is a table of exponentially weighted means keyed by (b, k) or (b, n),
 fed with the loop's own step clock; an unobserved key is interpolated linearly in k / n
 between observed keys of the same b, else taken from a least-squares fit
-``t = w0 + w1 * b * x`` over all observed keys, scaled by the ratio observed at that b.
+``t = w0 + w1 * b * x`` over all observed keys, scaled by the ratio observed at that b; a key
+seen fewer than 16 times is shrunk towards that estimate (weight count / (count + 1)), so one
+slow early observation cannot keep its depth out of reach. A drafting step that first caught
+up (a draft model's lazy prompt prefill, the tokens of plain steps) records no draft cost for
+its k depths, only for the k - 1 after the catch-up forward.
 :func:`calibrate` (optional, cached per model / device / dtype / threads) seeds the verify
 table with timed target forwards, so the first call need not explore.
 
 Acceptance (:class:`AcceptanceStats`, one per request, seeded from a decoder-wide one):
 ``alpha[i]`` = P(draft position i + 1 accepted | position i accepted and i + 1 drafted),
-exponentially weighted (decay per observation) with a prior of ``prior_weight`` pseudo
-observations at the decoder-wide estimate. For trees the same statistic is kept per depth
+exponentially weighted (decay per observation; positions a step did not reach lose weight
+too) with a prior of ``prior_weight`` pseudo observations at the decoder-wide estimate (for the
+decoder-wide statistics themselves: position i's prior is position i - 1's estimate, so deeper
+positions never observed, or not lately, extrapolate the shallower ones instead of sitting at a
+fixed prior that would keep deeper drafts from ever being tried). For trees the same statistic
+is kept per depth
 (positions = depths of the accepted path; it already accounts for the siblings of that
 shape) and per (depth, sibling rank) for tree planners (:func:`plan_tree`).
 
@@ -44,7 +52,12 @@ Goodput decision. For the active rows with expected tokens E_r and the padded st
 
     K* = argmax_K  [ sum_{r speculating} E_r(min(K, budget_r)) + #other rows ] / c(K)
 
-``K* = 0`` is a plain step. A request "pays its way" when its own goodput ratio
+``K* = 0`` is a plain step. A closed batch (a generate call with nothing left in its queue: it
+ends with its slowest row) instead takes the K that minimises its predicted remaining time: each
+row finishes after tokens left / E'_r(K) steps, E'_r = 1 + hit_r (E_r - 1) with hit_r how often
+the drafter proposed anything when asked, and between finishes the batch pays c for the rows
+still active (see :meth:`GoodputPolicy._closed_batch_k`); for one row this is K* itself.
+A request "pays its way" when its own goodput ratio
 ``rho_r = max_K E_r(K) * c(0) / c(K)`` is >= 1 (its extra tokens cover the extra cost of the
 step it shares). Two rules move a request to fallback (trace event, reason given):
 
@@ -56,11 +69,13 @@ step it shares). Two rules move a request to fallback (trace event, reason given
   predict (a slower machine, a cost spike).
 
 A request in fallback decodes plainly (k = 0). It is re-probed after ``backoff`` steps
-(4, doubled after every failed probe, at most ``max_backoff``; a request that falls back on the
+(4, doubled after every failed probe and after every collapse that follows a resume before a full
+window of speculation has paid, at most ``max_backoff``; a request that falls back on the
 decoder-wide statistics alone starts at the backoff recent probes reached; a paid probe that could not pass
 even if every drafted token were accepted, at the measured costs, is skipped and backs off the
 same way, so a drafter that is too slow for the batch costs no catch-up): the probe step drafts at the
-depth that would pay with acceptance ``probe_alpha`` (0.7) under the measured costs; it succeeds when rho_r >= 1 + ``hysteresis``
+depth that would pay with acceptance ``probe_alpha`` (0.7) under the measured costs (at least 2, so
+that the probe measures the draft cost past its catch-up); it succeeds when rho_r >= 1 + ``hysteresis``
 with the request's own fresh statistics (on entering fallback its history and the
 decoder-wide prior are dropped: a prior of 0, so only observed acceptance counts). While
 other rows speculate, a due probe rides along at the batch's depth (verification is padded
@@ -439,6 +454,10 @@ class CostModel:
         self.verify = _CostTable(smoothing, zero_at_zero=False, single="constant")     # (b, n)
         self.commit = _CostTable(smoothing, zero_at_zero=False, single="constant")     # (b, n)
         self.rest = _CostTable(smoothing, zero_at_zero=False, single="constant")       # (b, n)
+        #: seconds of a drafter's catch-up (its lazy prompt prefill, the tokens of plain steps) by the
+        #: positions it feeds, bucketed to powers of two (a few positions cost about one forward, a
+        #: prompt prefill much less per position): keyed (1, bucket), interpolated between buckets
+        self.catch_up = _CostTable(smoothing, zero_at_zero=True, single="proportional")
         self.steps = 0
 
     def observe(self, b: int, k: int, n: int, draft: float, verify: float, commit: float,
@@ -457,6 +476,25 @@ class CostModel:
         """Only a draft time: k depths for b rows (the depths after a catch-up forward)."""
         self.draft.observe(b, k, seconds)
 
+    @staticmethod
+    def _bucket(positions: int) -> int:
+        return 1 << max(0, int(round(math.log2(max(1, positions)))))
+
+    def observe_catch_up(self, positions: int, seconds: float) -> None:
+        """A catch-up that fed ``positions`` positions in ``seconds`` (recorded at its power-of-two
+        bucket, scaled by bucket / positions)."""
+        if positions <= 0 or not math.isfinite(seconds) or seconds < 0:
+            return
+        x = self._bucket(positions)
+        self.catch_up.observe(1, x, seconds * x / positions)
+
+    def catch_up_seconds(self, positions: int) -> float:
+        """Predicted seconds of a catch-up over ``positions`` positions (0 until one is observed)."""
+        if positions <= 0 or not self.catch_up.cells:
+            return 0.0
+        x = self._bucket(positions)
+        return self.catch_up.predict(1, x) * positions / x
+
     def step_seconds(self, b: int, k: int, n: int) -> float:
         """Predicted wall seconds of one step."""
         return (self.draft.predict(b, k) + self.verify.predict(b, n) + self.commit.predict(b, n)
@@ -470,10 +508,10 @@ class CostModel:
         return self.verify.observed(x=1)
 
     def state_dict(self) -> Dict[str, object]:
-        return {name: getattr(self, name).state() for name in ("draft", "verify", "commit", "rest")}
+        return {name: getattr(self, name).state() for name in ("draft", "verify", "commit", "rest", "catch_up")}
 
     def load_state_dict(self, state: Dict[str, object]) -> None:
-        for name in ("draft", "verify", "commit", "rest"):
+        for name in ("draft", "verify", "commit", "rest", "catch_up"):
             if name in state:
                 getattr(self, name).load(state[name])
 
@@ -574,6 +612,7 @@ class StepTimes:
     commit: float
     total: float
     catch_up: float = 0.0  # of draft (and total): the drafter catching up, kept out of the per-step costs
+    catch_up_positions: int = 0  # positions that catch-up fed (its per-position price is learned)
 
 
 @dataclass
@@ -611,6 +650,7 @@ class Policy:
         self.step_index = 0
         self.trace: Optional[List[dict]] = None
         self._closed = False
+        self._behind: Optional[List[int]] = None
         self._reset_counters()
 
     def __repr__(self) -> str:
@@ -646,14 +686,18 @@ class Policy:
         return req
 
     # ---- the two hooks the loop calls
-    def plan(self, request_ids: Sequence[int], budgets: Sequence[int], closed: bool = False) -> StepPlan:
+    def plan(self, request_ids: Sequence[int], budgets: Sequence[int], closed: bool = False,
+             behind: Optional[Sequence[int]] = None) -> StepPlan:
         """Per-row draft depth for the next step; ``budgets`` = tokens still worth drafting per row.
 
         ``closed``: the rows are a closed batch (nothing waits and nothing will join: a generate call
-        past its queue), whose wall time is that of its slowest row; see :class:`GoodputPolicy`.
+        past its queue), whose wall time is that of its slowest row; ``behind``: per row, the
+        positions the drafter would feed before drafting (``Drafter.pending_catch_up``). See
+        :class:`GoodputPolicy`.
         """
         reqs = [self._request(rid) for rid in request_ids]
         self._closed = bool(closed)
+        self._behind = [int(x) for x in behind] if behind is not None else None
         plan = self._budgets(request_ids, reqs, [max(0, int(x)) for x in budgets])
         plan.k = max(plan.budgets, default=0)
         return plan
@@ -671,6 +715,9 @@ class Policy:
         # whole draft time nor the time less the catch-up is the price of k tokens. Its verify and
         # commit times still count.
         if times.catch_up > 0:
+            observe_catch_up = getattr(self.cost, "observe_catch_up", None)
+            if observe_catch_up is not None:
+                observe_catch_up(times.catch_up_positions, times.catch_up)
             self.cost.observe(b, k_run, nodes, float("nan"), times.verify, times.commit, None)
             # ... but the time after the catch-up is the price of the other k - 1 depths: without it a
             # decoder whose every drafting step catches up (probes after fallback steps) would never
@@ -877,6 +924,30 @@ class GoodputPolicy(Policy):
                 best_g = total(best_k) / costs[best_k] if costs[best_k] > 0 else total(best_k)
         if self._closed and b > 1 and best_k > 0 and not any(probing):
             best_k = self._closed_batch_k(reqs, curves, spec, budgets, costs, best_k)
+        if best_k > 0 and self._behind is not None and any(self._behind):
+            # the drafter must first catch up (a draft model's lazy prompt prefill, the tokens of plain
+            # steps): a one-time price that speculating must win back over the tokens these rows
+            # still have to produce, or this step stays plain (measured: the w8 draft at batch 8,
+            # whose first drafting step prefills 8 prompts for a step that barely pays)
+            price = getattr(self.cost, "catch_up_seconds", lambda n: 0.0)(sum(self._behind))
+            if price > 0:
+                if any(probing) and not any(spec):  # a paid probe: judged as if its drafter were perfect
+                    g = plain_g * self._rho([float(k + 1) for k in range(k_cap + 1)], costs)[0]
+                else:
+                    g = best_g
+                left = float(sum(x + 1 for x in budgets))
+                if g <= plain_g or left / g + price >= left / plain_g:
+                    for rid, req, p in zip(request_ids, reqs, probing):
+                        if p:  # a probe that could not pay its catch-up: backs off like a skipped one
+                            req.backoff = min(self.max_backoff, 2 * req.backoff)
+                            req.next_probe = self.step_index + req.backoff
+                            self.backoff_hint = max(self.backoff_hint, req.backoff)
+                            self._event(rid, f"probe skipped: the drafter's catch-up ({price * 1e3:.1f} ms) "
+                                        f"would not be won back", FALLBACK, FALLBACK,
+                                        goodput_ratio=g / plain_g if plain_g > 0 else 1.0,
+                                        next_probe_step=req.next_probe)
+                    probing = [False] * b
+                    best_k = 0
         states, out, expected = [], [], []
         for req, curve, s, p, x in zip(reqs, curves, spec, probing, budgets):
             k = min(best_k, x)

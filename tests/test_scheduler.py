@@ -395,6 +395,57 @@ def test_goodput_lucky_probes_followed_by_collapses_back_off():
     assert len(falls) <= 8  # with a backoff reset at every resume: one cycle every ~8 steps (35+)
 
 
+def test_goodput_weighs_the_drafters_catch_up():
+    """A drafter that must first catch up (a lazy prompt prefill) speculates only if the rows' remaining
+    tokens win that price back; the price per position is learned from observed catch-ups."""
+    class PricedCatchUp(SyntheticCost):
+        def catch_up_seconds(self, positions):
+            return 0.01 * positions
+
+    cost = PricedCatchUp(lambda b, n: 1.0 + 0.05 * (n - 1), lambda b, k: 0.03 * k)
+
+    def k_for(behind, budget):
+        pol = GoodputPolicy(max_depth=6, cost=cost)
+        pol.begin(2)
+        for rid in (0, 1):
+            pol._request(rid).stats = FixedAlpha(0.9)
+        return pol.plan([0, 1], [budget] * 2, behind=behind).k
+
+    assert k_for(None, 10) > 0 and k_for([0, 0], 10) > 0
+    assert k_for([500, 500], 10) == 0      # 10 s of catch-up for 22 tokens: stays plain
+    assert k_for([5, 5], 400) > 0          # 0.1 s won back over 800 tokens
+    cm = CostModel(smoothing=0.5)
+    assert cm.catch_up_seconds(100) == 0.0
+    cm.observe_catch_up(2, 0.010)     # a short catch-up costs about one forward
+    cm.observe_catch_up(128, 0.100)   # a prompt prefill much less per position
+    assert cm.catch_up_seconds(2) == pytest.approx(0.010)
+    assert cm.catch_up_seconds(128) == pytest.approx(0.100)
+    assert cm.catch_up_seconds(64) == pytest.approx(0.010 + 0.090 * (64 - 2) / (128 - 2))  # between buckets
+    cm2 = CostModel()
+    cm2.load_state_dict(json.loads(json.dumps(cm.state_dict())))
+    assert cm2.catch_up_seconds(10) == pytest.approx(cm.catch_up_seconds(10))
+
+
+def test_draft_model_reports_its_pending_catch_up(toy):
+    target, draft, _ = toy
+    dm = DraftModel(draft, k=3)
+    dec = SpeculativeDecoder(target, dm, max_batch=2, max_len=64, policy="fixed")
+    seen = []
+    propose = dm.propose
+
+    def spy(ctx):
+        seen.append((dm.pending_catch_up([len(q) for q in ctx.sequences]), [len(q) for q in ctx.sequences]))
+        out = propose(ctx)
+        seen[-1] += (dm.catch_up_positions,)
+        return out
+
+    dm.propose = spy
+    dec.generate(PROMPTS[:2], max_new_tokens=6)
+    (pending, lengths, fed), later = seen[0], seen[1:]
+    assert pending == lengths and fed == sum(lengths)   # lazy admission: the whole prompts
+    assert later and all(not any(p) and f == 0 for p, _, f in later)
+
+
 def test_draft_cost_is_learned_from_steps_that_catch_up():
     """A drafting step that caught up first measures its other k - 1 depths (time after the catch-up)."""
     pol = GoodputPolicy(max_depth=4, cost=CostModel())

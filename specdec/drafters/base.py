@@ -72,6 +72,15 @@ class Drafter:
     #: model feeding the tokens of plain steps or a new prompt): a one-time cost the scheduler keeps
     #: out of its per-step cost model. 0 for drafters without such state.
     catch_up_seconds: float = 0.0
+    #: positions (tokens over all rows) that catch-up fed in the last propose()
+    catch_up_positions: int = 0
+
+    def pending_catch_up(self, lengths: Sequence[int]) -> List[int]:
+        """Per active row (``lengths``: its prompt + emitted tokens), the positions the next proposal
+        that drafts would feed before drafting (a lazy prompt prefill, the tokens of plain steps).
+        The scheduler weighs this one-time cost against what speculating would gain. Host values
+        only; 0 for drafters without such state."""
+        return [0] * len(lengths)
 
     def bind(self, target, max_batch: int, max_len: int) -> None:
         """Check compatibility with the target and allocate state for max_batch requests."""

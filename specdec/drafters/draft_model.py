@@ -288,9 +288,16 @@ class DraftModel(Drafter):
         self._k_step = 0
         self._behind = True
 
+    def pending_catch_up(self, lengths: Sequence[int]) -> List[int]:
+        if not self._behind or self.cache is None:
+            return [0] * len(lengths)
+        have = self.cache.lens[:len(lengths)].tolist()  # host read (the catch-up itself reads them too)
+        return [max(0, int(n) - h) for n, h in zip(lengths, have)]
+
     def propose(self, ctx: StepContext) -> Draft:
         b = len(ctx.request_ids)
         self.catch_up_seconds = 0.0
+        self.catch_up_positions = 0
         if ctx.params is not None:
             self.params = ctx.params
         k = min(self.k, max(ctx.budgets))
@@ -333,6 +340,7 @@ class DraftModel(Drafter):
             self.lm.prefill(self.cache, [list(ctx.sequences[r][:-1]) for r in fresh], rows=fresh)
             have = cache.lens.tolist()
         rows = [list(seq[h:]) for seq, h in zip(ctx.sequences, have)]   # [pending..., skipped roots..., root]
+        self.catch_up_positions = sum(len(r) for r in rows) + sum(len(ctx.sequences[r]) - 1 for r in fresh)
         cap = self.cache.capacity
         done = [0] * b                                                   # tokens of each row fed so far
         last = torch.empty(b, self.V, dtype=torch.float32, device=self.device)

@@ -206,6 +206,12 @@ class MultiDraft(Drafter):
             d.cancel()
         self._step = None
 
+    def pending_catch_up(self, lengths: Sequence[int]) -> List[int]:
+        out = [0] * len(lengths)
+        for d in self.members:
+            out = [a + b for a, b in zip(out, d.pending_catch_up(lengths))]
+        return out
+
     def propose(self, ctx: StepContext) -> Draft:
         alloc = self.split()
         if ctx.node_budget is not None:  # an outer MultiDraft's share: shrink ours proportionally
@@ -217,6 +223,7 @@ class MultiDraft(Drafter):
         b = len(ctx.request_ids)
         drafts: List[Draft] = []
         self.catch_up_seconds = 0.0
+        self.catch_up_positions = 0
         esc = self.escalate
         if esc is not None:
             # a new request trusts its members until one fails it: a free member's first proposal spares
@@ -239,6 +246,7 @@ class MultiDraft(Drafter):
                     raise type(exc)(f"{self._name(i)}: {exc}") from exc
                 drafts.append(draft)
                 self.catch_up_seconds += float(getattr(d, "catch_up_seconds", 0.0))
+                self.catch_up_positions += int(getattr(d, "catch_up_positions", 0))
                 if not d.trusted:
                     check_draft(draft, self._name(i), ctx.request_ids, self.vocab_size, int(d.max_nodes))
                 if esc is not None:
