@@ -554,8 +554,14 @@ class Engine:
         t_prev = self._t_prev if self._t_prev is not None else time.perf_counter()
         c0 = clock.mark()
         behind = None
-        if drafter is not None and self.scheduler.name == "goodput":
-            behind = drafter.pending_catch_up([len(r.seq) for r in reqs])
+        pending = getattr(drafter, "pending_catch_up", None) if self.scheduler.name == "goodput" else None
+        if pending is not None:
+            try:  # advisory: a drafter whose report fails (or is malformed) is planned without it
+                behind = [max(0, int(x)) for x in pending([len(r.seq) for r in reqs])]
+                if len(behind) != b:
+                    behind = None
+            except Exception:  # noqa: BLE001 - never let an advisory hook take a step (or a server) down
+                behind = None
         plan = self.scheduler.plan(uids, [r.params.max_new_tokens - len(r.new) - 1 for r in reqs],
                                    closed=self._closed and not self._waiting, behind=behind)
         consulted = False

@@ -927,14 +927,14 @@ class GoodputPolicy(Policy):
         if best_k > 0 and self._behind is not None and any(self._behind):
             # the drafter must first catch up (a draft model's lazy prompt prefill, the tokens of plain
             # steps): a one-time price that speculating must win back over the tokens these rows
-            # still have to produce, or this step stays plain (measured: the w8 draft at batch 8,
-            # whose first drafting step prefills 8 prompts for a step that barely pays)
+            # still have to produce. Judged as if the drafter were perfect (every token accepted), so
+            # only a catch-up that cannot pay whatever the acceptance keeps the step plain (measured:
+            # the w8 draft at batch 8, whose first drafting step prefills 8 prompts). Judging it at
+            # the predicted acceptance would be a trap: a row that does not draft falls further
+            # behind, its price grows, its remaining tokens shrink, and it never drafts again.
             price = getattr(self.cost, "catch_up_seconds", lambda n: 0.0)(sum(self._behind))
             if price > 0:
-                if any(probing) and not any(spec):  # a paid probe: judged as if its drafter were perfect
-                    g = plain_g * self._rho([float(k + 1) for k in range(k_cap + 1)], costs)[0]
-                else:
-                    g = best_g
+                g = plain_g * self._rho([float(k + 1) for k in range(k_cap + 1)], costs)[0]
                 left = float(sum(x + 1 for x in budgets))
                 if g <= plain_g or left / g + price >= left / plain_g:
                     for rid, req, p in zip(request_ids, reqs, probing):
