@@ -860,6 +860,24 @@ class GoodputPolicy(Policy):
                 best, best_k = r, k
         return best, best_k
 
+    def _perfect_ratio(self, costs: List[float]) -> float:
+        """The best goodput ratio a drafter whose every token is accepted would reach at these costs."""
+        return self._rho([float(k + 1) for k in range(len(costs))], costs)[0]
+
+    def _back_off(self, req: _Request) -> None:
+        """Double the request's backoff (at most max_backoff) and schedule its next probe."""
+        req.backoff = min(self.max_backoff, 2 * req.backoff)
+        req.next_probe = self.step_index + req.backoff
+        self.backoff_hint = max(self.backoff_hint, req.backoff)
+
+    def _skip_probes(self, request_ids, reqs, probing, why: str, ratio: float) -> None:
+        """Due probes that could not pass: each backs off as a failed one would, with an event."""
+        for rid, req, p in zip(request_ids, reqs, probing):
+            if p:
+                self._back_off(req)
+                self._event(rid, f"probe skipped: {why}", FALLBACK, FALLBACK, goodput_ratio=ratio,
+                            next_probe_step=req.next_probe)
+
     def _to_fallback(self, rid: int, req: _Request, reason: str, **extra) -> None:
         old = req.state
         req.state = FALLBACK
@@ -904,16 +922,10 @@ class GoodputPolicy(Policy):
             # A paid probe (nobody else drafts: the probe pays the draft's catch-up over every row that
             # fell behind, and the drafting). Skipped when even a perfect drafter (every token accepted)
             # could not reach the resume threshold at these costs: no acceptance makes such a probe pass.
-            perfect, _ = self._rho([float(k + 1) for k in range(k_cap + 1)], costs)
+            perfect = self._perfect_ratio(costs)
             if perfect < 1.0 + self.hysteresis:
-                for rid, req, p in zip(request_ids, reqs, probing):
-                    if p:
-                        req.backoff = min(self.max_backoff, 2 * req.backoff)
-                        req.next_probe = self.step_index + req.backoff
-                        self.backoff_hint = max(self.backoff_hint, req.backoff)
-                        self._event(rid, f"probe skipped: a perfect drafter would reach goodput ratio {perfect:.2f} "
-                                    f"< {1.0 + self.hysteresis:.2f} at these costs", FALLBACK, FALLBACK,
-                                    goodput_ratio=perfect, next_probe_step=req.next_probe)
+                self._skip_probes(request_ids, reqs, probing, f"a perfect drafter would reach goodput ratio "
+                                  f"{perfect:.2f} < {1.0 + self.hysteresis:.2f} at these costs", perfect)
                 probing = [False] * b
             else:
                 # the depth that would pay if the drafter were decent (alpha = probe_alpha), at least 2:
@@ -934,18 +946,12 @@ class GoodputPolicy(Policy):
             # behind, its price grows, its remaining tokens shrink, and it never drafts again.
             price = getattr(self.cost, "catch_up_seconds", lambda n: 0.0)(sum(self._behind))
             if price > 0:
-                g = plain_g * self._rho([float(k + 1) for k in range(k_cap + 1)], costs)[0]
+                perfect = self._perfect_ratio(costs)
+                g = plain_g * perfect
                 left = float(sum(x + 1 for x in budgets))
                 if g <= plain_g or left / g + price >= left / plain_g:
-                    for rid, req, p in zip(request_ids, reqs, probing):
-                        if p:  # a probe that could not pay its catch-up: backs off like a skipped one
-                            req.backoff = min(self.max_backoff, 2 * req.backoff)
-                            req.next_probe = self.step_index + req.backoff
-                            self.backoff_hint = max(self.backoff_hint, req.backoff)
-                            self._event(rid, f"probe skipped: the drafter's catch-up ({price * 1e3:.1f} ms) "
-                                        f"would not be won back", FALLBACK, FALLBACK,
-                                        goodput_ratio=g / plain_g if plain_g > 0 else 1.0,
-                                        next_probe_step=req.next_probe)
+                    self._skip_probes(request_ids, reqs, probing, f"the drafter's catch-up ({price * 1e3:.1f} ms) "
+                                      f"would not be won back", perfect)
                     probing = [False] * b
                     best_k = 0
         states, out, expected = [], [], []
@@ -1024,8 +1030,7 @@ class GoodputPolicy(Policy):
                 ratio = tok * plain / secs if secs > 0 else float("inf")
                 if ratio < self.collapse_ratio:
                     if not req.proven:  # resumed on a probe and collapsed again before paying: probe less often
-                        req.backoff = min(self.max_backoff, 2 * req.backoff)
-                        self.backoff_hint = max(self.backoff_hint, req.backoff)
+                        self._back_off(req)
                     self._to_fallback(rid, req, f"collapse: observed goodput ratio {ratio:.2f} < "
                                       f"{self.collapse_ratio} over the last {len(req.window)} speculative steps",
                                       goodput_ratio=ratio)
@@ -1047,9 +1052,7 @@ class GoodputPolicy(Policy):
                     self._event(rid, f"probe: predicted goodput ratio {rho:.2f} >= {1.0 + self.hysteresis:.2f} "
                                 f"at k={k}", FALLBACK, SPEC, goodput_ratio=rho)
                 else:  # the probe failed: back off
-                    req.backoff = min(self.max_backoff, 2 * req.backoff)
-                    req.next_probe = self.step_index + req.backoff
-                    self.backoff_hint = max(self.backoff_hint, req.backoff)
+                    self._back_off(req)
                     req.stats.reset()
 
 

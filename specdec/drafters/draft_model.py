@@ -176,6 +176,9 @@ class DraftModel(Drafter):
         self._views: Dict[int, object] = {}
         self._foreign = 0  # tokens from other drafters' subtrees that accept() may pass per row
         self.catch_up_tokens = 512  # positions (rows x width) per catch-up forward: bounds its activations
+        # host copy of cache.lens while the drafter is behind and nothing moves them (plain steps): the
+        # scheduler asks for the pending catch-up every such step, one device read serves them all
+        self._lens_host: Optional[List[int]] = None
 
     def __repr__(self) -> str:
         stop = "" if self.stop_threshold is None else f", stop_threshold={self.stop_threshold}"
@@ -244,6 +247,7 @@ class DraftModel(Drafter):
         self.params = params
         self.generator = generator
         self.cache.reset()  # lazy: the first proposal that drafts feeds the prompts (see _catch_up)
+        self._lens_host = None
         self._pend_n.zero_()
         self._pend_width = 0
         self._behind = True
@@ -276,6 +280,7 @@ class DraftModel(Drafter):
             raise RuntimeError("DraftModel: not bound to a decoder (SpeculativeDecoder(target, drafter) binds it)")
         rows = [int(r) for r in rows]
         self.cache.reset(rows)
+        self._lens_host = None
         idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
         self._pend_n.index_fill_(0, idx, 0)
         self._behind = True
@@ -285,14 +290,19 @@ class DraftModel(Drafter):
         engine runs a plain step instead). The next proposal catches up on whatever was emitted meanwhile."""
         if self._k_step > 0 and self.cache is not None:
             self._view(self._b).lens.copy_(self._base)
+            self._lens_host = None
         self._k_step = 0
         self._behind = True
+
+    def _host_lens(self) -> List[int]:
+        if self._lens_host is None:
+            self._lens_host = self.cache.lens.tolist()
+        return self._lens_host
 
     def pending_catch_up(self, lengths: Sequence[int]) -> List[int]:
         if not self._behind or self.cache is None:
             return [0] * len(lengths)
-        have = self.cache.lens[:len(lengths)].tolist()  # host read (the catch-up itself reads them too)
-        return [max(0, int(n) - h) for n, h in zip(lengths, have)]
+        return [max(0, int(n) - h) for n, h in zip(lengths, self._host_lens())]
 
     def propose(self, ctx: StepContext) -> Draft:
         b = len(ctx.request_ids)
@@ -332,7 +342,8 @@ class DraftModel(Drafter):
         sooner when the padding of a row would run past the cache's capacity. With an LM that has
         ``forward_last`` (HFCausalLM) only the logits after each row's last fed token are computed."""
         b = len(ctx.request_ids)
-        have = cache.lens.tolist()
+        have = self._host_lens()[:b]
+        self._lens_host = None  # the catch-up moves them
         # rows that joined since (empty draft rows): their prompts (all but the root) go through the LM's
         # own prefill, grouped and chunked as it does for a target, as an eager admission would have
         fresh = [r for r in range(b) if have[r] == 0 and len(ctx.sequences[r]) > 1]
@@ -699,6 +710,7 @@ class DraftModel(Drafter):
 
     def retire(self, moves: Sequence[Tuple[int, int, int]], active: int) -> None:
         move_cache_rows(self.cache, moves)
+        self._lens_host = None
         for src, dst, _ in moves:
             self._pend_n[dst] = self._pend_n[src]
             self._pend_tok[dst] = self._pend_tok[src]

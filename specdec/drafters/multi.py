@@ -233,6 +233,7 @@ class MultiDraft(Drafter):
             self._empty = {rid: self._empty.get(rid, [0] * m) for rid in ctx.request_ids}
             trusted = [False] * b      # a member before the current one is trusted for the row this step
         proposed: List[List[int]] = []  # per member, per row: real nodes proposed
+        host: List[Tuple[List[List[int]], List[List[int]]]] = []  # per member: (tokens, parents) on the host
         try:
             for i, d in enumerate(self.members):
                 budgets = ctx.budgets
@@ -249,8 +250,9 @@ class MultiDraft(Drafter):
                 self.catch_up_positions += int(getattr(d, "catch_up_positions", 0))
                 if not d.trusted:
                     check_draft(draft, self._name(i), ctx.request_ids, self.vocab_size, int(d.max_nodes))
+                host.append((draft.tree.tokens.tolist(), draft.tree.parents.tolist()))  # the merge runs on the host
                 if esc is not None:
-                    n = (draft.tree.parents[:, 1:] >= 0).sum(dim=1).tolist() if draft.tree.size > 1 else [0] * b
+                    n = [sum(1 for x in par[1:] if x >= 0) for par in host[-1][1]]
                     if i > 0:  # a skipped row proposes nothing, whatever the member did with a zero budget
                         n = [0 if t else x for t, x in zip(trusted, n)]
                     proposed.append(n)
@@ -264,17 +266,16 @@ class MultiDraft(Drafter):
                         else:  # nothing to propose: forgiven _PATIENCE times in a row before the next member drafts
                             trusted[r] = empty[i] < _PATIENCE and i < m - 1
                             empty[i] += 1
-            return self._merge(ctx, drafts, alloc, b, proposed if esc is not None else None)
+            return self._merge(ctx, drafts, host, alloc, b, proposed if esc is not None else None)
         except Exception:
             for d in self.members[:len(drafts)]:
                 d.cancel()
             self._step = None
             raise
 
-    def _merge(self, ctx: StepContext, drafts: List[Draft], alloc: List[int], b: int,
+    def _merge(self, ctx: StepContext, drafts: List[Draft], host, alloc: List[int], b: int,
                proposed: Optional[List[List[int]]] = None) -> Draft:
         sampling = not self.params.greedy
-        host = [(d.tree.tokens.tolist(), d.tree.parents.tolist()) for d in drafts]
         roots = [int(seq[-1]) for seq in ctx.sequences]
         all_tok: List[List[int]] = []
         all_par: List[List[int]] = []
