@@ -50,8 +50,9 @@ type="step", one per request and step:
   step            step index in the generate call (0 = the first step after prefill)
   request         request index in the call;  row: its batch row this step;  batch: active rows
   state           policy state of the request for this step: "spec" (speculating), "probe" (in
-                  fallback but drafted this step: a due probe, or riding along a speculative step)
-                  or "fallback" (decoded plainly)
+                  fallback but drafted this step: a due probe, or riding along a speculative step),
+                  "fallback" (decoded plainly) or "check" (speculating, but its window's goodput
+                  looked collapsed: decoded plainly once to re-measure a plain step)
   k               draft depth the policy allowed the row (its budget to the drafter)
   nodes           nodes per row the target verified (padded: the same for every row of the step)
   depth           deepest node drafted for the request;  drafted: draft nodes (root excluded)
@@ -64,7 +65,8 @@ type="step", one per request and step:
   step_seconds    wall time of the step;  plain_seconds_estimate: the cost model's plain step at this batch
 type="event", one per state change:
   step, request, reason (text: the rule and the measured ratio), old_state, new_state,
-  goodput_ratio (the ratio that triggered it), next_probe_step (entering fallback)
+  goodput_ratio (the ratio that triggered it), next_probe_step (entering fallback),
+  plain_seconds (after a "check" step: the plain step time the window was judged against)
 
 Timing: host wall clock on CPU (every op is synchronous there); CUDA events on CUDA, read
 once at the end of the call (no synchronisation inside the loop).

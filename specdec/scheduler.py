@@ -35,10 +35,10 @@ table with timed target forwards, so the first call need not explore.
 Acceptance (:class:`AcceptanceStats`, one per request, seeded from a decoder-wide one):
 ``alpha[i]`` = P(draft position i + 1 accepted | position i accepted and i + 1 drafted),
 exponentially weighted (decay per observation; positions a step did not reach lose weight
-too) with a prior of ``prior_weight`` pseudo observations at the decoder-wide estimate (for the
-decoder-wide statistics themselves: position i's prior is position i - 1's estimate, so deeper
-positions never observed, or not lately, extrapolate the shallower ones instead of sitting at a
-fixed prior that would keep deeper drafts from ever being tried). For trees the same statistic
+too), each position shrunk towards the request's acceptance pooled over positions (its level,
+itself shrunk towards the decoder-wide level with ``prior_weight`` pseudo observations), so
+positions never observed, or not lately, sit at what the request's accepted positions say
+instead of at a few old trials that would keep deeper drafts from ever being tried again. For trees the same statistic
 is kept per depth
 (positions = depths of the accepted path; it already accounts for the siblings of that
 shape) and per (depth, sibling rank) for tree planners (:func:`plan_tree`).
@@ -66,7 +66,12 @@ step it shares). Two rules move a request to fallback (trace event, reason given
 * collapse (the earliest observable sign): over the last ``window`` speculative steps of the
   request, observed goodput ratio ``sum(tokens emitted) * c(0) / sum(step seconds)`` below
   ``collapse_ratio``. It fires on measured time, so it also catches what the model does not
-  predict (a slower machine, a cost spike).
+  predict (a drafter slower than measured so far). Before the request falls back, one plain step
+  (state ``"check"``) re-measures c(0) and the window is judged again against it: a slow spell
+  of a shared machine slows plain steps as much as speculative ones, while the cost model's c(0)
+  dates from before the window (measured: the w8 draft at batch 1 fell back on such spells;
+  event ``"no collapse"`` when the re-measured ratio clears ``collapse_ratio``). In a batch whose
+  other rows draft, that step is not plain and the cost model's c(0) is used.
 
 A request in fallback decodes plainly (k = 0). It is re-probed after ``backoff`` steps
 (4, doubled after every failed probe and after every collapse that follows a resume before a full
@@ -104,7 +109,9 @@ __all__ = ["CostModel", "AcceptanceStats", "Policy", "FixedPolicy", "HeuristicPo
 
 POLICIES = ("fixed", "heuristic", "goodput")
 
-SPEC, FALLBACK, PROBE = "spec", "fallback", "probe"
+SPEC, FALLBACK, PROBE, CHECK = "spec", "fallback", "probe", "check"
+_INFORMED = 16  # drafting request-steps after which the decoder-wide statistics judge a catch-up
+_YOUNG = 4  # drafting steps before a request's own statistics can make it fall back on prediction
 
 
 # ============================================================================ expected tokens
@@ -189,22 +196,27 @@ def plan_tree(accept_by_rank, max_nodes: int, max_depth: int = 64) -> Tuple[List
 class AcceptanceStats:
     """Exponentially weighted acceptance by draft position (and by tree depth / sibling rank).
 
-    ``alpha(i)`` (i = 0 for the first draft position) = (hits_i + w * prior_i) / (trials_i + w),
-    where hits / trials decay by ``decay`` at every observation (of every position: a position the
-    step did not reach keeps its ratio but loses weight) and prior_i is the parent statistics'
-    estimate (a decoder-wide :class:`AcceptanceStats`), or for a root ``prior`` at position 0 and
-    the estimate of position i - 1 deeper (see :meth:`alphas`).
+    hits_i / trials_i (i = 0 for the first draft position) decay by ``decay`` at every observation
+    (of every position: a position the step did not reach keeps its ratio but loses weight). The
+    request's *level* is its acceptance pooled over positions, shrunk towards the parent's level
+    (a decoder-wide :class:`AcceptanceStats`) or, for a root, ``prior``, with weight
+    ``prior_weight``; each position's estimate is its own ratio shrunk towards that level with
+    weight ``position_weight`` (see :meth:`alphas`).
     """
 
     def __init__(self, decay: float = 0.8, prior: float = 0.5, prior_weight: float = 0.5,
-                 parent: Optional["AcceptanceStats"] = None) -> None:
+                 parent: Optional["AcceptanceStats"] = None, position_weight: float = 2.0) -> None:
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"AcceptanceStats: decay must lie in (0, 1], got {decay}")
         if not 0.0 <= prior <= 1.0:
             raise ValueError(f"AcceptanceStats: prior must lie in [0, 1], got {prior}")
+        if prior_weight < 0 or position_weight < 0:
+            raise ValueError(f"AcceptanceStats: prior_weight and position_weight must be >= 0, got "
+                             f"{prior_weight} and {position_weight}")
         self.decay = decay
         self.prior = prior
         self.prior_weight = prior_weight
+        self.position_weight = float(position_weight)
         self.parent = parent
         self.hits: List[float] = []
         self.trials: List[float] = []
@@ -218,45 +230,42 @@ class AcceptanceStats:
         self.tree_hits, self.tree_trials = {}, {}
         self.observations = 0
 
+    def level(self) -> float:
+        """Acceptance pooled over draft positions: (sum hits + w * prior) / (sum trials + w), prior =
+        the parent's level or ``prior``, w = ``prior_weight``."""
+        prior = self.parent.level() if self.parent is not None else self.prior
+        t = sum(self.trials) + self.prior_weight
+        return (sum(self.hits) + self.prior_weight * prior) / t if t > 0 else prior
+
     def alphas(self, k: int) -> List[float]:
         """[alpha(0), ..., alpha(k - 1)]: P(draft position i + 1 accepted | position i accepted).
 
-        alpha(i) = (hits_i + w * prior_i) / (trials_i + w). The prior of position 0 is the parent's
-        estimate (a decoder-wide :class:`AcceptanceStats`) or ``prior``; deeper positions of a root
-        statistics take the estimate of the position before as their prior (acceptance by position
-        is roughly flat), so a position never observed, or observed long ago (its evidence decays
-        while it is not observed, see :meth:`observe`), extrapolates the shallower ones. Capping
-        such positions at a fixed prior would be a trap: a policy that drafts k = 2 never observes
-        position 4 again, so one early rejection there would keep every deeper draft looking bad.
-        A request's statistics with a parent use the parent's estimate of each position as its
-        prior; deeper than the request has observed, its deepest estimate, capped by the parent's
-        where the parent has evidence there (other requests drafted that deep).
+        alpha(i) = (hits_i + W * level) / (trials_i + W), W = ``position_weight``, level = the
+        request's acceptance pooled over positions (:meth:`level`); a position never observed is at
+        the level. Acceptance by position is roughly flat for a given request, so a position's own
+        evidence refines the level rather than replacing it: a position is observed only when
+        every position before it was accepted, and the policy then drafts shallower, so an
+        estimate made from that position's few trials alone is a trap. Measured with the w8 draft:
+        one unlucky rejection at position 3 of a k = 5 draft made alpha(2) ~0.2 (its own miss
+        against a prior of weight 0.5), and the request stayed at k = 2 for a dozen steps in which
+        every drafted token was accepted, never observing position 3 again. Pooled, the accepted
+        shallower positions lift the level, and with it the deeper estimates, until the policy
+        drafts deeper and observes them.
         """
-        w = self.prior_weight
-        pa = self.parent.alphas(k) if self.parent is not None else None
+        level = self.level()
+        w = self.position_weight
         n = len(self.trials)
         out: List[float] = []
         for i in range(k):
-            if pa is not None:
-                prior = pa[i]
+            if i < n and self.trials[i] + w > 0:
+                out.append((self.hits[i] + w * level) / (self.trials[i] + w))
             else:
-                prior = out[-1] if out else self.prior
-            if i < n:
-                a = (self.hits[i] + w * prior) / (self.trials[i] + w)
-            elif pa is None or n == 0:
-                a = prior
-            else:
-                own = out[n - 1]
-                a = min(own, prior) if self.parent._observed(i) else own
-            out.append(a)
+                out.append(level)
         return out
 
     def alpha(self, i: int) -> float:
         """P(draft position i + 1 accepted | position i accepted), 0-based i (see :meth:`alphas`)."""
         return self.alphas(i + 1)[i]
-
-    def _observed(self, i: int) -> bool:
-        return i < len(self.trials) and self.trials[i] > 1e-3
 
     def expected(self, k: int) -> float:
         """E[T] of a depth-k draft with these statistics."""
@@ -458,23 +467,43 @@ class CostModel:
         #: positions it feeds, bucketed to powers of two (a few positions cost about one forward, a
         #: prompt prefill much less per position): keyed (1, bucket), interpolated between buckets
         self.catch_up = _CostTable(smoothing, zero_at_zero=True, single="proportional")
+        #: the machine's current speed factor: every prediction is the tables' value times ``speed``,
+        #: and every observation enters the tables divided by it. A shared machine has slow spells
+        #: that slow every kind of step alike; without this factor a cell measured in one (a deep
+        #: draft, say) keeps its depth out of reach after the spell, because the policy no longer
+        #: picks it and never measures it again, and a plain-step estimate from before a spell makes
+        #: the speculative steps during it look like a collapse. It follows the ratio of each step's
+        #: wall time to its prediction (``speed_rate`` of the log ratio per step, one step's ratio
+        #: clipped to [0.5, 2]); the tables keep the shape of the costs.
+        self.speed = 1.0
+        self.speed_rate = 0.3
         self.steps = 0
+
+    def _table_step(self, b: int, k: int, n: int) -> float:
+        return (self.draft.predict(b, k) + self.verify.predict(b, n) + self.commit.predict(b, n)
+                + self.rest.predict(b, n))
 
     def observe(self, b: int, k: int, n: int, draft: float, verify: float, commit: float,
                 total: Optional[float] = None) -> None:
         """One step of b rows, draft depth k, n verified nodes per row, with its phase seconds
-        (``total``: the step's wall time; what the phases do not cover goes to ``rest``). A NaN
-        phase is not observed."""
-        self.draft.observe(b, k, draft)
-        self.verify.observe(b, n, verify)
-        self.commit.observe(b, n, commit)
+        (``total``: the step's wall time; what the phases do not cover goes to ``rest``; a step with
+        a total also updates :attr:`speed`). A NaN phase is not observed."""
+        if total is not None and math.isfinite(total) and total > 0 and self.verify.observed(b, n):
+            pred = self.speed * self._table_step(b, k, n)
+            if pred > 0:
+                r = min(2.0, max(0.5, total / pred))
+                self.speed *= r ** self.speed_rate
+        s = self.speed
+        self.draft.observe(b, k, draft / s)
+        self.verify.observe(b, n, verify / s)
+        self.commit.observe(b, n, commit / s)
         if total is not None:
-            self.rest.observe(b, n, max(0.0, total - draft - verify - commit))
+            self.rest.observe(b, n, max(0.0, total - draft - verify - commit) / s)
         self.steps += 1
 
     def observe_draft(self, b: int, k: int, seconds: float) -> None:
         """Only a draft time: k depths for b rows (the depths after a catch-up forward)."""
-        self.draft.observe(b, k, seconds)
+        self.draft.observe(b, k, seconds / self.speed)
 
     @staticmethod
     def _bucket(positions: int) -> int:
@@ -486,19 +515,18 @@ class CostModel:
         if positions <= 0 or not math.isfinite(seconds) or seconds < 0:
             return
         x = self._bucket(positions)
-        self.catch_up.observe(1, x, seconds * x / positions)
+        self.catch_up.observe(1, x, seconds * x / positions / self.speed)
 
     def catch_up_seconds(self, positions: int) -> float:
         """Predicted seconds of a catch-up over ``positions`` positions (0 until one is observed)."""
         if positions <= 0 or not self.catch_up.cells:
             return 0.0
         x = self._bucket(positions)
-        return self.catch_up.predict(1, x) * positions / x
+        return self.speed * self.catch_up.predict(1, x) * positions / x
 
     def step_seconds(self, b: int, k: int, n: int) -> float:
-        """Predicted wall seconds of one step."""
-        return (self.draft.predict(b, k) + self.verify.predict(b, n) + self.commit.predict(b, n)
-                + self.rest.predict(b, n))
+        """Predicted wall seconds of one step (at the current :attr:`speed`)."""
+        return self.speed * self._table_step(b, k, n)
 
     def plain_seconds(self, b: int) -> float:
         """Predicted wall seconds of a plain step (k = 0, one node per row)."""
@@ -599,7 +627,7 @@ class StepPlan:
     """What a policy decided for one step (per active row, in row order)."""
 
     budgets: List[int]            # draft depth each row may use (handed to the drafter)
-    states: List[str]             # "spec" / "probe" / "fallback" per row
+    states: List[str]             # "spec" / "probe" / "fallback" / "check" per row
     expected: List[float]         # predicted E[T] per row at its budget (1.0 for k = 0)
     k: int = 0                    # the step's depth (max of budgets)
     predicted_ratio: float = 1.0  # predicted goodput of the step / a plain step's
@@ -625,6 +653,7 @@ class _Request:
     window: List[Tuple[int, float, float]] = field(default_factory=list)  # (emitted, seconds, plain seconds)
     hit: float = 1.0              # how often the drafter proposed something when asked (exponential average)
     proven: bool = True           # speculation paid over a full window since the last resume from fallback
+    check: bool = False           # its window's goodput looked collapsed: one plain step re-measures plain
 
 
 class Policy:
@@ -818,7 +847,9 @@ class GoodputPolicy(Policy):
     """Maximise expected emitted tokens per second; fall back to plain decoding when speculation does not pay.
 
     Parameters (besides :class:`Policy`'s): ``collapse_ratio`` (observed goodput ratio below which a
-    request collapses to fallback, over ``window`` speculative steps), ``hysteresis`` (a probe must
+    request collapses to fallback, over ``window`` speculative steps: 8, so that one unlucky deep
+    rejection in a run of accepted steps, which costs a step of twice the price for one token, does
+    not read as a collapse), ``hysteresis`` (a probe must
     predict rho >= 1 + hysteresis to resume), ``max_backoff`` (most steps between probes),
     ``probe_alpha`` (the acceptance a paid probe's depth is chosen for).
     """
@@ -827,7 +858,7 @@ class GoodputPolicy(Policy):
 
     def __init__(self, max_depth: int, width: int = 1, max_nodes: Optional[int] = None,
                  cost: Optional[CostModel] = None, decay: float = 0.8, prior: float = 0.5,
-                 collapse_ratio: float = 0.9, window: int = 4, hysteresis: float = 0.05,
+                 collapse_ratio: float = 0.9, window: int = 8, hysteresis: float = 0.05,
                  max_backoff: int = 64, probe_alpha: float = 0.7) -> None:
         super().__init__(max_depth, width, max_nodes, cost, decay, prior)
         self.probe_alpha = probe_alpha
@@ -879,12 +910,14 @@ class GoodputPolicy(Policy):
                             next_probe_step=req.next_probe)
 
     def _to_fallback(self, rid: int, req: _Request, reason: str, **extra) -> None:
-        old = req.state
+        old = CHECK if req.check else req.state
         req.state = FALLBACK
+        req.check = False
         if req.stats.observations == 0:  # decided on the decoder-wide statistics: inherit their backoff
             req.backoff = max(req.backoff, self.backoff_hint)
         # from now on the request's own evidence only: a probe must show that this request pays
-        req.stats = AcceptanceStats(decay=self.decay, prior=0.0, prior_weight=req.stats.prior_weight)
+        req.stats = AcceptanceStats(decay=self.decay, prior=0.0, prior_weight=req.stats.prior_weight,
+                                    position_weight=req.stats.position_weight)
         req.window = []
         req.next_probe = self.step_index + req.backoff
         self._event(rid, reason, old, FALLBACK, next_probe_step=req.next_probe, **extra)
@@ -898,16 +931,29 @@ class GoodputPolicy(Policy):
             return StepPlan([0] * b, [r.state for r in reqs], [1.0] * b)
         costs = self._costs(b, k_cap)
         curves = [req.stats.expected_curve(k_cap) for req in reqs]
-        # predicted rule: a speculating request whose own best ratio is below 1 falls back
-        for rid, req, curve in zip(request_ids, reqs, curves):
-            if req.state == SPEC:
+        # predicted rule: a speculating request whose own best ratio is below 1 falls back. A young
+        # request (fewer than _YOUNG drafting steps) of a drafter that pays decoder-wide is judged
+        # by the decoder-wide statistics instead: one early rejection (a 1-in-10 event at the w8
+        # draft's acceptance) made its own estimate fall below 1, and the fallback, the probe and
+        # the draft's catch-up after it cost more than the rows' whole speedup.
+        population = None
+        trusted = [False] * b
+        for r, (rid, req, curve) in enumerate(zip(request_ids, reqs, curves)):
+            if req.state == SPEC and not req.check:
                 rho, k = self._rho(curve, costs)
                 if rho < 1.0:
+                    if req.stats.observations < _YOUNG and req.stats.parent is self.global_stats:
+                        if population is None:
+                            population = self._rho(self.global_stats.expected_curve(k_cap), costs)[0]
+                        if population >= 1.0 + self.hysteresis:
+                            trusted[r] = True
+                            continue
                     self._to_fallback(rid, req, f"predicted goodput ratio {rho:.2f} < 1 at best k={k}",
                                       goodput_ratio=rho)
-        curves = [req.stats.expected_curve(k_cap) for req in reqs]  # fallback rows were reset
+        curves = [(self.global_stats if t else req.stats).expected_curve(k_cap)  # fallback rows were reset
+                  for req, t in zip(reqs, trusted)]
         probing = [req.state == FALLBACK and self.step_index >= req.next_probe for req in reqs]
-        spec = [req.state == SPEC for req in reqs]
+        spec = [req.state == SPEC and not req.check for req in reqs]
 
         def total(k: int) -> float:
             return sum(c[min(k, x)] if s else 1.0 for c, s, x in zip(curves, spec, budgets))
@@ -939,19 +985,35 @@ class GoodputPolicy(Policy):
         if best_k > 0 and self._behind is not None and any(self._behind):
             # the drafter must first catch up (a draft model's lazy prompt prefill, the tokens of plain
             # steps): a one-time price that speculating must win back over the tokens these rows
-            # still have to produce. Judged as if the drafter were perfect (every token accepted), so
-            # only a catch-up that cannot pay whatever the acceptance keeps the step plain (measured:
-            # the w8 draft at batch 8, whose first drafting step prefills 8 prompts). Judging it at
-            # the predicted acceptance would be a trap: a row that does not draft falls further
-            # behind, its price grows, its remaining tokens shrink, and it never drafts again.
+            # still have to produce (measured: the w8 draft at batch 8, whose first drafting step
+            # prefills 8 prompts). Judged as if the drafter were perfect (every token accepted), so
+            # only a catch-up that cannot pay whatever the acceptance keeps the step plain: judged at
+            # the predicted acceptance, a row that declines falls further behind, its price grows,
+            # its remaining tokens shrink and it never drafts again, and a decoder whose first
+            # requests decline never learns its acceptance. One exception: once the decoder-wide
+            # statistics have seen _INFORMED drafting request-steps, a step predicted to gain less
+            # than the probes' margin (goodput ratio < 1 + hysteresis) is not worth any catch-up
+            # (measured: the int8 draft at batch 4 prefilled 4 prompts, 0.17 s of a 1.3 s generation,
+            # for a step predicted at ~1.0x); its speculating rows fall back, so that probes (judged
+            # as above, after the backoff) can still find out that the drafter pays.
             price = getattr(self.cost, "catch_up_seconds", lambda n: 0.0)(sum(self._behind))
             if price > 0:
                 perfect = self._perfect_ratio(costs)
+                g_pred = total(best_k) / costs[best_k] if costs[best_k] > 0 else plain_g
                 g = plain_g * perfect
                 left = float(sum(x + 1 for x in budgets))
-                if g <= plain_g or left / g + price >= left / plain_g:
-                    self._skip_probes(request_ids, reqs, probing, f"the drafter's catch-up ({price * 1e3:.1f} ms) "
-                                      f"would not be won back", perfect)
+                why = f"the drafter's catch-up ({price * 1e3:.1f} ms)"
+                if (self.global_stats.observations >= _INFORMED and not any(probing)
+                        and g_pred < plain_g * (1.0 + self.hysteresis)):
+                    for rid, req, s_ in zip(request_ids, reqs, spec):
+                        if s_:
+                            self._to_fallback(rid, req, f"{why} is not worth a predicted goodput ratio "
+                                              f"{g_pred / plain_g:.2f} < {1.0 + self.hysteresis:.2f}",
+                                              goodput_ratio=g_pred / plain_g)
+                    spec = [False] * b
+                    best_k = 0
+                elif g <= plain_g or left / g + price >= left / plain_g:
+                    self._skip_probes(request_ids, reqs, probing, f"{why} would not be won back", perfect)
                     probing = [False] * b
                     best_k = 0
         states, out, expected = [], [], []
@@ -959,6 +1021,9 @@ class GoodputPolicy(Policy):
             k = min(best_k, x)
             if s:
                 states.append(SPEC)
+            elif req.state == SPEC:  # a collapse to confirm: one plain step
+                states.append(CHECK)
+                k = 0
             elif p and best_k > 0:  # a due probe: free when others speculate, paid otherwise
                 states.append(PROBE)
             else:
@@ -1023,17 +1088,35 @@ class GoodputPolicy(Policy):
         for r, rid in enumerate(request_ids):
             req = self.requests[rid]
             state = plan.states[r]
-            if state == SPEC and len(req.window) >= self.window:
+            if state == CHECK and req.check:
+                # The plain step that confirms (or not) a collapse. A step in which no row drafted measured
+                # what a plain step costs now; the window is judged again against that (a shared machine's
+                # slow spell slows plain steps as much as speculative ones, and the cost model's plain
+                # estimate dates from before the window). Otherwise the cost model's estimate stands.
+                fresh = times.total if max(depths, default=0) == 0 else self.cost.plain_seconds(b)
+                tok = sum(w[0] for w in req.window)
+                secs = sum(w[1] for w in req.window)
+                ratio = tok * fresh / secs if secs > 0 else float("inf")
+                if ratio < self.collapse_ratio:
+                    if not req.proven:  # resumed on a probe and collapsed again before paying: probe less often
+                        self._back_off(req)
+                    self._to_fallback(rid, req, f"collapse: observed goodput ratio {ratio:.2f} < "
+                                      f"{self.collapse_ratio} over the last {len(req.window)} speculative steps "
+                                      f"(plain step {fresh * 1e3:.1f} ms)", goodput_ratio=ratio, plain_seconds=fresh)
+                else:
+                    req.check = False
+                    req.window = []
+                    self._event(rid, f"no collapse: goodput ratio {ratio:.2f} >= {self.collapse_ratio} against a "
+                                f"plain step re-measured at {fresh * 1e3:.1f} ms", CHECK, SPEC, goodput_ratio=ratio,
+                                plain_seconds=fresh)
+            elif state == SPEC and len(req.window) >= self.window:
                 tok = sum(w[0] for w in req.window)
                 secs = sum(w[1] for w in req.window)
                 plain = sum(w[2] for w in req.window) / len(req.window)
                 ratio = tok * plain / secs if secs > 0 else float("inf")
                 if ratio < self.collapse_ratio:
-                    if not req.proven:  # resumed on a probe and collapsed again before paying: probe less often
-                        self._back_off(req)
-                    self._to_fallback(rid, req, f"collapse: observed goodput ratio {ratio:.2f} < "
-                                      f"{self.collapse_ratio} over the last {len(req.window)} speculative steps",
-                                      goodput_ratio=ratio)
+                    # the earliest sign of a collapse; a plain step confirms it before the request falls back
+                    req.check = True
                 else:  # speculation has paid over a full window: a later fallback starts its backoff afresh
                     req.backoff = 4
                     req.proven = True

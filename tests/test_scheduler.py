@@ -151,45 +151,60 @@ def test_plan_tree_is_optimal_for_small_budgets(budget):
 
 # ============================================================================ acceptance statistics
 def test_acceptance_stats_positions_prior_and_decay():
-    st = AcceptanceStats(decay=1.0, prior=0.5, prior_weight=1.0)
+    st = AcceptanceStats(decay=1.0, prior=0.5, prior_weight=1.0, position_weight=1.0)
     assert st.alpha(0) == 0.5 and st.expected(2) == pytest.approx(1.75)
     st.observe(depth=4, accepted=2)   # positions 1, 2 accepted, 3 rejected, 4 not reached
     assert st.trials == [1.0, 1.0, 1.0] and st.hits == [1.0, 1.0, 0.0]
-    # position 0's prior is `prior`, deeper positions' the estimate of the position before
-    assert st.alpha(0) == pytest.approx(0.75) and st.alpha(1) == pytest.approx((1.0 + 0.75) / 2.0)
-    assert st.alpha(2) == pytest.approx((0.0 + 0.875) / 2.0)
-    assert st.alpha(5) == pytest.approx(st.alpha(2))  # deeper than observed: the deepest estimate
+    # the level pools the positions (2 hits of 3 trials) with the prior; each position shrinks to it
+    assert st.level() == pytest.approx((2.0 + 0.5) / (3.0 + 1.0))
+    assert st.alpha(0) == pytest.approx((1.0 + 0.625) / 2.0) and st.alpha(1) == pytest.approx(st.alpha(0))
+    assert st.alpha(2) == pytest.approx((0.0 + 0.625) / 2.0)
+    assert st.alpha(5) == pytest.approx(st.level())  # never observed: the level
     assert st.alphas(6) == pytest.approx([st.alpha(i) for i in range(6)])
     st.observe(depth=3, accepted=3)
     assert st.hits == [2.0, 2.0, 1.0] and st.trials == [2.0, 2.0, 2.0]
-    decayed = AcceptanceStats(decay=0.5, prior=0.5, prior_weight=1.0)
+    decayed = AcceptanceStats(decay=0.5, prior=0.5, prior_weight=1.0, position_weight=1.0)
     for a in (0, 0, 0, 3):
         decayed.observe(3, a)
-    # after three misses then a hit at position 1: hits 1, trials 0.5^3 + 0.5^2 + 0.5 + 1 = 1.875
-    assert decayed.alpha(0) == pytest.approx((1.0 + 0.5) / (1.875 + 1.0))
+    # three misses at position 1, then a hit at every position: position 1 holds hits 1 of trials
+    # 0.5^3 + 0.5^2 + 0.5 + 1 = 1.875, positions 2 and 3 one hit each
+    level = (3.0 + 0.5) / (1.875 + 2.0 + 1.0)
+    assert decayed.level() == pytest.approx(level)
+    assert decayed.alpha(0) == pytest.approx((1.0 + level) / (1.875 + 1.0))
     child = AcceptanceStats(parent=st)
-    assert child.alpha(0) == pytest.approx(st.alpha(0))
+    assert child.level() == pytest.approx(st.level()) and child.alpha(3) == pytest.approx(st.level())
     child.observe(2, 0)
     assert st.trials[0] == 3.0  # observations reach the parent too
+    with pytest.raises(ValueError, match="position_weight"):
+        AcceptanceStats(position_weight=-1.0)
 
 
 def test_acceptance_stats_stale_positions_recover():
-    """One early rejection at a deep position must not keep deeper drafts looking bad once the
-    policy stops drafting that deep: unreached positions lose weight, and their prior is the
-    estimate of the position before (a trap seen with the w8 draft: k stuck at 2-3 after the
-    first step's k = 8 draft was rejected at position 4)."""
-    st = AcceptanceStats(decay=0.8, prior=0.5, prior_weight=0.5)
-    st.observe(depth=8, accepted=3)           # position 4 rejected once
-    assert st.alpha(3) < 0.35
-    for _ in range(12):                       # then only depth-3 drafts, all accepted
-        st.observe(depth=3, accepted=3)
-    assert st.alpha(2) > 0.9
-    assert st.alpha(3) > 0.8 and st.alpha(6) == pytest.approx(st.alpha(3))
-    child = AcceptanceStats(parent=st)
-    child.observe(depth=2, accepted=2)
-    # deeper than the child observed: its deepest estimate, capped where the parent has evidence
-    assert child.alpha(3) == pytest.approx(min(child.alpha(1), st.alpha(3)))
-    assert not st._observed(7) and child.alpha(7) == pytest.approx(child.alpha(1))  # the parent never saw it
+    """One unlucky rejection at a deep position must not keep deeper drafts looking bad once the
+    policy drafts shallower and stops observing it (the trap seen with the w8 draft: k = 5 rejected
+    at position 3, then k = 2 for a dozen steps with every drafted token accepted): the position is
+    shrunk towards the request's pooled acceptance, which the accepted positions lift."""
+    per_position = AcceptanceStats(decay=0.8, prior=0.5, prior_weight=0.5, position_weight=0.0)
+    pooled = AcceptanceStats(decay=0.8, prior=0.5, prior_weight=0.5)
+    for st in (per_position, pooled):
+        st.observe(depth=5, accepted=2)
+    assert per_position.alpha(2) == 0.0 and 0.3 < pooled.alpha(2) < 0.6
+    for _ in range(3):
+        for st in (per_position, pooled):
+            st.observe(depth=2, accepted=2)
+    assert per_position.alpha(2) == 0.0          # evidence decays, but the ratio stays what it was
+    assert pooled.alpha(2) > 0.7 and pooled.alpha(0) > 0.95
+    assert pooled.alpha(6) == pytest.approx(pooled.level()) and pooled.level() > 0.85
+    # a request seeded from decoder-wide statistics: its level starts at theirs
+    root = AcceptanceStats(decay=0.9, prior=0.5, prior_weight=1.0)
+    for _ in range(10):
+        root.observe(depth=4, accepted=3)
+    child = AcceptanceStats(parent=root)
+    assert child.alphas(3) == pytest.approx([root.level()] * 3)
+    child.observe(depth=5, accepted=2)
+    for _ in range(3):
+        child.observe(depth=2, accepted=2)
+    assert child.alpha(2) > 0.7
 
 
 def test_acceptance_stats_tree_depth_rank():
@@ -253,6 +268,33 @@ def test_cost_model_cells_interpolation_and_fit():
 def _best_k(alpha: float, cost: SyntheticCost, b: int, k_max: int) -> int:
     g = [b * expected_tokens(alpha, k) / cost.step_seconds(b, k, 1 + k) for k in range(k_max + 1)]
     return max(range(k_max + 1), key=lambda k: (g[k], -k))
+
+
+def test_cost_model_speed_factor_follows_slow_spells():
+    """A slow spell of a shared machine slows every kind of step: the speed factor carries it to the
+    cells not measured during the spell (the plain step's estimate rises with the speculative steps,
+    and falls back with the steps measured after it)."""
+    cm = CostModel()
+
+    def step(k, seconds):  # verify is the whole step: draft and commit free
+        cm.observe(1, k, k + 1, 0.0, seconds, 0.0, seconds)
+
+    for _ in range(20):
+        step(0, 1.0)
+        step(2, 2.0)
+        step(4, 3.0)
+    assert cm.speed == pytest.approx(1.0) and cm.step_seconds(1, 2, 3) == pytest.approx(2.0)
+    for _ in range(6):  # a spell at half speed, drafting at k = 2 only
+        step(2, 4.0)
+    assert cm.plain_seconds(1) > 1.4 and cm.step_seconds(1, 4, 5) > 4.2
+    for _ in range(6):  # the spell ends; k = 2 and plain steps are measured again, k = 4 is not
+        step(2, 2.0)
+        step(0, 1.0)
+    assert cm.plain_seconds(1) == pytest.approx(1.0, rel=0.1)
+    assert cm.step_seconds(1, 4, 5) == pytest.approx(3.0, rel=0.15)
+    cm2 = CostModel()
+    cm2.observe(1, 0, 1, 0.0, 1.0, 0.0, 1.0)
+    assert cm2.speed == 1.0  # the first observation of a cell has no prediction to compare with
 
 
 @pytest.mark.parametrize("alpha", [0.5, 0.7, 0.85, 0.95])
@@ -361,19 +403,47 @@ def test_goodput_closed_batch_plans_for_its_slowest_row():
 
 
 def test_goodput_collapse_on_observed_goodput():
-    """Acceptance stays high but the steps take 3x what the cost model says: the observed window fires."""
+    """Acceptance stays high but speculative steps take 3x what the cost model says while plain steps
+    take what it says: the observed window fires, one plain step re-measures plain, and the
+    request falls back."""
     pol = GoodputPolicy(max_depth=4, cost=flat_cost(), window=3)
     pol.begin(1)
     pol._request(0).stats = FixedAlpha(0.9)
-    for s in range(6):
+    states = []
+    for s in range(8):
         plan = pol.plan([0], [100])
         k = plan.k
-        pol.observe(plan, [0], pol.nodes(k), [k], [k], [1], [2], StepTimes(0.0, 0.0, 0.0, 3.0))
+        states.append(plan.states[0])
+        pol.observe(plan, [0], pol.nodes(k), [k], [k], [1 if k else 0], [2 if k else 1],
+                    StepTimes(0.0, 0.0, 0.0, 3.0 if k else 1.0))
         if pol.events:
             break
+    assert states == ["spec", "spec", "spec", "check"]  # the window of 3 fires, then one plain step
     ev = pol.events[0]
     assert ev["reason"].startswith("collapse: observed goodput ratio") and ev["new_state"] == "fallback"
-    assert ev["step"] == 2 and ev["goodput_ratio"] == pytest.approx(2 * 3 * flat_cost().plain_seconds(1) / 9.0)
+    assert ev["old_state"] == "check" and ev["step"] == 3 and ev["plain_seconds"] == 1.0
+    assert ev["goodput_ratio"] == pytest.approx(2 * 3 * 1.0 / 9.0)
+
+
+def test_goodput_slow_spell_is_not_a_collapse():
+    """Every step, plain ones included, takes 3x what the cost model says (a slow spell of a shared
+    machine): the window looks collapsed against the stale plain estimate, but the plain step that
+    re-measures plain clears it and the request keeps speculating."""
+    pol = GoodputPolicy(max_depth=4, cost=flat_cost(), window=3)
+    pol.begin(1)
+    pol._request(0).stats = FixedAlpha(0.9)
+    states = []
+    for s in range(12):
+        plan = pol.plan([0], [100])
+        k = plan.k
+        states.append(plan.states[0])
+        pol.observe(plan, [0], pol.nodes(k), [k], [k], [1 if k else 0], [2 if k else 1], StepTimes(0.0, 0.0, 0.0, 3.0))
+    assert states[:4] == ["spec", "spec", "spec", "check"] and states[4:8] == ["spec", "spec", "spec", "check"]
+    assert [e["new_state"] for e in pol.events] == ["spec"] * 3
+    ev = pol.events[0]
+    assert ev["reason"].startswith("no collapse") and ev["old_state"] == "check" and ev["step"] == 3
+    assert ev["goodput_ratio"] == pytest.approx(2 * 3 * 3.0 / 9.0) and ev["plain_seconds"] == 3.0
+    assert pol.summary()["fallback_request_steps"] == 0
 
 
 def test_goodput_lucky_probes_followed_by_collapses_back_off():
@@ -424,6 +494,34 @@ def test_goodput_weighs_the_drafters_catch_up():
     cm2 = CostModel()
     cm2.load_state_dict(json.loads(json.dumps(cm.state_dict())))
     assert cm2.catch_up_seconds(10) == pytest.approx(cm.catch_up_seconds(10))
+
+
+def test_goodput_marginal_step_pays_no_catch_up_once_informed():
+    """Once the decoder-wide statistics have seen enough drafting, a step predicted to gain less than
+    the probes' margin pays no catch-up: its rows fall back (probes, judged as if the drafter were
+    perfect, can still pick it up). Before that, or with a clear predicted gain, only a catch-up
+    that even a perfect drafter could not win back keeps the step plain."""
+    class PricedCatchUp(SyntheticCost):
+        def catch_up_seconds(self, positions):
+            return 0.01 * positions
+
+    def plan_for(observations, draft_cost):
+        cost = PricedCatchUp(lambda b, n: 1.0 + 0.05 * (n - 1), lambda b, k: draft_cost * k)
+        pol = GoodputPolicy(max_depth=6, cost=cost)
+        pol.begin(2)
+        pol.global_stats.observations = observations
+        for rid in (0, 1):
+            pol._request(rid).stats = FixedAlpha(0.6)
+        return pol, pol.plan([0, 1], [40] * 2, behind=[40, 40])
+
+    pol, plan = plan_for(0, 0.5)  # a slow draft: predicted ~1.02x per step
+    assert plan.k > 0 and plan.states == ["spec", "spec"] and 1.0 < plan.predicted_ratio < 1.05
+    pol, plan = plan_for(16, 0.5)
+    assert plan.k == 0 and plan.states == ["fallback", "fallback"]
+    assert [e["new_state"] for e in pol.events] == ["fallback", "fallback"]
+    assert "catch-up" in pol.events[0]["reason"] and "predicted goodput ratio 1.0" in pol.events[0]["reason"]
+    pol, plan = plan_for(16, 0.1)  # a fast draft: a clear predicted gain pays the catch-up
+    assert plan.k > 0 and plan.predicted_ratio > 1.2 and not pol.events
 
 
 def test_draft_model_reports_its_pending_catch_up(toy):
