@@ -35,10 +35,10 @@ table with timed target forwards, so the first call need not explore.
 Acceptance (:class:`AcceptanceStats`, one per request, seeded from a decoder-wide one):
 ``alpha[i]`` = P(draft position i + 1 accepted | position i accepted and i + 1 drafted),
 exponentially weighted (decay per observation; positions a step did not reach lose weight
-too), each position shrunk towards the request's acceptance pooled over positions (its level,
-itself shrunk towards the decoder-wide level with ``prior_weight`` pseudo observations), so
-positions never observed, or not lately, sit at what the request's accepted positions say
-instead of at a few old trials that would keep deeper drafts from ever being tried again. For trees the same statistic
+too) with a prior of ``prior_weight`` pseudo observations at the decoder-wide estimate (for the
+decoder-wide statistics themselves: position i's prior is position i - 1's estimate, so deeper
+positions never observed, or not lately, extrapolate the shallower ones instead of sitting at a
+fixed prior that would keep deeper drafts from ever being tried). For trees the same statistic
 is kept per depth
 (positions = depths of the accepted path; it already accounts for the siblings of that
 shape) and per (depth, sibling rank) for tree planners (:func:`plan_tree`).
@@ -196,27 +196,22 @@ def plan_tree(accept_by_rank, max_nodes: int, max_depth: int = 64) -> Tuple[List
 class AcceptanceStats:
     """Exponentially weighted acceptance by draft position (and by tree depth / sibling rank).
 
-    hits_i / trials_i (i = 0 for the first draft position) decay by ``decay`` at every observation
-    (of every position: a position the step did not reach keeps its ratio but loses weight). The
-    request's *level* is its acceptance pooled over positions, shrunk towards the parent's level
-    (a decoder-wide :class:`AcceptanceStats`) or, for a root, ``prior``, with weight
-    ``prior_weight``; each position's estimate is its own ratio shrunk towards that level with
-    weight ``position_weight`` (see :meth:`alphas`).
+    ``alpha(i)`` (i = 0 for the first draft position) = (hits_i + w * prior_i) / (trials_i + w),
+    where hits / trials decay by ``decay`` at every observation (of every position: a position the
+    step did not reach keeps its ratio but loses weight) and prior_i is the parent statistics'
+    estimate (a decoder-wide :class:`AcceptanceStats`), or for a root ``prior`` at position 0 and
+    the estimate of position i - 1 deeper (see :meth:`alphas`).
     """
 
     def __init__(self, decay: float = 0.8, prior: float = 0.5, prior_weight: float = 0.5,
-                 parent: Optional["AcceptanceStats"] = None, position_weight: float = 2.0) -> None:
+                 parent: Optional["AcceptanceStats"] = None) -> None:
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"AcceptanceStats: decay must lie in (0, 1], got {decay}")
         if not 0.0 <= prior <= 1.0:
             raise ValueError(f"AcceptanceStats: prior must lie in [0, 1], got {prior}")
-        if prior_weight < 0 or position_weight < 0:
-            raise ValueError(f"AcceptanceStats: prior_weight and position_weight must be >= 0, got "
-                             f"{prior_weight} and {position_weight}")
         self.decay = decay
         self.prior = prior
         self.prior_weight = prior_weight
-        self.position_weight = float(position_weight)
         self.parent = parent
         self.hits: List[float] = []
         self.trials: List[float] = []
@@ -230,42 +225,45 @@ class AcceptanceStats:
         self.tree_hits, self.tree_trials = {}, {}
         self.observations = 0
 
-    def level(self) -> float:
-        """Acceptance pooled over draft positions: (sum hits + w * prior) / (sum trials + w), prior =
-        the parent's level or ``prior``, w = ``prior_weight``."""
-        prior = self.parent.level() if self.parent is not None else self.prior
-        t = sum(self.trials) + self.prior_weight
-        return (sum(self.hits) + self.prior_weight * prior) / t if t > 0 else prior
-
     def alphas(self, k: int) -> List[float]:
         """[alpha(0), ..., alpha(k - 1)]: P(draft position i + 1 accepted | position i accepted).
 
-        alpha(i) = (hits_i + W * level) / (trials_i + W), W = ``position_weight``, level = the
-        request's acceptance pooled over positions (:meth:`level`); a position never observed is at
-        the level. Acceptance by position is roughly flat for a given request, so a position's own
-        evidence refines the level rather than replacing it: a position is observed only when
-        every position before it was accepted, and the policy then drafts shallower, so an
-        estimate made from that position's few trials alone is a trap. Measured with the w8 draft:
-        one unlucky rejection at position 3 of a k = 5 draft made alpha(2) ~0.2 (its own miss
-        against a prior of weight 0.5), and the request stayed at k = 2 for a dozen steps in which
-        every drafted token was accepted, never observing position 3 again. Pooled, the accepted
-        shallower positions lift the level, and with it the deeper estimates, until the policy
-        drafts deeper and observes them.
+        alpha(i) = (hits_i + w * prior_i) / (trials_i + w). The prior of position 0 is the parent's
+        estimate (a decoder-wide :class:`AcceptanceStats`) or ``prior``; deeper positions of a root
+        statistics take the estimate of the position before as their prior (acceptance by position
+        is roughly flat), so a position never observed, or observed long ago (its evidence decays
+        while it is not observed, see :meth:`observe`), extrapolates the shallower ones. Capping
+        such positions at a fixed prior would be a trap: a policy that drafts k = 2 never observes
+        position 4 again, so one early rejection there would keep every deeper draft looking bad.
+        A request's statistics with a parent use the parent's estimate of each position as its
+        prior; deeper than the request has observed, its deepest estimate, capped by the parent's
+        where the parent has evidence there (other requests drafted that deep).
         """
-        level = self.level()
-        w = self.position_weight
+        w = self.prior_weight
+        pa = self.parent.alphas(k) if self.parent is not None else None
         n = len(self.trials)
         out: List[float] = []
         for i in range(k):
-            if i < n and self.trials[i] + w > 0:
-                out.append((self.hits[i] + w * level) / (self.trials[i] + w))
+            if pa is not None:
+                prior = pa[i]
             else:
-                out.append(level)
+                prior = out[-1] if out else self.prior
+            if i < n:
+                a = (self.hits[i] + w * prior) / (self.trials[i] + w)
+            elif pa is None or n == 0:
+                a = prior
+            else:
+                own = out[n - 1]
+                a = min(own, prior) if self.parent._observed(i) else own
+            out.append(a)
         return out
 
     def alpha(self, i: int) -> float:
         """P(draft position i + 1 accepted | position i accepted), 0-based i (see :meth:`alphas`)."""
         return self.alphas(i + 1)[i]
+
+    def _observed(self, i: int) -> bool:
+        return i < len(self.trials) and self.trials[i] > 1e-3
 
     def expected(self, k: int) -> float:
         """E[T] of a depth-k draft with these statistics."""
@@ -916,8 +914,7 @@ class GoodputPolicy(Policy):
         if req.stats.observations == 0:  # decided on the decoder-wide statistics: inherit their backoff
             req.backoff = max(req.backoff, self.backoff_hint)
         # from now on the request's own evidence only: a probe must show that this request pays
-        req.stats = AcceptanceStats(decay=self.decay, prior=0.0, prior_weight=req.stats.prior_weight,
-                                    position_weight=req.stats.position_weight)
+        req.stats = AcceptanceStats(decay=self.decay, prior=0.0, prior_weight=req.stats.prior_weight)
         req.window = []
         req.next_probe = self.step_index + req.backoff
         self._event(rid, reason, old, FALLBACK, next_probe_step=req.next_probe, **extra)
