@@ -387,22 +387,29 @@ def test_goodput_closed_batch_plans_for_its_slowest_row():
     assert [p.k for p in drive(True, [0])] == [p.k for p in drive(False, [0])]
 
 
-def test_goodput_collapse_on_observed_goodput():
-    """Acceptance stays high but speculative steps take 3x what the cost model says while plain steps
-    take what it says: the observed window fires, one plain step re-measures plain, and the
-    request falls back."""
+def _drive_high_acceptance(steps: int, spec_seconds: float, plain_seconds: float, stop_at_event: bool):
+    """A request at alpha 0.9 on the flat synthetic costs, one token accepted per speculative step,
+    each step timed at spec_seconds (drafting) or plain_seconds (k = 0). Returns (policy, states)."""
     pol = GoodputPolicy(max_depth=4, cost=flat_cost(), window=3)
     pol.begin(1)
     pol._request(0).stats = FixedAlpha(0.9)
     states = []
-    for s in range(8):
+    for _ in range(steps):
         plan = pol.plan([0], [100])
         k = plan.k
         states.append(plan.states[0])
         pol.observe(plan, [0], pol.nodes(k), [k], [k], [1 if k else 0], [2 if k else 1],
-                    StepTimes(0.0, 0.0, 0.0, 3.0 if k else 1.0))
-        if pol.events:
+                    StepTimes(0.0, 0.0, 0.0, spec_seconds if k else plain_seconds))
+        if stop_at_event and pol.events:
             break
+    return pol, states
+
+
+def test_goodput_collapse_on_observed_goodput():
+    """Acceptance stays high but speculative steps take 3x what the cost model says while plain steps
+    take what it says: the observed window fires, one plain step re-measures plain, and the
+    request falls back."""
+    pol, states = _drive_high_acceptance(8, 3.0, 1.0, stop_at_event=True)
     assert states == ["spec", "spec", "spec", "check"]  # the window of 3 fires, then one plain step
     ev = pol.events[0]
     assert ev["reason"].startswith("collapse: observed goodput ratio") and ev["new_state"] == "fallback"
@@ -414,15 +421,7 @@ def test_goodput_slow_spell_is_not_a_collapse():
     """Every step, plain ones included, takes 3x what the cost model says (a slow spell of a shared
     machine): the window looks collapsed against the stale plain estimate, but the plain step that
     re-measures plain clears it and the request keeps speculating."""
-    pol = GoodputPolicy(max_depth=4, cost=flat_cost(), window=3)
-    pol.begin(1)
-    pol._request(0).stats = FixedAlpha(0.9)
-    states = []
-    for s in range(12):
-        plan = pol.plan([0], [100])
-        k = plan.k
-        states.append(plan.states[0])
-        pol.observe(plan, [0], pol.nodes(k), [k], [k], [1 if k else 0], [2 if k else 1], StepTimes(0.0, 0.0, 0.0, 3.0))
+    pol, states = _drive_high_acceptance(12, 3.0, 3.0, stop_at_event=False)
     assert states[:4] == ["spec", "spec", "spec", "check"] and states[4:8] == ["spec", "spec", "spec", "check"]
     assert [e["new_state"] for e in pol.events] == ["spec"] * 3
     ev = pol.events[0]
