@@ -434,6 +434,12 @@ class _CostTable:
                 est = min(est, hi[0][1])
         return max(est, 0.0)
 
+    def scale(self, factor: float) -> None:
+        """Multiply every cell's mean by ``factor`` (counts unchanged)."""
+        for cell in self.cells.values():
+            cell[0] *= factor
+        self._dirty = True
+
     def observed(self, b: Optional[int] = None, x: Optional[int] = None) -> bool:
         return any((b is None or bb == b) and (x is None or xx == x) for bb, xx in self.cells)
 
@@ -472,7 +478,10 @@ class CostModel:
         #: picks it and never measures it again, and a plain-step estimate from before a spell makes
         #: the speculative steps during it look like a collapse. It follows the ratio of each step's
         #: wall time to its prediction (``speed_rate`` of the log ratio per step, one step's ratio
-        #: clipped to [0.5, 2]); the tables keep the shape of the costs.
+        #: clipped to [0.5, 2]); the tables keep the shape of the costs. Only the product of the two
+        #: is identified (the tables keep learning), so the factor wanders; it is folded into the
+        #: tables whenever it leaves [0.25, 4] and before a state_dict, which leaves every prediction
+        #: unchanged (the updates are invariant under that rescaling).
         self.speed = 1.0
         self.speed_rate = 0.3
         self.steps = 0
@@ -491,6 +500,8 @@ class CostModel:
             if pred > 0:
                 r = min(2.0, max(0.5, total / pred))
                 self.speed *= r ** self.speed_rate
+                if not 0.25 <= self.speed <= 4.0:
+                    self._fold_speed()
         s = self.speed
         self.draft.observe(b, k, draft / s)
         self.verify.observe(b, n, verify / s)
@@ -533,7 +544,14 @@ class CostModel:
     def knows_plain(self) -> bool:
         return self.verify.observed(x=1)
 
+    def _fold_speed(self) -> None:
+        """Fold the speed factor into the tables (predictions unchanged) and reset it to 1."""
+        for name in ("draft", "verify", "commit", "rest", "catch_up"):
+            getattr(self, name).scale(self.speed)
+        self.speed = 1.0
+
     def state_dict(self) -> Dict[str, object]:
+        self._fold_speed()  # the tables then hold wall seconds at the current speed
         return {name: getattr(self, name).state() for name in ("draft", "verify", "commit", "rest", "catch_up")}
 
     def load_state_dict(self, state: Dict[str, object]) -> None:

@@ -280,6 +280,19 @@ def test_cost_model_speed_factor_follows_slow_spells():
     cm2 = CostModel()
     cm2.observe(1, 0, 1, 0.0, 1.0, 0.0, 1.0)
     assert cm2.speed == 1.0  # the first observation of a cell has no prediction to compare with
+    # only the product of speed and tables is identified: the factor is folded into the tables (when
+    # it wanders out of [0.25, 4], and for a state_dict) without changing a prediction
+    assert cm.speed != 1.0
+    want = [cm.step_seconds(b, k, k + 1) for b, k in ((1, 0), (1, 2), (1, 4))]
+    state = json.loads(json.dumps(cm.state_dict()))
+    assert cm.speed == 1.0 and [cm.step_seconds(b, k, k + 1) for b, k in ((1, 0), (1, 2), (1, 4))] == pytest.approx(want)
+    cm3 = CostModel()
+    cm3.load_state_dict(state)
+    assert [cm3.step_seconds(b, k, k + 1) for b, k in ((1, 0), (1, 2), (1, 4))] == pytest.approx(want)
+    for i in range(400):  # a machine that keeps slowing down
+        step(2, 2.0 * 1.01 ** i)
+        assert 0.25 <= cm.speed <= 4.0
+    assert cm.step_seconds(1, 2, 3) == pytest.approx(2.0 * 1.01 ** 400, rel=0.1)
 
 
 @pytest.mark.parametrize("alpha", [0.5, 0.7, 0.85, 0.95])
