@@ -554,7 +554,7 @@ class Engine:
         t_prev = self._t_prev if self._t_prev is not None else time.perf_counter()
         c0 = clock.mark()
         behind = None
-        pending = getattr(drafter, "pending_catch_up", None) if self.scheduler.name == "goodput" else None
+        pending = getattr(drafter, "pending_catch_up", None) if getattr(self.scheduler, "uses_catch_up", False) else None
         if pending is not None:
             try:  # advisory: a drafter whose report fails (or is malformed) is planned without it
                 behind = [max(0, int(x)) for x in pending([len(r.seq) for r in reqs])]

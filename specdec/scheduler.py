@@ -662,14 +662,13 @@ class StepTimes:
 @dataclass
 class _Request:
     stats: AcceptanceStats
-    state: str = SPEC
+    state: str = SPEC             # SPEC, FALLBACK, or CHECK (its window's goodput looked collapsed: one plain step)
     k: int = 0                    # heuristic policy: current depth
     backoff: int = 4
     next_probe: int = 0
     window: List[Tuple[int, float, float]] = field(default_factory=list)  # (emitted, seconds, plain seconds)
     hit: float = 1.0              # how often the drafter proposed something when asked (exponential average)
     proven: bool = True           # speculation paid over a full window since the last resume from fallback
-    check: bool = False           # its window's goodput looked collapsed: one plain step re-measures plain
 
 
 class Policy:
@@ -680,6 +679,7 @@ class Policy:
     """
 
     name = "base"
+    uses_catch_up = False  # whether plan() reads ``behind`` (the engine asks the drafter only then)
 
     def __init__(self, max_depth: int, width: int = 1, max_nodes: Optional[int] = None,
                  cost: Optional[CostModel] = None, decay: float = 0.8, prior: float = 0.5) -> None:
@@ -871,6 +871,7 @@ class GoodputPolicy(Policy):
     """
 
     name = "goodput"
+    uses_catch_up = True
 
     def __init__(self, max_depth: int, width: int = 1, max_nodes: Optional[int] = None,
                  cost: Optional[CostModel] = None, decay: float = 0.8, prior: float = 0.5,
@@ -925,10 +926,15 @@ class GoodputPolicy(Policy):
                 self._event(rid, f"probe skipped: {why}", FALLBACK, FALLBACK, goodput_ratio=ratio,
                             next_probe_step=req.next_probe)
 
+    @staticmethod
+    def _window_ratio(req: _Request, plain: float) -> float:
+        """Observed goodput ratio of the request's window: tokens emitted * plain step seconds / seconds."""
+        secs = sum(w[1] for w in req.window)
+        return sum(w[0] for w in req.window) * plain / secs if secs > 0 else float("inf")
+
     def _to_fallback(self, rid: int, req: _Request, reason: str, **extra) -> None:
-        old = CHECK if req.check else req.state
+        old = req.state
         req.state = FALLBACK
-        req.check = False
         if req.stats.observations == 0:  # decided on the decoder-wide statistics: inherit their backoff
             req.backoff = max(req.backoff, self.backoff_hint)
         # from now on the request's own evidence only: a probe must show that this request pays
@@ -954,7 +960,7 @@ class GoodputPolicy(Policy):
         population = None
         trusted = [False] * b
         for r, (rid, req, curve) in enumerate(zip(request_ids, reqs, curves)):
-            if req.state == SPEC and not req.check:
+            if req.state == SPEC:
                 rho, k = self._rho(curve, costs)
                 if rho < 1.0:
                     if req.stats.observations < _YOUNG and req.stats.parent is self.global_stats:
@@ -968,7 +974,7 @@ class GoodputPolicy(Policy):
         curves = [(self.global_stats if t else req.stats).expected_curve(k_cap)  # fallback rows were reset
                   for req, t in zip(reqs, trusted)]
         probing = [req.state == FALLBACK and self.step_index >= req.next_probe for req in reqs]
-        spec = [req.state == SPEC and not req.check for req in reqs]
+        spec = [req.state == SPEC for req in reqs]
 
         def total(k: int) -> float:
             return sum(c[min(k, x)] if s else 1.0 for c, s, x in zip(curves, spec, budgets))
@@ -1036,7 +1042,7 @@ class GoodputPolicy(Policy):
             k = min(best_k, x)
             if s:
                 states.append(SPEC)
-            elif req.state == SPEC:  # a collapse to confirm: one plain step
+            elif req.state == CHECK:  # a collapse to confirm: one plain step
                 states.append(CHECK)
                 k = 0
             elif p and best_k > 0:  # a due probe: free when others speculate, paid otherwise
@@ -1103,15 +1109,13 @@ class GoodputPolicy(Policy):
         for r, rid in enumerate(request_ids):
             req = self.requests[rid]
             state = plan.states[r]
-            if state == CHECK and req.check:
+            if state == CHECK and req.state == CHECK:
                 # The plain step that confirms (or not) a collapse. A step in which no row drafted measured
                 # what a plain step costs now; the window is judged again against that (a shared machine's
                 # slow spell slows plain steps as much as speculative ones, and the cost model's plain
                 # estimate dates from before the window). Otherwise the cost model's estimate stands.
                 fresh = times.total if max(depths, default=0) == 0 else self.cost.plain_seconds(b)
-                tok = sum(w[0] for w in req.window)
-                secs = sum(w[1] for w in req.window)
-                ratio = tok * fresh / secs if secs > 0 else float("inf")
+                ratio = self._window_ratio(req, fresh)
                 if ratio < self.collapse_ratio:
                     if not req.proven:  # resumed on a probe and collapsed again before paying: probe less often
                         self._back_off(req)
@@ -1119,19 +1123,16 @@ class GoodputPolicy(Policy):
                                       f"{self.collapse_ratio} over the last {len(req.window)} speculative steps "
                                       f"(plain step {fresh * 1e3:.1f} ms)", goodput_ratio=ratio, plain_seconds=fresh)
                 else:
-                    req.check = False
+                    req.state = SPEC
                     req.window = []
                     self._event(rid, f"no collapse: goodput ratio {ratio:.2f} >= {self.collapse_ratio} against a "
                                 f"plain step re-measured at {fresh * 1e3:.1f} ms", CHECK, SPEC, goodput_ratio=ratio,
                                 plain_seconds=fresh)
             elif state == SPEC and len(req.window) >= self.window:
-                tok = sum(w[0] for w in req.window)
-                secs = sum(w[1] for w in req.window)
-                plain = sum(w[2] for w in req.window) / len(req.window)
-                ratio = tok * plain / secs if secs > 0 else float("inf")
+                ratio = self._window_ratio(req, sum(w[2] for w in req.window) / len(req.window))
                 if ratio < self.collapse_ratio:
                     # the earliest sign of a collapse; a plain step confirms it before the request falls back
-                    req.check = True
+                    req.state = CHECK
                 else:  # speculation has paid over a full window: a later fallback starts its backoff afresh
                     req.backoff = 4
                     req.proven = True
