@@ -74,6 +74,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=2, help="prompts per set (units at batch 1)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="at batch > 1 (one unit per round): runs of plain and the goodput methods per round")
     ap.add_argument("--max-new-tokens", type=int, default=40)
     ap.add_argument("--lookup-ks", default="3,6,10")
     ap.add_argument("--w8-ks", default="2,4,8")
@@ -93,7 +95,7 @@ def main() -> int:
         runs = {s: [m for m in ms if m.split(":")[0].split("@")[0] in keep] for s, ms in runs.items()}
         runs = {s: ms for s, ms in runs.items() if ms}
     result = run_bench(runs, [int(b) for b in args.batches.split(",")], rounds=args.rounds,
-                       prompts_per_set=args.prompts, max_new_tokens=args.max_new_tokens)
+                       prompts_per_set=args.prompts, max_new_tokens=args.max_new_tokens, repeats=args.repeats)
     result["targets"] = check_targets(result)
     print(format_table(result))
     print("\ntargets:")

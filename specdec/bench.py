@@ -8,6 +8,13 @@ to back, in an order rotated from unit to unit, so that drifts of a shared machi
 methods alike. Ratios are medians of per-unit ratios against the plain run of the same unit
 and round.
 
+Adaptive methods decide from what they measure, so their ratio to plain decoding sits near 1
+exactly where a shared machine's noise (about +-10 % per run) is largest; at batch > 1 a round
+has one unit, so ``repeats`` (``--repeats``) runs plain and the adaptive methods (goodput,
+heuristic) that many times per unit and round, each repetition a fresh rotated pair set, and
+their ratios are taken per repetition against the plain run of the same repetition. Fixed-k
+methods run once per unit and round (their ratios against the first repetition's plain run).
+
 Methods are written ``drafter[:k][@policy]``: ``plain``, ``lookup:10@fixed``, ``w8@goodput``
 (k = the drafter's largest depth, the policy picks below it), ``random:8@fixed``, ``hf`` (the
 transformers model's ``generate``, batch 1 only). Drafters: ``lookup`` (PromptLookup),
@@ -229,13 +236,15 @@ def _loadavg():
 # ============================================================================ the run
 def run_bench(runs: Dict[str, List[str]], batches: Sequence[int], rounds: int = 2, prompts_per_set: int = 3,
               max_new_tokens: int = 48, model_name: str = "smollm2-135m", progress: bool = True,
-              trace_dir: Optional[str] = None) -> Dict[str, object]:
+              trace_dir: Optional[str] = None, repeats: int = 1) -> Dict[str, object]:
     """Run the workloads; returns the JSON-ready result (see the module docstring)."""
     from specdec.decoding import SpeculativeDecoder
     from specdec.drafters import DraftModel, PromptLookup
     from specdec.models.bundled import load_bundled
     from specdec.models.hf import HFCausalLM
 
+    if int(repeats) < 1:
+        raise ValueError(f"specdec bench: repeats must be an int >= 1, got {repeats!r}")
     load_start = _loadavg()
     t_start = time.perf_counter()
     specs = {s: [parse_method(m) for m in ms] for s, ms in runs.items()}
@@ -307,7 +316,13 @@ def run_bench(runs: Dict[str, List[str]], batches: Sequence[int], rounds: int = 
                 units = [[ps[i % len(ps)] for i in range(b)]]
             ms_b = [m for m in methods if not (m[0] == "hf" and b != 1)]
             workloads.append((s, b, units, ms_b))
-    total = sum(len(u) * len(m) for _, _, u, m in workloads) * rounds
+    def reps(b: int) -> int:
+        return int(repeats) if b > 1 else 1
+
+    def adaptive(spec) -> bool:
+        return spec[0] == "plain" or spec[2] in ("goodput", "heuristic")
+
+    total = sum(len(u) * (len(m) + (reps(b) - 1) * sum(map(adaptive, m))) for _, b, u, m in workloads) * rounds
     bar = _Progress(total, progress)
 
     # warm-up: every decoder once on a short input (allocations; the goodput decoders start learning costs)
@@ -327,17 +342,19 @@ def run_bench(runs: Dict[str, List[str]], batches: Sequence[int], rounds: int = 
         for s, b, units, methods in workloads:
             wkey = f"{s}/b{b}"
             for u, unit in enumerate(units):
-                shift = (u + r) % len(methods)
-                for spec in methods[shift:] + methods[:shift]:
-                    name = method_name(*spec)
-                    toks, secs, m, tr = run_one(spec, unit, want_trace=spec[2] in ("goodput", "heuristic"))
-                    n_tok = sum(len(t) for t in toks)
-                    records.setdefault(wkey, []).append(dict(
-                        method=name, unit=u, round=r, new_tokens=n_tok, seconds=secs,
-                        tokens_per_second=n_tok / secs if secs > 0 else 0.0, tokens=toks, metrics=m))
-                    if tr is not None and (wkey, name) not in traces:
-                        traces[(wkey, name)] = tr
-                    bar.step(f"{wkey} {name}")
+                for rep in range(reps(b)):
+                    ms_rep = methods if rep == 0 else [m for m in methods if adaptive(m)]
+                    shift = (u + r + rep) % len(ms_rep)
+                    for spec in ms_rep[shift:] + ms_rep[:shift]:
+                        name = method_name(*spec)
+                        toks, secs, m, tr = run_one(spec, unit, want_trace=spec[2] in ("goodput", "heuristic"))
+                        n_tok = sum(len(t) for t in toks)
+                        records.setdefault(wkey, []).append(dict(
+                            method=name, unit=u, round=r, rep=rep, new_tokens=n_tok, seconds=secs,
+                            tokens_per_second=n_tok / secs if secs > 0 else 0.0, tokens=toks, metrics=m))
+                        if tr is not None and (wkey, name) not in traces:
+                            traces[(wkey, name)] = tr
+                        bar.step(f"{wkey} {name}")
     result = _summarize(records, traces, workloads)
     result.update(
         benchmark="specdec bench", date=_dt.datetime.now().isoformat(timespec="seconds"), git_commit=_git_commit(),
@@ -345,7 +362,8 @@ def run_bench(runs: Dict[str, List[str]], batches: Sequence[int], rounds: int = 
                      torch=torch.__version__, python=platform.python_version(), loadavg_start=load_start,
                      loadavg_end=_loadavg(),
                      note="shared machine: other processes may run at the same time; see the load averages"),
-        settings=dict(model=model_name, max_new_tokens=max_new_tokens, rounds=rounds, prompts_per_set=prompts_per_set,
+        settings=dict(model=model_name, max_new_tokens=max_new_tokens, rounds=rounds, repeats=int(repeats),
+                      prompts_per_set=prompts_per_set,
                       batches=list(batches), runs=runs, greedy=True, chat_template=True, eos_token_id=eos,
                       lookup=dict(ngram=3, min_ngram=2), default_k=DEFAULT_K),
         prompts={s: PROMPT_SETS[s][:prompts_per_set] for s in specs},
@@ -366,20 +384,20 @@ def _summarize(records, traces, workloads) -> Dict[str, object]:
     for s, b, units, methods in workloads:
         wkey = f"{s}/b{b}"
         rows = records.get(wkey, [])
-        plain = {(x["unit"], x["round"]): x for x in rows if x["method"] == "plain"}
-        hf = {(x["unit"], x["round"]): x for x in rows if x["method"] == "hf"}
+        def key(x):
+            return x["unit"], x["round"], x.get("rep", 0)
+
+        plain = {key(x): x for x in rows if x["method"] == "plain"}
+        hf = {key(x): x for x in rows if x["method"] == "hf"}
         out: Dict[str, dict] = {}
         for spec in methods:
             name = method_name(*spec)
             mine = [x for x in rows if x["method"] == name]
             if not mine:
                 continue
-            ratios = [x["tokens_per_second"] / plain[(x["unit"], x["round"])]["tokens_per_second"]
-                      for x in mine if (x["unit"], x["round"]) in plain]
-            ratios_hf = [x["tokens_per_second"] / hf[(x["unit"], x["round"])]["tokens_per_second"]
-                         for x in mine if (x["unit"], x["round"]) in hf]
-            same = [x["tokens"] == plain[(x["unit"], x["round"])]["tokens"] for x in mine
-                    if (x["unit"], x["round"]) in plain]
+            ratios = [x["tokens_per_second"] / plain[key(x)]["tokens_per_second"] for x in mine if key(x) in plain]
+            ratios_hf = [x["tokens_per_second"] / hf[key(x)]["tokens_per_second"] for x in mine if key(x) in hf]
+            same = [x["tokens"] == plain[key(x)]["tokens"] for x in mine if key(x) in plain]
             row = dict(drafter=spec[0], k=spec[1] if spec[1] is not None else DEFAULT_K.get(spec[0]), policy=spec[2],
                        runs=len(mine), tokens_per_second_median=_median([x["tokens_per_second"] for x in mine]),
                        speedup_vs_plain_median=_median(ratios), speedup_vs_hf_median=_median(ratios_hf),
@@ -553,9 +571,11 @@ def build_parser() -> argparse.ArgumentParser:
                                       "open:w8@goodput,w8:4@fixed,w8:8@fixed,random:8@goodput,random:8@fixed",
                     help="'SET:METHOD,...;SET:...' (METHOD = drafter[:k][@policy], plain, hf)")
     ap.add_argument("--config", default=None, help="JSON file with any of: runs (as --runs or {set: [methods]}), "
-                                                   "batches, rounds, prompts, max_new_tokens")
+                                                   "batches, rounds, repeats, prompts, max_new_tokens")
     ap.add_argument("--batches", default="1", help="comma list of batch sizes (default 1)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="at batch > 1: runs of plain and the adaptive methods per unit and round (default 1)")
     ap.add_argument("--prompts", type=int, default=3, help="prompts per set (default 3, at most 6)")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--model", default="smollm2-135m")
@@ -591,7 +611,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     result = run_bench(runs, [int(b) for b in batches], rounds=int(cfg.get("rounds", args.rounds)),
                        prompts_per_set=int(cfg.get("prompts", args.prompts)),
                        max_new_tokens=int(cfg.get("max_new_tokens", args.max_new_tokens)), model_name=args.model,
-                       progress=not args.no_progress, trace_dir=args.traces)
+                       progress=not args.no_progress, trace_dir=args.traces,
+                       repeats=int(cfg.get("repeats", args.repeats)))
     print(format_table(result))
     out = Path(args.out or f"specdec_bench_{_dt.date.today().isoformat()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -933,3 +933,22 @@ def test_bench_dashboard_and_table_from_a_result(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
     table = format_table(result)
     assert "w8:8@goodput" in table and "1.25x" in table
+
+
+def test_bench_ratios_pair_each_repetition_with_its_own_plain_run():
+    from specdec.bench import _summarize
+
+    def rec(method, rep, tps, r=0):
+        return dict(method=method, unit=0, round=r, rep=rep, new_tokens=8, seconds=8 / tps, tokens_per_second=tps,
+                    tokens=[[1, 2]], metrics={})
+
+    # a slow spell hits repetitions 1 and 2 of round 0: plain and goodput alike
+    rows = [rec("plain", 0, 10.0), rec("w8:8@goodput", 0, 9.0), rec("w8:4@fixed", 0, 5.0),
+            rec("plain", 1, 5.0), rec("w8:8@goodput", 1, 4.5),
+            rec("plain", 2, 5.0), rec("w8:8@goodput", 2, 4.5)]
+    methods = [("plain", None, "none"), ("w8", 8, "goodput"), ("w8", 4, "fixed")]
+    out = _summarize({"open/b4": rows}, {}, [("open", 4, [[[1]]], methods)])["summary"]["open/b4"]
+    assert out["w8:8@goodput"]["runs"] == 3
+    assert out["w8:8@goodput"]["speedup_vs_plain_median"] == pytest.approx(0.9)
+    assert out["w8:4@fixed"]["speedup_vs_plain_median"] == pytest.approx(0.5)   # against repetition 0 only
+    assert out["plain"]["runs"] == 3 and out["w8:4@fixed"]["same_output_as_plain"] == "1/1"
