@@ -104,6 +104,29 @@ def test_rope_noncontiguous_and_model_tables(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_silu_mul_is_elementwise_and_exact_at_the_extremes(device):
+    """Each output depends on its own element only (a verify pass of N rows computes what N decode
+    steps would, bit for bit), and the tails of the float range are right: large negative gates
+    (where a vector exp underflows), large positive ones, zeros, infinities."""
+    g = gen(7)
+    gate = torch.cat([torch.randn(29, generator=g) * 6,
+                      torch.tensor([-150.0, -100.0, -87.5, -80.5, -79.5, -20.0, -0.0, 0.0, 1e-30, 20.0, 88.0, 200.0])])
+    up = torch.randn(gate.numel(), generator=g)
+    whole = ops.silu_mul(gate.to(device), up.to(device)).cpu()
+    for i in range(gate.numel()):  # alone, and at another offset of a longer row
+        alone = ops.silu_mul(gate[i:i + 1].to(device), up[i:i + 1].to(device)).cpu()
+        shifted = ops.silu_mul(gate[max(0, i - 3):].to(device), up[max(0, i - 3):].to(device)).cpu()
+        assert torch.equal(alone[0], whole[i]) and torch.equal(shifted[i - max(0, i - 3)], whole[i]), i
+    g64 = gate.double()
+    exact = g64 * torch.sigmoid(g64) * up.double()
+    _close(whole, exact, torch.float32, roundings=2, scale=up.double().abs())
+    inf = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    got = ops.silu_mul(inf.to(device), torch.ones(3, device=device)).cpu()
+    want = torch.nn.functional.silu(inf)
+    assert torch.equal(got.isnan(), want.isnan()) and got[0] == want[0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1536), (3, 7), (5, 2, 11), (40, 1700)], ids=str)
 def test_silu_mul_matches_reference(device, dtype, shape):

@@ -19,9 +19,13 @@
 
 #include "checks.h"
 #include "fused_host.h"
+#include "specdec/cpu_isa.h"
 #include "ops.h"
 
 namespace specdec {
+namespace cpu {
+void silu_avx2(const float* g, float* s, int64_t n);  // fused_avx2.cpp
+}  // namespace cpu
 namespace {
 
 template <typename T>
@@ -145,11 +149,26 @@ at::Tensor silu_mul_cpu(const at::Tensor& gate_in, const at::Tensor& up_in) {
     const scalar_t* g = gate.data_ptr<scalar_t>();
     const scalar_t* u = up.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
+    const bool avx2 = cpu::has_avx2_fma_f16c();
     at::parallel_for(0, n, int64_t(1) << 16, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        const float gv = static_cast<float>(g[i]);
-        const float si = rnd<scalar_t>(gv / (1.0f + std::exp(-gv)));
-        o[i] = static_cast<scalar_t>(si * static_cast<float>(u[i]));
+      if (!avx2) {
+        for (int64_t i = i0; i < i1; ++i) {
+          const float gv = static_cast<float>(g[i]);
+          const float si = rnd<scalar_t>(gv / (1.0f + std::exp(-gv)));
+          o[i] = static_cast<scalar_t>(si * static_cast<float>(u[i]));
+        }
+        return;
+      }
+      // silu of float32 chunks through the AVX2 kernel (csrc/cpu/fused_avx2.cpp), then the
+      // roundings and the product as above
+      constexpr int64_t kChunk = 512;
+      float gs[kChunk];
+      for (int64_t c0 = i0; c0 < i1; c0 += kChunk) {
+        const int64_t c = std::min(kChunk, i1 - c0);
+        for (int64_t j = 0; j < c; ++j) gs[j] = static_cast<float>(g[c0 + j]);
+        cpu::silu_avx2(gs, gs, c);
+        for (int64_t j = 0; j < c; ++j)
+          o[c0 + j] = static_cast<scalar_t>(rnd<scalar_t>(gs[j]) * static_cast<float>(u[c0 + j]));
       }
     });
   });
