@@ -20,7 +20,7 @@ void attention_range_avx2(const AttentionParams& P, int64_t begin, int64_t end);
 namespace {
 
 void attention_range_base(const AttentionParams& P, int64_t begin, int64_t end) {
-  base::AttentionScratch scratch;
+  thread_local base::AttentionScratch scratch;  // reused across calls (see attention_task)
   for (int64_t t = begin; t < end; ++t) base::attention_task(P, t / P.Hkv, t % P.Hkv, scratch);
 }
 

@@ -25,6 +25,10 @@
 
 #include "specdec/cpu_vec.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #ifndef SPECDEC_CPU_ISA
 #error "define SPECDEC_CPU_ISA before including cpu_attention.h"
 #endif
@@ -50,7 +54,7 @@ namespace SPECDEC_CPU_ISA {
 
 constexpr int64_t kKeyBlock = 64;  // keys per block: 8 vectors of 8 scores per query row
 
-// Scratch of one task, reused across tasks of a thread.
+// Scratch of one task, reused across the tasks and calls of a thread (thread_local in the callers).
 struct AttentionScratch {
   std::vector<float> q, acc, kt, v, s, row;
   std::vector<float> m, l, corr;
@@ -102,6 +106,28 @@ inline void pv_tile(float* acc, int64_t Dp, const float* p, const float* V, int6
     for (int c = 0; c < NV; ++c) v8_store(acc + t * Dp + 8 * c, a[t][c]);
 }
 
+#if defined(__AVX2__)
+// dst[i * dstride + j] = src[j * sstride + i] for an 8 x 8 block of floats (data movement only).
+inline void transpose8x8(const float* src, int64_t sstride, float* dst, int64_t dstride) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * sstride);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * dstride, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * dstride, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+}
+#endif
+
 inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, AttentionScratch& W) {
   const int64_t G = P.Hq / P.Hkv, N = P.N, D = P.D, R = G * N;
   const int64_t Rp = (R + kRowTile - 1) / kRowTile * kRowTile;  // rows padded to the tile (zero rows)
@@ -111,12 +137,16 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, Atten
   const int64_t qoff = P.Nkv - N;  // new-node index of query 0
   const int64_t es = dtype_size(P.dtype);
   const float ninf = -std::numeric_limits<float>::infinity();
+  // q's padding (rows >= R, dims >= D) and the accumulators start at zero. Kt, V and the
+  // scores need no clearing: every block writes the keys it uses, the scores of keys past the
+  // block's end are set to -inf before the softmax reads them, and V rows past it and the
+  // padding dims are never read into an output (the scratch is reused across calls).
   W.q.assign(Rp * Dp, 0.f);
   W.acc.assign(Rp * Dp, 0.f);
-  W.kt.assign(Dp * kKeyBlock, 0.f);
-  W.v.assign(kKeyBlock * Dp, 0.f);
-  W.s.assign(Rp * kKeyBlock, 0.f);
-  W.row.assign(Dp, 0.f);
+  if (W.kt.size() < size_t(Dp * kKeyBlock)) W.kt.resize(Dp * kKeyBlock);
+  if (W.v.size() < size_t(kKeyBlock * Dp)) W.v.resize(kKeyBlock * Dp);
+  if (W.s.size() < size_t(Rp * kKeyBlock)) W.s.resize(Rp * kKeyBlock);
+  if (W.row.size() < size_t(Dp)) W.row.resize(Dp);
   W.m.assign(Rp, ninf);
   W.l.assign(Rp, 0.f);
   W.corr.assign(Rp, 0.f);
@@ -137,17 +167,26 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, Atten
 
   for (int64_t s0 = 0; s0 < total; s0 += kKeyBlock) {
     const int64_t nk = std::min(kKeyBlock, total - s0);
-    // K block -> transposed fp32 Kt[d, k]; V block -> fp32 V[k, d]. Unused keys are zero.
-    for (int64_t k = 0; k < kKeyBlock; ++k) {
-      if (k < nk) {
-        load_row(kbase + (s0 + k) * D * es, P.dtype, D, W.row.data());
-        for (int64_t d = 0; d < D; ++d) W.kt[d * kKeyBlock + k] = W.row[d];
-        load_row(vbase + (s0 + k) * D * es, P.dtype, D, W.v.data() + k * Dp);
-      } else {
-        for (int64_t d = 0; d < D; ++d) W.kt[d * kKeyBlock + k] = 0.f;
-        for (int64_t d = 0; d < Dp; ++d) W.v[k * Dp + d] = 0.f;
-      }
+    // K block -> transposed fp32 Kt[d, k]; V block -> fp32 V[k, d], keys k < nk (the lanes of
+    // the keys past nk hold earlier values: their scores are overwritten with -inf below).
+    // A float32 cache with D % 8 == 0 is read in place for V, and its K is transposed in 8 x 8
+    // blocks with AVX2 (the same values: data movement only).
+    const bool direct = P.dtype == DType::kFloat32 && D == Dp;
+    int64_t k = 0;
+#if defined(__AVX2__)
+    if (direct) {
+      const float* kf = reinterpret_cast<const float*>(kbase) + s0 * D;
+      for (; k + 8 <= nk; k += 8)
+        for (int64_t d = 0; d < D; d += 8) transpose8x8(kf + k * D + d, D, W.kt.data() + d * kKeyBlock + k, kKeyBlock);
     }
+#endif
+    for (; k < nk; ++k) {
+      load_row(kbase + (s0 + k) * D * es, P.dtype, D, W.row.data());
+      for (int64_t d = 0; d < D; ++d) W.kt[d * kKeyBlock + k] = W.row[d];
+    }
+    if (!direct)
+      for (k = 0; k < nk; ++k) load_row(vbase + (s0 + k) * D * es, P.dtype, D, W.v.data() + k * Dp);
+    const float* vblock = direct ? reinterpret_cast<const float*>(vbase) + s0 * D : W.v.data();
     // 1) scores of every row against the block
     for (int64_t r0 = 0; r0 < Rp; r0 += kRowTile)
       qk_tile(W.q.data() + r0 * Dp, Dp, W.kt.data(), D, W.s.data() + r0 * kKeyBlock);
@@ -202,11 +241,11 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, Atten
       const float* p = W.s.data() + r0 * kKeyBlock;
       const float* corr = W.corr.data() + r0;
       int64_t c = 0;
-      for (; c + 32 <= Dp; c += 32) pv_tile<4>(acc + c, Dp, p, W.v.data() + c, nk, corr);
+      for (; c + 32 <= Dp; c += 32) pv_tile<4>(acc + c, Dp, p, vblock + c, nk, corr);
       switch ((Dp - c) / 8) {
-        case 1: pv_tile<1>(acc + c, Dp, p, W.v.data() + c, nk, corr); break;
-        case 2: pv_tile<2>(acc + c, Dp, p, W.v.data() + c, nk, corr); break;
-        case 3: pv_tile<3>(acc + c, Dp, p, W.v.data() + c, nk, corr); break;
+        case 1: pv_tile<1>(acc + c, Dp, p, vblock + c, nk, corr); break;
+        case 2: pv_tile<2>(acc + c, Dp, p, vblock + c, nk, corr); break;
+        case 3: pv_tile<3>(acc + c, Dp, p, vblock + c, nk, corr); break;
         default: break;
       }
     }
