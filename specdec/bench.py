@@ -104,6 +104,8 @@ PROMPT_SETS: Dict[str, List[str]] = {
 
 DRAFTERS = ("lookup", "w8", "int8", "bf16", "random")
 DEFAULT_K = {"lookup": 10, "w8": 8, "int8": 8, "bf16": 8, "random": 8}
+#: policies that decide from what they measure: their ratios to plain sit near 1, so they get the repetitions
+_ADAPTIVE = ("goodput", "heuristic")
 
 
 class RandomDrafter(Drafter):
@@ -319,8 +321,8 @@ def run_bench(runs: Dict[str, List[str]], batches: Sequence[int], rounds: int = 
     def reps(b: int) -> int:
         return int(repeats) if b > 1 else 1
 
-    def adaptive(spec) -> bool:
-        return spec[0] == "plain" or spec[2] in ("goodput", "heuristic")
+    def adaptive(spec) -> bool:  # plain and the policies that decide from what they measure
+        return spec[0] == "plain" or spec[2] in _ADAPTIVE
 
     total = sum(len(u) * (len(m) + (reps(b) - 1) * sum(map(adaptive, m))) for _, b, u, m in workloads) * rounds
     bar = _Progress(total, progress)
@@ -347,7 +349,7 @@ def run_bench(runs: Dict[str, List[str]], batches: Sequence[int], rounds: int = 
                     shift = (u + r + rep) % len(ms_rep)
                     for spec in ms_rep[shift:] + ms_rep[:shift]:
                         name = method_name(*spec)
-                        toks, secs, m, tr = run_one(spec, unit, want_trace=spec[2] in ("goodput", "heuristic"))
+                        toks, secs, m, tr = run_one(spec, unit, want_trace=spec[2] in _ADAPTIVE)
                         n_tok = sum(len(t) for t in toks)
                         records.setdefault(wkey, []).append(dict(
                             method=name, unit=u, round=r, rep=rep, new_tokens=n_tok, seconds=secs,
@@ -377,6 +379,11 @@ def run_bench(runs: Dict[str, List[str]], batches: Sequence[int], rounds: int = 
     return result
 
 
+def _pair_key(x: dict) -> Tuple[int, int, int]:
+    """A run's (unit, round, repetition): its ratio is taken against the plain run of the same key."""
+    return x["unit"], x["round"], x.get("rep", 0)
+
+
 def _summarize(records, traces, workloads) -> Dict[str, object]:
     from specdec.metrics import summarize_trace
 
@@ -384,20 +391,19 @@ def _summarize(records, traces, workloads) -> Dict[str, object]:
     for s, b, units, methods in workloads:
         wkey = f"{s}/b{b}"
         rows = records.get(wkey, [])
-        def key(x):
-            return x["unit"], x["round"], x.get("rep", 0)
-
-        plain = {key(x): x for x in rows if x["method"] == "plain"}
-        hf = {key(x): x for x in rows if x["method"] == "hf"}
+        plain = {_pair_key(x): x for x in rows if x["method"] == "plain"}
+        hf = {_pair_key(x): x for x in rows if x["method"] == "hf"}
         out: Dict[str, dict] = {}
         for spec in methods:
             name = method_name(*spec)
             mine = [x for x in rows if x["method"] == name]
             if not mine:
                 continue
-            ratios = [x["tokens_per_second"] / plain[key(x)]["tokens_per_second"] for x in mine if key(x) in plain]
-            ratios_hf = [x["tokens_per_second"] / hf[key(x)]["tokens_per_second"] for x in mine if key(x) in hf]
-            same = [x["tokens"] == plain[key(x)]["tokens"] for x in mine if key(x) in plain]
+            paired = [(x, plain[_pair_key(x)]) for x in mine if _pair_key(x) in plain]
+            ratios = [x["tokens_per_second"] / p["tokens_per_second"] for x, p in paired]
+            ratios_hf = [x["tokens_per_second"] / hf[_pair_key(x)]["tokens_per_second"] for x in mine
+                         if _pair_key(x) in hf]
+            same = [x["tokens"] == p["tokens"] for x, p in paired]
             row = dict(drafter=spec[0], k=spec[1] if spec[1] is not None else DEFAULT_K.get(spec[0]), policy=spec[2],
                        runs=len(mine), tokens_per_second_median=_median([x["tokens_per_second"] for x in mine]),
                        speedup_vs_plain_median=_median(ratios), speedup_vs_hf_median=_median(ratios_hf),
@@ -602,11 +608,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                 raise ValueError(f"specdec bench: unknown prompt set {s!r}; sets: {sorted(PROMPT_SETS)}")
             for m in ms:
                 parse_method(m)
+        if int(cfg.get("repeats", args.repeats)) < 1:
+            raise ValueError(f"specdec bench: repeats must be an int >= 1, got {cfg.get('repeats', args.repeats)!r}")
         batches = cfg.get("batches", [int(x) for x in str(args.batches).split(",") if x.strip()])
         if not batches or any(int(b) < 1 for b in batches):
             raise ValueError(f"specdec bench: batches must be ints >= 1, got {batches}")
     except ValueError as e:
-        print(f"specdec bench: error: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)  # the messages name the component
         return 2
     result = run_bench(runs, [int(b) for b in batches], rounds=int(cfg.get("rounds", args.rounds)),
                        prompts_per_set=int(cfg.get("prompts", args.prompts)),

@@ -952,3 +952,16 @@ def test_bench_ratios_pair_each_repetition_with_its_own_plain_run():
     assert out["w8:8@goodput"]["speedup_vs_plain_median"] == pytest.approx(0.9)
     assert out["w8:4@fixed"]["speedup_vs_plain_median"] == pytest.approx(0.5)   # against repetition 0 only
     assert out["plain"]["runs"] == 3 and out["w8:4@fixed"]["same_output_as_plain"] == "1/1"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--repeats", "0"], "repeats must be an int >= 1, got 0"),
+    (["--batches", "0"], "batches must be ints >= 1"),
+    (["--runs", "nosuchset:plain"], "--runs entry 'nosuchset:plain' must be 'SET:METHOD,...'"),
+], ids=["repeats", "batches", "set"])
+def test_bench_cli_rejects_bad_arguments_before_loading_a_model(argv, message, capsys):
+    from specdec.bench import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: specdec bench: ") and message in err

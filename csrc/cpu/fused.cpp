@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "checks.h"
 #include "fused_host.h"
@@ -24,7 +25,7 @@
 
 namespace specdec {
 namespace cpu {
-void silu_avx2(const float* g, float* s, int64_t n);  // fused_avx2.cpp
+void silu_avx2(const float* g, const float* up, float* out, int64_t n);  // fused_avx2.cpp
 }  // namespace cpu
 namespace {
 
@@ -159,14 +160,19 @@ at::Tensor silu_mul_cpu(const at::Tensor& gate_in, const at::Tensor& up_in) {
         }
         return;
       }
-      // silu of float32 chunks through the AVX2 kernel (csrc/cpu/fused_avx2.cpp), then the
-      // roundings and the product as above
+      // the AVX2 kernel (csrc/cpu/fused_avx2.cpp): float32 in one pass; half / bf16 as float32
+      // chunks of silu, then the roundings and the product as above
+      if (std::is_same_v<scalar_t, float>) {  // (the casts are identities where this runs)
+        cpu::silu_avx2(reinterpret_cast<const float*>(g) + i0, reinterpret_cast<const float*>(u) + i0,
+                       reinterpret_cast<float*>(o) + i0, i1 - i0);
+        return;
+      }
       constexpr int64_t kChunk = 512;
       float gs[kChunk];
       for (int64_t c0 = i0; c0 < i1; c0 += kChunk) {
         const int64_t c = std::min(kChunk, i1 - c0);
         for (int64_t j = 0; j < c; ++j) gs[j] = static_cast<float>(g[c0 + j]);
-        cpu::silu_avx2(gs, gs, c);
+        cpu::silu_avx2(gs, nullptr, gs, c);
         for (int64_t j = 0; j < c; ++j)
           o[c0 + j] = static_cast<scalar_t>(rnd<scalar_t>(gs[j]) * static_cast<float>(u[c0 + j]));
       }

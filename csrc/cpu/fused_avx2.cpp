@@ -37,14 +37,21 @@ inline v8f silu8(v8f g) {
 
 }  // namespace
 
-void silu_avx2(const float* g, float* s, int64_t n) {
+// out[i] = silu(g[i]) * up[i], or silu(g[i]) when up is null (the caller rounds and multiplies).
+void silu_avx2(const float* g, const float* up, float* out, int64_t n) {
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) v8_store(s + i, silu8(v8_load(g + i)));
+  for (; i + 8 <= n; i += 8) {
+    const v8f s = silu8(v8_load(g + i));
+    v8_store(out + i, up ? s * v8_load(up + i) : s);
+  }
   if (i < n) {
-    float buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    std::memcpy(buf, g + i, (n - i) * sizeof(float));
-    v8_store(buf, silu8(v8_load(buf)));
-    std::memcpy(s + i, buf, (n - i) * sizeof(float));
+    const size_t bytes = (n - i) * sizeof(float);
+    float gb[8] = {0, 0, 0, 0, 0, 0, 0, 0}, ub[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    std::memcpy(gb, g + i, bytes);
+    if (up) std::memcpy(ub, up + i, bytes);
+    const v8f s = silu8(v8_load(gb));
+    v8_store(gb, up ? s * v8_load(ub) : s);
+    std::memcpy(out + i, gb, bytes);
   }
 }
 

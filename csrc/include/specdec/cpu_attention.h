@@ -165,13 +165,13 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, Atten
   const char* kbase = static_cast<const char*>(P.k_cache) + ((b * P.Hkv + h) * P.S) * D * es;
   const char* vbase = static_cast<const char*>(P.v_cache) + ((b * P.Hkv + h) * P.S) * D * es;
 
+  // A float32 cache with D % 8 == 0 is read in place for V, and its K blocks are transposed in
+  // 8 x 8 tiles with AVX2 (the same values: data movement only).
+  const bool direct = P.dtype == DType::kFloat32 && D == Dp;
   for (int64_t s0 = 0; s0 < total; s0 += kKeyBlock) {
     const int64_t nk = std::min(kKeyBlock, total - s0);
     // K block -> transposed fp32 Kt[d, k]; V block -> fp32 V[k, d], keys k < nk (the lanes of
     // the keys past nk hold earlier values: their scores are overwritten with -inf below).
-    // A float32 cache with D % 8 == 0 is read in place for V, and its K is transposed in 8 x 8
-    // blocks with AVX2 (the same values: data movement only).
-    const bool direct = P.dtype == DType::kFloat32 && D == Dp;
     int64_t k = 0;
 #if defined(__AVX2__)
     if (direct) {
