@@ -62,7 +62,9 @@ A request "pays its way" when its own goodput ratio
 step it shares). Two rules move a request to fallback (trace event, reason given):
 
 * predicted: rho_r < 1 at plan time (acceptance fell, or the measured cost of a speculative
-  step at this batch size grew past what the acceptance buys);
+  step at this batch size grew past what the acceptance buys). The request's statistics decay
+  by 0.9 per step (about ten steps of memory): at 0.8 a good drafter fell back on noise (the w8
+  draft at batch 1, acceptance ~0.9: two early rejections in seven steps put rho_r at 0.997);
 * collapse (the earliest observable sign): over the last ``window`` speculative steps of the
   request, observed goodput ratio ``sum(tokens emitted) * c(0) / sum(step seconds)`` below
   ``collapse_ratio``. It fires on measured time, so it also catches what the model does not
@@ -81,8 +83,13 @@ even if every drafted token were accepted, at the measured costs, is skipped and
 same way, so a drafter that is too slow for the batch costs no catch-up): the probe step drafts at the
 depth that would pay with acceptance ``probe_alpha`` (0.7) under the measured costs (at least 2, so
 that the probe measures the draft cost past its catch-up); it succeeds when rho_r >= 1 + ``hysteresis``
-with the request's own fresh statistics (on entering fallback its history and the
-decoder-wide prior are dropped: a prior of 0, so only observed acceptance counts). While
+with the request's fresh statistics: on entering fallback its history is dropped and its prior
+becomes its last estimate of the first position, capped by the decoder-wide one, at
+``prior_weight`` pseudo observations, so a probe's own acceptance dominates at once. A request
+whose drafter is useless keeps a low prior even when other rows' drafts are accepted; a good
+drafter that fell back on noise keeps a prior near its acceptance (a prior of 0 failed its
+probe on any rejection and, with the backoff doubling, kept it plain for up to ``max_backoff``
+steps). While
 other rows speculate, a due probe rides along at the batch's depth (verification is padded
 to the same node count, so it costs nothing extra); rows not due stay at k = 0, so the rows
 of one batch get different k (the drafter pads them).
@@ -862,19 +869,20 @@ class HeuristicPolicy(Policy):
 class GoodputPolicy(Policy):
     """Maximise expected emitted tokens per second; fall back to plain decoding when speculation does not pay.
 
-    Parameters (besides :class:`Policy`'s): ``collapse_ratio`` (observed goodput ratio below which a
-    request collapses to fallback, over ``window`` speculative steps: 8, so that one unlucky deep
-    rejection in a run of accepted steps, which costs a step of twice the price for one token, does
-    not read as a collapse), ``hysteresis`` (a probe must
-    predict rho >= 1 + hysteresis to resume), ``max_backoff`` (most steps between probes),
-    ``probe_alpha`` (the acceptance a paid probe's depth is chosen for).
+    Parameters (besides :class:`Policy`'s; ``decay`` defaults to 0.9 here, about ten steps of
+    memory per request: at 0.8 two rejections decided a fallback): ``collapse_ratio`` (observed
+    goodput ratio below which a request collapses to fallback, over ``window`` speculative steps:
+    8, so that one unlucky deep rejection in a run of accepted steps, which costs a step of twice
+    the price for one token, does not read as a collapse), ``hysteresis`` (a probe must predict
+    rho >= 1 + hysteresis to resume), ``max_backoff`` (most steps between probes), ``probe_alpha`` (the acceptance
+    a paid probe's depth is chosen for).
     """
 
     name = "goodput"
     uses_catch_up = True
 
     def __init__(self, max_depth: int, width: int = 1, max_nodes: Optional[int] = None,
-                 cost: Optional[CostModel] = None, decay: float = 0.8, prior: float = 0.5,
+                 cost: Optional[CostModel] = None, decay: float = 0.9, prior: float = 0.5,
                  collapse_ratio: float = 0.9, window: int = 8, hysteresis: float = 0.05,
                  max_backoff: int = 64, probe_alpha: float = 0.7) -> None:
         super().__init__(max_depth, width, max_nodes, cost, decay, prior)
@@ -937,8 +945,10 @@ class GoodputPolicy(Policy):
         req.state = FALLBACK
         if req.stats.observations == 0:  # decided on the decoder-wide statistics: inherit their backoff
             req.backoff = max(req.backoff, self.backoff_hint)
-        # from now on the request's own evidence only: a probe must show that this request pays
-        req.stats = AcceptanceStats(decay=self.decay, prior=0.0, prior_weight=req.stats.prior_weight)
+        # a fresh history; its prior (weak: a probe's own acceptance dominates) is the request's last
+        # estimate of the first position, capped by the decoder-wide one (see the module notes)
+        prior = min(req.stats.alpha(0), self.global_stats.alpha(0))
+        req.stats = AcceptanceStats(decay=self.decay, prior=prior, prior_weight=req.stats.prior_weight)
         req.window = []
         req.next_probe = self.step_index + req.backoff
         self._event(rid, reason, old, FALLBACK, next_probe_step=req.next_probe, **extra)

@@ -469,6 +469,27 @@ def test_goodput_young_request_judged_by_the_decoder_wide_statistics():
     assert plan.states == ["fallback"] and plan.k == 0 and pol.events[0]["new_state"] == "fallback"
 
 
+def test_goodput_probe_that_accepts_resumes_a_drafter_that_pays():
+    """A draft token costs 60 % of a target step (a draft model), so the prior (0.5) predicts a loss
+    and the first step falls back; every drafted token is then accepted. The first probe must resume
+    speculation for good: with a prior of 0 after the fallback, a probe's full acceptance (2 of 2)
+    read as alpha 0.67, below what pays at that draft price, and the request never drafted again."""
+    cost = SyntheticCost(lambda b, n: 1.0 + 0.05 * (n - 1), lambda b, k: 0.6 * k)
+    pol = GoodputPolicy(max_depth=4, cost=cost)
+    pol.begin(1)
+    plans = run_steps(pol, [0], 100, lambda s, rid, k: k, 30)
+    assert plans[0].states == ["fallback"]
+    first = next(i for i, p in enumerate(plans) if p.states == ["probe"])
+    assert first <= 4 and all(p.states == ["spec"] for p in plans[first + 1:])
+    assert plans[-1].k == 4
+    # a useless drafter next to it in a batch keeps its low prior: its probes, which ride along at
+    # no cost, do not make it speculate for good (the good row's acceptance is not its evidence)
+    pol.begin(2)
+    plans = run_steps(pol, [1, 2], 100, lambda s, rid, k: k if rid == 1 else 0, 40)
+    assert sum(p.states[1] == "fallback" for p in plans) >= 25
+    assert all(p.states[0] == "spec" for p in plans[1:])
+
+
 def test_goodput_lucky_probes_followed_by_collapses_back_off():
     """Every probe is accepted in full, but speculative steps then take 3x what the cost model says
     (a draft as slow as the target): the request collapses after each resume. The backoff must keep
