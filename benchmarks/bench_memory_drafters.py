@@ -11,6 +11,7 @@ Methods
   suffix_cold  SuffixDrafter, global cache cleared before every request (per-request index only)
   suffix_warm  SuffixDrafter whose global cache has seen the set's warm-up requests (below) and keeps
                every request it serves (a cache, as in serving); it never sees a timed prompt before its run
+               (every round starts it afresh from the warm-up requests: the same prompts run every round)
   recycle      TokenRecycling (top_w 4, 12-node template, depth 6); its table is filled by the warm-up
                requests and keeps learning (one table per model)
   docs         DocumentDrafter over a document store (below)
@@ -112,26 +113,28 @@ def main() -> int:
                 "docs": lambda: DocumentDrafter(DOCS, tokenizer=tok)}[name]()
 
     names = args.methods.split(",")
-    # one decoder per (method, set): the warm state of a set does not leak into another set
-    decoders = {(n, s): SpeculativeDecoder(target, make(n), max_batch=8, max_len=max_len) for n in names for s in sets}
-
     # host time of the drafter's own calls, per decoder (instance attributes, no global patching)
     host_time: Dict[tuple, List[float]] = {}
-    for key, dec in decoders.items():
-        d = dec.drafter
-        if d is None:
-            continue
-        acc = host_time.setdefault(key, [0.0])
-        for meth in ("propose", "observe_verify", "accept"):
-            f = getattr(d, meth)
 
-            def timed(*a, _f=f, _acc=acc, **k):
-                s = time.perf_counter()
-                try:
-                    return _f(*a, **k)
-                finally:
-                    _acc[0] += time.perf_counter() - s
-            setattr(d, meth, timed)
+    def build(n: str, s: str) -> SpeculativeDecoder:
+        dec = SpeculativeDecoder(target, make(n), max_batch=8, max_len=max_len)
+        d = dec.drafter
+        if d is not None:
+            acc = host_time.setdefault((n, s), [0.0])
+            for meth in ("propose", "observe_verify", "accept"):
+                f = getattr(d, meth)
+
+                def timed(*a, _f=f, _acc=acc, **k):
+                    t = time.perf_counter()
+                    try:
+                        return _f(*a, **k)
+                    finally:
+                        _acc[0] += time.perf_counter() - t
+                setattr(d, meth, timed)
+        return dec
+
+    # one decoder per (method, set): the warm state of a set does not leak into another set
+    decoders = {(n, s): build(n, s) for n in names for s in sets}
 
     def run(name: str, s: str, ids: List[int]) -> dict:
         dec = decoders[(name, s)]
@@ -147,16 +150,29 @@ def main() -> int:
                     host_seconds=host_time.get((name, s), [0.0])[0] - h0)
 
     print(f"loaded in {time.perf_counter() - t0:.1f} s; threads {torch.get_num_threads()}; load {load_start}")
-    stateful = {"suffix_warm", "recycle"}
-    for s in sets:  # warm-up: the stateful drafters learn from the set's warm-up requests; the others only warm up
+    stateful = [n for n in names if n in ("suffix_warm", "recycle")]
+
+    def warm_up(s: str, methods: List[str], first_only: List[str]) -> None:
+        # the stateful drafters learn from the set's warm-up requests; the others only warm up
         for j, ids in enumerate(warm[s]):
-            for n in names:
-                if n in stateful or j == 0:
+            for n in methods:
+                if n not in first_only or j == 0:
                     run(n, s, ids)
+
+    for s in sets:
+        warm_up(s, names, [n for n in names if n not in stateful])
     print(f"warm-up done ({time.perf_counter() - t0:.0f} s)", flush=True)
 
     records: Dict[str, Dict[str, List[dict]]] = {s: {n: [] for n in names} for s in sets}
     for r in range(args.rounds):
+        if r > 0 and stateful:
+            # every round starts the stateful drafters afresh from the warm-up requests alone: a round
+            # after the first would otherwise find the very request it serves in the cache (the same
+            # prompts run every round). Within a round they keep what they serve, as in serving.
+            for s in sets:
+                for n in stateful:
+                    decoders[(n, s)] = build(n, s)
+                warm_up(s, stateful, [])
         for s in sets:
             for i, ids in enumerate(prompts[s]):
                 shift = (i + r) % len(names)
