@@ -82,6 +82,20 @@ DOCS = [PASSAGE, CODE, EMAIL, CSV,
         "Close every e-mail with 'Best regards,' and your name."]
 
 
+def time_drafter(drafter, acc: List[float]) -> None:
+    """Add the host seconds of the drafter's propose / observe_verify / accept calls to acc[0]."""
+    for meth in ("propose", "observe_verify", "accept"):
+        f = getattr(drafter, meth)
+
+        def timed(*a, _f=f, **k):
+            t = time.perf_counter()
+            try:
+                return _f(*a, **k)
+            finally:
+                acc[0] += time.perf_counter() - t
+        setattr(drafter, meth, timed)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -118,19 +132,8 @@ def main() -> int:
 
     def build(n: str, s: str) -> SpeculativeDecoder:
         dec = SpeculativeDecoder(target, make(n), max_batch=8, max_len=max_len)
-        d = dec.drafter
-        if d is not None:
-            acc = host_time.setdefault((n, s), [0.0])
-            for meth in ("propose", "observe_verify", "accept"):
-                f = getattr(d, meth)
-
-                def timed(*a, _f=f, _acc=acc, **k):
-                    t = time.perf_counter()
-                    try:
-                        return _f(*a, **k)
-                    finally:
-                        _acc[0] += time.perf_counter() - t
-                setattr(d, meth, timed)
+        if dec.drafter is not None:
+            time_drafter(dec.drafter, host_time.setdefault((n, s), [0.0]))
         return dec
 
     # one decoder per (method, set): the warm state of a set does not leak into another set
@@ -241,17 +244,7 @@ def main() -> int:
             dec = SpeculativeDecoder(target, make(n), max_batch=8, max_len=max(len(p) for p in b8) +
                                      args.max_new_tokens + 8)
             acc = [0.0]
-            d = dec.drafter
-            for meth in ("propose", "observe_verify", "accept"):
-                f = getattr(d, meth)
-
-                def timed(*a, _f=f, _acc=acc, **k):
-                    s0 = time.perf_counter()
-                    try:
-                        return _f(*a, **k)
-                    finally:
-                        _acc[0] += time.perf_counter() - s0
-                setattr(d, meth, timed)
+            time_drafter(dec.drafter, acc)
             dec.generate(b8[:2], max_new_tokens=4, eos_token_id=eos)
             acc[0] = 0.0
             out = dec.generate(b8, max_new_tokens=args.max_new_tokens // 2, eos_token_id=eos)
