@@ -84,11 +84,16 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma list of configurations (default all)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=1, help="1: one short generate per configuration first")
+    ap.add_argument("--seeds", type=int, default=1,
+                    help="sampling: generate calls per group, each with its own seed (mean accepted length under "
+                         "sampling is noisy: ~150 request-steps per call at --prompts 6 --batch 6)")
     ap.add_argument("--grounded", default="", help="comma list: only these configurations run the grounded set")
     ap.add_argument("--policy", default="fixed", choices=["fixed", "goodput", "heuristic"],
                     help="step policy (default fixed: every step drafts the configuration's full shape)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.seeds < 1:
+        ap.error(f"--seeds must be >= 1, got {args.seeds}")
     if args.threads:
         torch.set_num_threads(args.threads)
     load_start = os.getloadavg()
@@ -122,12 +127,14 @@ def main() -> int:
         for gi, group in enumerate(groups):
             for mode in modes:
                 run = [n for n in names if set_name != "grounded" or not grounded_only or n in grounded_only]
+                if not run:  # --grounded names none of the configurations: this set is skipped
+                    continue
                 order = run[job % len(run):] + run[:job % len(run)]
                 job += 1
-                for name in order:
+                for name, si in [(n, si) for n in order for si in range(args.seeds if mode == "sample" else 1)]:
                     t0 = time.perf_counter()
                     gen = decoders[name].generate(group, max_new_tokens=args.max_new_tokens, eos_token_id=eos,
-                                                  temperature=temps[mode], seed=1234 + gi)
+                                                  temperature=temps[mode], seed=1234 + gi + 7919 * si)
                     dt = time.perf_counter() - t0
                     m = gen.metrics
                     key = f"{name}|{mode}|{set_name}"

@@ -481,3 +481,34 @@ def test_smollm2_forward_kv_offset_checks(smol):
     full = target.forward(cache, ids, torch.arange(5, dtype=torch.int32).view(1, 5))
     part = target.forward(cache, ids[:, 3:], torch.tensor([[3, 4]], dtype=torch.int32), None, kv_offset=3)
     torch.testing.assert_close(part, full[:, 3:], atol=1e-4, rtol=1e-4)
+
+
+def _plan_value(plan, acc) -> float:
+    """E[T] of a sampled-tree plan: 1 + the sum of its nodes' path probabilities under acc[rank]."""
+    level, total = [1.0], 1.0
+    for pos, counts in plan:
+        nxt = [level[i] * acc[r] for i, c in zip(pos, counts) for r in range(c)]
+        total += sum(nxt)
+        level = nxt
+    return total
+
+
+@pytest.mark.parametrize("n,k,w", [(15, 6, 3), (7, 5, 2), (31, 8, 4), (15, 15, 3), (3, 2, 2)])
+def test_sampled_dynamic_tree_plan(n, k, w):
+    """The static shape of a sampled dynamic tree: n nodes, at most k levels, at most w parents per level
+    (the draft cache's frontier slots), a spine of first-drawn children; with no limit on the parents per
+    level it is the best tree under its priors (the same E[T] as scheduler.plan_tree)."""
+    from specdec.drafters.draft_model import SAMPLED_RANK_ACCEPT as acc
+    from specdec.scheduler import plan_tree
+
+    lm = ToyLM(vocab=8, seed=4, hidden=16, layers=1, heads=2, kv_heads=1)
+    plan = DraftModel(lm, k=k, top_k=w, node_budget=n + 1, tree="dynamic")._sampled_plan(n, k)
+    assert sum(sum(c) for _, c in plan) == n and len(plan) <= k
+    assert len(plan[0][0]) == 1 and all(len(pos) <= w for pos, _ in plan)
+    assert all(pos[0] == 0 and max(c) <= len(acc) for pos, c in plan)  # the first child of the first node
+    wide = DraftModel(lm, k=k, top_k=n, node_budget=n + 1, tree="dynamic")._sampled_plan(n, k)
+    best = plan_tree(lambda d, r: acc[r] if r < len(acc) else 0.0, n + 1, max_depth=k)[2]
+    assert _plan_value(wide, acc) == pytest.approx(best)
+    assert _plan_value(plan, acc) <= best + 1e-12
+    chain = 1.0 + sum(acc[0] ** d for d in range(1, min(n, k) + 1))
+    assert _plan_value(plan, acc) > chain  # a chain of the same depth (the priors make siblings pay)

@@ -39,14 +39,22 @@ built adaptively from earlier siblings' values. Two rules satisfy this:
 * greedy rule (greedy decoding, and sampling with ``sampled_children=False``): all children are
   deterministic (the top-w tokens of q, a function of the context with fixed tie-breaking), so
   re-ranking and pruning by score are harmless; ``draft_probs`` is None.
-* sampled rule (sampling, default): the tree's SHAPE is fixed before any draw -- w children of
-  the root, then the remaining node budget spread evenly over depths 2..k and, within a depth,
-  over the w best-scored nodes of the previous depth (their values are already drawn, and only
-  their own children depend on them). Each expanded node's first child is DRAWN from q (its q
-  row goes to ``draft_probs``); its other children are the next most likely tokens of q other
-  than the drawn one (deterministic given the drawn sibling, one-hot rows). Nothing is pruned.
-  With a draft close to the target the drawn child is accepted with probability
-  sum(min(p, q)), which deterministic top-k children cannot reach at temperature 1.
+* sampled rule (sampling, default): the tree's SHAPE is fixed before any draw: a static plan
+  per (node budget, depth) that maximises the expected accepted length under prior per-rank
+  acceptances (``SAMPLED_RANK_ACCEPT``), at most w nodes expanded per depth
+  (:meth:`DraftModel._sampled_plan`): a spine of first-drawn children, with siblings where
+  their path probability is highest. An expanded node's children are DRAWN from q without
+  replacement: child i from q renormalised over the tokens its earlier siblings drew, which is
+  its row of ``draft_probs`` (drawn from its declared q given everything before it, as the rule
+  above asks). Nothing is pruned. The drawn first child is accepted with probability
+  sum(min(p, q)), which a deterministic top-1 child cannot reach at temperature 1; a later
+  sibling, tested against the residual, with sum(min(p', q_i)). The earlier shape spread the
+  nodes evenly over the depths and expanded the best-scored by draft probability, which cut the
+  spine of drawn tokens, and made the siblings deterministic. Measured with the bundled int8
+  draft at temperature 1 (6 open prompts, 64 tokens, the same 7 seeds for both): mean accepted
+  length at 16 nodes 2.52 -> 2.73 (the two seed sets: 2.59 -> 2.67 and 2.46 -> 2.77). Against a
+  chain of 16 nodes, which runs 15 draft forwards to the tree's 6: 1.00x on those seeds, 0.90x on
+  7 others (benchmarks/results/trees_sampled_2026-12-02.json); runs of this size vary by ~10 %.
 
 The draft's scores use the warped distribution (temperature / top-k / top-p) under sampling
 and the raw softmax under greedy.
@@ -85,6 +93,14 @@ from specdec.tree import TokenTree, ancestor_mask
 __all__ = ["DraftModel"]
 
 _TREES = ("spine", "dynamic")
+
+#: Prior P(a node's r-th child is accepted | the node is accepted) that plans the shape of a sampled
+#: dynamic tree (:meth:`DraftModel._sampled_plan`; children drawn from q without replacement). The
+#: bundled int8 draft at temperature 1: the first child ~0.6 (a chain's first position, 0.59 in the
+#: loop), a later sibling ~0.2 of the remaining probability (P(accepted | the siblings before it
+#: were rejected): 0.22 measured offline from the two models' distributions). At most
+#: len(SAMPLED_RANK_ACCEPT) children per node.
+SAMPLED_RANK_ACCEPT = (0.6, 0.08, 0.05, 0.03)
 
 
 def _limit_depths(draft: Draft, limits: Sequence[int], k: int) -> Draft:
@@ -172,6 +188,7 @@ class DraftModel(Drafter):
         self.tree = tree
         self.dynamic = tree == "dynamic" and top_k > 1
         self.sampled_children = bool(sampled_children)
+        self._plans: Dict[Tuple[int, int], List[Tuple[List[int], List[int]]]] = {}
         self.cache = None
         self._views: Dict[int, object] = {}
         self._foreign = 0  # tokens from other drafters' subtrees that accept() may pass per row
@@ -530,66 +547,113 @@ class DraftModel(Drafter):
                          _mask=mask)
         return Draft(tree)
 
-    def _level_sizes(self, n: int, k: int) -> List[int]:
-        """Nodes per depth of a sampled dynamic tree of n nodes (fixed before any draw): w, then the rest spread."""
-        w = self.top_k
-        first = min(w, n)
-        sizes = [first]
-        rest = n - first
-        deeper = k - 1
-        for d in range(deeper):
-            m = rest // deeper + (1 if d < rest % deeper else 0)
-            if m <= 0:
-                break
-            sizes.append(m)
-        return sizes
+    def _sampled_plan(self, n: int, k: int) -> List[Tuple[List[int], List[int]]]:
+        """The shape of a sampled dynamic tree of n draft nodes, at most k deep (fixed before any draw).
 
-    def _children(self, q: torch.Tensor, counts: List[int]) -> Tuple[torch.Tensor, torch.Tensor, List[int]]:
-        """Children of f parents [b, f, V] (q rows, warped): parent j gets counts[j] children, the first DRAWN
-        from q_j, the others the next most likely tokens of q_j (deterministic). Returns tokens [b, c],
-        log q [b, c] and the parent rank of each child (host list), children grouped by parent."""
+        Per level d = 1, 2, ...: (positions in level d - 1 of the nodes expanded, their child
+        counts); children are grouped by parent in that order and drawn without replacement. The
+        shape maximises the tree's expected accepted length under the per-rank acceptance of
+        :data:`SAMPLED_RANK_ACCEPT` (best-first, as :func:`specdec.scheduler.plan_tree`), with at
+        most ``top_k`` nodes expanded per level (one draft forward per level runs over them, and
+        the draft cache holds ``top_k`` frontier slots per level): a spine of first-drawn children
+        with siblings where their path probability is highest. Spreading the nodes evenly over the
+        levels and expanding the best-scored by draft probability (the earlier shape) cut the
+        spine: a drawn token of low draft probability lost its subtree to its siblings'.
+        """
+        key = (n, k)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        import heapq
+
+        w = self.top_k
+        acc = SAMPLED_RANK_ACCEPT
+        depth, path, nchild, parent, rank = [0], [1.0], [0], [-1], [0]
+        expanded = [0] * (k + 1)
+        heap = [(-acc[0], 0, 0)]  # (-path probability of the candidate child, parent node, its rank)
+        while len(path) <= n and heap:
+            negp, par, r = heapq.heappop(heap)
+            if nchild[par] == 0 and expanded[depth[par]] >= (1 if par == 0 else w):
+                continue
+            if nchild[par] == 0:
+                expanded[depth[par]] += 1
+            node = len(path)
+            depth.append(depth[par] + 1)
+            path.append(-negp)
+            nchild.append(0)
+            parent.append(par)
+            rank.append(r)
+            nchild[par] += 1
+            if r + 1 < len(acc):
+                heapq.heappush(heap, (-path[par] * acc[r + 1], par, r + 1))
+            if depth[node] < k:
+                heapq.heappush(heap, (-path[node] * acc[0], node, 0))
+        # levels: the nodes of depth d grouped by parent (in the parent level's order), by rank
+        kids: Dict[int, List[int]] = {}
+        for c in range(1, len(path)):
+            kids.setdefault(parent[c], []).append(c)  # ranks ascend with the node index
+        levels, plan = [[0]], []
+        while True:
+            prev = levels[-1]
+            pos = [i for i, x in enumerate(prev) if nchild[x] > 0]
+            if not pos:
+                break
+            plan.append((pos, [nchild[prev[i]] for i in pos]))
+            levels.append([c for i in pos for c in kids[prev[i]]])
+        self._plans[key] = plan
+        return plan
+
+    def _children(self, q: torch.Tensor, counts: List[int]) -> Tuple[torch.Tensor, torch.Tensor, List[int],
+                                                                     torch.Tensor]:
+        """Children of f parents [b, f, V] (q rows, warped): parent j gets counts[j] children DRAWN from
+        q_j without replacement, child i from q_j renormalised over the tokens not drawn before it.
+        Returns tokens [b, c], log q [b, c], the parent rank of each child (host list), children grouped
+        by parent, and each child's own draw distribution [b, c, V] (its row of ``draft_probs``)."""
         b, f, V = q.shape
-        cmax = max(counts)
-        drawn = torch.multinomial(q.reshape(b * f, V), 1, generator=self.generator).view(b, f, 1)
-        cand = drawn
-        if cmax > 1:
-            top = torch.topk(q, min(cmax, V), dim=-1).indices                          # [b, f, cmax]
-            other = (top == drawn).to(torch.int8)                                       # the drawn token moves last
-            top = top.gather(2, torch.sort(other, dim=2, stable=True).indices)
-            cand = torch.cat([drawn, top[:, :, :cmax - 1]], dim=2)                      # [b, f, cmax]
-        flat = [j * cand.shape[2] + t for j, c in enumerate(counts) for t in range(c)]
-        rank = [j for j, c in enumerate(counts) for _ in range(c)]
+        cmax = min(max(counts), V)
+        rest = q.clone()
+        cand, rows = [], []
+        for i in range(cmax):
+            if i:
+                rest.scatter_(2, cand[-1], 0.0)
+                rest /= rest.sum(dim=2, keepdim=True).clamp_min(1e-30)
+            rows.append(rest.clone())
+            cand.append(torch.multinomial(rest.reshape(b * f, V), 1, generator=self.generator).view(b, f, 1))
+        cand = torch.cat(cand, dim=2)                                                   # [b, f, cmax]
+        flat = [j * cmax + t for j, c in enumerate(counts) for t in range(min(c, cmax))]
+        rank = [j for j, c in enumerate(counts) for _ in range(min(c, cmax))]
         idx = torch.tensor(flat, dtype=torch.int64, device=q.device)
         toks = cand.reshape(b, -1).index_select(1, idx)
         logq = torch.log(q.gather(2, cand).reshape(b, -1).index_select(1, idx))
-        return toks, logq, rank
+        dist = torch.stack(rows, dim=2).reshape(b, f * cmax, V).index_select(1, idx)   # [b, c, V]
+        return toks, logq, rank, dist
 
     def _propose_dynamic_sampled(self, ctx: StepContext, k: int, b: int, cache, last: torch.Tensor) -> Draft:
         """Sampling: a dynamic tree whose every node exists before it is drawn (see the module docstring)."""
-        w = self.top_k
         dev = self.device
         n = self.max_nodes - 1
         if ctx.node_budget is not None:
             n = max(1, min(n, int(ctx.node_budget) - 1))
-        sizes = self._level_sizes(n, k)
-        F = sum(min(w, sizes[d], sizes[d + 1]) for d in range(len(sizes) - 1))  # forwarded frontier nodes
+        plan = self._sampled_plan(n, k)
+        F = sum(len(pos) for pos, _ in plan[1:])                      # forwarded frontier nodes
         toks_l, score_l, par_l, slot_l, depth_l = [], [], [], [], []  # per-level [b, m] tensors
-        drawn_rows: List[Tuple[int, torch.Tensor]] = []               # (pool index, q row [b, V]) of drawn nodes
+        dist_l: List[torch.Tensor] = []                               # per level: each node's draw distribution
         q0 = warp_(last.to(torch.float32, copy=True), self.params).unsqueeze(1)     # [b, 1, V]
-        t, lq, _ = self._children(q0, [sizes[0]])
+        t, lq, _, dist = self._children(q0, plan[0][1])
         toks_l.append(t)
         score_l.append(lq)
         par_l.append(torch.full_like(t, -1))
         depth_l.append(1)
-        drawn_rows.append((0, q0[:, 0]))
+        dist_l.append(dist)
         start = [0]                                                   # pool index of each level's first node
         slot_of = torch.full((b, n), -1, dtype=torch.int64, device=dev)
         anc = torch.zeros(b, max(F, 1), max(F, 1), dtype=torch.bool, device=dev)
         s0 = 0
-        for d in range(1, len(sizes)):
+        for d in range(1, len(plan)):
             prev = score_l[-1]                                        # [b, m_prev] cumulative log q
-            f = min(w, prev.shape[1], sizes[d])
-            rank_idx = torch.topk(prev, f, dim=-1).indices            # [b, f] best first (values already drawn)
+            pos, counts = plan[d]
+            f = len(pos)
+            rank_idx = torch.tensor(pos, dtype=torch.int64, device=dev).expand(b, f)   # the planned parents
             frontier = start[-1] + rank_idx                           # pool indices
             slot_of.scatter_(1, frontier, torch.arange(s0, s0 + f, device=dev).expand(b, f))
             rows = torch.zeros(b, f, F, dtype=torch.bool, device=dev)
@@ -602,14 +666,10 @@ class DraftModel(Drafter):
             depths = torch.full((b, f), d - 1, dtype=torch.int32, device=dev)
             logits = self.lm.forward(cache, ftok, depths, rows[:, :, :s0 + f].contiguous(), kv_offset=s0)
             q = warp_(logits.to(torch.float32), self.params)          # [b, f, V]
-            counts = [sizes[d] // f + (1 if j < sizes[d] % f else 0) for j in range(f)]
-            t, lq, rank = self._children(q, counts)
+            t, lq, rank, dist = self._children(q, counts)
             ranks = torch.tensor(rank, dtype=torch.int64, device=dev)
             first = start[-1] + prev.shape[1]
-            pos = 0
-            for j, c in enumerate(counts):
-                drawn_rows.append((first + pos, q[:, j]))
-                pos += c
+            dist_l.append(dist)
             toks_l.append(t)
             score_l.append(prev.gather(1, rank_idx).index_select(1, ranks) + lq)
             par_l.append(frontier.index_select(1, ranks))
@@ -629,13 +689,10 @@ class DraftModel(Drafter):
                                      torch.where(slot >= 0, slot + 1, -1)], dim=1)
         self._step_tokens = tokens
         self._F = F
-        probs = torch.zeros(b, N, self.V, dtype=torch.float32, device=dev)
-        probs.scatter_(2, tokens.clamp(min=0).unsqueeze(2), 1.0)      # deterministic nodes: one-hot q
-        for node, row in drawn_rows:
-            probs[:, 1 + node] = row                                  # drawn nodes: the q they came from
-        probs[:, 0] = 0.0
+        # every node is drawn: its row is the distribution it was drawn from (the root's row is unused)
+        probs = torch.cat([torch.zeros(b, 1, self.V, dtype=torch.float32, device=dev)] + dist_l, dim=1)
         tree = TokenTree(tokens, parents, depths, [N] * b, is_chain=False,
-                         _mask=ancestor_mask(parents, max_depth=len(sizes)), max_depths=[len(sizes)] * b)
+                         _mask=ancestor_mask(parents, max_depth=len(plan)), max_depths=[len(plan)] * b)
         return Draft(tree, probs)
 
     def accept(self, accepted: torch.Tensor, num_accepted: torch.Tensor, num_host: Sequence[int],
