@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_e2e import GROUNDED, OPEN, cpu_name, encode, git_commit  # noqa: E402
+from specdec.bench import _record_path  # noqa: E402
 
 from specdec.decoding import SpeculativeDecoder  # noqa: E402
 from specdec.drafters import DraftModel, MultiDraft, PromptLookup  # noqa: E402
@@ -149,7 +150,8 @@ def main() -> int:
                 print(f"{set_name} group {gi} {mode}: done ({time.perf_counter() - t_start:.0f} s, "
                       f"load {os.getloadavg()[0]:.1f})", flush=True)
                 partial.write_text(json.dumps(dict(load_average_start=load_start, load_average_now=os.getloadavg(),
-                                                   settings=vars(args), raw=acc), default=str))
+                                                   settings=dict(vars(args), out=_record_path(args.out)), raw=acc),
+                                              default=str))
     # greedy outputs must equal plain decoding's
     for key, a in acc.items():
         name, mode, set_name = key.split("|")
@@ -219,7 +221,8 @@ def main() -> int:
         date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), commit=git_commit(), cpu=cpu_name(),
         cores=os.cpu_count(), torch_threads=torch.get_num_threads(), load_average_start=load_start,
         load_average_end=os.getloadavg(), seconds=time.perf_counter() - t_start,
-        settings=dict(vars(args), budgets=BUDGETS, spine_w=SPINE_W, dynamic_kw=DYNAMIC_KW),
+        settings=dict(vars(args), out=_record_path(args.out), budgets=BUDGETS, spine_w=SPINE_W,
+                      dynamic_kw=DYNAMIC_KW),
         results=acc, targets=targets, greedy_mismatch_vs_plain=mismatch)
     out.write_text(json.dumps(result, indent=1))
     partial.unlink(missing_ok=True)

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from specdec import scheduler as S  # noqa: E402
-from specdec.bench import _git_commit  # noqa: E402
+from specdec.bench import _git_commit, _record_path  # noqa: E402
 
 INT8 = [0.5, 0.43, 0.3, 0.25, 0.12, 0.1, 0.1, 0.1]
 PROFILES: Dict[str, tuple] = {
@@ -137,8 +137,9 @@ def main() -> int:
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / \
         f"sim_goodput_{_dt.date.today().isoformat()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(benchmark="sim_goodput", date=_dt.datetime.now().isoformat(timespec="seconds"),
-                                   git_commit=_git_commit(), settings=vars(args), profiles=results), indent=1))
+    record = dict(benchmark="sim_goodput", date=_dt.datetime.now().isoformat(timespec="seconds"),
+                  git_commit=_git_commit(), settings=dict(vars(args), out=_record_path(out)), profiles=results)
+    out.write_text(json.dumps(record, indent=1))
     print(f"wrote {out}")
     return 0
 

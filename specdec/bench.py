@@ -221,6 +221,18 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def _record_path(path) -> Optional[str]:
+    """A path as a result file records it: relative to the repository when inside it, else its name only
+    (a record must not carry the paths of the machine it ran on)."""
+    if path is None:
+        return None
+    p = Path(path).resolve()
+    try:
+        return str(p.relative_to(Path(__file__).resolve().parent.parent))
+    except ValueError:
+        return p.name
+
+
 def _cpu_name() -> str:
     try:
         for line in open("/proc/cpuinfo"):

@@ -159,7 +159,8 @@ def expected_tokens_tree(parents: Sequence[int], accept: Sequence[float]) -> flo
     return total
 
 
-def plan_tree(accept_by_rank, max_nodes: int, max_depth: int = 64) -> Tuple[List[int], List[Tuple[int, int]], float]:
+def plan_tree(accept_by_rank, max_nodes: int, max_depth: int = 64, max_parents_per_depth: Optional[int] = None
+              ) -> Tuple[List[int], List[Tuple[int, int]], float]:
     """The tree of at most ``max_nodes`` nodes (root included) with the largest E[T] (Sequoia-style).
 
     ``accept_by_rank(depth, rank) -> float``: P(the rank-th child (0-based) of an accepted node at
@@ -167,6 +168,9 @@ def plan_tree(accept_by_rank, max_nodes: int, max_depth: int = 64) -> Tuple[List
     holds, for every node, its next child slot (next rank) and, for the newest child, its first
     grandchild slot; the node with the largest path probability is added next. With acceptance
     that does not grow with depth or rank this yields the optimal tree for every budget.
+    ``max_parents_per_depth``: at most that many nodes of one depth get children (a drafter that
+    runs one forward per depth over a frontier of fixed width); a slot whose parent would exceed
+    it is dropped and the best-first order goes on.
     Returns (parents, [(depth, rank)] per node, E[T]).
     """
     import heapq
@@ -175,6 +179,7 @@ def plan_tree(accept_by_rank, max_nodes: int, max_depth: int = 64) -> Tuple[List
         raise ValueError(f"plan_tree: max_nodes must be >= 1, got {max_nodes}")
     parents, slots, path = [-1], [(0, 0)], [1.0]
     children = [0]
+    expanded: Dict[int, int] = {}  # depth -> nodes of that depth with children
     heap: List[Tuple[float, int, int]] = []  # (-path prob, parent node, rank)
 
     def push(node: int) -> None:
@@ -188,6 +193,11 @@ def plan_tree(accept_by_rank, max_nodes: int, max_depth: int = 64) -> Tuple[List
         negp, par, rank = heapq.heappop(heap)
         if -negp <= 0.0:
             break
+        if children[par] == 0:
+            d = slots[par][0]
+            if max_parents_per_depth is not None and expanded.get(d, 0) >= max_parents_per_depth:
+                continue
+            expanded[d] = expanded.get(d, 0) + 1
         node = len(parents)
         parents.append(par)
         slots.append((slots[par][0] + 1, rank))
@@ -874,8 +884,8 @@ class GoodputPolicy(Policy):
     goodput ratio below which a request collapses to fallback, over ``window`` speculative steps:
     8, so that one unlucky deep rejection in a run of accepted steps, which costs a step of twice
     the price for one token, does not read as a collapse), ``hysteresis`` (a probe must predict
-    rho >= 1 + hysteresis to resume), ``max_backoff`` (most steps between probes), ``probe_alpha`` (the acceptance
-    a paid probe's depth is chosen for).
+    rho >= 1 + hysteresis to resume), ``max_backoff`` (most steps between probes), ``probe_alpha``
+    (the acceptance a paid probe's depth is chosen for).
     """
 
     name = "goodput"

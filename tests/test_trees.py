@@ -180,6 +180,17 @@ def test_tree_sampled_distribution_is_exact(name):
     assert accepted > 0.05 * n
 
 
+def test_tree_sampled_siblings_beyond_a_narrow_warp_are_exact():
+    """top_k = 2 sampling leaves 2 tokens, but the tree draws up to 3 children per node without
+    replacement: the third repeats a drawn token as a deterministic node. The output stays exact."""
+    target = ToyLM(vocab=8, seed=3, scale=1.0, hidden=16, heads=2, kv_heads=1)
+    draft = ToyLM(vocab=8, seed=4, scale=1.0, hidden=16, layers=1, heads=2, kv_heads=1)
+    drafter = DraftModel(draft, k=2, top_k=3, node_budget=8, tree="dynamic")
+    assert max(max(c) for _, c in drafter._sampled_plan(7, 2)) >= 3  # more children than the warp keeps
+    accepted = assert_sampled_exact(target, drafter, [1, 2, 3, 1, 2, 3, 1, 2], 1.0, 2, 1.0, 2000, 4, 4, 23)
+    assert accepted > 0.05 * 8000
+
+
 def test_tv_test_detects_a_biased_tree_sampler():
     """The bound above is not vacuous: verifying the drawn children against a q they were not drawn
     from (uniform rows instead of the draft's) skews the output, and the same test catches it."""

@@ -88,6 +88,7 @@ import torch
 
 from specdec.drafters.base import Draft, Drafter, StepContext, move_cache_rows
 from specdec.sampling import SamplingParams, sample_tokens, warp_
+from specdec.scheduler import plan_tree
 from specdec.tree import TokenTree, ancestor_mask
 
 __all__ = ["DraftModel"]
@@ -553,7 +554,7 @@ class DraftModel(Drafter):
         Per level d = 1, 2, ...: (positions in level d - 1 of the nodes expanded, their child
         counts); children are grouped by parent in that order and drawn without replacement. The
         shape maximises the tree's expected accepted length under the per-rank acceptance of
-        :data:`SAMPLED_RANK_ACCEPT` (best-first, as :func:`specdec.scheduler.plan_tree`), with at
+        :data:`SAMPLED_RANK_ACCEPT` (:func:`specdec.scheduler.plan_tree`), with at
         most ``top_k`` nodes expanded per level (one draft forward per level runs over them, and
         the draft cache holds ``top_k`` frontier slots per level): a spine of first-drawn children
         with siblings where their path probability is highest. Spreading the nodes evenly over the
@@ -564,69 +565,55 @@ class DraftModel(Drafter):
         plan = self._plans.get(key)
         if plan is not None:
             return plan
-        import heapq
-
-        w = self.top_k
         acc = SAMPLED_RANK_ACCEPT
-        depth, path, nchild, parent, rank = [0], [1.0], [0], [-1], [0]
-        expanded = [0] * (k + 1)
-        heap = [(-acc[0], 0, 0)]  # (-path probability of the candidate child, parent node, its rank)
-        while len(path) <= n and heap:
-            negp, par, r = heapq.heappop(heap)
-            if nchild[par] == 0 and expanded[depth[par]] >= (1 if par == 0 else w):
-                continue
-            if nchild[par] == 0:
-                expanded[depth[par]] += 1
-            node = len(path)
-            depth.append(depth[par] + 1)
-            path.append(-negp)
-            nchild.append(0)
-            parent.append(par)
-            rank.append(r)
-            nchild[par] += 1
-            if r + 1 < len(acc):
-                heapq.heappush(heap, (-path[par] * acc[r + 1], par, r + 1))
-            if depth[node] < k:
-                heapq.heappush(heap, (-path[node] * acc[0], node, 0))
-        # levels: the nodes of depth d grouped by parent (in the parent level's order), by rank
+        parents, slots, _ = plan_tree(lambda d, r: acc[r] if r < len(acc) else 0.0, n + 1, max_depth=k,
+                                      max_parents_per_depth=self.top_k)
         kids: Dict[int, List[int]] = {}
-        for c in range(1, len(path)):
-            kids.setdefault(parent[c], []).append(c)  # ranks ascend with the node index
+        for c in range(1, len(parents)):
+            kids.setdefault(parents[c], []).append(c)  # in the order of their ranks
+        # levels: the nodes of depth d grouped by parent (in the parent level's order), by rank
         levels, plan = [[0]], []
         while True:
             prev = levels[-1]
-            pos = [i for i, x in enumerate(prev) if nchild[x] > 0]
+            pos = [i for i, x in enumerate(prev) if x in kids]
             if not pos:
                 break
-            plan.append((pos, [nchild[prev[i]] for i in pos]))
+            plan.append((pos, [len(kids[prev[i]]) for i in pos]))
             levels.append([c for i in pos for c in kids[prev[i]]])
         self._plans[key] = plan
         return plan
 
-    def _children(self, q: torch.Tensor, counts: List[int]) -> Tuple[torch.Tensor, torch.Tensor, List[int],
-                                                                     torch.Tensor]:
-        """Children of f parents [b, f, V] (q rows, warped): parent j gets counts[j] children DRAWN from
-        q_j without replacement, child i from q_j renormalised over the tokens not drawn before it.
-        Returns tokens [b, c], log q [b, c], the parent rank of each child (host list), children grouped
-        by parent, and each child's own draw distribution [b, c, V] (its row of ``draft_probs``)."""
+    def _children(self, q: torch.Tensor, counts: List[int], dist: torch.Tensor
+                  ) -> Tuple[torch.Tensor, torch.Tensor, List[int]]:
+        """Children of f parents [b, f, V] (q rows, warped): parent j gets counts[j] (<= V) children DRAWN
+        from q_j without replacement, child i from q_j renormalised over the tokens drawn before it.
+        Writes each child's draw distribution into ``dist`` [b, c, V] (its rows of ``draft_probs``);
+        returns tokens [b, c], log q [b, c] and the parent rank of each child (host list), children
+        grouped by parent."""
         b, f, V = q.shape
-        cmax = min(max(counts), V)
-        rest = q.clone()
-        cand, rows = [], []
+        cmax = max(counts)
+        first = [sum(counts[:j]) for j in range(f)]                  # each parent's first child
+        toks = torch.empty(b, dist.shape[1], dtype=torch.int64, device=q.device)
+        rest = q
         for i in range(cmax):
-            if i:
-                rest.scatter_(2, cand[-1], 0.0)
-                rest /= rest.sum(dim=2, keepdim=True).clamp_min(1e-30)
-            rows.append(rest.clone())
-            cand.append(torch.multinomial(rest.reshape(b * f, V), 1, generator=self.generator).view(b, f, 1))
-        cand = torch.cat(cand, dim=2)                                                   # [b, f, cmax]
-        flat = [j * cmax + t for j, c in enumerate(counts) for t in range(min(c, cmax))]
-        rank = [j for j, c in enumerate(counts) for _ in range(min(c, cmax))]
-        idx = torch.tensor(flat, dtype=torch.int64, device=q.device)
-        toks = cand.reshape(b, -1).index_select(1, idx)
-        logq = torch.log(q.gather(2, cand).reshape(b, -1).index_select(1, idx))
-        dist = torch.stack(rows, dim=2).reshape(b, f * cmax, V).index_select(1, idx)   # [b, c, V]
-        return toks, logq, rank, dist
+            if i:  # without replacement: the tokens drawn so far leave the distribution
+                last = drawn.unsqueeze(2)
+                rest = rest.scatter(2, last, 0.0)
+                mass = rest.sum(dim=2, keepdim=True)
+                # a warp (top-k / top-p) may leave fewer tokens than children: such a child repeats the
+                # last token as a deterministic node (one-hot row; already rejected, it cannot be accepted)
+                one_hot = torch.zeros_like(rest).scatter_(2, last, 1.0)
+                rest = torch.where(mass > 0, rest / mass.clamp_min(1e-30), one_hot)
+            drawn = torch.multinomial(rest.reshape(b * f, V), 1, generator=self.generator).view(b, f)
+            js = [j for j in range(f) if counts[j] > i]
+            at = torch.tensor([first[j] + i for j in js], dtype=torch.int64, device=q.device)
+            src = torch.tensor(js, dtype=torch.int64, device=q.device)
+            toks[:, at] = drawn.index_select(1, src)
+            dist[:, at] = rest.index_select(1, src)
+        rank = [j for j, c in enumerate(counts) for _ in range(c)]
+        par = torch.tensor(rank, dtype=torch.int64, device=q.device)
+        logq = torch.log(q.reshape(b, f * V).gather(1, par * V + toks))                 # log q_parent(token)
+        return toks, logq, rank
 
     def _propose_dynamic_sampled(self, ctx: StepContext, k: int, b: int, cache, last: torch.Tensor) -> Draft:
         """Sampling: a dynamic tree whose every node exists before it is drawn (see the module docstring)."""
@@ -637,14 +624,15 @@ class DraftModel(Drafter):
         plan = self._sampled_plan(n, k)
         F = sum(len(pos) for pos, _ in plan[1:])                      # forwarded frontier nodes
         toks_l, score_l, par_l, slot_l, depth_l = [], [], [], [], []  # per-level [b, m] tensors
-        dist_l: List[torch.Tensor] = []                               # per level: each node's draw distribution
+        N = 1 + sum(sum(c) for _, c in plan)
+        # each node's row: the distribution it was drawn from (the root's row is unused)
+        probs = torch.zeros(b, N, self.V, dtype=torch.float32, device=dev)
         q0 = warp_(last.to(torch.float32, copy=True), self.params).unsqueeze(1)     # [b, 1, V]
-        t, lq, _, dist = self._children(q0, plan[0][1])
+        t, lq, _ = self._children(q0, plan[0][1], probs[:, 1:1 + sum(plan[0][1])])
         toks_l.append(t)
         score_l.append(lq)
         par_l.append(torch.full_like(t, -1))
         depth_l.append(1)
-        dist_l.append(dist)
         start = [0]                                                   # pool index of each level's first node
         slot_of = torch.full((b, n), -1, dtype=torch.int64, device=dev)
         anc = torch.zeros(b, max(F, 1), max(F, 1), dtype=torch.bool, device=dev)
@@ -666,10 +654,9 @@ class DraftModel(Drafter):
             depths = torch.full((b, f), d - 1, dtype=torch.int32, device=dev)
             logits = self.lm.forward(cache, ftok, depths, rows[:, :, :s0 + f].contiguous(), kv_offset=s0)
             q = warp_(logits.to(torch.float32), self.params)          # [b, f, V]
-            t, lq, rank, dist = self._children(q, counts)
-            ranks = torch.tensor(rank, dtype=torch.int64, device=dev)
             first = start[-1] + prev.shape[1]
-            dist_l.append(dist)
+            t, lq, rank = self._children(q, counts, probs[:, 1 + first:1 + first + sum(counts)])
+            ranks = torch.tensor(rank, dtype=torch.int64, device=dev)
             toks_l.append(t)
             score_l.append(prev.gather(1, rank_idx).index_select(1, ranks) + lq)
             par_l.append(frontier.index_select(1, ranks))
@@ -677,7 +664,6 @@ class DraftModel(Drafter):
             start.append(first)
             s0 += f
         tokens = torch.cat([ctx.roots.view(b, 1).to(torch.int64)] + toks_l, dim=1)        # [b, N]
-        N = tokens.shape[1]
         ppool = torch.cat(par_l, dim=1)
         parents = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=dev), ppool + 1], dim=1)
         parents[:, 1:] = torch.where(ppool < 0, 0, ppool + 1)
@@ -689,8 +675,6 @@ class DraftModel(Drafter):
                                      torch.where(slot >= 0, slot + 1, -1)], dim=1)
         self._step_tokens = tokens
         self._F = F
-        # every node is drawn: its row is the distribution it was drawn from (the root's row is unused)
-        probs = torch.cat([torch.zeros(b, 1, self.V, dtype=torch.float32, device=dev)] + dist_l, dim=1)
         tree = TokenTree(tokens, parents, depths, [N] * b, is_chain=False,
                          _mask=ancestor_mask(parents, max_depth=len(plan)), max_depths=[len(plan)] * b)
         return Draft(tree, probs)
