@@ -103,7 +103,7 @@ TESTS_K="${TESTS_K-cuda and not inductor}"
 PYTEST_ARGS=(-q -rfEs -p no:cacheprovider --junitxml="$OUT/pytest_cuda.xml")
 if [ -n "$TESTS_K" ]; then PYTEST_ARGS+=(-k "$TESTS_K"); fi
 run_stage tests 120 env SPECDEC_FUZZ_EXAMPLES="${SPECDEC_FUZZ_EXAMPLES:-150}" "$PY" -m pytest tests/test_ops_attention.py tests/test_ops_sampling.py tests/test_ops_kv_commit.py \
-  tests/test_ops_linear.py tests/test_ops_qlinear.py tests/test_ops_fused.py tests/test_ops_errors.py tests/test_ops_compile.py tests/test_statistical.py \
+  tests/test_ops_linear.py tests/test_ops_qlinear.py tests/test_ops_fused.py tests/test_ops_decoder_layer.py tests/test_ops_errors.py tests/test_ops_compile.py tests/test_statistical.py \
   tests/test_fuzz_ops.py "${PYTEST_ARGS[@]}"
 
 SAN="$(find_sanitizer || true)"
@@ -118,7 +118,7 @@ if [ -n "$SAN" ]; then
     if [ "$tool" = initcheck ]; then extra=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1); fi
     if "$SAN" --tool "$tool" --help >/dev/null 2>&1; then
       run_stage "$tool" 30 "${extra[@]}" "$SAN" --tool "$tool" --error-exitcode 1 --print-limit 50 \
-        "$PY" benchmarks/sanitize_ops.py --quick --ops verify_attention sampling kv_commit linear qlinear fused
+        "$PY" benchmarks/sanitize_ops.py --quick --ops verify_attention sampling kv_commit linear qlinear fused decoder_layer
     else
       skip_stage "$tool" "this compute-sanitizer has no $tool tool"
     fi

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -193,6 +194,24 @@ def run_fused(g):
             check(f"rope {dt} B={B} N={N} D={D} (bit-identical)", torch.equal(gq.cpu(), wq) and torch.equal(gk.cpu(), wk))
 
 
+def run_decoder_layer(g):
+    """decoder_layer on the device vs the separate ops on the device (bit-identical) in each layout."""
+    print("decoder_layer")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from test_ops_decoder_layer import LAYOUTS, _case
+
+    for layout in LAYOUTS:
+        for dt in (torch.float32, torch.bfloat16):
+            for B, N, frontier in ((1, 1, False), (2, 5, False), (2, 3, True)):
+                args = _case(DEV, dt, layout, B=B, N=N, frontier=frontier, bias=B > 1, seed=B * 7 + N)
+                a = dict(args, k_cache=args["k_cache"].clone(), v_cache=args["v_cache"].clone())
+                b = dict(args, k_cache=args["k_cache"].clone(), v_cache=args["v_cache"].clone())
+                got = ops.decoder_layer(**a)
+                want = reference.decoder_layer_with(ops, **b)
+                same = all(torch.equal(x, y) for x, y in zip(got, want)) and torch.equal(a["k_cache"], b["k_cache"])
+                check(f"decoder_layer {layout} {dt} B={B} N={N}{' frontier' if frontier else ''} (bit-identical)", same)
+
+
 def run_bad_values(g):
     """Strict checks off: invalid VALUES must not make any kernel touch memory out of bounds
     (outputs are unspecified; compute-sanitizer judges)."""
@@ -234,8 +253,8 @@ def run_bad_values(g):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ops", nargs="*", default=["verify_attention", "sampling", "kv_commit", "linear", "qlinear", "fused",
-                                                 "bad_values"],
-                    help="subset of: verify_attention sampling kv_commit linear qlinear fused bad_values")
+                                                 "decoder_layer", "bad_values"],
+                    help="subset of: verify_attention sampling kv_commit linear qlinear fused decoder_layer bad_values")
     ap.add_argument("--quick", action="store_true", help="attention: one case per head dim x dtype (for racecheck)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself (bad_values skipped)")
     args = ap.parse_args(argv)
@@ -248,7 +267,7 @@ def main(argv=None) -> int:
         args.ops.remove("bad_values")  # CPU always value-checks: those inputs raise there
     g = torch.Generator().manual_seed(0)
     steps = {"verify_attention": run_attention, "sampling": run_sampling, "kv_commit": run_commit, "linear": run_linear, "qlinear": run_qlinear,
-             "fused": run_fused, "bad_values": run_bad_values}
+             "fused": run_fused, "decoder_layer": run_decoder_layer, "bad_values": run_bad_values}
     for name in args.ops:
         steps[name](g)
     sync()

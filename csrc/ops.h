@@ -28,6 +28,9 @@ void kv_commit_cpu(at::TensorList k_caches, at::TensorList v_caches, at::Tensor&
                    const at::Tensor& accepted, const at::Tensor& num_accepted);
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                       const std::optional<at::Tensor>& weight_scale);
+// Several float linears of one input in one parallel region (used by decoder_layer; not an op).
+std::vector<at::Tensor> linear_multi_cpu(const at::Tensor& x, at::TensorList weights,
+                                         const std::vector<std::optional<at::Tensor>>& biases);
 at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits);
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -36,6 +39,14 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(const at::Tensor& x, const a
 std::tuple<at::Tensor, at::Tensor> rope_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                                             const at::Tensor& sin);
 at::Tensor silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up);
+// One Llama-style decoder layer from the ops above (csrc/decoder_layer.cpp).
+std::tuple<at::Tensor, at::Tensor> decoder_layer_cpu(const at::Tensor& x, const at::Tensor& h, at::TensorList weights,
+                                                     const c10::List<std::optional<at::Tensor>>& scales, const c10::List<std::optional<at::Tensor>>& mins,
+                                                     const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef bits, const at::Tensor& post_norm_weight,
+                                                     double post_norm_eps, const at::Tensor& next_norm_weight, double next_norm_eps, at::Tensor& k_cache,
+                                                     at::Tensor& v_cache, const at::Tensor& cache_lens, const at::Tensor& cos, const at::Tensor& sin,
+                                                     const std::optional<at::Tensor>& tree_mask, int64_t kv_offset, double scale, int64_t num_heads,
+                                                     int64_t num_kv_heads);
 
 #ifdef SPECDEC_WITH_CUDA
 // ---------------------------------------------------------------- CUDA (csrc/cuda/*.cu)
@@ -61,6 +72,13 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_cuda(const at::Tensor& x, const 
 std::tuple<at::Tensor, at::Tensor> rope_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                                             const at::Tensor& sin);
 at::Tensor silu_mul_cuda(const at::Tensor& gate, const at::Tensor& up);
+std::tuple<at::Tensor, at::Tensor> decoder_layer_cuda(const at::Tensor& x, const at::Tensor& h, at::TensorList weights,
+                                                     const c10::List<std::optional<at::Tensor>>& scales, const c10::List<std::optional<at::Tensor>>& mins,
+                                                     const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef bits, const at::Tensor& post_norm_weight,
+                                                     double post_norm_eps, const at::Tensor& next_norm_weight, double next_norm_eps, at::Tensor& k_cache,
+                                                     at::Tensor& v_cache, const at::Tensor& cache_lens, const at::Tensor& cos, const at::Tensor& sin,
+                                                     const std::optional<at::Tensor>& tree_mask, int64_t kv_offset, double scale, int64_t num_heads,
+                                                     int64_t num_kv_heads);
 #endif
 
 }  // namespace specdec

@@ -46,6 +46,13 @@ TORCH_LIBRARY(specdec, m) {
   // rotate-half RoPE of q [B, N, Hq, D] and k [B, N, Hkv, D] with the model's cos / sin [B, N, D]
   m.def("rope(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
+  // One Llama-style decoder layer (the ops above in sequence, one call): x normed input, h residual
+  // stream; projections in 7 slots (q, k, v, o, gate, up, down) or 4 (qkv, o, gate_up, down), bits 0 =
+  // linear, 4 / 8 = qlinear. Returns (next normed input, residual stream); writes the new K/V.
+  m.def("decoder_layer(Tensor x, Tensor h, Tensor[] weights, Tensor?[] scales, Tensor?[] mins, Tensor?[] biases, "
+        "int[] bits, Tensor post_norm_weight, float post_norm_eps, Tensor next_norm_weight, float next_norm_eps, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_lens, Tensor cos, Tensor sin, Tensor? tree_mask, "
+        "int kv_offset, float scale, int num_heads, int num_kv_heads) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
@@ -60,6 +67,7 @@ TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("add_rms_norm", &specdec::add_rms_norm_cpu);
   m.impl("rope", &specdec::rope_cpu);
   m.impl("silu_mul", &specdec::silu_mul_cpu);
+  m.impl("decoder_layer", &specdec::decoder_layer_cpu);
 }
 
 #ifdef SPECDEC_WITH_CUDA
@@ -75,6 +83,7 @@ TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
   m.impl("add_rms_norm", &specdec::add_rms_norm_cuda);
   m.impl("rope", &specdec::rope_cuda);
   m.impl("silu_mul", &specdec::silu_mul_cuda);
+  m.impl("decoder_layer", &specdec::decoder_layer_cuda);
 }
 #endif
 

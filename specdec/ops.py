@@ -28,6 +28,7 @@ __all__ = [
     "add_rms_norm",
     "rope",
     "silu_mul",
+    "decoder_layer",
     "quantize_weight_int8",
     "set_strict_checks",
     "strict_checks",
@@ -262,6 +263,40 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _ops.silu_mul(gate, up)
 
 
+def decoder_layer(x: torch.Tensor, h: torch.Tensor, weights: Sequence[torch.Tensor],
+                  scales: Sequence[Optional[torch.Tensor]], mins: Sequence[Optional[torch.Tensor]],
+                  biases: Sequence[Optional[torch.Tensor]], bits: Sequence[int], post_norm_weight: torch.Tensor,
+                  post_norm_eps: float, next_norm_weight: torch.Tensor, next_norm_eps: float,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, cache_lens: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, tree_mask: Optional[torch.Tensor], kv_offset: int, scale: float,
+                  num_heads: int, num_kv_heads: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One Llama-style decoder layer in one call: the sequence of the ops above, run from C++.
+
+    x : [B, N, H] the layer's normed input (its input_layernorm already applied); h : [B, N, H]
+    the residual stream, x's dtype. Projections: 7 slots (q, k, v, o, gate, up, down) or 4
+    (qkv, o, gate_up, down: q / k / v and gate / up concatenated along the output features,
+    in that order). Slot i is ``linear(x, weights[i], biases[i], scales[i])`` when
+    ``bits[i] == 0`` (float weight, or int8 with a per-row scale) and
+    ``qlinear(x, weights[i], scales[i], mins[i], biases[i], bits[i])`` for bits 4 / 8.
+    The layer::
+
+        q, k, v = proj(x);  q, k = rope(q, k, cos, sin)          (heads of D = k_cache.shape[-1])
+        append_kv(k_cache, v_cache, k, v, cache_lens, kv_offset)
+        a = verify_attention(q, k_cache, v_cache, cache_lens, tree_mask, scale)
+        x, h = add_rms_norm(o(a), h, post_norm_weight, post_norm_eps)
+        x, h = add_rms_norm(down(silu_mul(gate(x), up(x))), h, next_norm_weight, next_norm_eps)
+
+    Returns ``(x, h)``: the NEXT layer's normed input (``next_norm_weight`` is its
+    input_layernorm, or the model's final norm) and the residual stream. The results are those
+    of the separate ops, bit for bit (same kernels, same order). Every argument is checked
+    before the caches are written; errors name the projection slot.
+    """
+    return _ops.decoder_layer.default(x, h, list(weights), list(scales), list(mins), list(biases),
+                                      [int(b) for b in bits], post_norm_weight, float(post_norm_eps),
+                                      next_norm_weight, float(next_norm_eps), k_cache, v_cache, cache_lens, cos, sin,
+                                      tree_mask, int(kv_offset), float(scale), int(num_heads), int(num_kv_heads))
+
+
 def quantize_weight_groups(weight: torch.Tensor, fmt: str) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Group-quantize a float [N, K] weight (K % 32 == 0) for :func:`qlinear`, llama.cpp's rules.
 
@@ -379,3 +414,11 @@ def _rope_fake(q, k, cos, sin):
 @torch.library.register_fake("specdec::silu_mul")
 def _silu_mul_fake(gate, up):
     return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("specdec::decoder_layer")
+def _decoder_layer_fake(x, h, weights, scales, mins, biases, bits, post_norm_weight, post_norm_eps,
+                        next_norm_weight, next_norm_eps, k_cache, v_cache, cache_lens, cos, sin, tree_mask,
+                        kv_offset, scale, num_heads, num_kv_heads):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, memory_format=torch.contiguous_format))

@@ -19,6 +19,7 @@ Conventions (DESIGN.md):
 """
 from __future__ import annotations
 
+import sys
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -36,6 +37,7 @@ __all__ = [
     "add_rms_norm",
     "rope",
     "silu_mul",
+    "decoder_layer",
     "sample_from",
     "quantize_row",
     "draw_threshold",
@@ -376,3 +378,46 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` (the SwiGLU MLP's activation), in gate's dtype."""
     return torch.nn.functional.silu(gate) * up
+
+
+# --------------------------------------------------------------------------- decoder layer
+def decoder_layer(x: torch.Tensor, h: torch.Tensor, weights, scales, mins, biases, bits,
+                  post_norm_weight: torch.Tensor, post_norm_eps: float, next_norm_weight: torch.Tensor,
+                  next_norm_eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_lens: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor, tree_mask: Optional[torch.Tensor], kv_offset: int,
+                  scale: float, num_heads: int, num_kv_heads: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One Llama-style decoder layer from the reference ops (see specdec.ops.decoder_layer)."""
+    return decoder_layer_with(sys.modules[__name__], x, h, weights, scales, mins, biases, bits, post_norm_weight,
+                              post_norm_eps, next_norm_weight, next_norm_eps, k_cache, v_cache, cache_lens, cos,
+                              sin, tree_mask, kv_offset, scale, num_heads, num_kv_heads)
+
+
+def decoder_layer_with(impl, x, h, weights, scales, mins, biases, bits, post_norm_weight, post_norm_eps,
+                       next_norm_weight, next_norm_eps, k_cache, v_cache, cache_lens, cos, sin, tree_mask,
+                       kv_offset, scale, num_heads, num_kv_heads):
+    """The decoder layer's sequence of ops taken from ``impl`` (this module, or specdec.ops: the
+    separate compiled ops, which ops.decoder_layer must equal bit for bit)."""
+    B, N, _ = x.shape
+    D = k_cache.shape[-1]
+    nq, nkv = num_heads * D, num_kv_heads * D
+    seven = len(weights) == 7
+
+    def proj(i, inp):
+        if bits[i] == 0:
+            return impl.linear(inp, weights[i], biases[i], scales[i])
+        return impl.qlinear(inp, weights[i], scales[i], mins[i], biases[i], bits[i])
+
+    if seven:
+        q, k, v = proj(0, x), proj(1, x), proj(2, x)
+    else:
+        q, k, v = proj(0, x).split([nq, nkv, nkv], dim=-1)
+    q, k = impl.rope(q.reshape(B, N, num_heads, D), k.reshape(B, N, num_kv_heads, D), cos, sin)
+    impl.append_kv(k_cache, v_cache, k.transpose(1, 2), v.reshape(B, N, num_kv_heads, D).transpose(1, 2),
+                   cache_lens, kv_offset)
+    a = impl.verify_attention(q, k_cache, v_cache, cache_lens, tree_mask, scale)
+    x, h = impl.add_rms_norm(proj(3 if seven else 1, a.reshape(B, N, nq)), h, post_norm_weight, post_norm_eps)
+    if seven:
+        g, u = proj(4, x), proj(5, x)
+    else:
+        g, u = proj(2, x).chunk(2, dim=-1)
+    return impl.add_rms_norm(proj(len(weights) - 1, impl.silu_mul(g, u)), h, next_norm_weight, next_norm_eps)

@@ -60,6 +60,9 @@ ARGS: Dict[str, Sequence[str]] = {
     "add_rms_norm": ("x", "residual", "weight", "eps"),
     "rope": ("q", "k", "cos", "sin", "head dim"),
     "silu_mul": ("gate", "up"),
+    "decoder_layer": ("x", "h", "weights", "scales", "mins", "biases", "bits", "norm_weight", "k_cache",
+                      "v_cache", "cache_lens", "cos", "sin", "tree_mask", "kv_offset", "num_heads", "projection",
+                      "attention inputs"),
 }
 STATS = {"examples": 0, "raised": 0, "matched": 0}
 ERRORS: "collections.Counter[str]" = collections.Counter()  # error kinds seen (message up to the first digit)
@@ -700,6 +703,36 @@ def fuzz_silu_mul(args):
     run_property("silu_mul", lambda: ops.silu_mul(**args), args, check, list(args))
 
 
+@st.composite
+def decoder_layer_case(draw):
+    from test_ops_decoder_layer import BAD, LAYOUTS, _bad, _case
+
+    frontier = draw(st.booleans())
+    args = _case(DEVICE, draw(st.sampled_from(FLOATS)), draw(st.sampled_from(LAYOUTS)), B=draw(st.integers(1, 3)),
+                 N=draw(st.integers(1, 6)), frontier=frontier, bias=draw(st.booleans()),
+                 seed=draw(st.integers(0, 2 ** 31 - 1)))
+    special = draw(st.sampled_from(["none"] * len(BAD) + BAD))
+    if special != "none":
+        try:
+            _bad(special)[0](args)
+        except (IndexError, RuntimeError):  # a corruption that does not apply to this layout / shape
+            pass
+    return args
+
+
+@given(decoder_layer_case())
+def fuzz_decoder_layer(args):
+    def check(out, before):
+        b = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in before.items()}
+        want = reference.decoder_layer_with(ops, **b)
+        for got, w in zip(out, want):
+            assert _equal_nan(got, w), "decoder_layer differs from the separate ops"
+        assert _equal_nan(args["k_cache"], b["k_cache"]) and _equal_nan(args["v_cache"], b["v_cache"]), \
+            "decoder_layer wrote other K/V than the separate ops"
+    read_only = [k for k in args if k not in ("k_cache", "v_cache")]
+    run_property("decoder_layer", lambda: ops.decoder_layer(**args), args, check, read_only)
+
+
 FUZZERS = {
     "verify_attention": fuzz_verify_attention,
     "append_kv": fuzz_append_kv,
@@ -712,6 +745,7 @@ FUZZERS = {
     "add_rms_norm": fuzz_add_rms_norm,
     "rope": fuzz_rope,
     "silu_mul": fuzz_silu_mul,
+    "decoder_layer": fuzz_decoder_layer,
 }
 
 

@@ -19,7 +19,7 @@ from conftest import DEVICES
 
 HARNESS = Path(__file__).with_name("fuzz_ops.py")
 OPS = ("verify_attention", "append_kv", "rejection_sample", "greedy_verify", "kv_commit", "linear", "qlinear",
-       "rms_norm", "add_rms_norm", "rope", "silu_mul")
+       "rms_norm", "add_rms_norm", "rope", "silu_mul", "decoder_layer")
 EXAMPLES = int(os.environ.get("SPECDEC_FUZZ_EXAMPLES", "300"))
 
 

@@ -221,7 +221,7 @@ def test_fast_linear_routes_linear_layers(arch, monkeypatch):
     calls = []
     real = ops.linear
     monkeypatch.setattr(ops, "linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
-    lm = HFCausalLM(model)
+    lm = HFCausalLM(model, fused_layers=False)  # per-op calls, to count them (decoder_layer calls linear in C++)
     assert lm.fast_linear
     n_linear = sum(type(m) is torch.nn.Linear for m in model.modules())
     # outside the adapter: the very same math as before (bitwise), no ops.linear call
@@ -257,6 +257,25 @@ def test_fast_path_equals_transformers_modules(arch, fused):
         outs.append((first, lm.forward(cache, tokens, _depths(parents), _ancestor_mask(parents))))
     _close(outs[0][0], outs[1][0], f"{arch} prefill fast vs modules")
     _close(outs[0][1], outs[1][1], f"{arch} tree fast vs modules")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_layers_equal_the_separate_ops(arch):
+    """fused_layers (one ops.decoder_layer call per layer) computes what the per-op path computes, bit
+    for bit: prefill, a tree step over a batch, and the caches they leave."""
+    model = _tiny(arch)
+    fused, per_op = HFCausalLM(model), HFCausalLM(model, fused_layers=False)
+    assert fused._runner.fused_layers == model.config.num_hidden_layers and per_op._runner.fused_layers == 0
+    outs = []
+    for lm in (fused, per_op):
+        cache = lm.new_cache(2, 32)
+        first = lm.prefill(cache, [[5, 17, 29], [7, 8, 9, 10, 11]])
+        parents = [[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 3]]
+        tokens = torch.tensor([[3, 40, 41, 42, 43], [4, 50, 51, 52, 53]])
+        outs.append((first, lm.forward(cache, tokens, _depths(parents), _ancestor_mask(parents)), cache))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    for a, b in zip(outs[0][2].k + outs[0][2].v, outs[1][2].k + outs[1][2].v):
+        assert torch.equal(a, b)
 
 
 def test_fast_path_honours_fast_linear_off(monkeypatch):

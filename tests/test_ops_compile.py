@@ -119,6 +119,16 @@ def _fused_args(device, op, dtype):
     return [t.to(dtype).to(device) for t in args] + ([1e-5] if "rms_norm" in op else [])
 
 
+def _decoder_layer_args(device, layout):
+    from test_ops_decoder_layer import _case
+
+    a = _case(device, torch.float32, layout, B=2, N=3, bias=layout == "float7", seed=11)
+    return [a["x"], a["h"], a["weights"], a["scales"], a["mins"], a["biases"], a["bits"], a["post_norm_weight"],
+            a["post_norm_eps"], a["next_norm_weight"], a["next_norm_eps"], a["k_cache"], a["v_cache"],
+            a["cache_lens"], a["cos"], a["sin"], a["tree_mask"], a["kv_offset"], a["scale"], a["num_heads"],
+            a["num_kv_heads"]]
+
+
 OPCHECK_CASES = {
     "verify_attention-fp32-mask": lambda d: (SD.verify_attention.default, _attention_args(d, torch.float32, True)),
     "verify_attention-fp16-causal": lambda d: (SD.verify_attention.default, _attention_args(d, torch.float16, False)),
@@ -143,6 +153,8 @@ OPCHECK_CASES = {
     "rope-fp32": lambda d: (SD.rope.default, _fused_args(d, "rope", torch.float32)),
     "rope-fp16": lambda d: (SD.rope.default, _fused_args(d, "rope", torch.float16)),
     "silu_mul-fp32": lambda d: (SD.silu_mul.default, _fused_args(d, "silu_mul", torch.float32)),
+    "decoder_layer-float7": lambda d: (SD.decoder_layer.default, _decoder_layer_args(d, "float7")),
+    "decoder_layer-q4_1": lambda d: (SD.decoder_layer.default, _decoder_layer_args(d, "q4_1")),
 }
 
 

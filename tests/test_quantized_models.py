@@ -98,13 +98,15 @@ def test_merged_projections_are_views_and_match_separate_calls(quantized):
     again = specdec.HFCausalLM(model)  # shares the merged storage, allocates nothing new
     assert att.q_proj.qweight.untyped_storage().data_ptr() == ptr
     unfused = specdec.HFCausalLM(model, fused_ops=False)
+    per_op = specdec.HFCausalLM(model, fused_layers=False)  # the merged projections without the layer op
+    assert fused._runner.fused_layers == 30 and per_op._runner.fused_layers == 0
     ids = quantized["tok"]("The capital of France is")["input_ids"]
     outs = []
-    for lm in (fused, again, unfused):
+    for lm in (fused, again, unfused, per_op):
         cache = lm.new_cache(1, 64)
         lm.prefill(cache, [ids])
         outs.append(lm.forward(cache, torch.tensor([[5, 17, 29]]), torch.arange(3)[None]))
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[3])
     torch.testing.assert_close(outs[0], outs[2], rtol=1e-4, atol=1e-4)
 
 

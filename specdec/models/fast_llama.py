@@ -37,6 +37,31 @@ __all__ = ["LlamaRunner", "build"]
 _SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
+# A projection as ops.decoder_layer takes it: (weight, scale(s), mins, bias, bits); bits 0 = ops.linear
+# (float weight, or int8 with a per-row scale), 4 / 8 = ops.qlinear.
+_Spec = Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor], int]
+
+
+def _as_dtype(b: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    return b if b is None or b.dtype == dtype else b.to(dtype)
+
+
+def _linear_spec(module: torch.nn.Module, fast_linear: bool, dtype: torch.dtype) -> Optional[_Spec]:
+    """The tensors of a linear layer whose type we know (None: call it as a module / F.linear)."""
+    from specdec.models.quant import GroupQuantLinear, Int8Linear
+
+    if type(module) is torch.nn.Linear:
+        w, b = module.weight, module.bias
+        if not fast_linear or w.dtype not in (torch.float32, torch.float16, torch.bfloat16) or w.dtype != dtype:
+            return None
+        return (w, None, None, b, 0)
+    if type(module) is GroupQuantLinear:
+        return (module.qweight, module.scales, module.mins, _as_dtype(module.bias, dtype), module.bits)
+    if type(module) is Int8Linear:
+        return (module.qweight, module.scale, None, _as_dtype(module.bias, dtype), 0)
+    return None
+
+
 def _linear_fn(module: torch.nn.Module, fast_linear: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     """A direct call for a linear layer: ops.linear on its tensors when we know the type
     (nn.Linear only with fast_linear, as HFCausalLM's option says; F.linear otherwise)."""
@@ -58,7 +83,7 @@ def _linear_fn(module: torch.nn.Module, fast_linear: bool) -> Callable[[torch.Te
 
 class _Layer:
     __slots__ = ("ln1_w", "ln1_eps", "ln2_w", "ln2_eps", "q", "k", "v", "o", "gate", "up", "down", "scale",
-                 "qkv", "gate_up")
+                 "qkv", "gate_up", "fused")
 
 
 def _adjacent(parts: List[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -75,8 +100,8 @@ def _adjacent(parts: List[torch.Tensor]) -> Optional[torch.Tensor]:
                                    first.stride())
 
 
-def _merged_fn(modules) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
-    """One call for several quantized linears of the same input (q / k / v, gate / up): their
+def _merged_spec(modules) -> Optional[_Spec]:
+    """One projection for several quantized linears of the same input (q / k / v, gate / up): their
     buffers are concatenated along N once and each module's buffers become views of the merged
     ones (no extra memory; the modules compute what they did). None when they are not all
     specdec-quantized layers of one format (float nn.Linear weights stay the user's tensors)."""
@@ -110,10 +135,18 @@ def _merged_fn(modules) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
             setattr(m, name, whole[start:start + t.shape[0]])  # a view: the model keeps working unchanged
             start += t.shape[0]
     if kind is GroupQuantLinear:
-        qw, d, mn, b, bits = merged["qweight"], merged["scales"], merged["mins"], merged["bias"], modules[0].bits
-        return lambda x: ops.qlinear(x, qw, d, mn, b if b is None or b.dtype == x.dtype else b.to(x.dtype), bits)
-    qw, sc, b = merged["qweight"], merged["scale"], merged["bias"]
-    return lambda x: ops.linear(x, qw, b if b is None or b.dtype == x.dtype else b.to(x.dtype), sc)
+        return (merged["qweight"], merged["scales"], merged["mins"], merged["bias"], modules[0].bits)
+    return (merged["qweight"], merged["scale"], None, merged["bias"], 0)
+
+
+def _spec_fn(spec: Optional[_Spec]) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """A call of one projection (the bias in the input's dtype, as the modules do)."""
+    if spec is None:
+        return None
+    w, s, m, b, bits = spec
+    if bits:
+        return lambda x: ops.qlinear(x, w, s, m, b if b is None or b.dtype == x.dtype else b.to(x.dtype), bits)
+    return lambda x: ops.linear(x, w, b if b is None or b.dtype == x.dtype else b.to(x.dtype), s)
 
 
 class LlamaRunner:
@@ -132,6 +165,10 @@ class LlamaRunner:
         norms = [self.norm_w] + [w for L in layers for w in (L.ln1_w, L.ln2_w)]
         # the fused ops take norm weights of the activations' dtype (transformers keeps them so)
         self.fused_ops = bool(fused_ops) and all(w.dtype == dtype for w in norms)
+        if not self.fused_ops:
+            for L in layers:
+                L.fused = None
+        self.fused_layers = sum(L.fused is not None for L in layers)  # layers run as one ops.decoder_layer call
 
     @staticmethod
     def _rms(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -179,6 +216,12 @@ class LlamaRunner:
         x = ops.rms_norm(h, layers[0].ln1_w, layers[0].ln1_eps)
         nq, nkv = hq * D, hkv * D
         for l, L in enumerate(layers):
+            nw, ne = (layers[l + 1].ln1_w, layers[l + 1].ln1_eps) if l + 1 < len(layers) else (
+                self.norm_w, self.norm_eps)
+            if L.fused is not None:
+                x, h = ops.decoder_layer(x, h, *L.fused, L.ln2_w, L.ln2_eps, nw, ne, cache.k[l], cache.v[l],
+                                         cache.lens, cos, sin, tree_mask, kv_offset, L.scale, hq, hkv)
+                continue
             if L.qkv is not None:
                 q, k, v = L.qkv(x).split([nq, nkv, nkv], dim=-1)
             else:
@@ -188,8 +231,6 @@ class LlamaRunner:
             ops.append_kv(cache.k[l], cache.v[l], k.transpose(1, 2), v.transpose(1, 2), cache.lens, kv_offset)
             a = ops.verify_attention(q, cache.k[l], cache.v[l], cache.lens, tree_mask, L.scale)
             x, h = ops.add_rms_norm(L.o(a.reshape(B, N, hq * D)), h, L.ln2_w, L.ln2_eps)
-            nw, ne = (layers[l + 1].ln1_w, layers[l + 1].ln1_eps) if l + 1 < len(layers) else (
-                self.norm_w, self.norm_eps)
             if L.gate_up is not None:
                 g, u = L.gate_up(x).chunk(2, dim=-1)
             else:
@@ -200,11 +241,15 @@ class LlamaRunner:
         return self.lm_head(x)
 
 
-def build(model: torch.nn.Module, fast_linear: bool = True, fused_ops: bool = True) -> Tuple[Optional[LlamaRunner], str]:
+def build(model: torch.nn.Module, fast_linear: bool = True, fused_ops: bool = True,
+          fused_layers: bool = True) -> Tuple[Optional[LlamaRunner], str]:
     """(runner, "") when the model is a supported Llama-style decoder, else (None, why not).
 
     fast_linear: run plain nn.Linear weights through specdec.ops.linear (else F.linear).
-    fused_ops: the fused small ops (rms_norm, add_rms_norm, rope, silu_mul); else torch's."""
+    fused_ops: the fused small ops (rms_norm, add_rms_norm, rope, silu_mul); else torch's.
+    fused_layers (with fused_ops): each layer whose projections are all known layer types
+    (nn.Linear with fast_linear, specdec's Int8Linear / GroupQuantLinear) runs as ONE
+    ops.decoder_layer call (the same kernels in the same order, from C++)."""
     name = type(model).__name__
     if name not in _SUPPORTED:
         return None, f"{name} is not one of {_SUPPORTED}"
@@ -254,8 +299,22 @@ def build(model: torch.nn.Module, fast_linear: bool = True, fused_ops: bool = Tr
         L.ln2_w, L.ln2_eps = norms[1].weight, float(norms[1].variance_epsilon)
         L.q, L.k, L.v, L.o = (_linear_fn(m, fast_linear) for m in (att.q_proj, att.k_proj, att.v_proj, att.o_proj))
         L.gate, L.up, L.down = (_linear_fn(m, fast_linear) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-        L.qkv = _merged_fn([att.q_proj, att.k_proj, att.v_proj]) if fused_ops else None
-        L.gate_up = _merged_fn([mlp.gate_proj, mlp.up_proj]) if fused_ops else None
+        qkv = _merged_spec([att.q_proj, att.k_proj, att.v_proj]) if fused_ops else None
+        gate_up = _merged_spec([mlp.gate_proj, mlp.up_proj]) if fused_ops else None
+        L.qkv, L.gate_up = _spec_fn(qkv), _spec_fn(gate_up)
+        L.fused = None
+        if fused_ops and fused_layers:  # the whole layer as one ops.decoder_layer call, when every projection is known
+            dtype = model.get_input_embeddings().weight.dtype
+            if qkv is not None and gate_up is not None:
+                specs = [qkv, _linear_spec(att.o_proj, fast_linear, dtype), gate_up,
+                         _linear_spec(mlp.down_proj, fast_linear, dtype)]
+            else:
+                specs = [_linear_spec(m, fast_linear, dtype) for m in (att.q_proj, att.k_proj, att.v_proj,
+                                                                        att.o_proj, mlp.gate_proj, mlp.up_proj,
+                                                                        mlp.down_proj)]
+            if all(sp is not None for sp in specs):
+                specs = [(w, sc, mn, _as_dtype(b, dtype), bits) for w, sc, mn, b, bits in specs]
+                L.fused = tuple(list(col) for col in zip(*specs))  # weights, scales, mins, biases, bits
         L.scale = float(getattr(att, "scaling", hd ** -0.5))
         layers.append(L)
     if not layers:

@@ -285,13 +285,19 @@ class HFCausalLM:
         On the fast path, run each layer's small steps as specdec's fused ops (rms_norm,
         add_rms_norm, rope, silu_mul: 11 op calls per layer instead of ~35 torch calls);
         False keeps torch's unfused expressions (for comparison).
+    fused_layers : bool, default True
+        With ``fused_ops``, run each decoder layer whose projections are all known layer types
+        (``nn.Linear`` with fast_linear, specdec's ``Int8Linear`` / ``GroupQuantLinear``) as one
+        :func:`specdec.ops.decoder_layer` call: the same kernels in the same order, called from
+        C++ (~20 Python-level calls per layer become 1). Same results, bit for bit.
 
     Attributes: ``model, config, vocab_size, device, dtype, num_layers, num_kv_heads, head_dim,
     hooked`` (True: "specdec" attention path; False: generic fallback, warned).
     """
 
     def __init__(self, model: torch.nn.Module, hook: bool = True, prefill_chunk: int = 512,
-                 fast_linear: bool = True, fast_path: bool = True, fused_ops: bool = True) -> None:
+                 fast_linear: bool = True, fast_path: bool = True, fused_ops: bool = True,
+                 fused_layers: bool = True) -> None:
         if not isinstance(getattr(model, "config", None), PretrainedConfig):
             raise TypeError(f"HFCausalLM: expected a transformers PreTrainedModel, got {type(model).__name__}")
         if int(prefill_chunk) < 1:
@@ -331,7 +337,8 @@ class HFCausalLM:
         if self.hooked and fast_path:
             from specdec.models.fast_llama import build
 
-            self._runner, _ = build(model, fast_linear=self.fast_linear, fused_ops=fused_ops)
+            self._runner, _ = build(model, fast_linear=self.fast_linear, fused_ops=fused_ops,
+                                    fused_layers=fused_layers)
         self.fast_path = self._runner is not None
 
     # ------------------------------------------------------------------ construction

@@ -1,0 +1,243 @@
+// decoder_layer: one Llama-style decoder layer (attention block + SwiGLU MLP) in ONE op call.
+//
+// Why: at decode sizes a layer's ~20 Python-level calls (11 specdec ops, views, splits)
+// cost ~2-3.5 us each in the interpreter and the dispatcher, ~1.5 ms per forward of a
+// 30-layer model: as much as the norms, RoPE and attention compute. This op runs the same
+// sequence of specdec kernels from C++ (no dispatcher between them), so the math, the
+// rounding steps and the results are those of the separate ops, bit for bit:
+//
+//   q, k, v = proj(x)                 (slots q, k, v, or one merged qkv slot split in order)
+//   q, k    = rope(q, k, cos, sin)
+//   append_kv(k_cache, v_cache, k, v, cache_lens, kv_offset)
+//   a       = verify_attention(q, k_cache, v_cache, cache_lens, tree_mask, scale)
+//   x, h    = add_rms_norm(o(a), h, post_norm_weight, post_norm_eps)
+//   g, u    = gate(x), up(x)         (or one merged gate_up slot, halves in order)
+//   x, h    = add_rms_norm(down(silu_mul(g, u)), h, next_norm_weight, next_norm_eps)
+//
+// Projection slots: 7 (q, k, v, o, gate, up, down) or 4 (qkv, o, gate_up, down). Slot i is
+// linear(x, weights[i], biases[i], scales[i]) when bits[i] == 0 (float weight, or int8 with a
+// per-row scale) and qlinear(x, weights[i], scales[i], mins[i], biases[i], bits[i]) for
+// bits 4 / 8. Every argument is validated before the caches are written; an error names the
+// slot. The backend of the inputs picks the kernels (CPU, or CUDA when built with it).
+#include <array>
+#include <string>
+
+#include "checks.h"
+#include "ops.h"
+
+namespace specdec {
+namespace {
+
+struct Kernels {
+  decltype(&linear_cpu) linear;
+  decltype(&linear_multi_cpu) linear_multi;  // float linears of one input, one call
+  decltype(&qlinear_cpu) qlinear;
+  decltype(&rope_cpu) rope;
+  decltype(&append_kv_cpu) append_kv;
+  decltype(&verify_attention_cpu) verify_attention;
+  decltype(&add_rms_norm_cpu) add_rms_norm;
+  decltype(&silu_mul_cpu) silu_mul;
+};
+
+constexpr const char* kOp = "decoder_layer";
+constexpr std::array<const char*, 7> kSlots7 = {"q", "k", "v", "o", "gate", "up", "down"};
+constexpr std::array<const char*, 4> kSlots4 = {"qkv", "o", "gate_up", "down"};
+
+struct Slots {
+  at::TensorList weights;
+  const c10::List<std::optional<at::Tensor>>& scales;
+  const c10::List<std::optional<at::Tensor>>& mins;
+  const c10::List<std::optional<at::Tensor>>& biases;
+  at::IntArrayRef bits;
+  size_t n;
+  const char* name(size_t i) const { return n == 7 ? kSlots7[i] : kSlots4[i]; }
+  // The weight's (out, in) features.
+  std::pair<int64_t, int64_t> shape(size_t i) const {
+    const at::Tensor& w = weights[i];
+    return {w.size(0), bits[i] == 4 ? w.size(1) * 2 : w.size(1)};
+  }
+};
+
+// linear / qlinear's own checks for slot i on an input of `in` features (x's dtype and device).
+void check_slot(const Slots& S, size_t i, const at::Tensor& x, int64_t in, int64_t out) {
+  const at::Tensor& w = S.weights[i];
+  TORCH_CHECK(w.dim() == 2, kOp, ": weights[", i, "] (", S.name(i), ") must be a 2-D weight, got ", w.sizes());
+  const auto [n, k] = S.shape(i);
+  TORCH_CHECK(n == out && k == in, kOp, ": weights[", i, "] (", S.name(i), ") must map ", in, " to ", out,
+              " features, got a weight of ", w.sizes(), (S.bits[i] == 4 ? " (4-bit: [out, in / 2])" : ""));
+  const at::Tensor probe = at::empty({1, in}, x.options());
+  try {
+    if (S.bits[i] == 0) {
+      checks::linear(probe, w, S.biases[i], S.scales[i]);
+    } else {
+      TORCH_CHECK(S.scales[i].has_value(), "the group scales are missing (bits ", S.bits[i], ")");
+      checks::qlinear(probe, w, *S.scales[i], S.mins[i], S.biases[i], S.bits[i]);
+    }
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, kOp, ": projection ", S.name(i), " (slot ", i, "): ", e.what_without_backtrace());
+  }
+}
+
+at::Tensor project(const Kernels& K, const Slots& S, size_t i, const at::Tensor& x) {
+  if (S.bits[i] == 0) return K.linear(x, S.weights[i], S.biases[i], S.scales[i]);
+  return K.qlinear(x, S.weights[i], *S.scales[i], S.mins[i], S.biases[i], S.bits[i]);
+}
+
+// Slots i0 .. i0 + count - 1 of one input: one linear_multi call when they are all float weights.
+std::vector<at::Tensor> project_all(const Kernels& K, const Slots& S, size_t i0, size_t count, const at::Tensor& x) {
+  bool plain = true;
+  for (size_t i = i0; i < i0 + count; ++i) plain = plain && S.bits[i] == 0 && !S.scales[i].has_value();
+  std::vector<at::Tensor> out;
+  if (plain) {
+    std::vector<at::Tensor> ws;
+    std::vector<std::optional<at::Tensor>> bs;
+    for (size_t i = i0; i < i0 + count; ++i) {
+      ws.push_back(S.weights[i]);
+      bs.push_back(S.biases[i]);
+    }
+    return K.linear_multi(x, ws, bs);
+  }
+  for (size_t i = i0; i < i0 + count; ++i) out.push_back(project(K, S, i, x));
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> run(const Kernels& K, const at::Tensor& x, const at::Tensor& h,
+                                       at::TensorList weights, const c10::List<std::optional<at::Tensor>>& scales,
+                                       const c10::List<std::optional<at::Tensor>>& mins,
+                                       const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef bits,
+                                       const at::Tensor& post_norm_weight, double post_norm_eps,
+                                       const at::Tensor& next_norm_weight, double next_norm_eps, at::Tensor& k_cache, at::Tensor& v_cache,
+                                       const at::Tensor& cache_lens, const at::Tensor& cos, const at::Tensor& sin,
+                                       const std::optional<at::Tensor>& tree_mask, int64_t kv_offset, double scale,
+                                       int64_t hq, int64_t hkv) {
+  // ---- validation (nothing is written before it all passes)
+  const size_t n = weights.size();
+  TORCH_CHECK(n == 7 || n == 4, kOp, ": weights must hold 7 projections (q, k, v, o, gate, up, down) or 4 "
+              "(qkv, o, gate_up, down), got ", n);
+  TORCH_CHECK(scales.size() == n && mins.size() == n && biases.size() == n && bits.size() == n, kOp,
+              ": scales, mins, biases and bits must have one entry per projection (", n, "), got ", scales.size(),
+              ", ", mins.size(), ", ", biases.size(), ", ", bits.size());
+  for (size_t i = 0; i < n; ++i)
+    TORCH_CHECK(bits[i] == 0 || bits[i] == 4 || bits[i] == 8, kOp, ": bits[", i, "] must be 0 (linear), 4 or 8 "
+                "(qlinear), got ", bits[i]);
+  TORCH_CHECK(x.dim() == 3, kOp, ": x must be [B, N, H] (the normed layer input), got ", x.sizes());
+  TORCH_CHECK(h.sizes() == x.sizes() && h.scalar_type() == x.scalar_type() && h.device() == x.device(), kOp,
+              ": h (the residual stream) must be ", x.scalar_type(), " ", x.sizes(), " on ", x.device(),
+              " like x, got ", h.scalar_type(), " ", h.sizes(), " on ", h.device());
+  TORCH_CHECK(hq >= 1 && hkv >= 1 && hq % hkv == 0, kOp, ": num_heads and num_kv_heads must be >= 1 with "
+              "num_heads % num_kv_heads == 0, got ", hq, " and ", hkv);
+  TORCH_CHECK(k_cache.dim() == 4, kOp, ": k_cache must be [B, Hkv, S, D], got ", k_cache.sizes());
+  const int64_t B = x.size(0), N = x.size(1), H = x.size(2), D = k_cache.size(3);
+  const int64_t nq = hq * D, nkv = hkv * D;
+  const Slots S{weights, scales, mins, biases, bits, n};
+  int64_t inter = 0;  // the MLP's width, from the down projection
+  {
+    const auto [dn, dk] = S.shape(n - 1);
+    (void)dn;
+    inter = dk;
+  }
+  if (n == 7) {
+    check_slot(S, 0, x, H, nq);
+    check_slot(S, 1, x, H, nkv);
+    check_slot(S, 2, x, H, nkv);
+    check_slot(S, 3, x, nq, H);
+    check_slot(S, 4, x, H, inter);
+    check_slot(S, 5, x, H, inter);
+    check_slot(S, 6, x, inter, H);
+  } else {
+    check_slot(S, 0, x, H, nq + 2 * nkv);
+    check_slot(S, 1, x, nq, H);
+    check_slot(S, 2, x, H, 2 * inter);
+    check_slot(S, 3, x, inter, H);
+  }
+  for (const auto& [name, w, eps] : {std::tuple{"post_norm_weight", &post_norm_weight, post_norm_eps},
+                                      std::tuple{"next_norm_weight", &next_norm_weight, next_norm_eps}}) {
+    try {
+      checks::rms_norm("add_rms_norm", x, &h, *w, eps);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, kOp, ": ", name, " / its eps: ", e.what_without_backtrace());
+    }
+  }
+  const at::Tensor q_probe = at::empty({B, N, hq, D}, x.options());
+  const at::Tensor k_probe = at::empty({B, N, hkv, D}, x.options());
+  try {
+    checks::rope(q_probe, k_probe, cos, sin);
+    checks::append_kv(k_cache, v_cache, k_probe.transpose(1, 2), k_probe.transpose(1, 2), cache_lens, kv_offset);
+    checks::verify_attention(q_probe, k_cache, v_cache, cache_lens, tree_mask, scale);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, kOp, ": attention inputs: ", e.what_without_backtrace());
+  }
+
+  // ---- the layer
+  at::Tensor q, k, v;
+  if (n == 7) {
+    auto qkv = project_all(K, S, 0, 3, x);
+    q = qkv[0];
+    k = qkv[1];
+    v = qkv[2];
+  } else {
+    const at::Tensor qkv = project(K, S, 0, x);
+    q = qkv.narrow(-1, 0, nq);
+    k = qkv.narrow(-1, nq, nkv);
+    v = qkv.narrow(-1, nq + nkv, nkv);
+  }
+  auto [qr, kr] = K.rope(q.view({B, N, hq, D}), k.view({B, N, hkv, D}), cos, sin);
+  K.append_kv(k_cache, v_cache, kr.transpose(1, 2), v.view({B, N, hkv, D}).transpose(1, 2), cache_lens, kv_offset);
+  const at::Tensor a = K.verify_attention(qr, k_cache, v_cache, cache_lens, tree_mask, scale);
+  auto [x1, h1] = K.add_rms_norm(project(K, S, n == 7 ? 3 : 1, a.reshape({B, N, nq})), h, post_norm_weight, post_norm_eps);
+  at::Tensor g, u;
+  if (n == 7) {
+    auto gu = project_all(K, S, 4, 2, x1);
+    g = gu[0];
+    u = gu[1];
+  } else {
+    const at::Tensor gu = project(K, S, 2, x1);
+    g = gu.narrow(-1, 0, inter);
+    u = gu.narrow(-1, inter, inter);
+  }
+  return K.add_rms_norm(project(K, S, n - 1, K.silu_mul(g, u)), h1, next_norm_weight, next_norm_eps);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> decoder_layer_cpu(const at::Tensor& x, const at::Tensor& h, at::TensorList weights,
+    const c10::List<std::optional<at::Tensor>>& scales, const c10::List<std::optional<at::Tensor>>& mins,
+    const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef bits, const at::Tensor& post_norm_weight,
+    double post_norm_eps, const at::Tensor& next_norm_weight, double next_norm_eps, at::Tensor& k_cache,
+    at::Tensor& v_cache, const at::Tensor& cache_lens, const at::Tensor& cos, const at::Tensor& sin,
+    const std::optional<at::Tensor>& tree_mask, int64_t kv_offset, double scale, int64_t num_heads,
+    int64_t num_kv_heads) {
+  static const Kernels kCpu{&linear_cpu, &linear_multi_cpu, &qlinear_cpu, &rope_cpu, &append_kv_cpu, &verify_attention_cpu,
+                            &add_rms_norm_cpu, &silu_mul_cpu};
+  return run(kCpu, x, h, weights, scales, mins, biases, bits, post_norm_weight, post_norm_eps, next_norm_weight,
+             next_norm_eps, k_cache, v_cache, cache_lens, cos, sin, tree_mask, kv_offset, scale, num_heads,
+             num_kv_heads);
+}
+
+#ifdef SPECDEC_WITH_CUDA
+namespace {
+// On the GPU each linear is its own launch (a CUDA graph replays them without host work).
+std::vector<at::Tensor> linear_multi_cuda(const at::Tensor& x, at::TensorList weights,
+                                          const std::vector<std::optional<at::Tensor>>& biases) {
+  std::vector<at::Tensor> out;
+  for (size_t j = 0; j < weights.size(); ++j) out.push_back(linear_cuda(x, weights[j], biases[j], std::nullopt));
+  return out;
+}
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> decoder_layer_cuda(const at::Tensor& x, const at::Tensor& h, at::TensorList weights,
+    const c10::List<std::optional<at::Tensor>>& scales, const c10::List<std::optional<at::Tensor>>& mins,
+    const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef bits, const at::Tensor& post_norm_weight,
+    double post_norm_eps, const at::Tensor& next_norm_weight, double next_norm_eps, at::Tensor& k_cache,
+    at::Tensor& v_cache, const at::Tensor& cache_lens, const at::Tensor& cos, const at::Tensor& sin,
+    const std::optional<at::Tensor>& tree_mask, int64_t kv_offset, double scale, int64_t num_heads,
+    int64_t num_kv_heads) {
+  static const Kernels kCuda{&linear_cuda, &linear_multi_cuda, &qlinear_cuda, &rope_cuda, &append_kv_cuda, &verify_attention_cuda,
+                             &add_rms_norm_cuda, &silu_mul_cuda};
+  return run(kCuda, x, h, weights, scales, mins, biases, bits, post_norm_weight, post_norm_eps, next_norm_weight,
+             next_norm_eps, k_cache, v_cache, cache_lens, cos, sin, tree_mask, kv_offset, scale, num_heads,
+             num_kv_heads);
+}
+#endif
+
+}  // namespace specdec
