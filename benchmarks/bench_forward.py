@@ -6,13 +6,19 @@ Measures the latency of a decode step (N = 1 new token) and a verify step (N = 8
 nodes) over a 150-token prefix, for:
   fp32 modules+F.linear   transformers' modules, torch's F.linear (fast_path=False, fast_linear=False)
   fp32 lean unfused       specdec.models.fast_llama + ops.linear, torch's small ops (fused_ops=False)
-  fp32 lean fused         the default: + the fused small ops (rms_norm, add_rms_norm, rope, silu_mul)
-  q8_0 / q4_1 lean fused  the target at group-quantized precision (ops.qlinear; q4_1 = the GGUF's blocks)
-  w8 lean unfused / fused the weight-only int8 draft
+  fp32 lean fused         + the fused small ops (rms_norm, add_rms_norm, rope, silu_mul), one op call
+                          each from Python (fused_layers=False)
+  fp32 lean layer         the default: each decoder layer as ONE ops.decoder_layer call (the same
+                          kernels called from C++)
+  q8_0 / q4_1 lean fused / layer  the target at group-quantized precision (ops.qlinear; q4_1 = the
+                          GGUF's blocks)
+  w8 lean unfused / fused / layer the weight-only int8 draft
 Configurations are interleaved round by round (medians). Then, per configuration:
   small-op time  the same forward with every linear layer replaced by a preallocated output of
                  its shape (so the linears cost nothing): what the rest of the step costs
-                 (norms, RoPE, attention, residuals, Python);
+                 (norms, RoPE, attention, residuals, Python). A "layer" configuration runs its
+                 linears inside ops.decoder_layer, where they cannot be replaced: its small-op
+                 time is derived, forward - (the linear time of its "fused" twin);
   linear GB/s    weight bytes read per forward / (forward - small-op time), against the
                  machine's read bandwidth measured here (a 1 GiB float32 sum, same threads).
 Writes benchmarks/results/forward_cpu_<date>.json (load average recorded).
@@ -115,14 +121,19 @@ def main() -> int:
     q8 = load_bundled("smollm2-135m", precision="q8_0")[0]
     q4 = load_bundled("smollm2-135m", precision="q4_1")[0]
     models = {"fp32": model, "q8_0": q8, "q4_1": q4, "w8": w8}
+    per_op = dict(fused_layers=False)
     configs = {
         "fp32 modules+F.linear": ("fp32", dict(fast_path=False, fast_linear=False)),
         "fp32 lean unfused": ("fp32", dict(fused_ops=False)),
-        "fp32 lean fused": ("fp32", {}),
-        "q8_0 lean fused": ("q8_0", {}),
-        "q4_1 lean fused": ("q4_1", {}),
+        "fp32 lean fused": ("fp32", per_op),
+        "fp32 lean layer": ("fp32", {}),
+        "q8_0 lean fused": ("q8_0", per_op),
+        "q8_0 lean layer": ("q8_0", {}),
+        "q4_1 lean fused": ("q4_1", per_op),
+        "q4_1 lean layer": ("q4_1", {}),
         "w8 lean unfused": ("w8", dict(fused_ops=False)),
-        "w8 lean fused": ("w8", {}),
+        "w8 lean fused": ("w8", per_op),
+        "w8 lean layer": ("w8", {}),
     }
     prefix = list(range(1, 151))
 
@@ -135,7 +146,7 @@ def main() -> int:
 
     median_ms = interleaved_medians({name: make(name) for name in configs}, args.rounds)
     # small-op time: the lean configurations with free linears (fresh adapters; interleaved too)
-    lean = [n for n in configs if "lean" in n]
+    lean = [n for n in configs if "lean" in n and "layer" not in n]
     stubbed = {}
     for name in lean:
         lm, cache = make(name)
@@ -156,6 +167,11 @@ def main() -> int:
                 row[f"N={N} small-op ms"] = round(so, 2)
                 lin = max(median_ms[(name, N)] - so, 1e-6)
                 row[f"N={N} linear GB/s"] = round(wb / lin / 1e6, 1)
+            elif "layer" in name:  # derived: the same linears as its "fused" twin
+                twin = name.replace("layer", "fused")
+                lin = median_ms[(twin, N)] - small_ms[(twin, N)]
+                row[f"N={N} small-op ms"] = round(median_ms[(name, N)] - lin, 2)
+                row["small-op derived"] = True
         row["N=8 / N=1"] = round(median_ms[(name, 8)] / median_ms[(name, 1)], 3)
         rows.append(row)
 
@@ -178,7 +194,9 @@ def main() -> int:
                                    loadavg=os.getloadavg() if hasattr(os, "getloadavg") else None,
                                    read_bandwidth_gbs=round(bw, 1), rounds=args.rounds, rows=rows,
                                    keys={"N=k ms": "median forward latency with k new nodes",
-                                         "N=k small-op ms": "the same forward with free linear layers",
+                                         "N=k small-op ms": "the same forward with free linear layers (layer "
+                                                            "configurations: forward - the linear time of "
+                                                            "their fused twin)",
                                          "N=k linear GB/s": "weight bytes / (forward - small-op time)",
                                          "weight_mb": "bytes of the linear layers' weight data per forward"}),
                               indent=2))

@@ -206,7 +206,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     weight_scale float32 [N] (weight-only quantisation, one scale per output row, see
     :func:`quantize_weight_int8`); bias : [N] of x's dtype. Returns [..., N] in x's dtype.
     Accumulates in float32 and rounds once. The kernels stream the weight from memory
-    once for all rows of x (M = x.numel() / K): on CPU for M <= 32 (larger M with a
+    once for up to 32 rows of x (M = x.numel() / K): on CPU for M <= 64 (larger M with a
     float weight is compute-bound and goes to the BLAS GEMM; int8 weights always use the
     kernel), on CUDA for M <= 16 (larger M: cuBLAS, int8 weights dequantised first).
     """

@@ -6,7 +6,7 @@ most ~K * 2^-24 of sum|x_k w_k| (far less in practice, errors are random); we al
 2e-5 * sqrt(K) * sum|x w| + one rounding of the output dtype (2^-8 relative for bf16,
 2^-11 for fp16, 2^-24 for fp32). Shapes are odd on purpose: K not a multiple of 8 (the
 vector tail), N not a multiple of 4 (the weight-row tile), M across the 3-row tiles and
-the M > 32 (CPU) / M > 16 (CUDA) switch to the BLAS path.
+the M > 64 (CPU) / M > 16 (CUDA) switch to the BLAS path.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def check_close(y: torch.Tensor, x, w, bias, scale, dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 16, 17, 31, 32, 33, 70])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 16, 17, 31, 32, 33, 64, 65, 70])
 @pytest.mark.parametrize("K,N", [(77, 13), (576, 130), (40, 4)])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
 def test_linear_float(device, dtype, M, K, N, with_bias):
