@@ -8,6 +8,7 @@
 #      image lacks is skipped with a note
 #   5. a CPU vs CUDA agreement sweep of the samplers (benchmarks/sweep_sampling.py, short)
 #   6. kernel benchmarks on CUDA (one table)
+#   7. SmolLM2 decoding with CUDA-graph replays vs eager forwards (benchmarks/bench_graphs.py)
 # Everything (logs, junit XML, bench JSON, summary) goes to
 # benchmarks/results/gpu_<date>_<shortcommit>/. A failing stage does not stop the later
 # ones; each stage's status is in summary.txt. Whole script < 8 minutes: every stage has
@@ -104,7 +105,7 @@ PYTEST_ARGS=(-q -rfEs -p no:cacheprovider --junitxml="$OUT/pytest_cuda.xml")
 if [ -n "$TESTS_K" ]; then PYTEST_ARGS+=(-k "$TESTS_K"); fi
 run_stage tests 120 env SPECDEC_FUZZ_EXAMPLES="${SPECDEC_FUZZ_EXAMPLES:-150}" "$PY" -m pytest tests/test_ops_attention.py tests/test_ops_sampling.py tests/test_ops_kv_commit.py \
   tests/test_ops_linear.py tests/test_ops_qlinear.py tests/test_ops_fused.py tests/test_ops_decoder_layer.py tests/test_ops_errors.py tests/test_ops_compile.py tests/test_statistical.py \
-  tests/test_fuzz_ops.py "${PYTEST_ARGS[@]}"
+  tests/test_fuzz_ops.py tests/test_graphs.py "${PYTEST_ARGS[@]}"
 
 SAN="$(find_sanitizer || true)"
 if [ -n "$SAN" ]; then
@@ -133,6 +134,8 @@ run_stage sweep 30 "$PY" benchmarks/sweep_sampling.py --requests "${SWEEP_REQUES
 # shellcheck disable=SC2086
 run_stage bench 60 "$PY" benchmarks/bench_ops.py --device cuda --out "$OUT/bench_ops.json" ${BENCH_ARGS:-}
 
+run_stage graphs 60 "$PY" benchmarks/bench_graphs.py --rounds 2 --out "$OUT/graphs.json"
+
 # ---------------------------------------------------------------------------- summary
 {
   echo "specdec GPU check — $(date '+%Y-%m-%d %H:%M:%S') — commit $COMMIT — $GPU_NAME"
@@ -152,6 +155,10 @@ run_stage bench 60 "$PY" benchmarks/bench_ops.py --device cuda --out "$OUT/bench
   if [ -f "$OUT/bench.log" ]; then
     echo
     sed -n '/^# specdec kernel benchmarks/,/^# wrote/p' "$OUT/bench.log"
+  fi
+  if [ -f "$OUT/graphs.log" ]; then
+    echo
+    sed -n '/^# SmolLM2/,/^# wrote/p' "$OUT/graphs.log"
   fi
 } | tee "$SUMMARY"
 

@@ -34,10 +34,11 @@ _LAZY = {
     "TokenRecycling": "specdec.drafters.recycling",
     "MultiDraft": "specdec.drafters.multi",
     "CallableDrafter": "specdec.drafters.base",
+    "GraphedForward": "specdec.graphs",
 }
 
 # subpackages / modules served as attributes (``specdec.models.load_bundled(...)``), imported on first use
-_SUBMODULES = ("models", "drafters", "reference", "tree", "cache", "decoding", "engine", "sampling", "metrics")
+_SUBMODULES = ("models", "drafters", "reference", "tree", "cache", "decoding", "engine", "sampling", "metrics", "graphs")
 
 __all__ = ["ops", "build_info", "__version__", *_LAZY, *_SUBMODULES]
 

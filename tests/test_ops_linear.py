@@ -200,3 +200,22 @@ def test_linear_batch_invariant(device, kind):
         whole = ops.linear(x[:M].to(device), *args).cpu()
         rows = torch.cat([ops.linear(x[i:i + 1].to(device), *args).cpu() for i in range(M)])
         assert torch.equal(whole, rows), (kind, M)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
+def test_linear_batch_invariant_up_to_64_rows_on_cpu(kind):
+    """On the CPU the kernel takes up to 64 rows (32 per weight pass): a batch-8 verify of 4-8 nodes
+    still gives each row what a decode step gives, bit for bit."""
+    g = gen(13)
+    w = torch.randn(70, 576, generator=g) / 24
+    x = torch.randn(64, 576, generator=g)
+    if kind == "int8":
+        q, s = ops.quantize_weight_int8(w)
+        args = (q, None, s)
+    else:
+        dt = torch.float32 if kind == "fp32" else torch.bfloat16
+        x, args = x.to(dt), (w.to(dt), None, None)
+    for M in (33, 40, 64):
+        whole = ops.linear(x[:M], *args)
+        rows = torch.cat([ops.linear(x[i:i + 1], *args) for i in range(M)])
+        assert torch.equal(whole, rows), (kind, M)
