@@ -19,7 +19,6 @@ import argparse
 import datetime as _dt
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -63,7 +62,7 @@ def main() -> int:
         print("needs a CUDA device and a CUDA build of specdec", file=sys.stderr)
         return 2
     from specdec import HFCausalLM, PromptLookup, SpeculativeDecoder
-    from specdec.bench import _record_path
+    from specdec.bench import _git_commit, _record_path
     from specdec.graphs import GraphedForward
     from specdec.models import load_bundled
 
@@ -126,11 +125,7 @@ def main() -> int:
     for k, v in {**fwd, **gen}.items():
         print(f"{k:<28} {v}")
     print(f"outputs equal (graphs == eager): {equal}; captures {graphed.captures}, replays {graphed.replays}")
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip()
-    except OSError:
-        commit = "unknown"
+    commit = _git_commit()
     now = _dt.datetime.now()
     out = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / f"graphs_{now:%Y-%m-%d}.json"
     out.write_text(json.dumps(dict(date=now.isoformat(timespec="seconds"), commit=commit, torch=torch.__version__,

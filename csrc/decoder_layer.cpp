@@ -200,20 +200,6 @@ std::tuple<at::Tensor, at::Tensor> run(const Kernels& K, const at::Tensor& x, co
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> decoder_layer_cpu(const at::Tensor& x, const at::Tensor& h, at::TensorList weights,
-    const c10::List<std::optional<at::Tensor>>& scales, const c10::List<std::optional<at::Tensor>>& mins,
-    const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef bits, const at::Tensor& post_norm_weight,
-    double post_norm_eps, const at::Tensor& next_norm_weight, double next_norm_eps, at::Tensor& k_cache,
-    at::Tensor& v_cache, const at::Tensor& cache_lens, const at::Tensor& cos, const at::Tensor& sin,
-    const std::optional<at::Tensor>& tree_mask, int64_t kv_offset, double scale, int64_t num_heads,
-    int64_t num_kv_heads) {
-  static const Kernels kCpu{&linear_cpu, &linear_multi_cpu, &qlinear_cpu, &rope_cpu, &append_kv_cpu, &verify_attention_cpu,
-                            &add_rms_norm_cpu, &silu_mul_cpu};
-  return run(kCpu, x, h, weights, scales, mins, biases, bits, post_norm_weight, post_norm_eps, next_norm_weight,
-             next_norm_eps, k_cache, v_cache, cache_lens, cos, sin, tree_mask, kv_offset, scale, num_heads,
-             num_kv_heads);
-}
-
 #ifdef SPECDEC_WITH_CUDA
 namespace {
 // On the GPU each linear is its own launch (a CUDA graph replays them without host work).
@@ -224,20 +210,28 @@ std::vector<at::Tensor> linear_multi_cuda(const at::Tensor& x, at::TensorList we
   return out;
 }
 }  // namespace
+#endif
 
-std::tuple<at::Tensor, at::Tensor> decoder_layer_cuda(const at::Tensor& x, const at::Tensor& h, at::TensorList weights,
+// Registered for CPU and CUDA: the inputs' device picks the kernels.
+std::tuple<at::Tensor, at::Tensor> decoder_layer(const at::Tensor& x, const at::Tensor& h, at::TensorList weights,
     const c10::List<std::optional<at::Tensor>>& scales, const c10::List<std::optional<at::Tensor>>& mins,
     const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef bits, const at::Tensor& post_norm_weight,
     double post_norm_eps, const at::Tensor& next_norm_weight, double next_norm_eps, at::Tensor& k_cache,
     at::Tensor& v_cache, const at::Tensor& cache_lens, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& tree_mask, int64_t kv_offset, double scale, int64_t num_heads,
     int64_t num_kv_heads) {
-  static const Kernels kCuda{&linear_cuda, &linear_multi_cuda, &qlinear_cuda, &rope_cuda, &append_kv_cuda, &verify_attention_cuda,
-                             &add_rms_norm_cuda, &silu_mul_cuda};
-  return run(kCuda, x, h, weights, scales, mins, biases, bits, post_norm_weight, post_norm_eps, next_norm_weight,
+  static const Kernels kCpu{&linear_cpu, &linear_multi_cpu, &qlinear_cpu, &rope_cpu, &append_kv_cpu,
+                            &verify_attention_cpu, &add_rms_norm_cpu, &silu_mul_cpu};
+#ifdef SPECDEC_WITH_CUDA
+  static const Kernels kCuda{&linear_cuda, &linear_multi_cuda, &qlinear_cuda, &rope_cuda, &append_kv_cuda,
+                             &verify_attention_cuda, &add_rms_norm_cuda, &silu_mul_cuda};
+  const Kernels& K = x.is_cuda() ? kCuda : kCpu;
+#else
+  const Kernels& K = kCpu;
+#endif
+  return run(K, x, h, weights, scales, mins, biases, bits, post_norm_weight, post_norm_eps, next_norm_weight,
              next_norm_eps, k_cache, v_cache, cache_lens, cos, sin, tree_mask, kv_offset, scale, num_heads,
              num_kv_heads);
 }
-#endif
 
 }  // namespace specdec

@@ -39,14 +39,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(const at::Tensor& x, const a
 std::tuple<at::Tensor, at::Tensor> rope_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                                             const at::Tensor& sin);
 at::Tensor silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up);
-// One Llama-style decoder layer from the ops above (csrc/decoder_layer.cpp).
-std::tuple<at::Tensor, at::Tensor> decoder_layer_cpu(const at::Tensor& x, const at::Tensor& h, at::TensorList weights,
-                                                     const c10::List<std::optional<at::Tensor>>& scales, const c10::List<std::optional<at::Tensor>>& mins,
-                                                     const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef bits, const at::Tensor& post_norm_weight,
-                                                     double post_norm_eps, const at::Tensor& next_norm_weight, double next_norm_eps, at::Tensor& k_cache,
-                                                     at::Tensor& v_cache, const at::Tensor& cache_lens, const at::Tensor& cos, const at::Tensor& sin,
-                                                     const std::optional<at::Tensor>& tree_mask, int64_t kv_offset, double scale, int64_t num_heads,
-                                                     int64_t num_kv_heads);
 
 #ifdef SPECDEC_WITH_CUDA
 // ---------------------------------------------------------------- CUDA (csrc/cuda/*.cu)
@@ -72,13 +64,17 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_cuda(const at::Tensor& x, const 
 std::tuple<at::Tensor, at::Tensor> rope_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                                             const at::Tensor& sin);
 at::Tensor silu_mul_cuda(const at::Tensor& gate, const at::Tensor& up);
-std::tuple<at::Tensor, at::Tensor> decoder_layer_cuda(const at::Tensor& x, const at::Tensor& h, at::TensorList weights,
-                                                     const c10::List<std::optional<at::Tensor>>& scales, const c10::List<std::optional<at::Tensor>>& mins,
-                                                     const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef bits, const at::Tensor& post_norm_weight,
-                                                     double post_norm_eps, const at::Tensor& next_norm_weight, double next_norm_eps, at::Tensor& k_cache,
-                                                     at::Tensor& v_cache, const at::Tensor& cache_lens, const at::Tensor& cos, const at::Tensor& sin,
-                                                     const std::optional<at::Tensor>& tree_mask, int64_t kv_offset, double scale, int64_t num_heads,
-                                                     int64_t num_kv_heads);
 #endif
+
+// ---------------------------------------------------------------- composite (csrc/decoder_layer.cpp)
+// One Llama-style decoder layer from the ops above, registered for CPU and CUDA: the inputs'
+// device picks the backend's kernels.
+std::tuple<at::Tensor, at::Tensor> decoder_layer(
+    const at::Tensor& x, const at::Tensor& h, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& scales,
+    const c10::List<std::optional<at::Tensor>>& mins, const c10::List<std::optional<at::Tensor>>& biases,
+    at::IntArrayRef bits, const at::Tensor& post_norm_weight, double post_norm_eps, const at::Tensor& next_norm_weight,
+    double next_norm_eps, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& cache_lens, const at::Tensor& cos,
+    const at::Tensor& sin, const std::optional<at::Tensor>& tree_mask, int64_t kv_offset, double scale,
+    int64_t num_heads, int64_t num_kv_heads);
 
 }  // namespace specdec

@@ -67,7 +67,7 @@ TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("add_rms_norm", &specdec::add_rms_norm_cpu);
   m.impl("rope", &specdec::rope_cpu);
   m.impl("silu_mul", &specdec::silu_mul_cpu);
-  m.impl("decoder_layer", &specdec::decoder_layer_cpu);
+  m.impl("decoder_layer", &specdec::decoder_layer);
 }
 
 #ifdef SPECDEC_WITH_CUDA
@@ -83,7 +83,7 @@ TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
   m.impl("add_rms_norm", &specdec::add_rms_norm_cuda);
   m.impl("rope", &specdec::rope_cuda);
   m.impl("silu_mul", &specdec::silu_mul_cuda);
-  m.impl("decoder_layer", &specdec::decoder_layer_cuda);
+  m.impl("decoder_layer", &specdec::decoder_layer);
 }
 #endif
 
