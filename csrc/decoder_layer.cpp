@@ -19,10 +19,18 @@
 // per-row scale) and qlinear(x, weights[i], scales[i], mins[i], biases[i], bits[i]) for
 // bits 4 / 8. Every argument is validated before the caches are written; an error names the
 // slot. The backend of the inputs picks the kernels (CPU, or CUDA when built with it).
+//
+// CPU, float32 activations, decode / verify sizes (B * N <= 64 rows): after the validation the
+// layer runs the same CPU kernels on raw pointers (csrc/cpu/raw.h) with one workspace
+// allocation, instead of the torch-level functions with their ~30 tensor allocations, views
+// and repeated checks (~1 us each, ~30 us per layer at decode sizes). Same kernels, same
+// parameters: the same results, bit for bit (tested against the separate ops).
 #include <array>
+#include <cstring>
 #include <string>
 
 #include "checks.h"
+#include "cpu/raw.h"
 #include "ops.h"
 
 namespace specdec {
@@ -101,6 +109,200 @@ std::vector<at::Tensor> project_all(const Kernels& K, const Slots& S, size_t i0,
   return out;
 }
 
+// ---------------------------------------------------------------- CPU float32 path
+struct Dims {
+  int64_t B, N, H, hq, hkv, D, nq, nkv, inter;
+};
+
+bool raw_ok(const at::Tensor& t) { return t.is_contiguous() && t.scalar_type() == at::kFloat; }
+
+// Whether the raw CPU path takes this call (the validation has passed).
+bool cpu_f32_path(const Slots& S, const Dims& d, const at::Tensor& x, const at::Tensor& h,
+                  const at::Tensor& post_w, const at::Tensor& next_w, const at::Tensor& k_cache,
+                  const at::Tensor& v_cache) {
+  const int64_t M = d.B * d.N;
+  if (x.is_cuda() || M < 1 || M > cpu::kLinearBlasRows || d.H < 1 || d.D < 1 || d.inter < 1) return false;
+  if (!raw_ok(x) || !raw_ok(h) || !raw_ok(post_w) || !raw_ok(next_w) || !raw_ok(k_cache) || !raw_ok(v_cache))
+    return false;
+  for (size_t i = 0; i < S.n; ++i) {
+    const at::Tensor& w = S.weights[i];
+    if (!w.is_contiguous() || w.size(0) < 1) return false;
+    if (S.biases[i].has_value() && !raw_ok(*S.biases[i])) return false;
+    if (S.bits[i] == 0) {
+      if (w.scalar_type() != at::kFloat && w.scalar_type() != at::kChar) return false;
+      if (S.scales[i].has_value() && !S.scales[i]->is_contiguous()) return false;
+    } else if (!S.scales[i]->is_contiguous() || (S.mins[i].has_value() && !S.mins[i]->is_contiguous())) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// y[M, N] (row stride y_stride) = slot i of x[M, K] (contiguous).
+void project_raw(const Slots& S, size_t i, const float* x, int64_t M, int64_t K, float* y, int64_t y_stride) {
+  const at::Tensor& w = S.weights[i];
+  const float* bias = S.biases[i].has_value() ? S.biases[i]->data_ptr<float>() : nullptr;
+  if (S.bits[i] == 0) {
+    cpu::LinearParams P;
+    P.x = x;
+    P.x_stride = K;
+    P.w = w.data_ptr();
+    P.scale = S.scales[i].has_value() ? S.scales[i]->data_ptr<float>() : nullptr;
+    P.bias = bias;
+    P.y = y;
+    P.y_stride = y_stride;
+    P.M = M;
+    P.N = w.size(0);
+    P.K = K;
+    P.wtype = w.scalar_type() == at::kFloat ? cpu::WType::kFloat32 : cpu::WType::kInt8;
+    cpu::linear_raw(P);
+    return;
+  }
+  cpu::QLinearParams P;
+  P.x = x;
+  P.x_stride = K;
+  P.xsum = nullptr;
+  P.qw = w.data_ptr();
+  P.scales = reinterpret_cast<const uint16_t*>(S.scales[i]->data_ptr<at::Half>());
+  P.mins = S.mins[i].has_value() ? reinterpret_cast<const uint16_t*>(S.mins[i]->data_ptr<at::Half>()) : nullptr;
+  P.bias = bias;
+  P.y = y;
+  P.y_stride = y_stride;
+  P.M = M;
+  P.N = w.size(0);
+  P.K = K;
+  P.bits = int(S.bits[i]);
+  cpu::qlinear_raw(P);
+}
+
+// Slots i0 .. i0 + count - 1 of x into consecutive contiguous outputs (out[j] = [M, N_j]): one
+// parallel region for float32 weights (what linear_multi_cpu does), else one call each.
+void project_all_raw(const Slots& S, size_t i0, size_t count, const float* x, int64_t M, int64_t K,
+                     const std::vector<float*>& out) {
+  bool plain = true;
+  for (size_t i = i0; i < i0 + count; ++i)
+    plain = plain && S.bits[i] == 0 && !S.scales[i].has_value() && S.weights[i].scalar_type() == at::kFloat;
+  if (!plain || M > cpu::kLinearRowsPerPass) {
+    for (size_t j = 0; j < count; ++j) project_raw(S, i0 + j, x, M, K, out[j], S.weights[i0 + j].size(0));
+    return;
+  }
+  std::vector<cpu::LinearParams> P(count);
+  for (size_t j = 0; j < count; ++j) {
+    const at::Tensor& w = S.weights[i0 + j];
+    cpu::LinearParams& p = P[j];
+    p.x = x;
+    p.x_stride = K;
+    p.w = w.data_ptr();
+    p.scale = nullptr;
+    p.bias = S.biases[i0 + j].has_value() ? S.biases[i0 + j]->data_ptr<float>() : nullptr;
+    p.y = out[j];
+    p.y_stride = w.size(0);
+    p.M = M;
+    p.N = w.size(0);
+    p.K = K;
+    p.wtype = cpu::WType::kFloat32;
+  }
+  cpu::linear_multi_raw(P);
+}
+
+std::tuple<at::Tensor, at::Tensor> run_cpu_f32(const Slots& S, const Dims& d, const at::Tensor& x,
+                                               const at::Tensor& h, const at::Tensor& post_w, double post_eps,
+                                               const at::Tensor& next_w, double next_eps, at::Tensor& k_cache,
+                                               at::Tensor& v_cache, const at::Tensor& cache_lens,
+                                               const at::Tensor& cos_in, const at::Tensor& sin_in,
+                                               const std::optional<at::Tensor>& tree_mask, int64_t kv_offset,
+                                               double scale) {
+  const int64_t B = d.B, N = d.N, H = d.H, D = d.D, nq = d.nq, nkv = d.nkv, I = d.inter, M = B * N;
+  const bool seven = S.n == 7;
+  // workspace: projections, roped q / k, attention, o, the mid residual and norm, gate / up, act, down
+  const int64_t sizes[] = {M * (nq + 2 * nkv), M * nq, M * nkv, M * nq, M * H, M * H, M * H, M * 2 * I, M * I, M * H};
+  int64_t total = 0;
+  for (int64_t z : sizes) total += z;
+  at::Tensor ws = at::empty({total}, x.options());
+  float* p = ws.data_ptr<float>();
+  float* proj = p; p += sizes[0];
+  float* qr = p; p += sizes[1];
+  float* kr = p; p += sizes[2];
+  float* att = p; p += sizes[3];
+  float* o = p; p += sizes[4];
+  float* x1 = p; p += sizes[5];
+  float* h1 = p; p += sizes[6];
+  float* gu = p; p += sizes[7];
+  float* act = p; p += sizes[8];
+  float* dn = p;
+  at::Tensor out_x = at::empty(x.sizes(), x.options()), out_h = at::empty(x.sizes(), x.options());
+  const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  const at::Tensor lens_t = cache_lens.contiguous();
+  const int32_t* lens = lens_t.data_ptr<int32_t>();
+  const float* xp = x.data_ptr<float>();
+
+  // q, k, v (row strides: separate outputs, or the merged projection's rows)
+  const float *q, *k, *v;
+  int64_t qs, ks, vs;
+  if (seven) {
+    project_all_raw(S, 0, 3, xp, M, H, {proj, proj + M * nq, proj + M * (nq + nkv)});
+    q = proj, k = proj + M * nq, v = proj + M * (nq + nkv);
+    qs = nq, ks = nkv, vs = nkv;
+  } else {
+    project_raw(S, 0, xp, M, H, proj, nq + 2 * nkv);
+    q = proj, k = proj + nq, v = proj + nq + nkv;
+    qs = ks = vs = nq + 2 * nkv;
+  }
+  cpu::rope_f32(q, qs, cos.data_ptr<float>(), sin.data_ptr<float>(), qr, M, d.hq, D);
+  cpu::rope_f32(k, ks, cos.data_ptr<float>(), sin.data_ptr<float>(), kr, M, d.hkv, D);
+  // append_kv: cache[b, h, lens[b] + kv_offset + j] = k / v of node j
+  const int64_t Sc = k_cache.size(2);
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t hh = 0; hh < d.hkv; ++hh)
+      for (int64_t j = 0; j < N; ++j) {
+        const int64_t dst = ((b * d.hkv + hh) * Sc + lens[b] + kv_offset + j) * D;
+        std::memcpy(kc + dst, kr + (b * N + j) * nkv + hh * D, D * sizeof(float));
+        std::memcpy(vc + dst, v + (b * N + j) * vs + hh * D, D * sizeof(float));
+      }
+  // attention
+  const int64_t Nkv = tree_mask.has_value() ? tree_mask->size(2) : N;
+  std::vector<uint64_t> packed;
+  if (tree_mask.has_value()) packed = cpu::pack_tree_mask(tree_mask->contiguous().data_ptr<bool>(), B * N, Nkv);
+  cpu::AttentionParams A;
+  A.q = qr;
+  A.q_stride_b = N * nq;
+  A.q_stride_n = nq;
+  A.q_stride_h = D;
+  A.k_cache = kc;
+  A.v_cache = vc;
+  A.out = att;
+  A.lens = lens;
+  A.mask = tree_mask.has_value() ? packed.data() : nullptr;
+  A.B = B; A.N = N; A.Hq = d.hq; A.Hkv = d.hkv; A.S = Sc; A.D = D; A.W = (Nkv + 63) / 64; A.Nkv = Nkv;
+  A.scale = static_cast<float>(scale);
+  A.dtype = cpu::DType::kFloat32;
+  cpu::verify_attention_raw(A);
+  // o, the residual and the post-attention norm
+  project_raw(S, seven ? 3 : 1, att, M, nq, o, H);
+  cpu::rms_norm_f32(o, h.data_ptr<float>(), post_w.data_ptr<float>(), x1, h1, M, H, static_cast<float>(post_eps));
+  // gate / up, silu * up, down, the residual and the next norm
+  int64_t gs;
+  const float *g, *u;
+  if (seven) {
+    project_all_raw(S, 4, 2, x1, M, H, {gu, gu + M * I});
+    g = gu, u = gu + M * I, gs = I;
+  } else {
+    project_raw(S, 2, x1, M, H, gu, 2 * I);
+    g = gu, u = gu + I, gs = 2 * I;
+  }
+  if (gs == I) {
+    cpu::silu_mul_f32(g, u, act, M * I);
+  } else {
+    for (int64_t m = 0; m < M; ++m) cpu::silu_mul_f32(g + m * gs, u + m * gs, act + m * I, I);
+  }
+  project_raw(S, S.n - 1, act, M, I, dn, H);
+  cpu::rms_norm_f32(dn, h1, next_w.data_ptr<float>(), out_x.data_ptr<float>(), out_h.data_ptr<float>(), M, H,
+                    static_cast<float>(next_eps));
+  return {out_x, out_h};
+}
+
 std::tuple<at::Tensor, at::Tensor> run(const Kernels& K, const at::Tensor& x, const at::Tensor& h,
                                        at::TensorList weights, const c10::List<std::optional<at::Tensor>>& scales,
                                        const c10::List<std::optional<at::Tensor>>& mins,
@@ -169,6 +371,10 @@ std::tuple<at::Tensor, at::Tensor> run(const Kernels& K, const at::Tensor& x, co
   }
 
   // ---- the layer
+  const Dims dims{B, N, H, hq, hkv, D, nq, nkv, inter};
+  if (cpu_f32_path(S, dims, x, h, post_norm_weight, next_norm_weight, k_cache, v_cache))
+    return run_cpu_f32(S, dims, x, h, post_norm_weight, post_norm_eps, next_norm_weight, next_norm_eps, k_cache,
+                       v_cache, cache_lens, cos, sin, tree_mask, kv_offset, scale);
   at::Tensor q, k, v;
   if (n == 7) {
     auto qkv = project_all(K, S, 0, 3, x);

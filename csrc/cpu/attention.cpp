@@ -11,7 +11,7 @@
 #include "specdec/cpu_isa.h"
 
 #define SPECDEC_CPU_ISA base
-#include "specdec/cpu_attention.h"
+#include "cpu/raw.h"
 
 namespace specdec {
 namespace cpu {
@@ -34,6 +34,24 @@ DType to_dtype(at::ScalarType s) {
 }
 
 }  // namespace
+
+std::vector<uint64_t> pack_tree_mask(const bool* mp, int64_t rows, int64_t Nkv) {
+  const int64_t W = (Nkv + 63) / 64;  // W words of 64 bits per row
+  std::vector<uint64_t> packed(rows * W, 0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < Nkv; ++j)
+      if (mp[r * Nkv + j]) packed[r * W + (j >> 6)] |= uint64_t(1) << (j & 63);
+  return packed;
+}
+
+void verify_attention_raw(const AttentionParams& P) {
+  const bool avx2 = has_avx2_fma_f16c();
+  at::parallel_for(0, P.B * P.Hkv, 1, [&](int64_t begin, int64_t end) {
+    if (avx2) attention_range_avx2(P, begin, end);
+    else attention_range_base(P, begin, end);
+  });
+}
+
 }  // namespace cpu
 
 at::Tensor verify_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -50,14 +68,7 @@ at::Tensor verify_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cach
   const int64_t Nkv = tree_mask.has_value() ? tree_mask->size(2) : N;
   const int64_t W = (Nkv + 63) / 64;
   std::vector<uint64_t> packed;
-  if (tree_mask.has_value()) {
-    const at::Tensor m = tree_mask->contiguous();
-    const bool* mp = m.data_ptr<bool>();
-    packed.assign(B * N * W, 0);
-    for (int64_t r = 0; r < B * N; ++r)
-      for (int64_t j = 0; j < Nkv; ++j)
-        if (mp[r * Nkv + j]) packed[r * W + (j >> 6)] |= uint64_t(1) << (j & 63);
-  }
+  if (tree_mask.has_value()) packed = cpu::pack_tree_mask(tree_mask->contiguous().data_ptr<bool>(), B * N, Nkv);
 
   cpu::AttentionParams P;
   P.q = q.data_ptr();
@@ -73,11 +84,7 @@ at::Tensor verify_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cach
   P.scale = static_cast<float>(scale);
   P.dtype = cpu::to_dtype(q.scalar_type());
 
-  const bool avx2 = cpu::has_avx2_fma_f16c();
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    if (avx2) cpu::attention_range_avx2(P, begin, end);
-    else cpu::attention_range_base(P, begin, end);
-  });
+  cpu::verify_attention_raw(P);
   return out;
 }
 

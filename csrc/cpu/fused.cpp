@@ -19,6 +19,7 @@
 #include <type_traits>
 
 #include "checks.h"
+#include "cpu/raw.h"
 #include "fused_host.h"
 #include "specdec/cpu_isa.h"
 #include "ops.h"
@@ -87,15 +88,16 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_impl(const at::Tensor& x_in, const a
   return {b.out, b.sum};
 }
 
+// x: BN positions x_stride elements apart, each Hh heads of D; out contiguous.
 template <typename T>
-void rope_rows(const T* x, const T* cos, const T* sin, T* out, int64_t BN, int64_t Hh, int64_t D) {
+void rope_rows(const T* x, int64_t x_stride, const T* cos, const T* sin, T* out, int64_t BN, int64_t Hh, int64_t D) {
   const int64_t half = D / 2;
   at::parallel_for(0, BN, row_grain(Hh * D), [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const T* c = cos + p * D;
       const T* s = sin + p * D;
       for (int64_t h = 0; h < Hh; ++h) {
-        const T* xr = x + (p * Hh + h) * D;
+        const T* xr = x + p * x_stride + h * D;
         T* o = out + (p * Hh + h) * D;
         for (int64_t i = 0; i < half; ++i) {
           const float x1 = static_cast<float>(xr[i]), x2 = static_cast<float>(xr[i + half]);
@@ -114,7 +116,7 @@ at::Tensor rope_one(const at::Tensor& x_in, const at::Tensor& cos, const at::Ten
   const int64_t BN = x.size(0) * x.size(1), Hh = x.size(2), D = x.size(3);
   if (x.numel() == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rope", [&] {
-    rope_rows<scalar_t>(x.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
+    rope_rows<scalar_t>(x.data_ptr<scalar_t>(), Hh * D, cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
                         out.data_ptr<scalar_t>(), BN, Hh, D);
   });
   return out;
@@ -146,6 +148,10 @@ at::Tensor silu_mul_cpu(const at::Tensor& gate_in, const at::Tensor& up_in) {
   at::Tensor out = at::empty(gate.sizes(), gate.options());
   const int64_t n = gate.numel();
   if (n == 0) return out;
+  if (gate.scalar_type() == at::kFloat) {
+    cpu::silu_mul_f32(gate.data_ptr<float>(), up.data_ptr<float>(), out.data_ptr<float>(), n);
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, gate.scalar_type(), "silu_mul", [&] {
     const scalar_t* g = gate.data_ptr<scalar_t>();
     const scalar_t* u = up.data_ptr<scalar_t>();
@@ -160,13 +166,8 @@ at::Tensor silu_mul_cpu(const at::Tensor& gate_in, const at::Tensor& up_in) {
         }
         return;
       }
-      // the AVX2 kernel (csrc/cpu/fused_avx2.cpp): float32 in one pass; half / bf16 as float32
-      // chunks of silu, then the roundings and the product as above
-      if (std::is_same_v<scalar_t, float>) {  // (the casts are identities where this runs)
-        cpu::silu_avx2(reinterpret_cast<const float*>(g) + i0, reinterpret_cast<const float*>(u) + i0,
-                       reinterpret_cast<float*>(o) + i0, i1 - i0);
-        return;
-      }
+      // the AVX2 kernel (csrc/cpu/fused_avx2.cpp) on float32 chunks of silu, then the roundings
+      // and the product as above (float32 itself: cpu::silu_mul_f32, one pass)
       constexpr int64_t kChunk = 512;
       float gs[kChunk];
       for (int64_t c0 = i0; c0 < i1; c0 += kChunk) {
@@ -181,4 +182,31 @@ at::Tensor silu_mul_cpu(const at::Tensor& gate_in, const at::Tensor& up_in) {
   return out;
 }
 
+namespace cpu {
+
+void rms_norm_f32(const float* x, const float* res, const float* w, float* out, float* sum, int64_t rows, int64_t H,
+                  float eps) {
+  rms_rows<float>(x, res, w, out, sum, rows, H, eps);
+}
+
+void rope_f32(const float* x, int64_t x_stride, const float* cos, const float* sin, float* out, int64_t BN,
+              int64_t Hh, int64_t D) {
+  rope_rows<float>(x, x_stride, cos, sin, out, BN, Hh, D);
+}
+
+void silu_mul_f32(const float* g, const float* u, float* o, int64_t n) {
+  const bool avx2 = has_avx2_fma_f16c();
+  at::parallel_for(0, n, int64_t(1) << 16, [&](int64_t i0, int64_t i1) {
+    if (avx2) {
+      silu_avx2(g + i0, u + i0, o + i0, i1 - i0);
+      return;
+    }
+    for (int64_t i = i0; i < i1; ++i) {
+      const float gv = g[i];
+      o[i] = (gv / (1.0f + std::exp(-gv))) * u[i];
+    }
+  });
+}
+
+}  // namespace cpu
 }  // namespace specdec

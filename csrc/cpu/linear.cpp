@@ -15,8 +15,7 @@
 #include "specdec/cpu_isa.h"
 
 #define SPECDEC_CPU_ISA base
-#include "specdec/cpu_linear.h"
-#include "specdec/cpu_qlinear.h"
+#include "cpu/raw.h"
 
 namespace specdec {
 namespace cpu {
@@ -25,8 +24,8 @@ void qlinear_rows_avx2(const QLinearParams& P, int64_t n_begin, int64_t n_end); 
 
 namespace {
 
-constexpr int64_t kSmallM = 32;
-constexpr int64_t kBlasM = 64;
+constexpr int64_t kSmallM = kLinearRowsPerPass;
+constexpr int64_t kBlasM = kLinearBlasRows;
 constexpr int64_t kNr = base::kNr;  // same tile in both ISAs
 
 WType to_wtype(at::ScalarType s) {
@@ -68,6 +67,67 @@ void run_q(const QLinearParams& P) {
 }
 
 }  // namespace
+
+void linear_raw(LinearParams P) {
+  const float* x = P.x;
+  float* y = P.y;
+  const int64_t M = P.M;
+  for (int64_t m0 = 0; m0 < M; m0 += kSmallM) {
+    P.M = std::min(kSmallM, M - m0);
+    P.x = x + m0 * P.x_stride;
+    P.y = y + m0 * P.y_stride;
+    run(P);
+  }
+}
+
+void linear_multi_raw(const std::vector<LinearParams>& P) {
+  if (P.empty()) return;
+  if (P[0].M > kSmallM) {
+    for (const LinearParams& p : P) linear_raw(p);
+    return;
+  }
+  std::vector<int64_t> first_block(P.size() + 1, 0);  // weight j owns blocks [first_block[j], first_block[j + 1])
+  for (size_t j = 0; j < P.size(); ++j) first_block[j + 1] = first_block[j] + (P[j].N + kNr - 1) / kNr;
+  const bool avx2 = has_avx2_fma_f16c();
+  const int64_t es = wtype_size(P[0].wtype);
+  const int64_t grain = std::max<int64_t>(1, (int64_t(256) << 10) / std::max<int64_t>(1, kNr * P[0].K * es));
+  at::parallel_for(0, first_block.back(), grain, [&](int64_t begin, int64_t end) {
+    for (size_t j = 0; j < P.size(); ++j) {
+      const int64_t b0 = std::max(begin, first_block[j]), b1 = std::min(end, first_block[j + 1]);
+      if (b0 >= b1) continue;
+      const int64_t n0 = (b0 - first_block[j]) * kNr, n1 = std::min((b1 - first_block[j]) * kNr, P[j].N);
+      if (avx2) linear_rows_avx2(P[j], n0, n1);
+      else base::linear_rows(P[j], n0, n1);
+    }
+  });
+}
+
+void qlinear_raw(QLinearParams P) {
+  const int64_t M = P.M, K = P.K, G = K / kQGroup;
+  // The baseline kernel's Q4_1 min term needs the sum of x over each group (the AVX2 tile folds
+  // the min into the weights): one pass here, not per weight row.
+  std::vector<float> xsum;
+  if (P.mins && !has_avx2_fma_f16c()) {
+    xsum.resize(M * G);
+    for (int64_t i = 0; i < M * G; ++i) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t j = 0; j < kQGroup; ++j) acc[j & 7] += P.x[i * kQGroup + j];
+      xsum[i] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    }
+  }
+  // kSmallM rows at a time (prefill too): the packed weight streamed once per chunk costs
+  // less than dequantizing it to float32 for a GEMM (4-8x the bytes, written and read).
+  const float* x = P.x;
+  float* y = P.y;
+  for (int64_t m0 = 0; m0 < M; m0 += kSmallM) {
+    P.M = std::min(kSmallM, M - m0);
+    P.x = x + m0 * K;
+    P.xsum = xsum.empty() ? nullptr : xsum.data() + m0 * G;
+    P.y = y + m0 * P.y_stride;
+    run_q(P);
+  }
+}
+
 }  // namespace cpu
 
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -103,12 +163,10 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::
   P.wtype = cpu::to_wtype(w.scalar_type());
   P.x_stride = x2.stride(0);
   P.y_stride = N;
-  for (int64_t m0 = 0; m0 < M; m0 += cpu::kSmallM) {
-    P.M = std::min(cpu::kSmallM, M - m0);
-    P.x = x2.data_ptr<float>() + m0 * x2.stride(0);
-    P.y = y.data_ptr<float>() + m0 * N;
-    cpu::run(P);
-  }
+  P.M = M;
+  P.x = x2.data_ptr<float>();
+  P.y = y.data_ptr<float>();
+  cpu::linear_raw(P);
   if (!direct) y = y.to(x.scalar_type());
   return y.view(out_shape);
 }
@@ -135,7 +193,6 @@ std::vector<at::Tensor> linear_multi_cpu(const at::Tensor& x, at::TensorList wei
   if (x2.stride(1) != 1) x2 = x2.contiguous();
   std::vector<at::Tensor> ws, bs;
   std::vector<cpu::LinearParams> P(weights.size());
-  std::vector<int64_t> first_block(weights.size() + 1, 0);  // weight j owns blocks [first_block[j], first_block[j + 1])
   for (size_t j = 0; j < weights.size(); ++j) {
     ws.push_back(weights[j].contiguous());
     bs.push_back(biases[j].has_value() ? biases[j]->contiguous() : at::Tensor());
@@ -155,19 +212,8 @@ std::vector<at::Tensor> linear_multi_cpu(const at::Tensor& x, at::TensorList wei
     p.N = N;
     p.K = K;
     p.wtype = cpu::WType::kFloat32;
-    first_block[j + 1] = first_block[j] + (N + cpu::kNr - 1) / cpu::kNr;
   }
-  const bool avx2 = cpu::has_avx2_fma_f16c();
-  const int64_t grain = std::max<int64_t>(1, (int64_t(256) << 10) / (cpu::kNr * K * 4));
-  at::parallel_for(0, first_block.back(), grain, [&](int64_t begin, int64_t end) {
-    for (size_t j = 0; j < P.size(); ++j) {
-      const int64_t b0 = std::max(begin, first_block[j]), b1 = std::min(end, first_block[j + 1]);
-      if (b0 >= b1) continue;
-      const int64_t n0 = (b0 - first_block[j]) * cpu::kNr, n1 = std::min((b1 - first_block[j]) * cpu::kNr, P[j].N);
-      if (avx2) cpu::linear_rows_avx2(P[j], n0, n1);
-      else cpu::base::linear_rows(P[j], n0, n1);
-    }
-  });
+  cpu::linear_multi_raw(P);
   return out;
 }
 
@@ -175,23 +221,11 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at:
                        const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits) {
   checks::qlinear(x, qweight, scales, mins, bias, bits);
   if (auto y = checks::linear_trivial(x, qweight, bias)) return *y;
-  const int64_t K = x.size(-1), N = qweight.size(0), G = K / cpu::kQGroup;
+  const int64_t K = x.size(-1), N = qweight.size(0);
   const int64_t M = checks::linear_rows(x);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   const at::Tensor x2 = x.reshape({M, K}).to(at::kFloat).contiguous();
-  // The baseline kernel's Q4_1 min term needs the sum of x over each group (the AVX2 tile folds
-  // the min into the weights): one pass here, not per weight row.
-  std::vector<float> xsum;
-  if (mins.has_value() && !cpu::has_avx2_fma_f16c()) {
-    xsum.resize(M * G);
-    const float* xp = x2.data_ptr<float>();
-    for (int64_t i = 0; i < M * G; ++i) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int64_t j = 0; j < cpu::kQGroup; ++j) acc[j & 7] += xp[i * cpu::kQGroup + j];
-      xsum[i] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    }
-  }
   std::optional<at::Tensor> b32;
   if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
@@ -205,15 +239,10 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at:
   P.N = N;
   P.K = K;
   P.bits = int(bits);
-  // kSmallM rows at a time (prefill too): the packed weight streamed once per chunk costs
-  // less than dequantizing it to float32 for a GEMM (4-8x the bytes, written and read).
-  for (int64_t m0 = 0; m0 < M; m0 += cpu::kSmallM) {
-    P.M = std::min(cpu::kSmallM, M - m0);
-    P.x = x2.data_ptr<float>() + m0 * K;
-    P.xsum = xsum.empty() ? nullptr : xsum.data() + m0 * G;
-    P.y = y.data_ptr<float>() + m0 * N;
-    cpu::run_q(P);
-  }
+  P.M = M;
+  P.x = x2.data_ptr<float>();
+  P.y = y.data_ptr<float>();
+  cpu::qlinear_raw(P);
   if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
   return y.view(out_shape);
 }
