@@ -289,12 +289,16 @@ def decoder_layer(x: torch.Tensor, h: torch.Tensor, weights: Sequence[torch.Tens
     Returns ``(x, h)``: the NEXT layer's normed input (``next_norm_weight`` is its
     input_layernorm, or the model's final norm) and the residual stream. The results are those
     of the separate ops, bit for bit (same kernels, same order). Every argument is checked
-    before the caches are written; errors name the projection slot.
+    before the caches are written; errors name the projection slot. The five projection
+    arguments are sequences (lists or tuples) of one entry per slot.
     """
-    return _ops.decoder_layer.default(x, h, list(weights), list(scales), list(mins), list(biases),
-                                      [int(b) for b in bits], post_norm_weight, float(post_norm_eps),
-                                      next_norm_weight, float(next_norm_eps), k_cache, v_cache, cache_lens, cos, sin,
-                                      tree_mask, int(kv_offset), float(scale), int(num_heads), int(num_kv_heads))
+    return _decoder_layer(x, h, weights, scales, mins, biases, bits, post_norm_weight, float(post_norm_eps),
+                          next_norm_weight, float(next_norm_eps), k_cache, v_cache, cache_lens, cos, sin, tree_mask,
+                          int(kv_offset), float(scale), int(num_heads), int(num_kv_heads))
+
+
+# the overload itself: ~1 us less per call than the packet (called once per layer and forward)
+_decoder_layer = _ops.decoder_layer.default
 
 
 def quantize_weight_groups(weight: torch.Tensor, fmt: str) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
