@@ -580,7 +580,10 @@ class Engine:
             drafter.observe_verify(tree, logits)       # before warp_ (in place); no host sync
         accepted, num, out = self._verify(tree, logits, draft.draft_probs, reqs)
         c2 = clock.mark()
-        cache.commit(accepted, num)                    # ops.kv_commit; lens += num + 1
+        if tree.size == 1:  # root only (no drafter, or nothing proposed): nothing moves, each row appends one
+            cache.lens += 1
+        else:
+            cache.commit(accepted, num)                # ops.kv_commit; lens += num + 1
         c3 = clock.mark()
         # THE host sync of the step: accepted counts and tokens, to append them and check stops
         host = torch.cat([num.view(b, 1).to(torch.int64), out], dim=1).tolist()
