@@ -35,11 +35,12 @@ __all__ = ["GraphedForward"]
 
 
 class _Bucket:
-    __slots__ = ("tokens", "depths", "mask", "logits", "graph")
+    __slots__ = ("tokens", "depths", "mask", "logits", "graph", "cache_tensors")
 
     def __init__(self) -> None:
         self.graph = None
         self.logits = None
+        self.cache_tensors = None
 
 
 class GraphedForward:
@@ -97,11 +98,12 @@ class GraphedForward:
 
     @staticmethod
     def _key(cache, tokens: torch.Tensor, tree_mask: Optional[torch.Tensor], kv_offset: int) -> Tuple:
-        return (cache.k[0].data_ptr(), cache.lens.data_ptr(), tuple(tokens.shape), tokens.dtype,
-                None if tree_mask is None else tuple(tree_mask.shape), int(kv_offset))
+        return (cache.k[0].data_ptr(), tuple(cache.k[0].shape), cache.lens.data_ptr(), tuple(tokens.shape),
+                tokens.dtype, None if tree_mask is None else tuple(tree_mask.shape), int(kv_offset))
 
     def reset(self) -> None:
-        """Drop every bucket and its graph (e.g. after the caches were reallocated)."""
+        """Drop every bucket and its graph. A bucket holds its cache's tensors (the graph replays on
+        their addresses), so a cache that is no longer used is freed only after reset() or eviction."""
         self._buckets.clear()
 
     @torch.no_grad()
@@ -143,6 +145,8 @@ class GraphedForward:
         bucket.tokens = torch.zeros_like(tokens)
         bucket.depths = torch.zeros_like(depths)
         bucket.mask = None if tree_mask is None else torch.zeros_like(tree_mask)
+        # the graph holds the cache's addresses: keep its tensors alive (no other tensor can take them)
+        bucket.cache_tensors = (list(cache.k), list(cache.v), cache.lens)
         bucket.tokens.copy_(tokens)
         bucket.depths.copy_(depths)
         if bucket.mask is not None:

@@ -60,7 +60,7 @@ def test_buckets_are_evicted_least_recently_used():
     lm.prefill(cache, [[5, 17, 29]])
     for n in (1, 2, 1, 3):
         g.forward(cache, torch.zeros(1, n, dtype=torch.long), torch.arange(n)[None])
-    shapes = [k[2] for k in g.buckets()]
+    shapes = [k[3] for k in g.buckets()]
     assert shapes == [(1, 1), (1, 3)], shapes  # (1, 2) was the least recently used
     g.reset()
     assert not g.buckets()
