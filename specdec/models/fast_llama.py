@@ -14,7 +14,11 @@ runner reads the model's own parameters and runs the same math with 11 op calls 
                 or the final one)
     logits = lm_head(x[positions kept])
 
-fused_ops=False runs the unfused torch expressions (~35 calls per layer; kept for comparison).
+With fused_layers=True (the default) a layer whose projections are all known layer types runs
+as ONE ops.decoder_layer call: the same kernels in the same order, called from C++ (on the CPU
+with float32 activations, on raw pointers with one workspace): bit-identical, ~1 ms less per
+forward of a 30-layer model. fused_ops=False runs the unfused torch expressions (~35 calls per
+layer; kept for comparison).
 
 Linear layers are called as specdec.ops.linear on their weight (nn.Linear, Int8Linear);
 any other module type is called as a module (e.g. torch.ao dynamic-quantized layers).
