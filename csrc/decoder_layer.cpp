@@ -1,8 +1,8 @@
 // decoder_layer: one Llama-style decoder layer (attention block + SwiGLU MLP) in ONE op call.
 //
-// Why: at decode sizes a layer's ~20 Python-level calls (11 specdec ops, views, splits)
-// cost ~2-3.5 us each in the interpreter and the dispatcher, ~1.5 ms per forward of a
-// 30-layer model: as much as the norms, RoPE and attention compute. This op runs the same
+// Why: at decode sizes a layer's ~20 Python-level calls (11 specdec ops, views, splits) each
+// cost the interpreter and the dispatcher a few microseconds (a specdec op called from Python
+// measured 3.5 us on tiny tensors, 1.4 us of it for an aten op of the same size). This op runs the same
 // sequence of specdec kernels from C++ (no dispatcher between them), so the math, the
 // rounding steps and the results are those of the separate ops, bit for bit:
 //
@@ -19,12 +19,14 @@
 // per-row scale) and qlinear(x, weights[i], scales[i], mins[i], biases[i], bits[i]) for
 // bits 4 / 8. Every argument is validated before the caches are written; an error names the
 // slot. The backend of the inputs picks the kernels (CPU, or CUDA when built with it).
+// The CPU q / k / v and gate / up float linears share one parallel region on the float32 path.
 //
 // CPU, float32 activations, decode / verify sizes (B * N <= 64 rows): after the validation the
 // layer runs the same CPU kernels on raw pointers (csrc/cpu/raw.h) with one workspace
-// allocation, instead of the torch-level functions with their ~30 tensor allocations, views
-// and repeated checks (~1 us each, ~30 us per layer at decode sizes). Same kernels, same
-// parameters: the same results, bit for bit (tested against the separate ops).
+// allocation, instead of the torch-level functions with their tensor allocations, views and
+// repeated checks (a layer of tiny weights, one thread: 37-50 us through those functions, 22 us
+// on raw pointers). Same kernels, same parameters: the same results, bit for bit (tested
+// against the separate ops).
 #include <array>
 #include <cstring>
 #include <string>
@@ -38,7 +40,6 @@ namespace {
 
 struct Kernels {
   decltype(&linear_cpu) linear;
-  decltype(&linear_multi_cpu) linear_multi;  // float linears of one input, one call
   decltype(&qlinear_cpu) qlinear;
   decltype(&rope_cpu) rope;
   decltype(&append_kv_cpu) append_kv;
@@ -66,14 +67,14 @@ struct Slots {
   }
 };
 
-// linear / qlinear's own checks for slot i on an input of `in` features (x's dtype and device).
-void check_slot(const Slots& S, size_t i, const at::Tensor& x, int64_t in, int64_t out) {
+// linear / qlinear's own checks for slot i on `probe` (an input of the slot's width, x's dtype and device).
+void check_slot(const Slots& S, size_t i, const at::Tensor& probe, int64_t out) {
+  const int64_t in = probe.size(-1);
   const at::Tensor& w = S.weights[i];
   TORCH_CHECK(w.dim() == 2, kOp, ": weights[", i, "] (", S.name(i), ") must be a 2-D weight, got ", w.sizes());
   const auto [n, k] = S.shape(i);
   TORCH_CHECK(n == out && k == in, kOp, ": weights[", i, "] (", S.name(i), ") must map ", in, " to ", out,
               " features, got a weight of ", w.sizes(), (S.bits[i] == 4 ? " (4-bit: [out, in / 2])" : ""));
-  const at::Tensor probe = at::empty({1, in}, x.options());
   try {
     if (S.bits[i] == 0) {
       checks::linear(probe, w, S.biases[i], S.scales[i]);
@@ -89,24 +90,6 @@ void check_slot(const Slots& S, size_t i, const at::Tensor& x, int64_t in, int64
 at::Tensor project(const Kernels& K, const Slots& S, size_t i, const at::Tensor& x) {
   if (S.bits[i] == 0) return K.linear(x, S.weights[i], S.biases[i], S.scales[i]);
   return K.qlinear(x, S.weights[i], *S.scales[i], S.mins[i], S.biases[i], S.bits[i]);
-}
-
-// Slots i0 .. i0 + count - 1 of one input: one linear_multi call when they are all float weights.
-std::vector<at::Tensor> project_all(const Kernels& K, const Slots& S, size_t i0, size_t count, const at::Tensor& x) {
-  bool plain = true;
-  for (size_t i = i0; i < i0 + count; ++i) plain = plain && S.bits[i] == 0 && !S.scales[i].has_value();
-  std::vector<at::Tensor> out;
-  if (plain) {
-    std::vector<at::Tensor> ws;
-    std::vector<std::optional<at::Tensor>> bs;
-    for (size_t i = i0; i < i0 + count; ++i) {
-      ws.push_back(S.weights[i]);
-      bs.push_back(S.biases[i]);
-    }
-    return K.linear_multi(x, ws, bs);
-  }
-  for (size_t i = i0; i < i0 + count; ++i) out.push_back(project(K, S, i, x));
-  return out;
 }
 
 // ---------------------------------------------------------------- CPU float32 path
@@ -138,26 +121,32 @@ bool cpu_f32_path(const Slots& S, const Dims& d, const at::Tensor& x, const at::
   return true;
 }
 
+// The kernel parameters of a bits-0 slot (float32 weight, or int8 with its per-row scale).
+cpu::LinearParams linear_params(const Slots& S, size_t i, const float* x, int64_t M, int64_t K, float* y,
+                                int64_t y_stride) {
+  const at::Tensor& w = S.weights[i];
+  cpu::LinearParams P;
+  P.x = x;
+  P.x_stride = K;
+  P.w = w.data_ptr();
+  P.scale = S.scales[i].has_value() ? S.scales[i]->data_ptr<float>() : nullptr;
+  P.bias = S.biases[i].has_value() ? S.biases[i]->data_ptr<float>() : nullptr;
+  P.y = y;
+  P.y_stride = y_stride;
+  P.M = M;
+  P.N = w.size(0);
+  P.K = K;
+  P.wtype = w.scalar_type() == at::kFloat ? cpu::WType::kFloat32 : cpu::WType::kInt8;
+  return P;
+}
+
 // y[M, N] (row stride y_stride) = slot i of x[M, K] (contiguous).
 void project_raw(const Slots& S, size_t i, const float* x, int64_t M, int64_t K, float* y, int64_t y_stride) {
-  const at::Tensor& w = S.weights[i];
-  const float* bias = S.biases[i].has_value() ? S.biases[i]->data_ptr<float>() : nullptr;
   if (S.bits[i] == 0) {
-    cpu::LinearParams P;
-    P.x = x;
-    P.x_stride = K;
-    P.w = w.data_ptr();
-    P.scale = S.scales[i].has_value() ? S.scales[i]->data_ptr<float>() : nullptr;
-    P.bias = bias;
-    P.y = y;
-    P.y_stride = y_stride;
-    P.M = M;
-    P.N = w.size(0);
-    P.K = K;
-    P.wtype = w.scalar_type() == at::kFloat ? cpu::WType::kFloat32 : cpu::WType::kInt8;
-    cpu::linear_raw(P);
+    cpu::linear_raw(linear_params(S, i, x, M, K, y, y_stride));
     return;
   }
+  const at::Tensor& w = S.weights[i];
   cpu::QLinearParams P;
   P.x = x;
   P.x_stride = K;
@@ -165,7 +154,7 @@ void project_raw(const Slots& S, size_t i, const float* x, int64_t M, int64_t K,
   P.qw = w.data_ptr();
   P.scales = reinterpret_cast<const uint16_t*>(S.scales[i]->data_ptr<at::Half>());
   P.mins = S.mins[i].has_value() ? reinterpret_cast<const uint16_t*>(S.mins[i]->data_ptr<at::Half>()) : nullptr;
-  P.bias = bias;
+  P.bias = S.biases[i].has_value() ? S.biases[i]->data_ptr<float>() : nullptr;
   P.y = y;
   P.y_stride = y_stride;
   P.M = M;
@@ -176,7 +165,7 @@ void project_raw(const Slots& S, size_t i, const float* x, int64_t M, int64_t K,
 }
 
 // Slots i0 .. i0 + count - 1 of x into consecutive contiguous outputs (out[j] = [M, N_j]): one
-// parallel region for float32 weights (what linear_multi_cpu does), else one call each.
+// parallel region for float32 weights, else one call each.
 void project_all_raw(const Slots& S, size_t i0, size_t count, const float* x, int64_t M, int64_t K,
                      const std::vector<float*>& out) {
   bool plain = true;
@@ -186,22 +175,9 @@ void project_all_raw(const Slots& S, size_t i0, size_t count, const float* x, in
     for (size_t j = 0; j < count; ++j) project_raw(S, i0 + j, x, M, K, out[j], S.weights[i0 + j].size(0));
     return;
   }
-  std::vector<cpu::LinearParams> P(count);
-  for (size_t j = 0; j < count; ++j) {
-    const at::Tensor& w = S.weights[i0 + j];
-    cpu::LinearParams& p = P[j];
-    p.x = x;
-    p.x_stride = K;
-    p.w = w.data_ptr();
-    p.scale = nullptr;
-    p.bias = S.biases[i0 + j].has_value() ? S.biases[i0 + j]->data_ptr<float>() : nullptr;
-    p.y = out[j];
-    p.y_stride = w.size(0);
-    p.M = M;
-    p.N = w.size(0);
-    p.K = K;
-    p.wtype = cpu::WType::kFloat32;
-  }
+  std::vector<cpu::LinearParams> P;
+  for (size_t j = 0; j < count; ++j)
+    P.push_back(linear_params(S, i0 + j, x, M, K, out[j], S.weights[i0 + j].size(0)));
   cpu::linear_multi_raw(P);
 }
 
@@ -338,19 +314,21 @@ std::tuple<at::Tensor, at::Tensor> run(const Kernels& K, const at::Tensor& x, co
     (void)dn;
     inter = dk;
   }
+  // inputs of the o and down projections' widths, for their checks (the others take x itself)
+  const at::Tensor a_probe = at::empty({1, nq}, x.options()), m_probe = at::empty({1, inter}, x.options());
   if (n == 7) {
-    check_slot(S, 0, x, H, nq);
-    check_slot(S, 1, x, H, nkv);
-    check_slot(S, 2, x, H, nkv);
-    check_slot(S, 3, x, nq, H);
-    check_slot(S, 4, x, H, inter);
-    check_slot(S, 5, x, H, inter);
-    check_slot(S, 6, x, inter, H);
+    check_slot(S, 0, x, nq);
+    check_slot(S, 1, x, nkv);
+    check_slot(S, 2, x, nkv);
+    check_slot(S, 3, a_probe, H);
+    check_slot(S, 4, x, inter);
+    check_slot(S, 5, x, inter);
+    check_slot(S, 6, m_probe, H);
   } else {
-    check_slot(S, 0, x, H, nq + 2 * nkv);
-    check_slot(S, 1, x, nq, H);
-    check_slot(S, 2, x, H, 2 * inter);
-    check_slot(S, 3, x, inter, H);
+    check_slot(S, 0, x, nq + 2 * nkv);
+    check_slot(S, 1, a_probe, H);
+    check_slot(S, 2, x, 2 * inter);
+    check_slot(S, 3, m_probe, H);
   }
   for (const auto& [name, w, eps] : {std::tuple{"post_norm_weight", &post_norm_weight, post_norm_eps},
                                       std::tuple{"next_norm_weight", &next_norm_weight, next_norm_eps}}) {
@@ -377,10 +355,9 @@ std::tuple<at::Tensor, at::Tensor> run(const Kernels& K, const at::Tensor& x, co
                        v_cache, cache_lens, cos, sin, tree_mask, kv_offset, scale);
   at::Tensor q, k, v;
   if (n == 7) {
-    auto qkv = project_all(K, S, 0, 3, x);
-    q = qkv[0];
-    k = qkv[1];
-    v = qkv[2];
+    q = project(K, S, 0, x);
+    k = project(K, S, 1, x);
+    v = project(K, S, 2, x);
   } else {
     const at::Tensor qkv = project(K, S, 0, x);
     q = qkv.narrow(-1, 0, nq);
@@ -393,9 +370,8 @@ std::tuple<at::Tensor, at::Tensor> run(const Kernels& K, const at::Tensor& x, co
   auto [x1, h1] = K.add_rms_norm(project(K, S, n == 7 ? 3 : 1, a.reshape({B, N, nq})), h, post_norm_weight, post_norm_eps);
   at::Tensor g, u;
   if (n == 7) {
-    auto gu = project_all(K, S, 4, 2, x1);
-    g = gu[0];
-    u = gu[1];
+    g = project(K, S, 4, x1);
+    u = project(K, S, 5, x1);
   } else {
     const at::Tensor gu = project(K, S, 2, x1);
     g = gu.narrow(-1, 0, inter);
@@ -406,17 +382,6 @@ std::tuple<at::Tensor, at::Tensor> run(const Kernels& K, const at::Tensor& x, co
 
 }  // namespace
 
-#ifdef SPECDEC_WITH_CUDA
-namespace {
-// On the GPU each linear is its own launch (a CUDA graph replays them without host work).
-std::vector<at::Tensor> linear_multi_cuda(const at::Tensor& x, at::TensorList weights,
-                                          const std::vector<std::optional<at::Tensor>>& biases) {
-  std::vector<at::Tensor> out;
-  for (size_t j = 0; j < weights.size(); ++j) out.push_back(linear_cuda(x, weights[j], biases[j], std::nullopt));
-  return out;
-}
-}  // namespace
-#endif
 
 // Registered for CPU and CUDA: the inputs' device picks the kernels.
 std::tuple<at::Tensor, at::Tensor> decoder_layer(const at::Tensor& x, const at::Tensor& h, at::TensorList weights,
@@ -426,10 +391,10 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(const at::Tensor& x, const at::
     at::Tensor& v_cache, const at::Tensor& cache_lens, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& tree_mask, int64_t kv_offset, double scale, int64_t num_heads,
     int64_t num_kv_heads) {
-  static const Kernels kCpu{&linear_cpu, &linear_multi_cpu, &qlinear_cpu, &rope_cpu, &append_kv_cpu,
+  static const Kernels kCpu{&linear_cpu, &qlinear_cpu, &rope_cpu, &append_kv_cpu,
                             &verify_attention_cpu, &add_rms_norm_cpu, &silu_mul_cpu};
 #ifdef SPECDEC_WITH_CUDA
-  static const Kernels kCuda{&linear_cuda, &linear_multi_cuda, &qlinear_cuda, &rope_cuda, &append_kv_cuda,
+  static const Kernels kCuda{&linear_cuda, &qlinear_cuda, &rope_cuda, &append_kv_cuda,
                              &verify_attention_cuda, &add_rms_norm_cuda, &silu_mul_cuda};
   const Kernels& K = x.is_cuda() ? kCuda : kCpu;
 #else

@@ -28,9 +28,6 @@ void kv_commit_cpu(at::TensorList k_caches, at::TensorList v_caches, at::Tensor&
                    const at::Tensor& accepted, const at::Tensor& num_accepted);
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                       const std::optional<at::Tensor>& weight_scale);
-// Several float linears of one input in one parallel region (used by decoder_layer; not an op).
-std::vector<at::Tensor> linear_multi_cpu(const at::Tensor& x, at::TensorList weights,
-                                         const std::vector<std::optional<at::Tensor>>& biases);
 at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits);
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps);

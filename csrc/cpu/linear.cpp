@@ -171,52 +171,6 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::
   return y.view(out_shape);
 }
 
-// Several linears of ONE input (q / k / v, gate / up) in one parallel region: the same kernel
-// calls per output block as separate linear_cpu calls (so the same results, bit for bit), one
-// fork / join instead of one per weight. Float32 weights (no scale) and M <= kSmallM;
-// anything else is computed by separate linear_cpu calls.
-std::vector<at::Tensor> linear_multi_cpu(const at::Tensor& x, at::TensorList weights,
-                                         const std::vector<std::optional<at::Tensor>>& biases) {
-  TORCH_CHECK(biases.size() == weights.size(), "linear_multi: one bias entry per weight expected, got ",
-              biases.size(), " for ", weights.size(), " weights");
-  for (size_t j = 0; j < weights.size(); ++j) checks::linear(x, weights[j], biases[j], std::nullopt);
-  const int64_t M = checks::linear_rows(x);
-  bool direct = x.scalar_type() == at::kFloat && M >= 1 && M <= cpu::kSmallM && x.size(-1) > 0;
-  for (const at::Tensor& w : weights) direct = direct && w.scalar_type() == at::kFloat && w.size(0) > 0;
-  std::vector<at::Tensor> out;
-  if (!direct) {
-    for (size_t j = 0; j < weights.size(); ++j) out.push_back(linear_cpu(x, weights[j], biases[j], std::nullopt));
-    return out;
-  }
-  const int64_t K = x.size(-1);
-  at::Tensor x2 = x.reshape({M, K});
-  if (x2.stride(1) != 1) x2 = x2.contiguous();
-  std::vector<at::Tensor> ws, bs;
-  std::vector<cpu::LinearParams> P(weights.size());
-  for (size_t j = 0; j < weights.size(); ++j) {
-    ws.push_back(weights[j].contiguous());
-    bs.push_back(biases[j].has_value() ? biases[j]->contiguous() : at::Tensor());
-    const int64_t N = ws[j].size(0);
-    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-    shape.back() = N;
-    out.push_back(at::empty(shape, x.options()));
-    cpu::LinearParams& p = P[j];
-    p.x = x2.data_ptr<float>();
-    p.x_stride = x2.stride(0);
-    p.w = ws[j].data_ptr();
-    p.scale = nullptr;
-    p.bias = bs[j].defined() ? bs[j].data_ptr<float>() : nullptr;
-    p.y = out[j].data_ptr<float>();
-    p.y_stride = N;
-    p.M = M;
-    p.N = N;
-    p.K = K;
-    p.wtype = cpu::WType::kFloat32;
-  }
-  cpu::linear_multi_raw(P);
-  return out;
-}
-
 at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits) {
   checks::qlinear(x, qweight, scales, mins, bias, bits);
