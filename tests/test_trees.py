@@ -323,6 +323,38 @@ def test_multidraft_escalation_skips_the_draft_model_behind_a_trusted_member(toy
         MultiDraft([PromptLookup(), DraftModel(weak, k=2)], escalate=0)
 
 
+def test_multidraft_escalation_starts_new_requests_from_the_decoder_wide_average(toy):
+    """A new request starts from each member's decoder-wide record: after a generate call in which the first
+    member failed every proposal, the requests of the next call escalate to the draft model from their first
+    step (no step spent on the junk proposal), and a first member that proposes nothing is not waited for.
+    A fresh MultiDraft still trusts the first member on a request's first step. Greedy output stays exact."""
+    target, weak, refs = toy
+    prompts = TOY_PROMPTS[:3]
+    for first in (CallableDrafter(lambda ctx: [[(ctx[-1] + 5) % 12] * 3], max_nodes=4, name="bad"),
+                  CallableDrafter(lambda ctx: [[(ctx[-1] + 5) % 12] * 3] if len(ctx) % 3 else [], max_nodes=4,
+                                  name="bad-or-empty")):
+        dm = DraftModel(weak, k=3)
+        budgets = []
+        propose = dm.propose
+
+        def spy(ctx, propose=propose, budgets=budgets):
+            budgets.append(list(ctx.budgets))
+            return propose(ctx)
+
+        dm.propose = spy
+        multi = MultiDraft([first, dm], escalate=2.0)
+        dec = SpeculativeDecoder(target, multi, max_batch=3, max_len=64, policy="fixed")
+        out = dec.generate(prompts, max_new_tokens=12)
+        assert out.tokens == [r[:12] for r in refs[:3]]
+        assert budgets[0] == [0, 0, 0]          # a fresh decoder: the first member is trusted once
+        budgets.clear()
+        out = dec.generate(prompts, max_new_tokens=12)
+        assert out.tokens == [r[:12] for r in refs[:3]]
+        assert min(budgets[0]) > 0              # new requests: the draft model drafts from their first step
+        # ... and on every later step: a zero budget only at a request's last token (one per request)
+        assert sum(x == 0 for bs in budgets for x in bs) <= len(prompts), budgets
+
+
 def test_multidraft_budget_split_follows_acceptance(toy):
     target, weak, _ = toy
     good, bad = DraftModel(target, k=4), CallableDrafter(lambda ctx: [[(ctx[-1] + 7) % 12] * 4], max_nodes=5)

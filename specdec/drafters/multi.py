@@ -32,9 +32,13 @@ Escalation (``escalate=t``, off by default): members go cheapest first, and a me
 first drafts only for the rows where no member before it is trusted this step. A member is
 trusted for a request when it proposed something for that row and its recent accepted tokens
 per proposing step for that request (an exponential average, weight 1/2, that starts at ``t``:
-a new request trusts a member until it fails) reach ``t``; a member with nothing to propose is
-forgiven two steps in a row (the row decodes plainly) before the next member drafts, and the
-next member keeps drafting while it stays empty. On a CPU this is what makes
+a new request starts from the member's decoder-wide average over every earlier request of this
+decoder, ``t`` for the first) reach ``t``; a trusted member with nothing to propose is forgiven
+two steps in a row (the row decodes plainly) before the next member drafts, and the next member
+keeps drafting while it stays empty. The decoder-wide start matters on mixed traffic: where the
+free member rarely pays (prompt lookup on open chat, or under sampling), a new request no longer
+spends its first steps plainly or on a junk proposal before the draft model drafts; where it
+pays, a new request trusts it from its first step and the draft model runs no forward. On a CPU this is what makes
 ``MultiDraft([PromptLookup(), DraftModel(w8)])`` pay everywhere: on text that copies its
 input the free lookup chain is trusted and the draft model runs no forward at all (it catches up
 when it is next needed); on open text lookup proposes little or is not trusted and the draft
@@ -62,7 +66,8 @@ __all__ = ["MultiDraft"]
 
 _EMA = 0.8  # weight of the past in the acceptance average that splits the node budget
 _TRUST = 0.5  # weight of the past in a member's per-request acceptance average (escalation)
-_PATIENCE = 2  # escalation: steps in a row a member may propose nothing before the next member drafts
+_PATIENCE = 2  # escalation: steps in a row a trusted member may propose nothing before the next member drafts
+_GLOBAL = 0.9  # weight of the past in a member's decoder-wide acceptance average (a new request's prior)
 
 
 class MultiDraft(Drafter):
@@ -106,6 +111,9 @@ class MultiDraft(Drafter):
         self.escalate = escalate
         self._trust: Dict[int, List[float]] = {}  # request id -> per member: recent accepted tokens when it proposed
         self._empty: Dict[int, List[int]] = {}    # request id -> per member: asked steps in a row it proposed nothing
+        # per member: accepted tokens per proposing step over every request of this decoder (kept across
+        # generate calls): the trust a new request starts from
+        self._global: List[float] = [escalate or 0.0] * len(self.members)
         caps = [max(0, int(d.max_nodes) - 1) for d in self.members]
         self._caps = caps
         if budgets is not None:
@@ -229,7 +237,7 @@ class MultiDraft(Drafter):
             # a new request trusts its members until one fails it: a free member's first proposal spares
             # a draft model its first forward (and the prompt prefill that its lazy admission would run)
             m = len(self.members)
-            self._trust = {rid: self._trust.get(rid, [esc] * m) for rid in ctx.request_ids}
+            self._trust = {rid: self._trust.get(rid, list(self._global)) for rid in ctx.request_ids}
             self._empty = {rid: self._empty.get(rid, [0] * m) for rid in ctx.request_ids}
             trusted = [False] * b      # a member before the current one is trusted for the row this step
         proposed: List[List[int]] = []  # per member, per row: real nodes proposed
@@ -263,8 +271,8 @@ class MultiDraft(Drafter):
                         if n[r] > 0:
                             trusted[r] = self._trust[rid][i] >= esc
                             empty[i] = 0
-                        else:  # nothing to propose: forgiven _PATIENCE times in a row before the next member drafts
-                            trusted[r] = empty[i] < _PATIENCE and i < m - 1
+                        else:  # nothing to propose: a trusted member is forgiven _PATIENCE times in a row
+                            trusted[r] = empty[i] < _PATIENCE and i < m - 1 and self._trust[rid][i] >= esc
                             empty[i] += 1
             return self._merge(ctx, drafts, host, alloc, b, proposed if esc is not None else None)
         except Exception:
@@ -369,6 +377,7 @@ class MultiDraft(Drafter):
                     if step["proposed"][i][r] > 0:
                         tr = self._trust[rid]
                         tr[i] = _TRUST * tr[i] + (1 - _TRUST) * nums[r]
+                        self._global[i] = _GLOBAL * self._global[i] + (1 - _GLOBAL) * nums[r]
         self._step = None
 
     def retire(self, moves: Sequence[Tuple[int, int, int]], active: int) -> None:
