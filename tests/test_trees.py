@@ -555,3 +555,58 @@ def test_sampled_dynamic_tree_plan(n, k, w):
     assert _plan_value(plan, acc) <= best + 1e-12
     chain = 1.0 + sum(acc[0] ** d for d in range(1, min(n, k) + 1))
     assert _plan_value(plan, acc) > chain  # a chain of the same depth (the priors make siblings pay)
+
+
+def test_sampled_dynamic_tree_expands_the_nodes_most_likely_reached():
+    """Sampled dynamic trees choose each level's frontier after its draws: the nodes with the largest
+    estimated P(reached) (DraftModel._reach: a first child's acceptance grows with its draft probability,
+    a later sibling is reached only after the earlier ones are rejected) get the children, the most likely
+    the most; every drawn node stays (exactness: test_tree_sampled_distribution_is_exact)."""
+    # _reach: two children of one parent, then one child of another
+    logq = torch.log(torch.tensor([[0.81, 0.04, 0.0001]]))
+    got = DraftModel._reach(logq, [2, 1]).exp()[0]
+    a0, a1, a2 = 0.25 + 0.6 * 0.9, 0.1 + 0.45 * 0.2, 0.25 + 0.6 * 0.01
+    torch.testing.assert_close(got, torch.tensor([a0, (1 - a0) * a1, a2]))
+    # in a real proposal, every expanded level-1 node is one of the level's most likely reached
+    target = ToyLM(vocab=8, seed=3, scale=1.0, hidden=16, heads=2, kv_heads=1)
+    draft = ToyLM(vocab=8, seed=4, scale=1.0, hidden=16, layers=1, heads=2, kv_heads=1)
+    drafter = DraftModel(draft, k=3, top_k=2, node_budget=8, tree="dynamic")
+    plan = drafter._sampled_plan(7, 3)
+    assert len(plan[1][0]) < plan[0][1][0]  # fewer level-1 nodes expanded than drawn: the choice matters
+    seen = []
+    orig = drafter._propose_dynamic_sampled
+
+    def spy(ctx, k, b, cache, last):
+        draft = orig(ctx, k, b, cache, last)
+        seen.append(draft)
+        return draft
+
+    drafter._propose_dynamic_sampled = spy
+    dec = SpeculativeDecoder(target, drafter, max_batch=4, max_len=32, policy="fixed")
+    dec.generate([[1, 2, 3, 1, 2]] * 4, max_new_tokens=12, temperature=1.0, seed=3)
+    assert seen
+    checked = 0
+    m0 = plan[0][1][0]
+    for d in seen:
+        tok, par, q = d.tree.tokens, d.tree.parents, d.draft_probs
+        if int(d.tree.depths.max()) < len(plan):
+            continue  # a step drafting fewer levels (the last tokens): another plan
+        for r in range(tok.shape[0]):
+            if bool((par[r, 1:] < 0).any()):
+                continue  # a row cut to the depth its token limit allows
+            # q rows of later siblings are renormalised: P(reached) uses the parent's original q
+            q0 = q[r, 1]
+            reach = DraftModel._reach(torch.log(q0[tok[r, 1:1 + m0]]).view(1, m0), [m0])[0]
+            kids = {}
+            for i in range(1 + m0, tok.shape[1]):
+                p = int(par[r, i])
+                if 1 <= p <= m0:
+                    kids[p - 1] = kids.get(p - 1, 0) + 1
+            assert len(kids) == len(plan[1][0])
+            best = torch.topk(reach, len(kids)).values
+            chosen = torch.stack([reach[j] for j in kids])
+            torch.testing.assert_close(chosen.sort(descending=True).values, best)
+            order = sorted(kids, key=lambda j: -float(reach[j]))
+            assert [kids[j] for j in order] == sorted(kids.values(), reverse=True)
+            checked += 1
+    assert checked >= 4

@@ -39,11 +39,17 @@ built adaptively from earlier siblings' values. Two rules satisfy this:
 * greedy rule (greedy decoding, and sampling with ``sampled_children=False``): all children are
   deterministic (the top-w tokens of q, a function of the context with fixed tie-breaking), so
   re-ranking and pruning by score are harmless; ``draft_probs`` is None.
-* sampled rule (sampling, default): the tree's SHAPE is fixed before any draw: a static plan
-  per (node budget, depth) that maximises the expected accepted length under prior per-rank
+* sampled rule (sampling, default): the tree's level sizes are fixed before any draw: a static
+  plan per (node budget, depth) that maximises the expected accepted length under prior per-rank
   acceptances (``SAMPLED_RANK_ACCEPT``), at most w nodes expanded per depth
-  (:meth:`DraftModel._sampled_plan`): a spine of first-drawn children, with siblings where
-  their path probability is highest. An expanded node's children are DRAWN from q without
+  (:meth:`DraftModel._sampled_plan`) with their child counts: a spine of first-drawn children,
+  with siblings where their path probability is highest. WHICH nodes of a level are expanded is
+  chosen after that level is drawn (EAGLE-2's frontier: the f nodes most likely to be reached,
+  estimated from each drawn token's draft probability and its rank among its siblings,
+  :meth:`DraftModel._reach`; the most likely gets the most children). That choice reads drawn
+  values of the level, but it only decides which nodes get CHILDREN: a node's existence depends
+  on its ancestors and their siblings, all drawn before it, never on its own value, and no
+  drawn node is ever dropped. An expanded node's children are DRAWN from q without
   replacement: child i from q renormalised over the tokens its earlier siblings drew, which is
   its row of ``draft_probs`` (drawn from its declared q given everything before it, as the rule
   above asks). Nothing is pruned. The drawn first child is accepted with probability
@@ -615,6 +621,25 @@ class DraftModel(Drafter):
         logq = torch.log(q.reshape(b, f * V).gather(1, par * V + toks))                 # log q_parent(token)
         return toks, logq, rank
 
+    @staticmethod
+    def _reach(logq: torch.Tensor, counts: List[int]) -> torch.Tensor:
+        """log P(child accepted | parent accepted) estimated per drawn child [b, c] (children grouped by parent,
+        ``counts`` per parent, in draw order): its earlier siblings all rejected, then it accepted. A drawn
+        token's acceptance is estimated from its draft probability q(x): a = 0.25 + 0.6 sqrt(q) for a first
+        child, 0.1 + 0.45 sqrt(q) for a later sibling given the earlier ones were rejected -- curves fitted
+        offline to the bundled int8 draft against the target at temperature 1 (P(accept) of a first child
+        0.25 at q < 0.02 up to 0.86 at q > 0.9; of a second one 0.11 up to ~0.4). They only rank the
+        nodes that get children; exactness does not depend on them."""
+        q = logq.exp()
+        rank = torch.tensor([i for c in counts for i in range(c)], dtype=torch.float32, device=q.device)
+        a = torch.where(rank == 0, 0.25 + 0.6 * q.sqrt(), 0.1 + 0.45 * q.sqrt()).clamp(0.01, 0.97)
+        l1a = torch.log1p(-a)
+        c = sum(counts)
+        grp = torch.tensor([j for j, n in enumerate(counts) for _ in range(n)], device=q.device)
+        idx = torch.arange(c, device=q.device)
+        earlier = ((grp.view(c, 1) == grp.view(1, c)) & (idx.view(1, c) < idx.view(c, 1))).to(l1a.dtype)
+        return a.log() + l1a @ earlier.T
+
     def _propose_dynamic_sampled(self, ctx: StepContext, k: int, b: int, cache, last: torch.Tensor) -> Draft:
         """Sampling: a dynamic tree whose every node exists before it is drawn (see the module docstring)."""
         dev = self.device
@@ -623,14 +648,14 @@ class DraftModel(Drafter):
             n = max(1, min(n, int(ctx.node_budget) - 1))
         plan = self._sampled_plan(n, k)
         F = sum(len(pos) for pos, _ in plan[1:])                      # forwarded frontier nodes
-        toks_l, score_l, par_l, slot_l, depth_l = [], [], [], [], []  # per-level [b, m] tensors
+        toks_l, score_l, par_l, slot_l, depth_l = [], [], [], [], []  # per-level [b, m]; score: log P(reached)
         N = 1 + sum(sum(c) for _, c in plan)
         # each node's row: the distribution it was drawn from (the root's row is unused)
         probs = torch.zeros(b, N, self.V, dtype=torch.float32, device=dev)
         q0 = warp_(last.to(torch.float32, copy=True), self.params).unsqueeze(1)     # [b, 1, V]
         t, lq, _ = self._children(q0, plan[0][1], probs[:, 1:1 + sum(plan[0][1])])
         toks_l.append(t)
-        score_l.append(lq)
+        score_l.append(self._reach(lq, plan[0][1]))
         par_l.append(torch.full_like(t, -1))
         depth_l.append(1)
         start = [0]                                                   # pool index of each level's first node
@@ -638,10 +663,13 @@ class DraftModel(Drafter):
         anc = torch.zeros(b, max(F, 1), max(F, 1), dtype=torch.bool, device=dev)
         s0 = 0
         for d in range(1, len(plan)):
-            prev = score_l[-1]                                        # [b, m_prev] cumulative log q
+            prev = score_l[-1]                                        # [b, m_prev] log P(reached), estimated
             pos, counts = plan[d]
             f = len(pos)
-            rank_idx = torch.tensor(pos, dtype=torch.int64, device=dev).expand(b, f)   # the planned parents
+            # the frontier: the f nodes of the level most likely reached (chosen after their draws: it decides
+            # only who gets children), the most likely first, with the most children
+            rank_idx = torch.topk(prev, f, dim=1).indices
+            counts = sorted(counts, reverse=True)
             frontier = start[-1] + rank_idx                           # pool indices
             slot_of.scatter_(1, frontier, torch.arange(s0, s0 + f, device=dev).expand(b, f))
             rows = torch.zeros(b, f, F, dtype=torch.bool, device=dev)
@@ -658,7 +686,7 @@ class DraftModel(Drafter):
             t, lq, rank = self._children(q, counts, probs[:, 1 + first:1 + first + sum(counts)])
             ranks = torch.tensor(rank, dtype=torch.int64, device=dev)
             toks_l.append(t)
-            score_l.append(prev.gather(1, rank_idx).index_select(1, ranks) + lq)
+            score_l.append(prev.gather(1, rank_idx).index_select(1, ranks) + self._reach(lq, counts))
             par_l.append(frontier.index_select(1, ranks))
             depth_l.append(d + 1)
             start.append(first)
