@@ -628,8 +628,10 @@ class DraftModel(Drafter):
         token's acceptance is estimated from its draft probability q(x): a = 0.25 + 0.6 sqrt(q) for a first
         child, 0.1 + 0.45 sqrt(q) for a later sibling given the earlier ones were rejected -- curves fitted
         offline to the bundled int8 draft against the target at temperature 1 (P(accept) of a first child
-        0.25 at q < 0.02 up to 0.86 at q > 0.9; of a second one 0.11 up to ~0.4). They only rank the
-        nodes that get children; exactness does not depend on them."""
+        0.25 at q < 0.02 up to 0.86 at q > 0.9; of a second one 0.11 up to ~0.4), with the draft run over
+        whole texts, which understates its acceptance in the loop (benchmarks/tree_ceiling.py): their
+        level is low, their order (rising with q, a sibling below a first child) is what is used. They
+        only rank the nodes that get children; exactness does not depend on them."""
         q = logq.exp()
         rank = torch.tensor([i for c in counts for i in range(c)], dtype=torch.float32, device=q.device)
         a = torch.where(rank == 0, 0.25 + 0.6 * q.sqrt(), 0.1 + 0.45 * q.sqrt()).clamp(0.01, 0.97)
