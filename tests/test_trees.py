@@ -279,6 +279,19 @@ def test_edge_multidraft_member_that_proposes_nothing(toy):
     assert out.tokens == [r[:16] for r in refs]
 
 
+def _record_budgets(drafter) -> list:
+    """The per-row budgets of every propose call of ``drafter`` (appended to the returned list)."""
+    budgets = []
+    propose = drafter.propose
+
+    def spy(ctx):
+        budgets.append(list(ctx.budgets))
+        return propose(ctx)
+
+    drafter.propose = spy
+    return budgets
+
+
 def test_multidraft_escalation_skips_the_draft_model_behind_a_trusted_member(toy):
     """escalate: a member after a trusted one drafts nothing for that row. An oracle first member (the
     target's own greedy continuation) is trusted after its first accepted proposals, so the draft model
@@ -298,14 +311,7 @@ def test_multidraft_escalation_skips_the_draft_model_behind_a_trusted_member(toy
                                 (CallableDrafter(lambda ctx: [[(ctx[-1] + 5) % 12] * 3], max_nodes=4, name="bad"),
                                  False)):
         dm = DraftModel(weak, k=3)
-        budgets = []
-        propose = dm.propose
-
-        def spy(ctx, propose=propose, budgets=budgets):
-            budgets.append(list(ctx.budgets))
-            return propose(ctx)
-
-        dm.propose = spy
+        budgets = _record_budgets(dm)
         multi = MultiDraft([first, dm], escalate=2.0)
         assert "escalate=2" in repr(multi)
         dec = SpeculativeDecoder(target, multi, max_batch=3, max_len=64, policy="fixed")
@@ -334,14 +340,7 @@ def test_multidraft_escalation_starts_new_requests_from_the_decoder_wide_average
                   CallableDrafter(lambda ctx: [[(ctx[-1] + 5) % 12] * 3] if len(ctx) % 3 else [], max_nodes=4,
                                   name="bad-or-empty")):
         dm = DraftModel(weak, k=3)
-        budgets = []
-        propose = dm.propose
-
-        def spy(ctx, propose=propose, budgets=budgets):
-            budgets.append(list(ctx.budgets))
-            return propose(ctx)
-
-        dm.propose = spy
+        budgets = _record_budgets(dm)
         multi = MultiDraft([first, dm], escalate=2.0)
         dec = SpeculativeDecoder(target, multi, max_batch=3, max_len=64, policy="fixed")
         out = dec.generate(prompts, max_new_tokens=12)

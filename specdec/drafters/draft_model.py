@@ -86,6 +86,7 @@ synchronisation per draft token -- keep it off there unless drafts are long).
 """
 from __future__ import annotations
 
+import functools
 import time
 
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -108,6 +109,18 @@ _TREES = ("spine", "dynamic")
 #: were rejected): 0.22 measured offline from the two models' distributions). At most
 #: len(SAMPLED_RANK_ACCEPT) children per node.
 SAMPLED_RANK_ACCEPT = (0.6, 0.08, 0.05, 0.03)
+
+
+@functools.lru_cache(maxsize=64)
+def _sibling_consts(counts: Tuple[int, ...], device: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """For children grouped by parent (``counts`` per parent): [c] bool, the first child of its parent; and
+    [c, c] float32 E with E[j, i] = 1 when j is an earlier sibling of i (so x @ E sums x over earlier siblings).
+    Built once per plan level (the plans are fixed), not per step."""
+    grp = torch.tensor([j for j, n in enumerate(counts) for _ in range(n)])
+    first = torch.tensor([i == 0 for n in counts for i in range(n)])
+    idx = torch.arange(len(grp))
+    earlier = (grp.view(-1, 1) == grp.view(1, -1)) & (idx.view(-1, 1) < idx.view(1, -1))
+    return first.to(device), earlier.to(torch.float32).to(device)
 
 
 def _limit_depths(draft: Draft, limits: Sequence[int], k: int) -> Draft:
@@ -632,15 +645,10 @@ class DraftModel(Drafter):
         whole texts, which understates its acceptance in the loop (benchmarks/tree_ceiling.py): their
         level is low, their order (rising with q, a sibling below a first child) is what is used. They
         only rank the nodes that get children; exactness does not depend on them."""
-        q = logq.exp()
-        rank = torch.tensor([i for c in counts for i in range(c)], dtype=torch.float32, device=q.device)
-        a = torch.where(rank == 0, 0.25 + 0.6 * q.sqrt(), 0.1 + 0.45 * q.sqrt()).clamp(0.01, 0.97)
-        l1a = torch.log1p(-a)
-        c = sum(counts)
-        grp = torch.tensor([j for j, n in enumerate(counts) for _ in range(n)], device=q.device)
-        idx = torch.arange(c, device=q.device)
-        earlier = ((grp.view(c, 1) == grp.view(1, c)) & (idx.view(1, c) < idx.view(c, 1))).to(l1a.dtype)
-        return a.log() + l1a @ earlier.T
+        first, earlier = _sibling_consts(tuple(counts), str(logq.device))
+        s = logq.exp().sqrt()
+        a = torch.where(first, 0.25 + 0.6 * s, 0.1 + 0.45 * s).clamp(0.01, 0.97)
+        return a.log() + torch.log1p(-a) @ earlier
 
     def _propose_dynamic_sampled(self, ctx: StepContext, k: int, b: int, cache, last: torch.Tensor) -> Draft:
         """Sampling: a dynamic tree whose every node exists before it is drawn (see the module docstring)."""

@@ -234,8 +234,9 @@ class MultiDraft(Drafter):
         self.catch_up_positions = 0
         esc = self.escalate
         if esc is not None:
-            # a new request trusts its members until one fails it: a free member's first proposal spares
-            # a draft model its first forward (and the prompt prefill that its lazy admission would run)
+            # a new request starts from each member's decoder-wide record (every member is trusted on a
+            # fresh decoder): a trusted free member's first proposal spares a draft model its first forward
+            # (and the prompt prefill that its lazy admission would run)
             m = len(self.members)
             self._trust = {rid: self._trust.get(rid, list(self._global)) for rid in ctx.request_ids}
             self._empty = {rid: self._empty.get(rid, [0] * m) for rid in ctx.request_ids}
