@@ -130,14 +130,32 @@ inline void micro_tile(const LinearParams& P, int64_t n0, int64_t m0, const char
   v8f acc[NR][MR];
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m] = v8_set1(0.0f);
-  // Prefetch [pf, pf + pf_lines * 64) (a share of the next weight block) spread evenly over
-  // the k loop, so that DRAM streams while this tile computes: the rows are too short
-  // (K * es bytes) for the hardware prefetchers, which stop at page boundaries, alone.
-  const int64_t ksteps = K8 / 8;
-  const int64_t per_step = ksteps > 0 ? (pf_lines + ksteps - 1) / ksteps : 0;
-  int64_t issued = 0;
-  for (int64_t k = 0; k < K8; k += 8) {
-    for (int64_t j = 0; j < per_step && issued < pf_lines; ++j, ++issued) __builtin_prefetch(pf + issued * 64, 0, 2);
+  // Prefetch about pf_lines lines from pf on (a share of the next weight block), spread evenly
+  // over the k loop, so that DRAM streams while this tile computes: the rows are too short
+  // (K * es bytes) for the hardware prefetchers, which stop at page boundaries, alone. The
+  // last step may run past the share: harmless (a prefetch never faults) and it lands on
+  // the block after. The k loop takes 16 inputs per step (two 8-wide halves into the same
+  // accumulators, so the summation order is the plain k order whatever the tile): fewer
+  // loop branches and prefetch checks per FMA (exploratory, one core, weights in L2:
+  // 1.24x at M = 3, 1.10x at M = 8 over one half per step).
+  const int64_t K16 = K & ~int64_t(15);
+  const int64_t steps = K16 / 16;
+  const int64_t per_step = (pf != nullptr && steps > 0) ? (pf_lines + steps - 1) / steps : 0;
+  const char* pfp = pf;
+  int64_t k = 0;
+  for (; k < K16; k += 16) {
+    for (int64_t j = 0; j < per_step; ++j, pfp += 64) __builtin_prefetch(pfp, 0, 2);
+#pragma GCC unroll 2
+    for (int64_t u = 0; u < 16; u += 8) {
+      v8f xv[MR];
+      for (int m = 0; m < MR; ++m) xv[m] = v8_load(xr[m] + k + u);
+      for (int r = 0; r < NR; ++r) {
+        const v8f wv = load_w<WT>(wr[r], k + u);
+        for (int m = 0; m < MR; ++m) acc[r][m] += wv * xv[m];
+      }
+    }
+  }
+  if (k < K8) {  // one 8-wide half left
     v8f xv[MR];
     for (int m = 0; m < MR; ++m) xv[m] = v8_load(xr[m] + k);
     for (int r = 0; r < NR; ++r) {
