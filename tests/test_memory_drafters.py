@@ -25,7 +25,7 @@ from test_decoding import SMOL_TEXTS, TOY_PROMPTS, _bundled, assert_sampled_exac
 
 from specdec import _C  # noqa: E402
 from specdec.decoding import SpeculativeDecoder  # noqa: E402
-from specdec.drafters import DocumentDrafter, StepContext, SuffixDrafter, TokenRecycling  # noqa: E402
+from specdec.drafters import DocumentDrafter, MultiDraft, StepContext, SuffixDrafter, TokenRecycling  # noqa: E402
 from specdec.drafters.recycling import recycling_template  # noqa: E402
 
 
@@ -244,10 +244,14 @@ def _toy_drafter(name, refs):
     return {"suffix": lambda: SuffixDrafter(min_match=1, node_budget=8),
             "suffix-nocache": lambda: SuffixDrafter(min_match=1, use_global_cache=False),
             "recycle": lambda: TokenRecycling(top_w=3, node_budget=8, max_depth=4),
-            "docs": lambda: DocumentDrafter([r[5:] for r in refs[::2]], min_match=1)}[name]()
+            "docs": lambda: DocumentDrafter([r[5:] for r in refs[::2]], min_match=1),
+            "multi": lambda: MultiDraft([SuffixDrafter(min_match=1, node_budget=6),
+                                         TokenRecycling(top_w=3, node_budget=6, max_depth=4),
+                                         DocumentDrafter([r[5:] for r in refs[1::2]], min_match=1, node_budget=6)])
+            }[name]()
 
 
-@pytest.mark.parametrize("name", ["suffix", "suffix-nocache", "recycle", "docs"])
+@pytest.mark.parametrize("name", ["suffix", "suffix-nocache", "recycle", "docs", "multi"])
 def test_toy_greedy_equals_plain_and_batch_equals_alone(toy, name):
     target, refs = toy
     dec = SpeculativeDecoder(target, _toy_drafter(name, refs), max_batch=8, max_len=64, policy="fixed")
@@ -261,6 +265,23 @@ def test_toy_greedy_equals_plain_and_batch_equals_alone(toy, name):
     for p, ref in zip(TOY_PROMPTS[:3], refs[:3]):
         assert dec.generate([p], max_new_tokens=24).tokens == [ref]
     assert out.metrics["drafted_tokens"] > 0
+
+
+def test_toy_recycling_learns_inside_multidraft(toy):
+    """A TokenRecycling member of a MultiDraft sees every verify pass (its table fills and its nodes
+    get accepted); the suffix member's global cache carries over as when it drafts alone."""
+    target, refs = toy
+    rec = TokenRecycling(top_w=3, node_budget=8, max_depth=4)
+    suffix = SuffixDrafter(min_match=1, node_budget=8)
+    multi = MultiDraft([suffix, rec], budgets=[7, 7])
+    dec = SpeculativeDecoder(target, multi, max_batch=8, max_len=64, policy="fixed")
+    assert dec.generate(TOY_PROMPTS, max_new_tokens=24).tokens == refs
+    assert rec.filled_rows() >= 8   # 16-token vocabulary: the verify passes' nodes filled most rows
+    suffix.clear_cache()   # only the recycling member drafts now: its table alone makes it accept
+    out = SpeculativeDecoder(target, MultiDraft([rec]), max_batch=8, max_len=64,
+                             policy="fixed").generate(TOY_PROMPTS, max_new_tokens=24)
+    assert out.tokens == refs and out.metrics["accepted_tokens"] > 0
+    assert suffix.stats()["cached_requests"] == 0
 
 
 def test_toy_global_cache_carries_over(toy):
@@ -291,15 +312,19 @@ def test_toy_global_cache_carries_over(toy):
     assert small.memory_bytes() > 0
 
 
-@pytest.mark.parametrize("name", ["suffix", "recycle", "docs"])
+@pytest.mark.parametrize("name", ["suffix", "recycle", "docs", "multi"])
 def test_sampled_distribution_is_exact(name):
     temperature, top_k, top_p = 0.7, 5, 0.9
     target = ToyLM(vocab=8, seed=3, scale=1.0, hidden=16, heads=2, kv_heads=1)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     drafter = {"suffix": SuffixDrafter(min_match=1, node_budget=8),
                "recycle": TokenRecycling(top_w=3, node_budget=8, max_depth=3),
-               "docs": DocumentDrafter([[3, 1, 2, 3, 4], [3, 5, 6, 1, 2, 3, 1]], min_match=1)}[name]
-    per_call, calls = 4000, 3
+               "docs": DocumentDrafter([[3, 1, 2, 3, 4], [3, 5, 6, 1, 2, 3, 1]], min_match=1),
+               "multi": MultiDraft([SuffixDrafter(min_match=1, node_budget=4),
+                                    TokenRecycling(top_w=3, node_budget=5, max_depth=3),
+                                    DocumentDrafter([[3, 5, 6, 1, 2, 3, 1]], min_match=1, node_budget=4)])}[name]
+    # the MultiDraft merge runs on the host row by row: fewer (still thousands of) samples
+    per_call, calls = (1500, 2) if name == "multi" else (4000, 3)
     n = per_call * calls
     # later calls run on a warm cache / table: still exact
     accepted = assert_sampled_exact(target, drafter, prompt, temperature, top_k, top_p, per_call, calls, 6, 7)
@@ -383,10 +408,13 @@ def _smol_drafter(name, smol):
     if name == "recycle":
         return TokenRecycling()
     texts = [t + " " + smol["tok"].decode(r) for t, r in zip(SMOL_TEXTS[:N_PROMPTS:2], smol["refs"][::2])]
-    return DocumentDrafter(texts, tokenizer=smol["tok"])
+    docs = DocumentDrafter(texts, tokenizer=smol["tok"])
+    if name == "multi":  # the three composed: one merged tree per request
+        return MultiDraft([SuffixDrafter(node_budget=8), TokenRecycling(node_budget=6), docs])
+    return docs
 
 
-@pytest.mark.parametrize("name", ["suffix", "recycle", "docs"])
+@pytest.mark.parametrize("name", ["suffix", "recycle", "docs", "multi"])
 def test_smollm2_greedy_equals_transformers_generate(smol, name):
     drafter = _smol_drafter(name, smol)
     dec = SpeculativeDecoder(smol["target"], drafter, max_batch=5, max_len=256, policy="fixed")

@@ -282,6 +282,15 @@ class MultiDraft(Drafter):
             self._step = None
             raise
 
+    def observe_verify(self, tree: TokenTree, logits: torch.Tensor) -> None:
+        """Every member sees the target's logits over the MERGED tree just verified (a member that
+        learns from the target, such as TokenRecycling, learns from every node, whoever proposed it)."""
+        for i, d in enumerate(self.members):
+            try:
+                d.observe_verify(tree, logits)
+            except (ValueError, TypeError) as exc:
+                raise type(exc)(f"{self._name(i)}: {exc}") from exc
+
     def _merge(self, ctx: StepContext, drafts: List[Draft], host, alloc: List[int], b: int,
                proposed: Optional[List[List[int]]] = None) -> Draft:
         sampling = not self.params.greedy
