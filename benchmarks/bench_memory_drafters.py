@@ -15,6 +15,10 @@ Methods
   recycle      TokenRecycling (top_w 4, 12-node template, depth 6); its table is filled by the warm-up
                requests and keeps learning (one table per model)
   docs         DocumentDrafter over a document store (below)
+  multi        MultiDraft([SuffixDrafter, TokenRecycling], escalate=1): the free drafters composed, cheapest
+               signal first: the suffix drafter (warm global cache, as suffix_warm) drafts where it is trusted,
+               token recycling drafts the rows where it is not (its table learns from every verify pass, whoever
+               drafted); warmed up and restarted every round like the other stateful drafters
 
 Prompt sets (all built here, see the JSON for the texts)
   grounded     the answer copies from the input (bench_e2e.py's GROUNDED: repeat, rename, rewrite, reformat)
@@ -25,7 +29,7 @@ Prompt sets (all built here, see the JSON for the texts)
                cache holds related, never identical, requests)
 
 Warm-up: every method first runs the set's first warm-up prompt (first-call allocations); the stateful
-drafters (suffix_warm, recycle) run all of the set's warm-up prompts and learn from them as from live traffic. Document store: the source texts of the grounded prompts,
+drafters (suffix_warm, recycle, multi) run all of the set's warm-up prompts and learn from them as from live traffic. Document store: the source texts of the grounded prompts,
 a reference SQL query and a short style guide (what a user would paste into a retriever).
 
 Drafter overhead: host time spent in propose + observe_verify + accept per target step, against the
@@ -57,7 +61,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_e2e import GROUNDED, OPEN, cpu_name, encode, git_commit  # noqa: E402
 from specdec.bench import CODE, CSV, EMAIL, PASSAGE  # noqa: E402  (the texts live in the package)
 from specdec.decoding import SpeculativeDecoder  # noqa: E402
-from specdec.drafters import DocumentDrafter, PromptLookup, SuffixDrafter, TokenRecycling  # noqa: E402
+from specdec.drafters import DocumentDrafter, MultiDraft, PromptLookup, SuffixDrafter, TokenRecycling  # noqa: E402
 from specdec.models.bundled import load_bundled  # noqa: E402
 from specdec.models.hf import HFCausalLM  # noqa: E402
 
@@ -101,7 +105,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--sets", default="repetitive,grounded,open")
-    ap.add_argument("--methods", default="plain,lookup,suffix_cold,suffix_warm,recycle,docs")
+    ap.add_argument("--methods", default="plain,lookup,suffix_cold,suffix_warm,recycle,docs,multi")
     ap.add_argument("--prompts", type=int, default=6, help="prompts per set (at most 6)")
     ap.add_argument("--batch8", action="store_true", help="also measure drafter overhead at batch 8")
     ap.add_argument("--threads", type=int, default=None)
@@ -124,7 +128,8 @@ def main() -> int:
     def make(name: str):
         return {"plain": lambda: None, "lookup": lambda: PromptLookup(ngram=3, k=10),
                 "suffix_cold": SuffixDrafter, "suffix_warm": SuffixDrafter, "recycle": TokenRecycling,
-                "docs": lambda: DocumentDrafter(DOCS, tokenizer=tok)}[name]()
+                "docs": lambda: DocumentDrafter(DOCS, tokenizer=tok),
+                "multi": lambda: MultiDraft([SuffixDrafter(), TokenRecycling()], escalate=1.0)}[name]()
 
     names = args.methods.split(",")
     # host time of the drafter's own calls, per decoder (instance attributes, no global patching)
@@ -153,7 +158,7 @@ def main() -> int:
                     host_seconds=host_time.get((name, s), [0.0])[0] - h0)
 
     print(f"loaded in {time.perf_counter() - t0:.1f} s; threads {torch.get_num_threads()}; load {load_start}")
-    stateful = [n for n in names if n in ("suffix_warm", "recycle")]
+    stateful = [n for n in names if n in ("suffix_warm", "recycle", "multi")]
 
     def warm_up(s: str, methods: List[str], first_only: List[str]) -> None:
         # the stateful drafters learn from the set's warm-up requests; the others only warm up
