@@ -185,9 +185,28 @@ def reference_table(V: int, w: int, passes) -> torch.Tensor:
     return table
 
 
+def reference_pairs(V: int, w: int, H: int, passes) -> Dict[int, Tuple[int, List[int]]]:
+    """Plain loop for the pair table: each node in order with a known previous token (its parent's token,
+    or the sequence token before the root) overwrites the row of the pair's hash: row -> (key, top-w)."""
+    rows: Dict[int, Tuple[int, List[int]]] = {}
+    for tokens, parents, prev_roots, logits in passes:
+        for b in range(tokens.shape[0]):
+            for i in range(tokens.shape[1]):
+                t = int(tokens[b, i])
+                p = int(parents[b, i])
+                prev = int(prev_roots[b]) if p < 0 else int(tokens[b, p])
+                if t < 0 or prev < 0:
+                    continue
+                key = prev * V + t
+                rows[(key * 0x9E3779B1) & (H - 1)] = (key, torch.argsort(logits[b, i], descending=True,
+                                                                         stable=True)[:w].tolist())
+    return rows
+
+
 class _Tree:
-    def __init__(self, tokens):
+    def __init__(self, tokens, parents=None):
         self.tokens = tokens
+        self.parents = parents if parents is not None else torch.full_like(tokens, -1)
 
 
 def test_token_recycling_table_equals_reference():
@@ -206,6 +225,54 @@ def test_token_recycling_table_equals_reference():
         rec.observe_verify(_Tree(tokens), logits)
         assert torch.equal(rec.table[:V], reference_table(V, w, passes)), step
     assert (rec.table[V + 1] == -1).all()
+
+
+@pytest.mark.parametrize("H", [1 << 16, 4])   # 4 rows: pairs collide, the later pair owns the row
+def test_token_recycling_pair_table_equals_reference(H):
+    V, w = 11, 3
+    g = torch.Generator().manual_seed(1)
+    rec = TokenRecycling(top_w=w, node_budget=8, max_depth=3, pair_rows=H)
+    rec.bind(ToyLM(vocab=V, seed=0), 2, 32)
+    assert rec.filled_pairs() == 0
+    passes = []
+    for step in range(6):
+        tokens = torch.randint(0, V, (2, 5), generator=g)
+        parents = torch.tensor([[-1, 0, 0, 1, 2], [-1, 0, 1, -1, -1]])
+        tokens[1, 3:] = -1
+        tokens[0, 4] = tokens[1, 1]
+        prev_roots = torch.tensor([int(torch.randint(0, V, (1,), generator=g)), -1 if step == 2 else 4])
+        logits = torch.randn(2, 5, V, generator=g)
+        passes.append((tokens, parents, prev_roots, logits))
+        rec._prev_roots = prev_roots          # what propose records from the sequences
+        rec.observe_verify(_Tree(tokens, parents), logits)
+        ref = reference_pairs(V, w, H, passes)
+        got = {r: (int(rec.pair_keys[r]), rec.pair_table[r].tolist()) for r in range(H) if rec.pair_keys[r] >= 0}
+        assert got == ref, step
+    assert rec.filled_pairs() == len(ref)
+
+
+def test_token_recycling_drafts_from_the_pair_row():
+    V = 9
+    rec = TokenRecycling(top_w=2, node_budget=4, max_depth=2, rank_prior=[0.6, 0.3])
+    rec.bind(ToyLM(vocab=V, seed=0), 2, 32)
+    ctx = StepContext(roots=torch.tensor([1, 1]), sequences=[[7, 1], [8, 1]], request_ids=[0, 1], budgets=[10, 10])
+    rec.table[1] = torch.tensor([3, 4])       # after 1, whatever came before: 3, 4
+    rec.table[3] = torch.tensor([5, 6])
+    key, row = rec._pair_slot(torch.tensor([7]), torch.tensor([1]))
+    rec.pair_keys[row] = key                  # after (7, 1): 2, 0
+    rec.pair_table[row] = torch.tensor([2, 0])
+    tree = rec.propose(ctx).tree
+    kids = [{int(tree.tokens[r, i]) for i in range(1, tree.num_nodes[r]) if int(tree.parents[r, i]) == 0}
+            for r in range(2)]
+    assert kids == [{2, 0}, {3, 4}]           # row 0 follows its pair, row 1 (after 8, 1) the one-token row
+    assert {(int(tree.tokens[1, tree.parents[1, i]]), int(tree.tokens[1, i]))
+            for i in range(1, tree.num_nodes[1])} >= {(1, 3), (3, 5)}
+    one = TokenRecycling(top_w=2, node_budget=4, max_depth=2, rank_prior=[0.6, 0.3], context=1)
+    one.bind(ToyLM(vocab=V, seed=0), 2, 32)
+    one.table.copy_(rec.table)
+    assert one.pair_table is None and one.memory_bytes() < rec.memory_bytes()
+    tree = one.propose(ctx).tree
+    assert {int(tree.tokens[0, i]) for i in range(1, tree.num_nodes[0]) if int(tree.parents[0, i]) == 0} == {3, 4}
 
 
 def test_token_recycling_proposes_from_the_table():
@@ -370,6 +437,10 @@ def test_bad_inputs_name_the_drafter(toy):
         TokenRecycling(top_w=0)
     with pytest.raises(ValueError, match=r"TokenRecycling: node_budget must be >= 2, got 1"):
         TokenRecycling(node_budget=1)
+    with pytest.raises(ValueError, match=r"TokenRecycling: context must be 1 \(one-token key\) or 2"):
+        TokenRecycling(context=3)
+    with pytest.raises(ValueError, match=r"TokenRecycling: pair_rows must be a power of two, got 100"):
+        TokenRecycling(pair_rows=100)
     with pytest.raises(ValueError, match=r"TokenRecycling: top_w = 20 exceeds the vocabulary size 16"):
         SpeculativeDecoder(target, TokenRecycling(top_w=20), max_batch=2, max_len=64, policy="fixed")
     rec = TokenRecycling(top_w=2)
