@@ -246,15 +246,18 @@ def test_token_recycling_pair_table_equals_reference(H):
         rec._prev_roots = prev_roots          # what propose records from the sequences
         rec.observe_verify(_Tree(tokens, parents), logits)
         ref = reference_pairs(V, w, H, passes)
-        got = {r: (int(rec.pair_keys[r]), rec.pair_table[r].tolist()) for r in range(H) if rec.pair_keys[r] >= 0}
+        got = {r: (int(rec.pair_keys[r]), rec.pair_table[r].tolist()) for r in range(H)
+               if rec.pair_keys[r] != -(1 << 62)}   # the empty rows' key
         assert got == ref, step
     assert rec.filled_pairs() == len(ref)
 
 
-def test_token_recycling_drafts_from_the_pair_row():
+@pytest.mark.parametrize("host_levels", [True, False])   # numpy views on the CPU, or the torch gathers
+def test_token_recycling_drafts_from_the_pair_row(host_levels):
     V = 9
     rec = TokenRecycling(top_w=2, node_budget=4, max_depth=2, rank_prior=[0.6, 0.3])
     rec.bind(ToyLM(vocab=V, seed=0), 2, 32)
+    rec.host_levels = host_levels
     ctx = StepContext(roots=torch.tensor([1, 1]), sequences=[[7, 1], [8, 1]], request_ids=[0, 1], budgets=[10, 10])
     rec.table[1] = torch.tensor([3, 4])       # after 1, whatever came before: 3, 4
     rec.table[3] = torch.tensor([5, 6])
@@ -275,10 +278,12 @@ def test_token_recycling_drafts_from_the_pair_row():
     assert {int(tree.tokens[0, i]) for i in range(1, tree.num_nodes[0]) if int(tree.parents[0, i]) == 0} == {3, 4}
 
 
-def test_token_recycling_proposes_from_the_table():
+@pytest.mark.parametrize("host_levels", [True, False])
+def test_token_recycling_proposes_from_the_table(host_levels):
     V = 9
     rec = TokenRecycling(top_w=2, node_budget=6, max_depth=3, rank_prior=[0.6, 0.3])
     rec.bind(ToyLM(vocab=V, seed=0), 2, 32)
+    rec.host_levels = host_levels
     ctx = StepContext(roots=torch.tensor([1, 2]), sequences=[[0, 1], [0, 2]], request_ids=[0, 1], budgets=[10, 10])
     assert rec.propose(ctx).tree.size == 1      # cold table: root only
     rec.table[1] = torch.tensor([3, 4])
@@ -332,6 +337,23 @@ def test_toy_greedy_equals_plain_and_batch_equals_alone(toy, name):
     for p, ref in zip(TOY_PROMPTS[:3], refs[:3]):
         assert dec.generate([p], max_new_tokens=24).tokens == [ref]
     assert out.metrics["drafted_tokens"] > 0
+
+
+def test_token_recycling_host_and_torch_levels_agree(toy):
+    """After real traffic (both tables filled), the numpy and torch level gathers propose the same trees."""
+    target, refs = toy
+    rec = TokenRecycling(top_w=3, node_budget=10, max_depth=4)
+    SpeculativeDecoder(target, rec, max_batch=8, max_len=64, policy="fixed").generate(TOY_PROMPTS, max_new_tokens=24)
+    assert rec.filled_pairs() > 0
+    seqs = [p + r[:k] for p, r in zip(TOY_PROMPTS, refs) for k in (0, 3, 7)] + [[5]]
+    ctx = StepContext(roots=torch.tensor([s[-1] for s in seqs]), sequences=seqs, request_ids=list(range(len(seqs))),
+                      budgets=[4] * len(seqs))
+    trees = []
+    for host in (True, False):
+        rec.host_levels = host
+        t = rec.propose(ctx).tree
+        trees.append((t.tokens.tolist(), t.parents.tolist()))
+    assert trees[0] == trees[1] and max(len([x for x in row if x >= 0]) for row in trees[0][0]) > 1
 
 
 def test_toy_recycling_learns_inside_multidraft(toy):
