@@ -227,6 +227,20 @@ def test_token_recycling_table_equals_reference():
     assert (rec.table[V + 1] == -1).all()
 
 
+def test_token_recycling_chunked_topk_equals_topk():
+    from specdec.drafters.recycling import _topk_indices
+    g = torch.Generator().manual_seed(2)
+    for V in (11, 300, 2000, 49152, 50257):
+        for M in (1, 5, 33):
+            x = torch.randn(M, V, generator=g)
+            for w in (1, 4, 8):
+                assert torch.equal(_topk_indices(x, w), x.topk(w, dim=-1).indices), (V, M, w)
+    x = torch.full((2, 5000), float("-inf"))   # no finite value: still token ids of the vocabulary
+    x[0, 7] = 1.0
+    got = _topk_indices(x, 4)
+    assert int(got[0, 0]) == 7 and bool((got >= 0).all() and (got < 5000).all())
+
+
 @pytest.mark.parametrize("H", [1 << 16, 4])   # 4 rows: pairs collide, the later pair owns the row
 def test_token_recycling_pair_table_equals_reference(H):
     V, w = 11, 3
