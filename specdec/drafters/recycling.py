@@ -144,7 +144,7 @@ class TokenRecycling(Drafter):
         self.pair_rows = pair_rows
         self.table: Optional[torch.Tensor] = None
         self.pair_table: Optional[torch.Tensor] = None   # [pair_rows + 1, w]; row pair_rows is the write sink
-        self.pair_keys: Optional[torch.Tensor] = None    # [pair_rows + 1] the (prev * V + token) key per row, _EMPTY_KEY: none
+        self.pair_keys: Optional[torch.Tensor] = None  # [pair_rows + 1] pair key per row (_EMPTY_KEY: none)
         self._prev_roots: Optional[torch.Tensor] = None  # [b] the token before each root of the last proposal
         self.vocab_size: Optional[int] = None
         self.device = torch.device("cpu")
