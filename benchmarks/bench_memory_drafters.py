@@ -50,7 +50,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Dict, List
 
 import torch
 
@@ -85,6 +85,9 @@ DOCS = [PASSAGE, CODE, EMAIL, CSV,
         "Style guide: write short sentences. Use the active voice. Put the main point first. "
         "Close every e-mail with 'Best regards,' and your name."]
 
+TEXTS = {"repetitive": REPETITIVE, "grounded": GROUNDED, "open": OPEN}
+WARM_TEXTS = {"repetitive": REPETITIVE_WARM, "grounded": GROUNDED_WARM, "open": OPEN_WARM}
+
 
 def time_drafter(drafter, acc: List[float]) -> None:
     """Add the host seconds of the drafter's propose / observe_verify / accept calls to acc[0]."""
@@ -98,6 +101,17 @@ def time_drafter(drafter, acc: List[float]) -> None:
             finally:
                 acc[0] += time.perf_counter() - t
         setattr(drafter, meth, timed)
+
+
+def load_workload(sets: List[str], n_prompts: int, max_new_tokens: int):
+    """The bundled target (lean forward) and the prompt sets: (target, tokenizer, prompts per set, warm-up
+    prompts per set, a max_len that fits them all)."""
+    model, tok = load_bundled("smollm2-135m")[:2]
+    target = HFCausalLM(model, fast_linear=True)
+    prompts = {s: [encode(tok, t) for t in TEXTS[s][:n_prompts]] for s in sets}
+    warm = {s: [encode(tok, t) for t in WARM_TEXTS[s]] for s in sets}
+    max_len = max(len(p) for ps in list(prompts.values()) + list(warm.values()) for p in ps) + max_new_tokens + 8
+    return target, tok, prompts, warm, max_len
 
 
 def main() -> int:
@@ -115,15 +129,9 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     load_start = os.getloadavg()
     t0 = time.perf_counter()
-    model, tok = load_bundled("smollm2-135m")[:2]
-    target = HFCausalLM(model, fast_linear=True)
-    eos = tok.eos_token_id
-    texts = {"repetitive": REPETITIVE, "grounded": GROUNDED, "open": OPEN}
-    warm_texts = {"repetitive": REPETITIVE_WARM, "grounded": GROUNDED_WARM, "open": OPEN_WARM}
     sets = args.sets.split(",")
-    prompts = {s: [encode(tok, t) for t in texts[s][:args.prompts]] for s in sets}
-    warm = {s: [encode(tok, t) for t in warm_texts[s]] for s in sets}
-    max_len = max(len(p) for ps in list(prompts.values()) + list(warm.values()) for p in ps) + args.max_new_tokens + 8
+    target, tok, prompts, warm, max_len = load_workload(sets, args.prompts, args.max_new_tokens)
+    eos = tok.eos_token_id
 
     def make(name: str):
         return {"plain": lambda: None, "lookup": lambda: PromptLookup(ngram=3, k=10),
@@ -272,7 +280,7 @@ def main() -> int:
         settings=dict(model="smollm2-135m (SmolLM2-135M-Instruct, fp32, fast_linear)", greedy=True, batch=1,
                       max_new_tokens=args.max_new_tokens, rounds=args.rounds,
                       drafters={n: repr(make(n)) for n in names}),
-        prompts={s: texts[s][:args.prompts] for s in sets}, warmup_prompts={s: warm_texts[s] for s in sets},
+        prompts={s: TEXTS[s][:args.prompts] for s in sets}, warmup_prompts={s: WARM_TEXTS[s] for s in sets},
         documents=DOCS, summary=summary, batch8=batch8,
         runs={s: {n: [{k: v for k, v in x.items() if k != "tokens"} | dict(new_tokens=len(x["tokens"]))
                       for x in records[s][n]] for n in names} for s in sets},

@@ -32,12 +32,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_e2e import GROUNDED, OPEN, cpu_name, encode, git_commit  # noqa: E402
-from bench_memory_drafters import GROUNDED_WARM, OPEN_WARM, REPETITIVE, REPETITIVE_WARM  # noqa: E402
+from bench_e2e import cpu_name, git_commit  # noqa: E402
+from bench_memory_drafters import load_workload  # noqa: E402
 from specdec.decoding import SpeculativeDecoder  # noqa: E402
 from specdec.drafters import TokenRecycling  # noqa: E402
-from specdec.models.bundled import load_bundled  # noqa: E402
-from specdec.models.hf import HFCausalLM  # noqa: E402
 
 # (name, top_w, node_budget, max_depth); node_budget = 1 + w + ... + w^d makes the full tree
 TEMPLATES = [("default_12", 4, 12, 6), ("full_w2_d6", 2, 127, 6), ("full_w4_d3", 4, 85, 3),
@@ -55,17 +53,13 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()
     t0 = time.perf_counter()
-    model, tok = load_bundled("smollm2-135m")[:2]
-    target = HFCausalLM(model, fast_linear=True)
+    sets = args.sets.split(",")
+    target, tok, prompt_sets, warm_sets, max_len = load_workload(sets, 6, args.max_new_tokens)
     eos = tok.eos_token_id
-    texts = {"open": (OPEN, OPEN_WARM), "repetitive": (REPETITIVE, REPETITIVE_WARM),
-             "grounded": (GROUNDED, GROUNDED_WARM)}
     chosen = [t for t in TEMPLATES if t[0] in args.templates.split(",")]
     results = {}
-    for s in args.sets.split(","):
-        prompts = [encode(tok, t) for t in texts[s][0]]
-        warm = [encode(tok, t) for t in texts[s][1]]
-        max_len = max(len(p) for p in prompts + warm) + args.max_new_tokens + 8
+    for s in sets:
+        prompts, warm = prompt_sets[s], warm_sets[s]
         plain = SpeculativeDecoder(target, None, max_batch=1, max_len=max_len)
         refs = [plain.generate([p], max_new_tokens=args.max_new_tokens, eos_token_id=eos).tokens[0] for p in prompts]
         results[s] = {}

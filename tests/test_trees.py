@@ -609,3 +609,118 @@ def test_sampled_dynamic_tree_expands_the_nodes_most_likely_reached():
             assert [kids[j] for j in order] == sorted(kids.values(), reverse=True)
             checked += 1
     assert checked >= 4
+
+
+# ------------------------------------------------------------------ calibrated ranking (greedy rule)
+def _spy_steps(dm):
+    """Record every step of a DraftModel: its tree, depth k, accepted path and count."""
+    steps = []
+    propose, accept = dm.propose, dm.accept
+
+    def p(ctx):
+        draft = propose(ctx)
+        steps.append(dict(tree=draft.tree, k=dm._k_step))   # k: this step's depth (lower near the token limit)
+        return draft
+
+    def a(accepted, num, num_host, foreign=None):
+        steps[-1].update(accepted=accepted.clone(), num=num.clone())
+        return accept(accepted, num, num_host, foreign=foreign)
+
+    dm.propose, dm.accept = p, a
+    return steps
+
+
+def test_calibration_counts_equal_a_recount_of_the_steps(toy):
+    """Every node whose parent was accepted (or is the root) counts as reached in its cell (rank among its
+    parent's children, floor(-log2 q) bin); accepted ones count as hits; reached q is summed."""
+    target, weak, refs = toy
+    dm = DraftModel(weak, k=4, top_k=3, node_budget=9, tree="dynamic")
+    dec = SpeculativeDecoder(target, dm, max_batch=4, max_len=64, policy="fixed")
+    steps = _spy_steps(dm)
+    cells = []
+    orig = dm._cal_update
+
+    def keep(accepted, num):
+        cells.append((dm._tree_cell.clone(), dm._tree_q.clone()))
+        return orig(accepted, num)
+
+    dm._cal_update = keep
+    out = dec.generate(TOY_PROMPTS[:4], max_new_tokens=16)
+    assert out.tokens == [r[:16] for r in refs[:4]]
+    want = torch.zeros(3, 3, 10, dtype=torch.float64)
+    used = 0
+    for st, (cell, q) in zip([s for s in steps if s["tree"].size > 1], cells):
+        tree, accepted, num = st["tree"], st["accepted"], st["num"]
+        used += 1
+        par = tree.parents.tolist()
+        for r in range(tree.batch):
+            path = {0} | {int(x) for x in accepted[r, 1:1 + int(num[r])].tolist()}
+            for i in range(1, tree.size):
+                if par[r][i] < 0 or par[r][i] not in path:
+                    continue
+                rank, b = divmod(int(cell[r, i]), 10)
+                # the cell: the node's rank among its parent's top-w children (a likelier sibling ranks
+                # lower) and its q's bin
+                for j in range(1, tree.size):
+                    if par[r][j] == par[r][i] and float(q[r, j]) > float(q[r, i]):
+                        assert int(cell[r, j]) // 10 < rank
+                assert b == min(9, int(math.floor(-math.log2(float(q[r, i])))))
+                want[0, rank, b] += 1
+                want[1, rank, b] += i in path
+                want[2, rank, b] += float(q[r, i])
+    assert used >= 4
+    got = dm.calibration
+    for j, key in enumerate(("reached", "accepted", "reached_q")):
+        torch.testing.assert_close(torch.tensor(got[key], dtype=torch.float64), want[j], atol=1e-4, rtol=1e-5)
+    assert want[0].sum() > want[1].sum() > 0
+
+
+def test_calibrated_ranking_follows_the_measured_acceptance(toy):
+    """Counts saying that first children are always accepted and later ones never turn the budget-limited
+    dynamic tree into a chain (the deepest spine); counts saying that no child is ever accepted make every
+    edge cost the same, and the root gets all its top-w children first (the shallowest tree).
+    calibrate=False keeps the draft-probability ranking, which differs from both here."""
+    target, weak, _ = toy
+
+    def trees(calibrate, first, later):
+        dm = DraftModel(weak, k=4, top_k=3, node_budget=5, tree="dynamic", calibrate=calibrate)
+        dec = SpeculativeDecoder(target, dm, max_batch=4, max_len=64, policy="fixed")
+        steps = _spy_steps(dm)
+        if calibrate:
+            cal = dm._cal.view(3, 3, 10)
+            cal[0] = 1e6
+            cal[2] = 1e6 * torch.pow(2.0, -torch.arange(10.0) - 0.5)
+            cal[1, 0] = 1e6 * first
+            cal[1, 1:] = 1e6 * later
+            dm._cal_update = lambda accepted, num: None   # keep the counts as set
+        dec.generate(TOY_PROMPTS[:4], max_new_tokens=12)
+        return [s["tree"] for s in steps if s["tree"].size > 1 and s["k"] == 4]  # full depth: a chain fits
+
+    def shapes(ts):
+        return [tuple(t.parents[r, :t.num_nodes[r]].tolist()) for t in ts for r in range(t.batch)]
+
+    chain = shapes(trees(True, 1.0, 1e-6))
+    assert chain and all(p == tuple(range(-1, len(p) - 1)) for p in chain)
+    bushy = shapes(trees(True, 1e-6, 1e-6))
+    assert bushy and all(p[:4] == (-1, 0, 0, 0) for p in bushy)
+    raw = shapes(trees(False, 0, 0))
+    assert raw and any(p != tuple(range(-1, len(p) - 1)) for p in raw)
+    assert any(p[:4] != (-1, 0, 0, 0) for p in raw)
+
+
+def test_calibration_learns_and_keeps_greedy_output(toy):
+    """A calibrated tree learns from every step (counts grow, accepted <= reached) and its output is the
+    target's greedy output, in a ragged batch and alone; calibrate=False learns nothing."""
+    target, weak, refs = toy
+    dm = DraftModel(weak, k=5, top_k=2, node_budget=8, tree="dynamic")
+    dec = SpeculativeDecoder(target, dm, max_batch=6, max_len=64, policy="fixed")
+    assert dec.generate(TOY_PROMPTS, max_new_tokens=24).tokens == refs
+    c = dm.calibration
+    seen, hit = torch.tensor(c["reached"]), torch.tensor(c["accepted"])
+    assert seen.sum() > 20 and bool((hit <= seen).all()) and hit.sum() > 0
+    alone = [dec.generate([p], max_new_tokens=24).tokens[0] for p in TOY_PROMPTS[:2]]
+    assert alone == refs[:2]
+    assert torch.tensor(dm.calibration["reached"]).sum() > seen.sum()   # kept across generate calls
+    raw = DraftModel(weak, k=5, top_k=2, node_budget=8, tree="dynamic", calibrate=False)
+    SpeculativeDecoder(target, raw, max_batch=6, max_len=64, policy="fixed").generate(TOY_PROMPTS, max_new_tokens=8)
+    assert torch.tensor(raw.calibration["reached"]).sum() == 0

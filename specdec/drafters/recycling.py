@@ -179,13 +179,10 @@ class TokenRecycling(Drafter):
         # per level: node, parent, rank and grandparent indices into the proposal's token row, whose last
         # column (index max_nodes) holds the token before the root
         T = self.max_nodes
-        self._lv_np = [tuple(np.asarray([x[j] if j != 3 else (T if self._grand_of[x[0]] < 0 else self._grand_of[x[0]])
-                                         for x in lv], dtype=np.int64) for j in (0, 1, 2, 3))
-                       for lv in self._levels]
-        self._lv = [(torch.tensor([n for n, _, _ in lv], device=dev), torch.tensor([p for _, p, _ in lv], device=dev),
-                     torch.tensor([r for _, _, r in lv], device=dev),
-                     torch.tensor([T if self._grand_of[n] < 0 else self._grand_of[n] for n, _, _ in lv], device=dev))
-                    for lv in self._levels]
+        self._lv_np = [tuple(np.asarray(col, dtype=np.int64) for col in zip(
+            *((n, p, r, T if self._grand_of[n] < 0 else self._grand_of[n]) for n, p, r in lv)))
+            for lv in self._levels]
+        self._lv = [tuple(torch.from_numpy(col).to(dev) for col in lv) for lv in self._lv_np]
 
     def reset(self) -> None:
         """Empty the table (as after construction)."""
