@@ -8,6 +8,9 @@ drifts of the machine hit all configurations alike), greedy and temperature 1.0 
   chain_N      DraftModel(draft, k=N-1)                                   (N nodes, k draft forwards)
   spine_N      DraftModel(draft, k, top_k=w, node_budget=N)               w = 2 / 3 / 3 (spine + sibling leaves)
   dynamic_N    DraftModel(draft, k, top_k=w, node_budget=N, tree="dynamic")  (k, w) = (5, 2) / (6, 3) / (8, 4)
+  dynraw_N     the same dynamic tree ranked by draft probability alone (calibrate=False, EAGLE-2)
+  deep_N       DraftModel(draft, k, top_k=2, node_budget=N, tree="dynamic"), k = 7 / 12 / 20: a deep
+               dynamic tree (the calibrated ranking decides between spine and siblings)
   chain_5      DraftModel(draft, k=4): a short chain, for the best-chain tokens/s
 for the int8 (dynamic-quantized) and w8 (weight-only int8, specdec.ops.linear) drafts, plus
   lookup       PromptLookup(ngram=3, k=10)
@@ -49,6 +52,7 @@ from specdec.models.hf import HFCausalLM  # noqa: E402
 BUDGETS = (8, 16, 32)
 SPINE_W = {8: 2, 16: 3, 32: 3}
 DYNAMIC_KW = {8: (5, 2), 16: (6, 3), 32: (8, 4)}
+DEEP_K = {8: 7, 16: 12, 32: 20}
 
 
 def make_drafters(drafts: Dict[str, HFCausalLM], only: List[str]) -> Dict[str, object]:
@@ -61,6 +65,9 @@ def make_drafters(drafts: Dict[str, HFCausalLM], only: List[str]) -> Dict[str, o
             out[f"{name}_spine_{n}"] = DraftModel(lm, k=(n - 1) // w, top_k=w, node_budget=n)
             k, w = DYNAMIC_KW[n]
             out[f"{name}_dynamic_{n}"] = DraftModel(lm, k=k, top_k=w, node_budget=n, tree="dynamic")
+            out[f"{name}_dynraw_{n}"] = DraftModel(lm, k=k, top_k=w, node_budget=n, tree="dynamic", calibrate=False)
+            k = DEEP_K[n]
+            out[f"{name}_deep_{n}"] = DraftModel(lm, k=k, top_k=2, node_budget=n, tree="dynamic")
     k, w = DYNAMIC_KW[16]
     out["multi_w8_lookup"] = MultiDraft([DraftModel(drafts["w8"], k=k, top_k=w, node_budget=16, tree="dynamic"),
                                          PromptLookup(ngram=3, k=10)])
@@ -190,7 +197,7 @@ def main() -> int:
         target("greedy, int8, open: dynamic_32 / chain_32 mean accepted length",
                ratio(get("int8_dynamic_32", "greedy", "open", L), get("int8_chain_32", "greedy", "open", L)), 1.15)
     for mode in modes:
-        trees = [n for n in names if "_spine_" in n or "_dynamic_" in n]
+        trees = [n for n in names if any(f"_{t}_" in n for t in ("spine", "dynamic", "dynraw", "deep"))]
         chains = [n for n in names if "_chain_" in n]
         if trees and chains:
             bt = max(trees, key=lambda n: get(n, mode, "open", T))
@@ -222,7 +229,7 @@ def main() -> int:
         cores=os.cpu_count(), torch_threads=torch.get_num_threads(), load_average_start=load_start,
         load_average_end=os.getloadavg(), seconds=time.perf_counter() - t_start,
         settings=dict(vars(args), out=_record_path(args.out), budgets=BUDGETS, spine_w=SPINE_W,
-                      dynamic_kw=DYNAMIC_KW),
+                      dynamic_kw=DYNAMIC_KW, deep_k=DEEP_K),
         results=acc, targets=targets, greedy_mismatch_vs_plain=mismatch)
     out.write_text(json.dumps(result, indent=1))
     partial.unlink(missing_ok=True)
