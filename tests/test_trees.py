@@ -640,9 +640,9 @@ def test_calibration_counts_equal_a_recount_of_the_steps(toy):
     cells = []
     orig = dm._cal_update
 
-    def keep(accepted, num):
+    def keep(path, on_path):
         cells.append((dm._tree_cell.clone(), dm._tree_q.clone()))
-        return orig(accepted, num)
+        return orig(path, on_path)
 
     dm._cal_update = keep
     out = dec.generate(TOY_PROMPTS[:4], max_new_tokens=16)
@@ -692,7 +692,7 @@ def test_calibrated_ranking_follows_the_measured_acceptance(toy):
             cal[2] = 1e6 * torch.pow(2.0, -torch.arange(10.0) - 0.5)
             cal[1, 0] = 1e6 * first
             cal[1, 1:] = 1e6 * later
-            dm._cal_update = lambda accepted, num: None   # keep the counts as set
+            dm._cal_update = lambda path, on_path: None   # keep the counts as set
         dec.generate(TOY_PROMPTS[:4], max_new_tokens=12)
         return [s["tree"] for s in steps if s["tree"].size > 1 and s["k"] == 4]  # full depth: a chain fits
 

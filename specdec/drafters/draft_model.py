@@ -30,19 +30,20 @@ Calibrated ranking (greedy rule, ``calibrate=True``, the default). EAGLE-2 ranks
 draft probability, which assumes the draft is calibrated: a child with draft probability q is
 accepted with probability q. Under greedy verification a child is accepted when it IS the
 target's argmax, and a draft close to the target (the bundled w8 draft, a weight-quantized copy)
-has its argmax right far more often than its q says: measured, first children with q in
-[1/4, 1/2) accepted 112 times of 120 against a q sum of 43. Ranked by q, its 8-node tree cut the
-spine for unlikely siblings and accepted 4.47 tokens per pass against 6.62 for a chain of 8.
+has its argmax right far more often than its q says (an exploratory run, 6 open prompts: first
+children with q in [1/4, 1/2) accepted 112 times of 120 against a q sum of 43). Ranked by q, its
+8-node tree cuts the spine for unlikely siblings.
 So every candidate falls in a cell (its rank among its parent's top-w children, its q in halving
 bins) and the drafter counts, after each verification, the cell's candidates whose parent was
 accepted (reached), the accepted ones among them, and their summed q (device scatters, no host
 read). A candidate's estimated acceptance is min(1, q * accepted / sum q) of its cell, shrunk
 towards factor 1 with _CAL_PRIOR pseudo-observations; path scores sum the logs of these
 estimates (each <= 0, so a child never outranks its parent and the best-n set stays connected).
-The within-bin order still follows q, and a calibrated draft keeps EAGLE-2's ranking. Measured
-(6 open prompts, 64 tokens, greedy, batch 1, fixed policy): w8 draft, 8 nodes, depth 7: 4.47 ->
-6.40 tokens per pass (chain of 8: 6.62); int8 draft, 16 nodes: 3.49 -> 3.59 (chain of 16: 3.56),
-32 nodes: 4.13 -> 4.13. Exactness does not depend on the ranking: the children are still the
+The within-bin order still follows q, and a calibrated draft keeps EAGLE-2's ranking. Recorded
+in benchmarks/results/trees_calibrated_2026-12-02.json (6 open prompts, 64 tokens, greedy, batch 1,
+fixed policy), mean accepted length, calibrated vs ranked by q: w8 draft, 8 nodes (k 5, w 2) 5.32
+vs 4.40 (chain of 8: 6.52; k 7, w 2: 6.30); int8 draft, 16 nodes 3.53 vs 3.44 (chain: 3.50), 32
+nodes 4.06 vs 4.06. Exactness does not depend on the ranking: the children are still the
 deterministic top-w of q, and the tree's shape is a function of earlier steps only.
 
 Sampling exactness of dynamic trees. The rejection sampler (SpecInfer multi-step,
@@ -291,6 +292,9 @@ class DraftModel(Drafter):
         # calibration counts learn this draft against this target: a new binding starts them afresh
         self._cal = torch.zeros(3, w * _CAL_BUCKETS, dtype=torch.float32, device=dev)
         self._cal_step = False
+        mid = torch.pow(2.0, -torch.arange(_CAL_BUCKETS, dtype=torch.float32, device=dev) - 0.5)  # bin middles
+        self._cal_pseudo = _CAL_PRIOR * mid.repeat(w)       # prior: _CAL_PRIOR observations at factor 1
+        self._cal_rank = torch.arange(w, device=dev) * _CAL_BUCKETS   # first cell of each sibling rank
 
     def _view(self, b: int):
         view = self._views.get(b)
@@ -558,9 +562,7 @@ class DraftModel(Drafter):
         at the bin's middle probability). A calibrated draft keeps EAGLE-2's ranking (factor 1); a draft
         whose argmax is right more often than its q says (a quantized copy of the target) gets deep
         spines instead of unlikely siblings."""
-        mid = torch.pow(2.0, -torch.arange(_CAL_BUCKETS, dtype=torch.float32, device=self._cal.device) - 0.5)
-        pseudo = _CAL_PRIOR * mid.repeat(self.top_k)
-        return ((self._cal[1] + pseudo) / (self._cal[2] + pseudo)).log_()
+        return ((self._cal[1] + self._cal_pseudo) / (self._cal[2] + self._cal_pseudo)).log_()
 
     @property
     def calibration(self) -> Dict[str, List[List[float]]]:
@@ -569,17 +571,15 @@ class DraftModel(Drafter):
         seen, hit, mass = self._cal.view(3, self.top_k, _CAL_BUCKETS).tolist()
         return {"reached": seen, "accepted": hit, "reached_q": mass}
 
-    def _cal_update(self, accepted: torch.Tensor, num: torch.Tensor) -> None:
+    def _cal_update(self, path: torch.Tensor, on_path: torch.Tensor) -> None:
         """Count, for every node of the last calibrated tree whose parent lies on the accepted path (or is
-        the root), whether it was accepted. Device-side scatters only (no host read)."""
+        the root), whether it was accepted. ``path`` [b, P]: accepted node indices, valid where ``on_path``.
+        Device-side scatters only (no host read)."""
         tree_par = self._tree_parents                                       # [b, N] int64, -1: root / padding
         b, N = tree_par.shape
-        path = accepted[:, 1:].to(torch.int64)
-        steps = torch.arange(path.shape[1], device=self.device).view(1, -1)
-        valid = (steps < num.view(b, 1)) & (path >= 0) & (path < N)
         on = torch.zeros(b, N + 1, dtype=torch.bool, device=self.device)
         on[:, 0] = True
-        on.scatter_(1, torch.where(valid, path, N), True)
+        on.scatter_(1, torch.where(on_path & (path < N), path, N), True)
         on = on[:, :N]
         cell = self._tree_cell
         reached = (tree_par >= 0) & (cell >= 0) & on.gather(1, tree_par.clamp(min=0))
@@ -605,7 +605,7 @@ class DraftModel(Drafter):
             pool_cell = torch.empty(b, M, dtype=torch.int64, device=dev)  # calibration cell of each candidate
             pool_logq = torch.empty(b, M, dtype=torch.float32, device=dev)  # its draft log-probability
             log_ratio = self._cal_log_ratios()                               # [w * _CAL_BUCKETS]
-            rank = torch.arange(w, device=dev) * _CAL_BUCKETS                # [w]
+            rank = self._cal_rank                                            # [w]
         vals, idx = torch.topk(self._scores(last), w, dim=-1)               # [b, w]
         pool_tok[:, :w] = idx
         if cal:
@@ -836,14 +836,15 @@ class DraftModel(Drafter):
         num = num_accepted.to(torch.int64)
         last = accepted.gather(1, num.view(b, 1)).view(b).to(torch.int64)   # last accepted node (0: none)
         if self.dynamic:
-            if self._cal_step:
-                self._cal_update(accepted, num)
-            # the accepted nodes with K/V in the draft cache: a prefix of the path (a leaf has no children)
             N = accepted.shape[1]
             path = accepted[:, 1:].to(torch.int64)                                      # [b, N - 1]
-            slots = self._tree_slot.gather(1, path.clamp(min=0))
             steps = torch.arange(N - 1, device=self.device).view(1, N - 1)
-            valid = (steps < num.view(b, 1)) & (slots >= 1) & (path >= 0)
+            on_path = (steps < num.view(b, 1)) & (path >= 0)                           # the accepted nodes
+            if self._cal_step:
+                self._cal_update(path, on_path)
+            # the accepted nodes with K/V in the draft cache: a prefix of the path (a leaf has no children)
+            slots = self._tree_slot.gather(1, path.clamp(min=0))
+            valid = on_path & (slots >= 1)
             in_cache = valid.sum(dim=1)                                                 # [b]
             W = 1 + self._F
             moves = torch.full((b, W), -1, dtype=torch.int32, device=self.device)
