@@ -200,42 +200,63 @@ inline void row_block(const LinearParams& P, int64_t n0, int64_t n_end) {
   else if (rest == 1) micro_tile<WT, NR, 1>(P, n0, m, pf, count);
 }
 
-// One x row against float32 weights (the decode step): the weight rows one after the other, so
-// that each thread reads its share of W as ONE sequential stream, with a software prefetch a few
-// lines ahead. The 4-row tile above reads 4 rows side by side (4 streams K * 4 bytes apart per
-// thread), which the hardware prefetchers follow less well: on the Llama shapes here (K = 576 /
-// 1536, 2 threads) this loop streams ~8 % faster (the lm_head [49152, 576]: 26 -> 28.5 GB/s).
-// Each output is the same single accumulator in the same k order as in micro_tile, then the same
-// horizontal sum, tail, scale and bias: the results are those of the tile, bit for bit. One
-// dependent FMA chain per row is no limit here: ~2 KB of weight per 72 FMAs (a float32 row)
-// keeps the core's load units busier than its FMA latency.
-inline void linear_rows_m1_f32(const LinearParams& P, int64_t n_begin, int64_t n_end) {
+// Up to kSeqMaxRows x rows against float32 weights (decode steps, small verify passes): the
+// weight rows one after the other, each against all M x rows, so that each thread reads its share
+// of W as ONE sequential stream, with a software prefetch a few lines ahead. The 4-row tile above
+// reads 4 weight rows side by side (4 streams K * 4 bytes apart per thread), which the hardware
+// prefetchers follow less well. Measured on the Llama shapes here (K = 576 / 1536, 2 threads, one
+// process, interleaved): 1.09-1.22x the tile's GB/s at M = 1 (the lm_head [49152, 576]: 25 -> 30
+// GB/s), 1.04-1.25x at M = 2..4; at M >= 5 the tile's weight-register reuse wins (0.82-0.99x), so
+// it keeps those. Each output is the same single accumulator in the same k order as in
+// micro_tile, then the same horizontal sum, tail, scale and bias: the results are the tile's,
+// bit for bit, so a row's output never depends on M (decode step == verify row).
+constexpr int64_t kSeqMaxRows = 4;
+
+template <int MR>
+inline void seq_row_f32(const LinearParams& P, int64_t n) {
   const int64_t K = P.K;
   const int64_t K8 = K & ~int64_t(7), K16 = K & ~int64_t(15);
-  const float* x = P.x;
-  constexpr int64_t kAhead = 256;  // bytes: 4 lines past the current load
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    const float* w = static_cast<const float*>(P.w) + n * K;
-    v8f acc = v8_set1(0.0f);
-    int64_t k = 0;
-    for (; k < K16; k += 16) {
-      __builtin_prefetch(reinterpret_cast<const char*>(w + k) + kAhead, 0, 3);
-      acc += v8_load(w + k) * v8_load(x + k);
-      acc += v8_load(w + k + 8) * v8_load(x + k + 8);
-    }
-    if (k < K8) acc += v8_load(w + k) * v8_load(x + k);
-    float dot = v8_hsum(acc);
-    for (k = K8; k < K; ++k) dot += w[k] * x[k];
-    const float s = P.scale ? P.scale[n] : 1.0f;
-    const float b = P.bias ? P.bias[n] : 0.0f;
-    P.y[n] = dot * s + b;
+  constexpr int64_t kAhead = 256;  // prefetch distance in bytes: 4 lines past the current load
+  const float* w = static_cast<const float*>(P.w) + n * K;
+  const float* xr[MR];
+  for (int m = 0; m < MR; ++m) xr[m] = P.x + m * P.x_stride;
+  v8f acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = v8_set1(0.0f);
+  int64_t k = 0;
+  for (; k < K16; k += 16) {
+    __builtin_prefetch(reinterpret_cast<const char*>(w + k) + kAhead, 0, 3);
+    const v8f w0 = v8_load(w + k), w1 = v8_load(w + k + 8);
+    for (int m = 0; m < MR; ++m) acc[m] += w0 * v8_load(xr[m] + k);
+    for (int m = 0; m < MR; ++m) acc[m] += w1 * v8_load(xr[m] + k + 8);
   }
+  if (k < K8) {
+    const v8f w0 = v8_load(w + k);
+    for (int m = 0; m < MR; ++m) acc[m] += w0 * v8_load(xr[m] + k);
+  }
+  const float s = P.scale ? P.scale[n] : 1.0f;
+  const float b = P.bias ? P.bias[n] : 0.0f;
+  for (int m = 0; m < MR; ++m) {
+    float dot = v8_hsum(acc[m]);
+    for (int64_t j = K8; j < K; ++j) dot += w[j] * xr[m][j];
+    P.y[m * P.y_stride + n] = dot * s + b;
+  }
+}
+
+template <int MR>
+inline void seq_rows_f32(const LinearParams& P, int64_t n_begin, int64_t n_end) {
+  for (int64_t n = n_begin; n < n_end; ++n) seq_row_f32<MR>(P, n);
 }
 
 template <WType WT>
 inline void linear_rows_t(const LinearParams& P, int64_t n_begin, int64_t n_end) {
   if constexpr (WT == WType::kFloat32) {
-    if (P.M == 1) return linear_rows_m1_f32(P, n_begin, n_end);
+    switch (P.M) {
+      case 1: return seq_rows_f32<1>(P, n_begin, n_end);
+      case 2: return seq_rows_f32<2>(P, n_begin, n_end);
+      case 3: return seq_rows_f32<3>(P, n_begin, n_end);
+      case 4: return seq_rows_f32<4>(P, n_begin, n_end);
+      default: break;  // M > kSeqMaxRows: the tile
+    }
   }
   int64_t n = n_begin;
   for (; n + kNr <= n_end; n += kNr) row_block<WT, kNr>(P, n, n_end);
