@@ -187,8 +187,9 @@ def test_review_kernel_blas_switch_long_k(device, wkind):
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
 def test_linear_batch_invariant(device, kind):
     """The kernel's rows (M <= 16) do not depend on M: a verify pass equals decode steps bit for bit
-    (on the CPU, 1-4 rows of float32 weights take a row-sequential loop and more rows the tile: K
-    with an 8-wide and a scalar tail, and a bias, check that both keep the same arithmetic)."""
+    (on the CPU, float32 weights take a row-sequential loop for 1-4 rows, 2 x 4 tiles for 6-8 rows
+    and the 4 x 3 tile otherwise: K with an 8-wide and a scalar tail, and a bias, check that all
+    three keep the same arithmetic)."""
     g = gen(12)
     for K, with_bias in ((576, False), (584, True), (43, True)):
         w = torch.randn(70, K, generator=g) / 24
@@ -201,7 +202,7 @@ def test_linear_batch_invariant(device, kind):
             dt = torch.float32 if kind == "fp32" else torch.bfloat16
             x = x.to(dt)
             args = (w.to(dt).to(device), None if b is None else b.to(dt).to(device), None)
-        for M in (2, 3, 4, 5, 8, 16):
+        for M in (2, 3, 4, 5, 6, 7, 8, 16):
             whole = ops.linear(x[:M].to(device), *args).cpu()
             rows = torch.cat([ops.linear(x[i:i + 1].to(device), *args).cpu() for i in range(M)])
             assert torch.equal(whole, rows), (kind, K, M)
