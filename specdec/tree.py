@@ -21,6 +21,7 @@ Builders: :meth:`TokenTree.chain` (device tensors, no host work),
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
@@ -66,8 +67,9 @@ class TokenTree:
     # ------------------------------------------------------------------ masks
     def mask(self) -> torch.Tensor:
         """[B, N, N] bool: node i sees node j iff j is i or an ancestor of i (padding: itself only)."""
-        if self._mask is None:
-            self._mask = ancestor_mask(self.parents)
+        if self._mask is None:  # the walk takes one step per generation: as many as the deepest node's depth
+            deepest = max(self.max_depths) if self.max_depths else None
+            self._mask = ancestor_mask(self.parents, deepest)
         return self._mask
 
     def attention_mask(self) -> Optional[torch.Tensor]:
@@ -226,19 +228,33 @@ class TokenTree:
         return levels
 
 
+_DOUBLING_MAX_N = 256  # ancestor_mask: matrix doubling up to this many nodes per request
+
+
 def ancestor_mask(parents: torch.Tensor, max_depth: Optional[int] = None) -> torch.Tensor:
     """[B, N] int32 parents -> [B, N, N] bool ancestor-or-self mask, vectorised (no host sync).
 
-    Walks every node up one generation per iteration; N - 1 iterations at most (depth <= N - 1),
-    or ``max_depth`` when the caller knows the deepest node's depth (a draft tree of depth k).
+    Up to _DOUBLING_MAX_N nodes: A = self + parent edges as a 0/1 matrix, squared ceil(log2(depth))
+    times (A^(2^k) reaches every ancestor up to 2^k generations up; entries are clamped to 1, so every
+    product is a small exact integer): a handful of [B, N, N] matmuls, 4-6x faster on the CPU than
+    walking one generation per step (28 nodes: 0.11 ms against 0.45-0.65). Larger trees walk, one
+    generation per iteration. ``max_depth``: the deepest node's depth when the caller knows it (a draft
+    tree of depth k), else N - 1.
     """
     B, N = parents.shape
     dev = parents.device
-    mask = torch.eye(N, dtype=torch.bool, device=dev).expand(B, N, N).clone()
     par = parents.to(torch.int64)
+    steps = N - 1 if max_depth is None else min(N - 1, int(max_depth))
+    if N <= _DOUBLING_MAX_N:
+        a = torch.zeros(B, N, N + 1, dtype=torch.float32, device=dev)
+        a.scatter_(2, torch.where(par >= 0, par, N).unsqueeze(-1), 1.0)   # column N: no parent (dropped)
+        a = a[..., :N] + torch.eye(N, dtype=torch.float32, device=dev)
+        for _ in range(math.ceil(math.log2(steps)) if steps > 1 else 0):
+            a = torch.bmm(a, a).clamp_(max=1.0)
+        return a > 0
+    mask = torch.eye(N, dtype=torch.bool, device=dev).expand(B, N, N).clone()
     self_index = torch.arange(N, device=dev).expand(B, N)
     cur = par  # [B, N]: current ancestor of each node (-1: none left)
-    steps = N - 1 if max_depth is None else min(N - 1, int(max_depth))
     for _ in range(steps):
         valid = cur >= 0
         # mark the ancestor; nodes without one re-mark themselves (already True)

@@ -29,10 +29,18 @@ def random_parents(B: int, N: int, seed: int, ragged: bool = True) -> torch.Tens
 
 
 # ------------------------------------------------------------------ masks
-@pytest.mark.parametrize("B,N", [(1, 1), (3, 5), (7, 13), (2, 40)])
+@pytest.mark.parametrize("B,N", [(1, 1), (1, 2), (3, 5), (7, 13), (2, 40), (2, 256), (2, 300)])
 def test_ancestor_mask_matches_reference(B, N):
+    """Matrix doubling (N <= 256) and the generation walk (larger N) against the reference, on random
+    trees and on full chains (the deepest case: depth N - 1), with and without the depth given."""
     parents = random_parents(B, N, seed=B * 100 + N)
-    assert torch.equal(ancestor_mask(parents), reference.tree_attention_mask(parents))
+    ref = reference.tree_attention_mask(parents)
+    assert torch.equal(ancestor_mask(parents), ref)
+    depth = reference.tree_attention_mask(parents).sum(-1).max().item() - 1   # ancestors of the deepest node
+    assert torch.equal(ancestor_mask(parents, max_depth=depth), ref)
+    chain = (torch.arange(N, dtype=torch.int32) - 1).expand(B, N).contiguous()
+    assert torch.equal(ancestor_mask(chain), reference.tree_attention_mask(chain))
+    assert torch.equal(ancestor_mask(chain, max_depth=N - 1), torch.ones(N, N, dtype=torch.bool).tril().expand(B, N, N))
 
 
 @pytest.mark.parametrize("N", [1, 5, 31, 32, 33, 70])
@@ -56,6 +64,24 @@ def test_chain_with_padding():
     assert tree.parents.tolist() == [[-1, 0, 1, 2], [-1, 0, -1, -1], [-1, -1, -1, -1]]
     assert tree.depths.tolist() == [[0, 1, 2, 3], [0, 1, 0, 0], [0, 0, 0, 0]]
     assert tree.num_drafted == [3, 1, 0]
+
+
+def test_from_lists_mask_walks_only_as_deep_as_the_tree():
+    """mask() of a from_lists tree walks max_depths generations, not N - 1: the same mask as the full
+    walk on random trees of every shape (bushy, deep, ragged with padding)."""
+    g = torch.Generator().manual_seed(5)
+    for trial in range(40):
+        B = 1 + trial % 3
+        toks, pars = [], []
+        for _ in range(B):
+            n = int(torch.randint(1, 30, (1,), generator=g))
+            bush = int(torch.randint(1, 6, (1,), generator=g))  # parents among the last `bush` nodes
+            ps = [-1] + [max(0, i - int(torch.randint(1, bush + 1, (1,), generator=g))) for i in range(1, n)]
+            toks.append(list(range(n)))
+            pars.append(ps)
+        tree = TokenTree.from_lists(toks, pars)
+        assert max(tree.max_depths) == int(tree.depths.max())
+        assert torch.equal(tree.mask(), ancestor_mask(tree.parents))
 
 
 def test_root_only():
