@@ -100,6 +100,7 @@ greedy output and sampled output keeps the target's distribution under every pol
 """
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import os
@@ -363,6 +364,9 @@ class _CostTable:
         self.cells: Dict[Tuple[int, int], List[float]] = {}  # (b, x) -> [mean seconds, count]
         self._fit: Optional[Tuple[float, float]] = None
         self._dirty = True
+        # per b: the observed (x, mean) cells sorted by x, built once between changes (a step's plan asks
+        # for every depth at the same b: re-sorting the cells for each was most of the plan's time)
+        self._same: Dict[int, Tuple[List[Tuple[int, float]], List[int], Dict]] = {}
 
     def observe(self, b: int, x: int, seconds: float) -> None:
         if not math.isfinite(seconds) or seconds < 0:
@@ -376,6 +380,7 @@ class _CostTable:
             cell[0] += self.smoothing * (s - cell[0])
             cell[1] += 1.0
         self._dirty = True
+        self._same.clear()
 
     def _fitted(self) -> Optional[Tuple[float, float]]:
         """Weighted least squares t = w0 + w1 * (b * x) over the cells; None when under-determined."""
@@ -422,12 +427,17 @@ class _CostTable:
             return 0.0
         if not self.cells:
             return 0.0
-        same = sorted((xx, m) for (bb, xx), (m, _) in self.cells.items()
-                      if bb == b and not (xx == 0 and self.zero_at_zero))
-        lo = [p for p in same if p[0] < x]
-        hi = [p for p in same if p[0] > x]
+        cached = self._same.get(b)
+        if cached is None:
+            same = sorted((xx, m) for (bb, xx), (m, _) in self.cells.items()
+                          if bb == b and not (xx == 0 and self.zero_at_zero))
+            cached = self._same[b] = (same, [xx for xx, _ in same], {})
+        same, xs, level = cached
+        i, j = bisect.bisect_left(xs, x), bisect.bisect_right(xs, x)
+        lo = same[i - 1] if i > 0 else None    # the observed neighbour below x
+        hi = same[j] if j < len(same) else None  # and above
         if lo and hi:  # interpolate between the neighbours at the same b
-            (x0, t0), (x1, t1) = lo[-1], hi[0]
+            (x0, t0), (x1, t1) = lo, hi
             return t0 + (t1 - t0) * (x - x0) / (x1 - x0)
         fit = self._fitted()
         if fit is None:
@@ -441,14 +451,16 @@ class _CostTable:
             return m
         w0, w1 = fit
         est = w0 + w1 * b * x
-        if same:  # the level observed at this b
-            ratios = [m / (w0 + w1 * b * xx) for xx, m in same if w0 + w1 * b * xx > 0]
-            if ratios:
-                est *= sum(ratios) / len(ratios)
+        if same:  # the level observed at this b (per fit: the fit changes only with the cells)
+            if fit not in level:
+                ratios = [m / (w0 + w1 * b * xx) for xx, m in same if w0 + w1 * b * xx > 0]
+                level[fit] = sum(ratios) / len(ratios) if ratios else None
+            if level[fit] is not None:
+                est *= level[fit]
             if lo:  # cost does not fall with size
-                est = max(est, lo[-1][1])
+                est = max(est, lo[1])
             if hi:
-                est = min(est, hi[0][1])
+                est = min(est, hi[1])
         return max(est, 0.0)
 
     def scale(self, factor: float) -> None:
@@ -456,6 +468,7 @@ class _CostTable:
         for cell in self.cells.values():
             cell[0] *= factor
         self._dirty = True
+        self._same.clear()
 
     def observed(self, b: Optional[int] = None, x: Optional[int] = None) -> bool:
         return any((b is None or bb == b) and (x is None or xx == x) for bb, xx in self.cells)
@@ -468,6 +481,7 @@ class _CostTable:
             b, x = (int(v) for v in key.split(","))
             self.cells[(b, x)] = [float(m), float(c)]
         self._dirty = True
+        self._same.clear()
 
 
 class CostModel:

@@ -986,3 +986,27 @@ def test_bench_cli_rejects_bad_arguments_before_loading_a_model(argv, message, c
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: specdec bench: ") and message in err
+
+
+def test_cost_table_memo_follows_every_change():
+    """_CostTable memoises each b's sorted cells and level between changes: after every observe /
+    scale / load its predictions equal those of a fresh table holding the same cells (no memo)."""
+    from specdec.scheduler import _CostTable
+
+    rng = random.Random(3)
+    for trial in range(40):
+        kw = dict(smoothing=0.25, zero_at_zero=trial % 2 == 0, single=("constant", "proportional")[trial % 3 == 0])
+        t = _CostTable(**kw)
+        for _ in range(25):
+            change = rng.random()
+            if change < 0.8:
+                t.observe(rng.randint(1, 4), rng.randint(0, 16), rng.random() * 0.05)
+            elif change < 0.9:
+                t.scale(0.5 + rng.random())
+            else:
+                t.load({"2,3": [rng.random() * 0.05, 2.0]})
+            fresh = _CostTable(**kw)
+            fresh.load(t.state())
+            for _ in range(8):
+                b, x = rng.randint(1, 5), rng.randint(0, 20)
+                assert t.predict(b, x) == fresh.predict(b, x), (trial, b, x)
