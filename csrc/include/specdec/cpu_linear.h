@@ -7,6 +7,9 @@
 // product of two contiguous rows. A micro-tile is kNr = 4 weight rows x kMr = 3 x rows:
 // 12 vector accumulators of 8 partial sums, reduced horizontally once per tile. The 4
 // weight rows (<= 4 * K * 4 bytes) stay in L1/L2 while the x row-triples pass over them.
+// Float32 weights take two other schedules of the same micro-tile arithmetic (chosen by M,
+// bit-identical results): 1-4 x rows stream the weight rows one after the other
+// (seq_rows_f32), 6-8 x rows run as 2 x 4 tiles (row_block_24); see there for the measurements.
 // Weight dtypes: float32, float16, bfloat16 (widened to fp32 on load) and int8 with a
 // per-output-row float32 scale (weight-only quantisation; applied after the dot product).
 // x is float32 here; the host converts half/bf16 activations once (M * K values).
@@ -209,7 +212,9 @@ inline void row_block(const LinearParams& P, int64_t n0, int64_t n_end) {
 // GB/s), 1.04-1.25x at M = 2..4; at M >= 5 the tile's weight-register reuse wins (0.82-0.99x), so
 // it keeps those. Each output is the same single accumulator in the same k order as in
 // micro_tile, then the same horizontal sum, tail, scale and bias: the results are the tile's,
-// bit for bit, so a row's output never depends on M (decode step == verify row).
+// bit for bit, so a row's output never depends on M (decode step == verify row). Narrow weights
+// keep the tile: widening each vector makes the loop latency-bound (int8, same A/B: 0.57x at one
+// row, 0.40-0.85x at 2-4 rows).
 constexpr int64_t kSeqMaxRows = 4;
 
 template <int MR>
