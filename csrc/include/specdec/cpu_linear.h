@@ -213,8 +213,8 @@ inline void row_block(const LinearParams& P, int64_t n0, int64_t n_end) {
 // it keeps those. Each output is the same single accumulator in the same k order as in
 // micro_tile, then the same horizontal sum, tail, scale and bias: the results are the tile's,
 // bit for bit, so a row's output never depends on M (decode step == verify row). Narrow weights
-// keep the tile: widening each vector makes the loop latency-bound (int8, same A/B: 0.57x at one
-// row, 0.40-0.85x at 2-4 rows).
+// keep the tile: widening each vector makes the loop latency-bound (int8: 0.55-0.66x at one
+// row in back-to-back runs, 0.40-0.85x at 2-4 rows in an interleaved A/B).
 constexpr int64_t kSeqMaxRows = 4;
 
 template <int MR>
