@@ -8,6 +8,7 @@
 
 namespace specdec {
 void bind_suffix_index(pybind11::module_& m);  // csrc/host/suffix_index_bindings.cpp
+void bind_recycling(pybind11::module_& m);     // csrc/host/recycling.cpp
 }
 
 #ifndef SPECDEC_TORCH_VERSION
@@ -105,4 +106,5 @@ PYBIND11_MODULE(_C, m) {
         "Check tensor VALUES (lengths, tokens, paths) of CUDA inputs too (costs a host sync per op).");
   m.def("strict_checks", &specdec::checks::strict, "Whether strict value checks are on.");
   specdec::bind_suffix_index(m);
+  specdec::bind_recycling(m);
 }

@@ -209,11 +209,13 @@ class _Tree:
         self.parents = parents if parents is not None else torch.full_like(tokens, -1)
 
 
-def test_token_recycling_table_equals_reference():
+@pytest.mark.parametrize("host_levels", [True, False])   # the C++ update on the CPU, or the torch calls
+def test_token_recycling_table_equals_reference(host_levels):
     V, w = 11, 3
     g = torch.Generator().manual_seed(0)
     rec = TokenRecycling(top_w=w, node_budget=8, max_depth=3)
     rec.bind(ToyLM(vocab=V, seed=0), 2, 32)
+    rec.host_levels = host_levels
     assert rec.filled_rows() == 0  # starts empty
     passes = []
     for step in range(6):
@@ -241,12 +243,14 @@ def test_token_recycling_chunked_topk_equals_topk():
     assert int(got[0, 0]) == 7 and bool((got >= 0).all() and (got < 5000).all())
 
 
+@pytest.mark.parametrize("host_levels", [True, False])
 @pytest.mark.parametrize("H", [1 << 16, 4])   # 4 rows: pairs collide, the later pair owns the row
-def test_token_recycling_pair_table_equals_reference(H):
+def test_token_recycling_pair_table_equals_reference(H, host_levels):
     V, w = 11, 3
     g = torch.Generator().manual_seed(1)
     rec = TokenRecycling(top_w=w, node_budget=8, max_depth=3, pair_rows=H)
     rec.bind(ToyLM(vocab=V, seed=0), 2, 32)
+    rec.host_levels = host_levels
     assert rec.filled_pairs() == 0
     passes = []
     for step in range(6):
@@ -264,6 +268,57 @@ def test_token_recycling_pair_table_equals_reference(H):
                if rec.pair_keys[r] != -(1 << 62)}   # the empty rows' key
         assert got == ref, step
     assert rec.filled_pairs() == len(ref)
+
+
+class _BigVocab:
+    vocab_size = 50257   # not a multiple of the 32-wide blocks: a scalar tail
+    device = "cpu"
+
+
+@pytest.mark.parametrize("context", [1, 2])
+def test_token_recycling_host_update_equals_torch_update(context):
+    """The C++ update of the CPU path writes exactly what the torch path writes: random trees with padding,
+    repeated tokens and repeated pairs, a large vocabulary, logits with planted large values late in the row."""
+    g = torch.Generator().manual_seed(5)
+    V = _BigVocab.vocab_size
+    host, ref = (TokenRecycling(top_w=4, context=context, pair_rows=64) for _ in range(2))
+    for rec in (host, ref):
+        rec.bind(_BigVocab, 4, 64)
+    ref.host_levels = False
+    for step in range(8):
+        b, N = 1 + step % 4, 1 + (3 * step) % 13
+        tokens = torch.randint(0, 40, (b, N), generator=g)     # a small range: tokens and pairs repeat
+        parents = torch.full((b, N), -1, dtype=torch.int32)
+        for i in range(1, N):
+            parents[:, i] = int(torch.randint(0, i, (1,), generator=g))
+        if b > 1:
+            tokens[-1, N // 2:] = -1
+            parents[-1, N // 2:] = -1
+        logits = torch.randn(b, N, V, generator=g)
+        logits[..., V - 3] += 6.0 * (step % 2)                   # in the tail
+        logits[..., 40000 + step] += 5.0
+        prev = torch.randint(-1, 40, (b,), generator=g)
+        for rec in (host, ref):
+            rec._prev_roots = prev.clone()
+            rec.observe_verify(_Tree(tokens, parents), logits)
+        # every row but the torch path's write sinks (row V of the table, row H of the pair table)
+        assert torch.equal(host.table[:V], ref.table[:V]) and torch.equal(host.table[V + 1], ref.table[V + 1]), step
+        if context == 2:
+            assert torch.equal(host.pair_table[:64], ref.pair_table[:64]), step
+            assert torch.equal(host.pair_keys[:64], ref.pair_keys[:64]), step
+    assert host.filled_rows() > 10
+
+
+def test_token_recycling_host_update_rejects_bad_input_unchanged():
+    rec = TokenRecycling(top_w=3)
+    rec.bind(ToyLM(vocab=11, seed=0), 2, 32)
+    tokens = torch.tensor([[1, 2, 11]])                          # 11 is outside the vocabulary
+    before = (rec.table.clone(), rec.pair_table.clone(), rec.pair_keys.clone())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        rec.observe_verify(_Tree(tokens, torch.tensor([[-1, 0, 1]])), torch.randn(1, 3, 11))
+    with pytest.raises(ValueError, match=r"logits must be \[b, N, V\]"):
+        rec.observe_verify(_Tree(tokens[:, :2], torch.tensor([[-1, 0]])), torch.randn(1, 3, 11))
+    assert all(torch.equal(a, b) for a, b in zip(before, (rec.table, rec.pair_table, rec.pair_keys)))
 
 
 @pytest.mark.parametrize("host_levels", [True, False])   # numpy views on the CPU, or the torch gathers
