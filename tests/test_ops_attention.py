@@ -491,3 +491,42 @@ def test_append_kv_strided_cache_lens(device):
     q = torch.randn(3, 5, 4, 64).half()
     out = ops.verify_attention(q.to(device), kcd, vcd, view)
     assert_attention_close(out, q.to(device), want_k, want_v, lens, None, 64 ** -0.5)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_verify_attention_cpu_same_bits_for_any_thread_count(dtype):
+    """The CPU kernel splits a KV head's query rows into chunks when the (request, KV head) tasks do
+    not fill the threads; rows never interact, so every thread count (1, 2, 3 and 4 threads split
+    the rows differently) gives the same bits, for full trees and for a frontier (Nkv > Nq), and
+    a row of a tree pass agrees with the same query run alone as one node over its visible keys."""
+    before = torch.get_num_threads()
+    try:
+        for (Hq, Hkv), B, N, Nkv in [((9, 3), 1, 8, 8), ((9, 3), 1, 32, 32), ((6, 2), 3, 13, 13),
+                                     ((6, 1), 1, 5, 11), ((9, 3), 2, 16, 16)]:
+            q, k_cache, v_cache, cache_lens = make_case(B, N, Hq, Hkv, 64, [70, 3, 200][:B], dtype,
+                                                        seed=Hq + B + N, extra=Nkv)
+            g = gen(N + Nkv)
+            mask = torch.rand(B, N, Nkv, generator=g) < 0.6
+            mask[..., Nkv - N:] |= torch.eye(N, dtype=torch.bool)        # each query sees itself
+            outs = []
+            for threads in (1, 2, 3, 4):
+                torch.set_num_threads(threads)
+                outs.append(ops.verify_attention(q, k_cache, v_cache, cache_lens, mask))
+            for o in outs[1:]:
+                assert torch.equal(o, outs[0]), ((Hq, Hkv), B, N, Nkv)
+            assert_attention_close(outs[0], q, k_cache, v_cache, cache_lens, mask, 64 ** -0.5)
+            if Nkv == N:  # query i alone: its visible new nodes, moved to a 1-query step over a longer prefix
+                torch.set_num_threads(2)
+                b, i = B - 1, N - 1
+                vis = mask[b, i].nonzero().flatten().tolist()
+                L = int(cache_lens[b])
+                kc, vc = k_cache[b:b + 1].clone(), v_cache[b:b + 1].clone()
+                for j, src in enumerate(vis):   # pack the visible tree nodes after the prefix
+                    kc[:, :, L + j] = k_cache[b, :, L + src]
+                    vc[:, :, L + j] = v_cache[b, :, L + src]
+                lens1 = torch.tensor([L + len(vis) - 1], dtype=torch.int32)
+                one = ops.verify_attention(q[b:b + 1, i:i + 1], kc, vc, lens1)
+                torch.testing.assert_close(one[0, 0], outs[0][b, i], atol=1e-5 if dtype == torch.float32 else 2e-2,
+                                           rtol=1e-5 if dtype == torch.float32 else 2e-2)
+    finally:
+        torch.set_num_threads(before)

@@ -8,7 +8,7 @@ namespace cpu {
 
 void attention_range_avx2(const AttentionParams& P, int64_t begin, int64_t end) {
   thread_local avx2::AttentionScratch scratch;  // reused across calls (see attention_task)
-  for (int64_t t = begin; t < end; ++t) avx2::attention_task(P, t / P.Hkv, t % P.Hkv, scratch);
+  avx2::attention_range(P, begin, end, scratch);
 }
 
 }  // namespace cpu

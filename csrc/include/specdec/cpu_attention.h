@@ -1,4 +1,5 @@
-// verify_attention on the CPU: one task = one (request, KV head). The G query heads
+// verify_attention on the CPU: one task = one (request, KV head), or a chunk of its query rows
+// (see verify_attention_raw in csrc/cpu/attention.cpp). The G query heads
 // that share the KV head and the N tree nodes form R = G * N query rows that walk the
 // keys together in blocks of kKeyBlock (flash-attention style online softmax), so
 // each K/V row is read and converted to fp32 once per task, not once per query head.
@@ -18,6 +19,7 @@
 // This header is compiled once per ISA (SPECDEC_CPU_ISA names the namespace).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -48,7 +50,19 @@ struct AttentionParams {
   int64_t Nkv;              // new nodes of the step in the cache (>= N; the queries are the last N)
   float scale;
   DType dtype;
+  int64_t row_chunk = 0;    // query rows per task (a multiple of the row tile); 0: chosen by verify_attention_raw
 };
+
+// Tasks of a call: (request, KV head, chunk of query rows). Rows never interact (each is its own
+// online softmax over the same key blocks), so how they are chunked changes no result bit.
+inline int64_t attention_row_chunk(const AttentionParams& P) {
+  const int64_t R = P.Hq / P.Hkv * P.N;
+  return P.row_chunk > 0 && P.row_chunk < R ? P.row_chunk : R;
+}
+inline int64_t attention_tasks(const AttentionParams& P) {
+  const int64_t R = P.Hq / P.Hkv * P.N, c = attention_row_chunk(P);
+  return P.B * P.Hkv * ((R + c - 1) / c);
+}
 
 namespace SPECDEC_CPU_ISA {
 
@@ -128,8 +142,11 @@ inline void transpose8x8(const float* src, int64_t sstride, float* dst, int64_t 
 }
 #endif
 
-inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, AttentionScratch& W) {
-  const int64_t G = P.Hq / P.Hkv, N = P.N, D = P.D, R = G * N;
+// Query rows [r_begin, r_end) of the G * N rows (row r = query head h * G + r / N, node r % N)
+// of request b, KV head h.
+inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, int64_t r_begin, int64_t r_end,
+                           AttentionScratch& W) {
+  const int64_t G = P.Hq / P.Hkv, N = P.N, D = P.D, R = r_end - r_begin;
   const int64_t Rp = (R + kRowTile - 1) / kRowTile * kRowTile;  // rows padded to the tile (zero rows)
   const int64_t Dp = (D + 7) / 8 * 8;                              // head dim padded to 8 (zero tail)
   const int64_t len = P.lens[b];
@@ -153,13 +170,12 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, Atten
 
   // Query rows r = g * N + i  <->  head h * G + g, node i; pre-scaled.
   const char* qbase = static_cast<const char*>(P.q);
-  for (int64_t g = 0; g < G; ++g) {
-    for (int64_t i = 0; i < N; ++i) {
-      const int64_t off = b * P.q_stride_b + i * P.q_stride_n + (h * G + g) * P.q_stride_h;
-      float* dst = W.q.data() + (g * N + i) * Dp;
-      load_row(qbase + off * es, P.dtype, D, dst);
-      for (int64_t d = 0; d < D; ++d) dst[d] *= P.scale;
-    }
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t g = (r_begin + r) / N, i = (r_begin + r) % N;
+    const int64_t off = b * P.q_stride_b + i * P.q_stride_n + (h * G + g) * P.q_stride_h;
+    float* dst = W.q.data() + r * Dp;
+    load_row(qbase + off * es, P.dtype, D, dst);
+    for (int64_t d = 0; d < D; ++d) dst[d] *= P.scale;
   }
 
   const char* kbase = static_cast<const char*>(P.k_cache) + ((b * P.Hkv + h) * P.S) * D * es;
@@ -198,7 +214,7 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, Atten
         for (int64_t k = 0; k < kKeyBlock; ++k) s[k] = 0.f;
         continue;
       }
-      const int64_t i = r % N;
+      const int64_t i = (r_begin + r) % N;
       for (int64_t k = nk; k < kKeyBlock; ++k) s[k] = ninf;
       if (touches_tree) {
         const uint64_t* mrow = P.mask ? P.mask + (b * N + i) * P.W : nullptr;
@@ -253,12 +269,21 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, Atten
 
   char* obase = static_cast<char*>(P.out);
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t g = r / N, i = r % N;
+    const int64_t g = (r_begin + r) / N, i = (r_begin + r) % N;
     float* acc = W.acc.data() + r * Dp;
     const float inv = W.l[r] > 0.f ? 1.f / W.l[r] : 0.f;
     for (int64_t d = 0; d < D; ++d) acc[d] *= inv;
     const int64_t off = ((b * N + i) * P.Hq + h * G + g) * D;
     store_row(acc, P.dtype, D, obase + off * es);
+  }
+}
+
+// Tasks [begin, end) of attention_tasks(P).
+inline void attention_range(const AttentionParams& P, int64_t begin, int64_t end, AttentionScratch& W) {
+  const int64_t R = P.Hq / P.Hkv * P.N, c = attention_row_chunk(P), chunks = (R + c - 1) / c;
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t bh = t / chunks, r0 = (t % chunks) * c;
+    attention_task(P, bh / P.Hkv, bh % P.Hkv, r0, std::min(R, r0 + c), W);
   }
 }
 
