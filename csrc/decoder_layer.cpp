@@ -270,7 +270,7 @@ std::tuple<at::Tensor, at::Tensor> run_cpu_f32(const Slots& S, const Dims& d, co
   if (gs == I) {
     cpu::silu_mul_f32(g, u, act, M * I);
   } else {
-    for (int64_t m = 0; m < M; ++m) cpu::silu_mul_f32(g + m * gs, u + m * gs, act + m * I, I);
+    cpu::silu_mul_rows_f32(g, u, gs, act, M, I);
   }
   project_raw(S, S.n - 1, act, M, I, dn, H);
   cpu::rms_norm_f32(dn, h1, next_w.data_ptr<float>(), out_x.data_ptr<float>(), out_h.data_ptr<float>(), M, H,

@@ -199,6 +199,21 @@ void rope_f32(const float* x, int64_t x_stride, const float* cos, const float* s
   rope_rows<float>(x, x_stride, cos, sin, out, BN, Hh, D);
 }
 
+void silu_mul_rows_f32(const float* g, const float* u, int64_t stride, float* o, int64_t rows, int64_t n) {
+  const bool avx2 = has_avx2_fma_f16c();
+  at::parallel_for(0, rows, std::max<int64_t>(1, kSiluGrain / std::max<int64_t>(1, n)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float *gr = g + r * stride, *ur = u + r * stride;
+      float* orow = o + r * n;
+      if (avx2) {
+        silu_avx2(gr, ur, orow, n);
+        continue;
+      }
+      for (int64_t i = 0; i < n; ++i) orow[i] = (gr[i] / (1.0f + std::exp(-gr[i]))) * ur[i];
+    }
+  });
+}
+
 void silu_mul_f32(const float* g, const float* u, float* o, int64_t n) {
   const bool avx2 = has_avx2_fma_f16c();
   at::parallel_for(0, n, kSiluGrain, [&](int64_t i0, int64_t i1) {
