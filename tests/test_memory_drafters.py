@@ -314,9 +314,9 @@ def test_token_recycling_host_update_rejects_bad_input_unchanged():
     rec.bind(ToyLM(vocab=11, seed=0), 2, 32)
     tokens = torch.tensor([[1, 2, 11]])                          # 11 is outside the vocabulary
     before = (rec.table.clone(), rec.pair_table.clone(), rec.pair_keys.clone())
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with pytest.raises(ValueError, match="TokenRecycling.observe_verify: .*token 11 outside the vocabulary of 11"):
         rec.observe_verify(_Tree(tokens, torch.tensor([[-1, 0, 1]])), torch.randn(1, 3, 11))
-    with pytest.raises(ValueError, match=r"logits must be \[b, N, V\]"):
+    with pytest.raises(ValueError, match=r"logits must be \[b, N, V\] for tokens \[1, 2\], got \[1, 3, 11\]"):
         rec.observe_verify(_Tree(tokens[:, :2], torch.tensor([[-1, 0]])), torch.randn(1, 3, 11))
     assert all(torch.equal(a, b) for a, b in zip(before, (rec.table, rec.pair_table, rec.pair_keys)))
 

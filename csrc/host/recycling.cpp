@@ -86,10 +86,18 @@ void top_w(const float* x, int64_t V, int w, int64_t* out) {
   for (int j = 0; j < w; ++j) out[j] = idx[j];
 }
 
+std::string shape_of(const py::array& a) {
+  std::string s = "[";
+  for (py::ssize_t d = 0; d < a.ndim(); ++d) s += (d ? ", " : "") + std::to_string(a.shape(d));
+  return s + "]";
+}
+
 template <typename T>
 T* data_of(py::array& a, const char* name, bool write) {
   if (!a.dtype().is(py::dtype::of<T>()))
-    throw std::invalid_argument(std::string("recycling_observe: ") + name + " has the wrong dtype");
+    throw std::invalid_argument(std::string("recycling_observe: ") + name + " must be " +
+                                py::str(py::dtype::of<T>()).cast<std::string>() + ", got " +
+                                py::str(a.dtype()).cast<std::string>());
   if (!(a.flags() & py::array::c_style))
     throw std::invalid_argument(std::string("recycling_observe: ") + name + " must be C-contiguous");
   if (write && !a.writeable())
@@ -101,13 +109,16 @@ void recycling_observe(py::array table, py::object pair_table_obj, py::object pa
                        py::array parents, py::object prev_roots_obj, py::array logits) {
   if (tokens.ndim() != 2 || parents.ndim() != 2 || tokens.shape(0) != parents.shape(0) ||
       tokens.shape(1) != parents.shape(1))
-    throw std::invalid_argument("recycling_observe: tokens and parents must both be [b, N]");
+    throw std::invalid_argument("recycling_observe: tokens and parents must both be [b, N], got " + shape_of(tokens) +
+                                " and " + shape_of(parents));
   const int64_t b = tokens.shape(0), N = tokens.shape(1), M = b * N;
   if (logits.ndim() != 3 || logits.shape(0) != b || logits.shape(1) != N)
-    throw std::invalid_argument("recycling_observe: logits must be [b, N, V] for tokens [b, N]");
+    throw std::invalid_argument("recycling_observe: logits must be [b, N, V] for tokens " + shape_of(tokens) +
+                                ", got " + shape_of(logits));
   const int64_t V = logits.shape(2);
   if (table.ndim() != 2 || table.shape(0) < V + 1)
-    throw std::invalid_argument("recycling_observe: table must be [>= V + 1, w]");
+    throw std::invalid_argument("recycling_observe: table must be [>= V + 1, w] with V = " + std::to_string(V) +
+                                ", got " + shape_of(table));
   const int w = static_cast<int>(table.shape(1));
   if (w < 1 || w > kMaxW || w > V)
     throw std::invalid_argument("recycling_observe: table width must be in [1, min(64, V)], got " + std::to_string(w));
@@ -138,7 +149,9 @@ void recycling_observe(py::array table, py::object pair_table_obj, py::object pa
   for (int64_t i = 0; i < M; ++i) {
     if (tok[i] >= V) throw std::invalid_argument("recycling_observe: token " + std::to_string(tok[i]) +
                                                  " outside the vocabulary of " + std::to_string(V));
-    if (par[i] >= N) throw std::invalid_argument("recycling_observe: parent index outside the tree");
+    if (par[i] >= N)
+      throw std::invalid_argument("recycling_observe: parent index " + std::to_string(par[i]) +
+                                  " outside the tree of " + std::to_string(N) + " nodes");
   }
   std::vector<int64_t> top(M * w);
   {

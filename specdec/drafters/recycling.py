@@ -234,9 +234,12 @@ class TokenRecycling(Drafter):
             if prev is not None and prev.shape[0] != b:
                 prev = None
             table, pair_table, pair_keys = self._np_tables
-            _C.recycling_observe(table, pair_table, pair_keys, tree.tokens.to(torch.int64).contiguous().numpy(),
-                                 tree.parents.to(torch.int32).contiguous().numpy(),
-                                 None if prev is None else prev.numpy(), logits.detach().contiguous().numpy())
+            try:   # every argument is checked before the first write: bad input leaves the tables as they were
+                _C.recycling_observe(table, pair_table, pair_keys, tree.tokens.to(torch.int64).contiguous().numpy(),
+                                     tree.parents.to(torch.int32).contiguous().numpy(),
+                                     None if prev is None else prev.numpy(), logits.detach().contiguous().numpy())
+            except ValueError as exc:
+                raise ValueError(f"TokenRecycling.observe_verify: {exc}") from None
             return
         self._observe_torch(tree, logits)
 
