@@ -9,7 +9,8 @@
 // weight rows (<= 4 * K * 4 bytes) stay in L1/L2 while the x row-triples pass over them.
 // Float32 weights take two other schedules of the same micro-tile arithmetic (chosen by M,
 // bit-identical results): 1-4 x rows stream the weight rows one after the other
-// (seq_rows_f32), 6-8 x rows run as 2 x 4 tiles (row_block_24); see there for the measurements.
+// (seq_rows_f32), 6-8 x rows run as 2 x 4 tiles (row_block_24); int8 weights take the 2 x 4 tiles at
+// 4 x rows; see there for the measurements.
 // Weight dtypes: float32, float16, bfloat16 (widened to fp32 on load) and int8 with a
 // per-output-row float32 scale (weight-only quantisation; applied after the dot product).
 // x is float32 here; the host converts half/bf16 activations once (M * K values).
@@ -252,13 +253,15 @@ inline void seq_rows_f32(const LinearParams& P, int64_t n_begin, int64_t n_end) 
   for (int64_t n = n_begin; n < n_end; ++n) seq_row_f32<MR>(P, n);
 }
 
-// 6-8 x rows against float32 weights (a verify pass of 6-8 nodes): the block's 4 weight rows as
+// 6-8 x rows against float32 weights (a verify pass of 6-8 nodes), and 4 x rows against int8 weights
+// (1.07-1.12x over the 4 x 3 tile's 3 + 1 rows, which widen each weight vector twice; at 5-8 rows
+// int8 keeps the 4 x 3 tile, 0.90-1.03x): the block's 4 weight rows as
 // two pairs, each against the x rows in two groups (4, then M - 4): 2 x 4 tiles of 8
 // accumulators instead of 3 + 3 + 2 rows of the 4 x 3 tile. Measured against it in one process,
 // interleaved (exploratory, 2 threads, weights from DRAM): 1.05-1.20x at M = 6..8 on the Llama
 // shapes, 1.055-1.072x for the whole 8-node float32 forward of the bundled target; mixed at M = 5
-// (0.97-1.13x, left to the 4 x 3 tile) and slower for int8 weights (0.86-1.0x: each pair widens its
-// codes twice), which keep the 4 x 3 tile. The same micro_tile, so the same bits.
+// (0.97-1.13x, left to the 4 x 3 tile) and slower for int8 weights at 6-8 rows (0.86-1.0x: each pair
+// widens its codes twice), which keep the 4 x 3 tile there. The same micro_tile, so the same bits.
 template <WType WT>
 inline void row_block_24(const LinearParams& P, int64_t n0, int64_t n_end) {
   static_assert(kNr == 4, "two pairs of weight rows");
@@ -267,9 +270,10 @@ inline void row_block_24(const LinearParams& P, int64_t n0, int64_t n_end) {
   const int64_t lines = next_rows > 0 ? (next_rows * P.K * es + 63) / 64 : 0;
   const char* next = lines ? static_cast<const char*>(w_row<WT>(P.w, n0 + 4, P.K)) : nullptr;
   const int64_t r = P.M - 4;
+  const int64_t shares = r > 0 ? 4 : 2;
   int t = 0;
   auto share = [&](int64_t& count) {
-    const int64_t a = lines * t / 4, b = lines * (t + 1) / 4;
+    const int64_t a = lines * t / shares, b = lines * (t + 1) / shares;
     ++t;
     count = b - a;
     return next ? next + a * 64 : nullptr;
@@ -278,6 +282,7 @@ inline void row_block_24(const LinearParams& P, int64_t n0, int64_t n_end) {
     int64_t c;
     const char* pf = share(c);
     micro_tile<WT, 2, 4>(P, n0 + h, 0, pf, c);
+    if (r == 0) continue;
     pf = share(c);
     if (r == 4) micro_tile<WT, 2, 4>(P, n0 + h, 4, pf, c);
     else if (r == 3) micro_tile<WT, 2, 3>(P, n0 + h, 4, pf, c);
@@ -304,6 +309,11 @@ inline void linear_rows_t(const LinearParams& P, int64_t n_begin, int64_t n_end)
     }
   }
   int64_t n = n_begin;
+  if (WT == WType::kInt8 && P.M == 4) {  // 4 rows of x against int8 weights: 2 x 4 tiles (see row_block_24)
+    for (; n + kNr <= n_end; n += kNr) row_block_24<WT>(P, n, n_end);
+    for (; n < n_end; ++n) row_block<WT, 1>(P, n, n_end);
+    return;
+  }
   for (; n + kNr <= n_end; n += kNr) row_block<WT, kNr>(P, n, n_end);
   for (; n < n_end; ++n) row_block<WT, 1>(P, n, n_end);
 }
