@@ -267,11 +267,7 @@ std::tuple<at::Tensor, at::Tensor> run_cpu_f32(const Slots& S, const Dims& d, co
     project_raw(S, 2, x1, M, H, gu, 2 * I);
     g = gu, u = gu + I, gs = 2 * I;
   }
-  if (gs == I) {
-    cpu::silu_mul_f32(g, u, act, M * I);
-  } else {
-    cpu::silu_mul_rows_f32(g, u, gs, act, M, I);
-  }
+  cpu::silu_mul_rows_f32(g, u, gs, act, M, I);   // gate / up rows gs apart (I: separate, 2 I: merged)
   project_raw(S, S.n - 1, act, M, I, dn, H);
   cpu::rms_norm_f32(dn, h1, next_w.data_ptr<float>(), out_x.data_ptr<float>(), out_h.data_ptr<float>(), M, H,
                     static_cast<float>(next_eps));

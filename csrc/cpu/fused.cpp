@@ -199,33 +199,27 @@ void rope_f32(const float* x, int64_t x_stride, const float* cos, const float* s
   rope_rows<float>(x, x_stride, cos, sin, out, BN, Hh, D);
 }
 
+namespace {
+// o[i] = silu(g[i]) * u[i] for i < n on the calling thread (the AVX2 kernel when the CPU has it).
+inline void silu_mul_span(const float* g, const float* u, float* o, int64_t n, bool avx2) {
+  if (avx2) {
+    silu_avx2(g, u, o, n);
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) o[i] = (g[i] / (1.0f + std::exp(-g[i]))) * u[i];
+}
+}  // namespace
+
 void silu_mul_rows_f32(const float* g, const float* u, int64_t stride, float* o, int64_t rows, int64_t n) {
   const bool avx2 = has_avx2_fma_f16c();
   at::parallel_for(0, rows, std::max<int64_t>(1, kSiluGrain / std::max<int64_t>(1, n)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float *gr = g + r * stride, *ur = u + r * stride;
-      float* orow = o + r * n;
-      if (avx2) {
-        silu_avx2(gr, ur, orow, n);
-        continue;
-      }
-      for (int64_t i = 0; i < n; ++i) orow[i] = (gr[i] / (1.0f + std::exp(-gr[i]))) * ur[i];
-    }
+    for (int64_t r = r0; r < r1; ++r) silu_mul_span(g + r * stride, u + r * stride, o + r * n, n, avx2);
   });
 }
 
 void silu_mul_f32(const float* g, const float* u, float* o, int64_t n) {
   const bool avx2 = has_avx2_fma_f16c();
-  at::parallel_for(0, n, kSiluGrain, [&](int64_t i0, int64_t i1) {
-    if (avx2) {
-      silu_avx2(g + i0, u + i0, o + i0, i1 - i0);
-      return;
-    }
-    for (int64_t i = i0; i < i1; ++i) {
-      const float gv = g[i];
-      o[i] = (gv / (1.0f + std::exp(-gv))) * u[i];
-    }
-  });
+  at::parallel_for(0, n, kSiluGrain, [&](int64_t i0, int64_t i1) { silu_mul_span(g + i0, u + i0, o + i0, i1 - i0, avx2); });
 }
 
 }  // namespace cpu

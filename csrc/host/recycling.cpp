@@ -12,9 +12,10 @@
 //
 // The arrays are numpy views of the drafter's tensors (shared memory); they must be
 // C-contiguous with the exact dtypes (no converting copy is ever made, so the writes land
-// in the tables). Cost on the bundled target (13 nodes, V = 49152, 2 threads): the top-w
-// pass reads the logits once with a 16-wide threshold test, ~30-40 us, against ~300 us for
-// the ~45 small torch calls of the torch path.
+// in the tables). Cost on the bundled target's shapes (13 nodes, V = 49152, 2 threads): the
+// top-w pass reads the logits once, testing the maximum of every 32 values against the
+// current w-th value; 28 us for this call, 41 us for observe_verify with it, against 318 us
+// for the ~45 small torch calls of the torch path.
 #include <ATen/Parallel.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>

@@ -291,6 +291,14 @@ inline void row_block_24(const LinearParams& P, int64_t n0, int64_t n_end) {
   }
 }
 
+// Output rows [n_begin, n_end) in blocks of 4 by row_block_24 (the tail row by row).
+template <WType WT>
+inline void rows_24(const LinearParams& P, int64_t n_begin, int64_t n_end) {
+  int64_t n = n_begin;
+  for (; n + kNr <= n_end; n += kNr) row_block_24<WT>(P, n, n_end);
+  for (; n < n_end; ++n) row_block<WT, 1>(P, n, n_end);
+}
+
 template <WType WT>
 inline void linear_rows_t(const LinearParams& P, int64_t n_begin, int64_t n_end) {
   if constexpr (WT == WType::kFloat32) {
@@ -299,21 +307,14 @@ inline void linear_rows_t(const LinearParams& P, int64_t n_begin, int64_t n_end)
       case 2: return seq_rows_f32<2>(P, n_begin, n_end);
       case 3: return seq_rows_f32<3>(P, n_begin, n_end);
       case 4: return seq_rows_f32<4>(P, n_begin, n_end);
-      case 6: case 7: case 8: {
-        int64_t n = n_begin;
-        for (; n + kNr <= n_end; n += kNr) row_block_24<WT>(P, n, n_end);
-        for (; n < n_end; ++n) row_block<WT, 1>(P, n, n_end);
-        return;
-      }
+      case 6: case 7: case 8: return rows_24<WT>(P, n_begin, n_end);
       default: break;  // M = 5 or M > 8: the 4 x 3 tile
     }
   }
-  int64_t n = n_begin;
-  if (WT == WType::kInt8 && P.M == 4) {  // 4 rows of x against int8 weights: 2 x 4 tiles (see row_block_24)
-    for (; n + kNr <= n_end; n += kNr) row_block_24<WT>(P, n, n_end);
-    for (; n < n_end; ++n) row_block<WT, 1>(P, n, n_end);
-    return;
+  if constexpr (WT == WType::kInt8) {
+    if (P.M == 4) return rows_24<WT>(P, n_begin, n_end);  // 4 rows of x against int8: 2 x 4 tiles
   }
+  int64_t n = n_begin;
   for (; n + kNr <= n_end; n += kNr) row_block<WT, kNr>(P, n, n_end);
   for (; n < n_end; ++n) row_block<WT, 1>(P, n, n_end);
 }

@@ -8,7 +8,8 @@
 // g*32 + j in its low nibble and g*32 + j + 16 in its high nibble (GGUF order).
 //
 // AVX2 (q_tile_avx2): per group and weight row the 32 codes become the float weights
-// d * q (+ m) once and feed up to 4 x rows with 4 FMAs each. Baseline build (q_micro_tile):
+// d * q (+ m) once and feed up to 4 x rows with 4 FMAs each (up to 8 rows at M = 5-8, see
+// q_rows_wide). Baseline build (q_micro_tile):
 // the codes feed kQMr x rows, the group's partial dot is scaled by d, and the min term
 // m * sum(x[group]) uses per-group sums of x computed once per call (xsum[M, K/32]).
 // Both compute each output with one sequence of operations for any M (batch invariance).
