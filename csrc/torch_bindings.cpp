@@ -105,6 +105,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_strict_checks", &specdec::checks::set_strict, pybind11::arg("on"),
         "Check tensor VALUES (lengths, tokens, paths) of CUDA inputs too (costs a host sync per op).");
   m.def("strict_checks", &specdec::checks::strict, "Whether strict value checks are on.");
+  m.def("set_cpu_gemm", &specdec::cpu::set_gemm, pybind11::arg("on"),
+        "Prefill-size float32 linears on the CPU (65-256 rows, AVX2): specdec's GEMM tiles (True, the "
+        "default) or torch's BLAS GEMM (False). For benchmarks and tests.");
+  m.def("cpu_gemm", &specdec::cpu::gemm_enabled, "Whether prefill-size CPU linears use specdec's GEMM tiles.");
   specdec::bind_suffix_index(m);
   specdec::bind_recycling(m);
 }

@@ -225,3 +225,41 @@ def test_linear_batch_invariant_up_to_64_rows_on_cpu(kind):
         whole = ops.linear(x[:M], *args)
         rows = torch.cat([ops.linear(x[i:i + 1], *args) for i in range(M)])
         assert torch.equal(whole, rows), (kind, M)
+
+
+@pytest.mark.parametrize("K", [8, 40, 576, 1536])
+@pytest.mark.parametrize("N", [1, 2, 3, 5, 130, 577])
+def test_linear_prefill_rows_cpu(K, N):
+    """65-256 rows of float32 (prefill sizes) take the CPU's GEMM tiles (csrc/include/specdec/cpu_gemm.h:
+    4 weight rows x 3 x rows, x in chunks of 96 rows) on an AVX2 CPU: close to the float64 product for
+    row counts across the tile and chunk remainders and the 256-row switch to the BLAS GEMM, with a bias
+    and with strided rows of x; a row's result does not depend on how many rows come with it nor on
+    the thread count (bit for bit)."""
+    g = gen(K * 7 + N)
+    w = torch.randn(N, K, generator=g) / math.sqrt(K)
+    bias = torch.randn(N, generator=g)
+    x = torch.randn(257, K, generator=g)
+    for M in (65, 66, 67, 97, 100, 193, 256, 257):
+        check_close(ops.linear(x[:M], w, bias if M % 2 else None), x[:M], w, bias if M % 2 else None, None,
+                    torch.float32)
+    wide = torch.randn(100, 2 * K, generator=g)[:, ::2]           # rows K apart in a 2K-wide buffer: stride 2
+    xs = torch.randn(100, K + 8, generator=g)[:, 4:4 + K]         # row stride K + 8, unit column stride
+    check_close(ops.linear(xs, w, bias), xs, w, bias, None, torch.float32)
+    check_close(ops.linear(wide, w), wide, w, None, None, torch.float32)
+    whole = ops.linear(x[:256], w, bias)
+    for M in (65, 97, 131):
+        assert torch.equal(ops.linear(x[256 - M:256], w, bias), whole[256 - M:]), (M, K, N)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.linear(x[:256], w, bias)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, whole)
+    from specdec import _C
+    _C.set_cpu_gemm(False)                                        # the switch: torch's BLAS GEMM
+    try:
+        blas = ops.linear(x[:100], w, bias)
+    finally:
+        _C.set_cpu_gemm(True)
+    assert torch.equal(blas, torch.nn.functional.linear(x[:100], w, bias))

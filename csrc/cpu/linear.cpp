@@ -6,9 +6,13 @@
 // Rows: the kernel takes kSmallM rows of x per pass over the weight. Float weights use it up
 // to kBlasM rows (2 passes; measured faster than torch's BLAS sgemm up to ~64 rows on the
 // Llama shapes here: 40 rows 1.24x, 64 rows 1.04x, 2 threads); larger M (prefill) is
-// compute-bound and goes to at::linear (the BLAS GEMM), same contract. int8 weights always
-// use the kernel, kSmallM rows at a time.
+// compute-bound: float32 weights and x on an AVX2 CPU take the GEMM tiles of cpu_gemm.h up to
+// kLinearGemmRows rows (cpu::set_gemm(false) turns them off, for benchmarks), anything else
+// at::linear (the BLAS GEMM), same contract. int8 weights always use the kernel, kSmallM rows
+// at a time.
 #include <ATen/Parallel.h>
+
+#include <atomic>
 
 #include "checks.h"
 #include "ops.h"
@@ -21,6 +25,7 @@ namespace specdec {
 namespace cpu {
 void linear_rows_avx2(const LinearParams& P, int64_t n_begin, int64_t n_end);    // linear_avx2.cpp
 void qlinear_rows_avx2(const QLinearParams& P, int64_t n_begin, int64_t n_end);  // linear_avx2.cpp
+void gemm_f32_rows_avx2(const LinearParams& P, int64_t n_begin, int64_t n_end);  // linear_avx2.cpp (cpu_gemm.h)
 
 namespace {
 
@@ -48,6 +53,15 @@ void run(const LinearParams& P) {
     const int64_t n0 = begin * kNr, n1 = std::min(end * kNr, P.N);
     if (avx2) linear_rows_avx2(P, n0, n1);
     else base::linear_rows(P, n0, n1);
+  });
+}
+
+// Many rows (prefill), float32 weights, AVX2 (cpu_gemm.h): the weight rows split over the threads
+// in whole tiles of 4 (every output is one sequence of operations whatever the split).
+void run_gemm(const LinearParams& P) {
+  const int64_t quads = (P.N + 3) / 4;
+  at::parallel_for(0, quads, 4, [&](int64_t begin, int64_t end) {
+    gemm_f32_rows_avx2(P, begin * 4, std::min(end * 4, P.N));
   });
 }
 
@@ -128,6 +142,13 @@ void qlinear_raw(QLinearParams P) {
   }
 }
 
+namespace {
+std::atomic<bool> g_gemm{true};
+}  // namespace
+
+void set_gemm(bool on) { g_gemm.store(on, std::memory_order_relaxed); }
+bool gemm_enabled() { return g_gemm.load(std::memory_order_relaxed); }
+
 }  // namespace cpu
 
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -139,7 +160,12 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   const bool quantized = weight.scalar_type() == at::kChar;
-  if (!quantized && M > cpu::kBlasM) {
+  // prefill sizes: float32 weights on an AVX2 CPU take cpu_gemm.h's tiles up to kLinearGemmRows
+  // rows (1.08-1.30x MKL's sgemm at 65-144 rows on decoder shapes, parity at 256), the rest the BLAS GEMM
+  const bool gemm = !quantized && M > cpu::kBlasM && M <= cpu::kLinearGemmRows && K % 8 == 0 &&
+                    weight.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat && cpu::has_avx2_fma_f16c() &&
+                    cpu::gemm_enabled();
+  if (!quantized && M > cpu::kBlasM && !gemm) {
     return at::linear(x, weight, bias);
   }
 
@@ -166,7 +192,8 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::
   P.M = M;
   P.x = x2.data_ptr<float>();
   P.y = y.data_ptr<float>();
-  cpu::linear_raw(P);
+  if (gemm) cpu::run_gemm(P);
+  else cpu::linear_raw(P);
   if (!direct) y = y.to(x.scalar_type());
   return y.view(out_shape);
 }

@@ -3,12 +3,17 @@
 #define SPECDEC_CPU_ISA avx2
 #include "specdec/cpu_linear.h"
 #include "specdec/cpu_qlinear.h"
+#include "specdec/cpu_gemm.h"
 
 namespace specdec {
 namespace cpu {
 
 void linear_rows_avx2(const LinearParams& P, int64_t n_begin, int64_t n_end) {
   avx2::linear_rows(P, n_begin, n_end);
+}
+
+void gemm_f32_rows_avx2(const LinearParams& P, int64_t n_begin, int64_t n_end) {
+  avx2::gemm_f32_rows(P, n_begin, n_end);
 }
 
 void qlinear_rows_avx2(const QLinearParams& P, int64_t n_begin, int64_t n_end) {

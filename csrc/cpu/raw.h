@@ -18,7 +18,9 @@ namespace specdec {
 namespace cpu {
 
 constexpr int64_t kLinearRowsPerPass = 32;  // rows of x per pass over a weight
-constexpr int64_t kLinearBlasRows = 64;     // float weights: more rows than this go to the BLAS GEMM
+constexpr int64_t kLinearBlasRows = 64;     // float weights: more rows than this are prefill sizes:
+constexpr int64_t kLinearGemmRows = 256;    // up to this many, float32 weights and x on AVX2 take
+                                            // cpu_gemm.h's tiles, else (and larger) the BLAS GEMM
 
 // y = x W^T (* scale) (+ bias) for P.M rows (kLinearRowsPerPass per pass over the weight).
 void linear_raw(LinearParams P);
