@@ -1,17 +1,20 @@
-"""Prefill on the CPU: specdec's GEMM tiles (csrc/include/specdec/cpu_gemm.h) against torch's BLAS GEMM.
+"""Prefill on the CPU: specdec's GEMM tiles (csrc/include/specdec/cpu_gemm.h) against what they replace.
 
     python benchmarks/bench_prefill.py [--rounds 7] [--threads 2] [--out FILE]
 
 Float32 linears of 65-256 rows (prefill sizes; fewer rows are decode / verify sizes and take the
-few-row kernel, more take the BLAS GEMM) run on specdec's GEMM tiles on an AVX2 CPU;
-``specdec._C.set_cpu_gemm(False)`` sends them to torch's BLAS GEMM (MKL in the x86 wheels) instead,
-so both run in ONE process, interleaved round by round (medians):
+few-row kernel, more take the BLAS GEMM) and group-quantized ones (qlinear) of more than 64 rows run
+on specdec's GEMM tiles on an AVX2 CPU (quantized weights decoded once per 96-row chunk);
+``specdec._C.set_cpu_gemm(False)`` sends them back to torch's BLAS GEMM (MKL in the x86 wheels) and
+to the few-row quantized kernel (32 rows per pass) respectively, so both run in ONE process,
+interleaved round by round (medians):
 
   layers   the bundled SmolLM2-135M target's four projection shapes of a layer (qkv 960 x 576,
            o 576 x 576, gate_up 3072 x 576, down 576 x 1536) at M = 65, 72, 100, 144, 200, 256 rows:
            ms per layer, G multiply-adds / s, tiles / BLAS speed-up;
-  prefill  HFCausalLM.prefill of the bundled target (the lean forward, float32) for prompts of
-           72, 143 and 256 tokens (TTFT without the first sampling step): ms, speed-up.
+  prefill  HFCausalLM.prefill of the bundled target (the lean forward) at float32, Q4_1 (the GGUF's
+           own blocks) and Q8_0 for prompts of 72, 143 and 256 tokens (TTFT without the first
+           sampling step): ms, speed-up.
 
 The greedy next token of each prompt must be the same both ways (recorded with the largest logit
 difference). Writes benchmarks/results/prefill_cpu_<date>.json with the commit, the CPU and the
@@ -37,6 +40,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]   # (N, K): qkv, o, gate_up, down
 ROWS = (65, 72, 100, 144, 200, 256)
 PROMPTS = (72, 143, 256)
+PRECISIONS = ("fp32", "q4_1", "q8_0")
 
 
 def timed(f) -> float:
@@ -61,7 +65,7 @@ def main() -> int:
     if not _C.cpu_gemm():
         raise SystemExit("bench_prefill: specdec._C.cpu_gemm() is off at start")
     load_start = os.getloadavg()
-    modes = {"tiles": True, "blas": False}
+    modes = {"tiles": True, "off": False}
     g = torch.Generator().manual_seed(0)
 
     # ---- layers
@@ -84,42 +88,44 @@ def main() -> int:
             t = statistics.median(lt[(M, m)])
             row[f"{m} ms"] = round(1e3 * t, 3)
             row[f"{m} GMAC/s"] = round(mac / t / 1e9, 1)
-        row["tiles / blas speed-up"] = round(row["blas ms"] / row["tiles ms"], 3)
+        row["tiles / blas speed-up"] = round(row["off ms"] / row["tiles ms"], 3)
         layers.append(row)
         print(f"layer M={M}: tiles {row['tiles ms']:.2f} ms ({row['tiles GMAC/s']} GMAC/s), "
-              f"blas {row['blas ms']:.2f} ms ({row['blas GMAC/s']} GMAC/s): {row['tiles / blas speed-up']:.3f}x",
+              f"blas {row['off ms']:.2f} ms ({row['off GMAC/s']} GMAC/s): {row['tiles / blas speed-up']:.3f}x",
               flush=True)
 
     # ---- whole prefill of the bundled target
-    model, tok = load_bundled("smollm2-135m")
-    lm = HFCausalLM(model)
-    cache = lm.new_cache(1, max(PROMPTS) + 8)
-    prompts = {n: torch.randint(0, lm.vocab_size, (n,), generator=g).tolist() for n in PROMPTS}
-    pt = {(n, m): [] for n in PROMPTS for m in modes}
+    lms = {p: HFCausalLM(load_bundled("smollm2-135m", precision=p)[0]) for p in PRECISIONS}
+    caches = {p: lm.new_cache(1, max(PROMPTS) + 8) for p, lm in lms.items()}
+    vocab = lms["fp32"].vocab_size
+    prompts = {n: torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPTS}
+    pt = {(p, n, m): [] for p in PRECISIONS for n in PROMPTS for m in modes}
     logits = {}
     for r in range(args.rounds + 1):
-        for n in PROMPTS:
-            for m, on in modes.items():
-                _C.set_cpu_gemm(on)
-                cache.lens.zero_()
-                t0 = time.perf_counter()
-                out = lm.prefill(cache, [prompts[n]], rows=[0])
-                if r:
-                    pt[(n, m)].append(time.perf_counter() - t0)
-                logits[(n, m)] = out
+        for p, lm in lms.items():
+            for n in PROMPTS:
+                for m, on in modes.items():
+                    _C.set_cpu_gemm(on)
+                    caches[p].lens.zero_()
+                    t0 = time.perf_counter()
+                    out = lm.prefill(caches[p], [prompts[n]], rows=[0])
+                    if r:
+                        pt[(p, n, m)].append(time.perf_counter() - t0)
+                    logits[(p, n, m)] = out
     _C.set_cpu_gemm(True)
     prefill = []
-    for n in PROMPTS:
-        row = dict(prompt_tokens=n)
-        for m in modes:
-            row[f"{m} ms"] = round(1e3 * statistics.median(pt[(n, m)]), 2)
-        row["tiles / blas speed-up"] = round(row["blas ms"] / row["tiles ms"], 3)
-        a, b = logits[(n, "tiles")], logits[(n, "blas")]
-        row["same argmax"] = bool(torch.equal(a.argmax(-1), b.argmax(-1)))
-        row["max |logit diff|"] = float((a - b).abs().max())
-        prefill.append(row)
-        print(f"prefill {n} tokens: tiles {row['tiles ms']} ms, blas {row['blas ms']} ms: "
-              f"{row['tiles / blas speed-up']:.3f}x (max |logit diff| {row['max |logit diff|']:.2e})", flush=True)
+    for p in PRECISIONS:
+        for n in PROMPTS:
+            row = dict(precision=p, prompt_tokens=n)
+            for m in modes:
+                row[f"{m} ms"] = round(1e3 * statistics.median(pt[(p, n, m)]), 2)
+            row["tiles / off speed-up"] = round(row["off ms"] / row["tiles ms"], 3)
+            a, b = logits[(p, n, "tiles")], logits[(p, n, "off")]
+            row["same argmax"] = bool(torch.equal(a.argmax(-1), b.argmax(-1)))
+            row["max |logit diff|"] = float((a - b).abs().max())
+            prefill.append(row)
+            print(f"prefill {p} {n} tokens: tiles {row['tiles ms']} ms, off {row['off ms']} ms: "
+                  f"{row['tiles / off speed-up']:.3f}x (max |logit diff| {row['max |logit diff|']:.2e})", flush=True)
 
     now = _dt.datetime.now()
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"prefill_cpu_{now:%Y-%m-%d}.json"
@@ -128,7 +134,8 @@ def main() -> int:
         benchmark="prefill_cpu", date=now.isoformat(timespec="seconds"), commit=git_commit(), cpu=cpu_name(),
         torch=torch.__version__, threads=torch.get_num_threads(), rounds=args.rounds,
         load_average_start=load_start, load_average_end=os.getloadavg(), out=_record_path(out),
-        keys={"tiles": "specdec's GEMM tiles (cpu_gemm.h), the default", "blas": "torch's BLAS GEMM (set_cpu_gemm(False))",
+        keys={"tiles": "specdec's GEMM tiles (cpu_gemm.h), the default",
+              "off": "set_cpu_gemm(False): torch's BLAS GEMM (float32 layers), the few-row kernel (quantized)",
               "GMAC/s": "multiply-adds per second over the four projections of one layer"},
         layers=layers, prefill=prefill), indent=1))
     print(f"wrote {_record_path(out)}")

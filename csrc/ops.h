@@ -31,9 +31,10 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::
 at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits);
 namespace cpu {
-// Prefill-size float32 linears on the CPU (kLinearBlasRows < M <= kLinearGemmRows rows, AVX2):
-// csrc/include/specdec/cpu_gemm.h's tiles (on, the default) or torch's BLAS GEMM; a process-wide
-// switch for benchmarks and tests (specdec._C.set_cpu_gemm).
+// Prefill-size linears on the CPU (AVX2; float32 weights at kLinearBlasRows < M <= kLinearGemmRows,
+// group-quantized weights at M > kLinearBlasRows): csrc/include/specdec/cpu_gemm.h's tiles (on, the
+// default) or torch's BLAS GEMM / the few-row quantized kernel; a process-wide switch for benchmarks
+// and tests (specdec._C.set_cpu_gemm).
 void set_gemm(bool on);
 bool gemm_enabled();
 }  // namespace cpu

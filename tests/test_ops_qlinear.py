@@ -133,3 +133,34 @@ def test_qlinear_batch_invariant(device, fmt):
         whole = ops.qlinear(x[:M].to(device), *args).cpu()
         rows = torch.cat([ops.qlinear(x[i:i + 1].to(device), *args).cpu() for i in range(M)])
         assert torch.equal(whole, rows), (fmt, M)
+
+
+@pytest.mark.parametrize("fmt", list(FMTS))
+@pytest.mark.parametrize("K,N", [(32, 1), (96, 3), (576, 130), (1536, 6)])
+def test_qlinear_prefill_rows_cpu(fmt, K, N):
+    """More than 64 rows (prefill sizes) take the GEMM tiles over weight quads decoded once per 96-row
+    chunk (csrc/include/specdec/cpu_gemm.h) on an AVX2 CPU: close to the float64 product of the
+    dequantized weight across the tile and chunk remainders; a row's result depends neither on how many
+    rows come with it nor on the thread count (bit for bit); up to 64 rows the few-row kernel keeps
+    every row equal to a decode step's."""
+    (qw, d, m), _ = case(N, K, fmt, seed=K + N)
+    g = gen(K * 3 + N)
+    x = torch.randn(200, K, generator=g)
+    bias = torch.randn(N, generator=g)
+    bits = FMTS[fmt]
+    for M in (65, 67, 97, 193, 200):
+        b = bias if M % 2 else None
+        check_close(ops.qlinear(x[:M], qw, d, m, b, bits), x[:M], qw, d, m, b, bits)
+    whole = ops.qlinear(x, qw, d, m, bias, bits)
+    for M in (65, 100, 131):
+        assert torch.equal(ops.qlinear(x[200 - M:], qw, d, m, bias, bits), whole[200 - M:]), (fmt, M)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.qlinear(x, qw, d, m, bias, bits)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, whole)
+    for M in (33, 64):
+        rows = torch.cat([ops.qlinear(x[i:i + 1], qw, d, m, None, bits) for i in range(M)])
+        assert torch.equal(ops.qlinear(x[:M], qw, d, m, None, bits), rows), (fmt, M)

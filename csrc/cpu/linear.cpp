@@ -26,6 +26,7 @@ namespace cpu {
 void linear_rows_avx2(const LinearParams& P, int64_t n_begin, int64_t n_end);    // linear_avx2.cpp
 void qlinear_rows_avx2(const QLinearParams& P, int64_t n_begin, int64_t n_end);  // linear_avx2.cpp
 void gemm_f32_rows_avx2(const LinearParams& P, int64_t n_begin, int64_t n_end);  // linear_avx2.cpp (cpu_gemm.h)
+void gemm_q_rows_avx2(const QLinearParams& P, int64_t n_begin, int64_t n_end, float* scratch);  // (cpu_gemm.h)
 
 namespace {
 
@@ -62,6 +63,15 @@ void run_gemm(const LinearParams& P) {
   const int64_t quads = (P.N + 3) / 4;
   at::parallel_for(0, quads, 4, [&](int64_t begin, int64_t end) {
     gemm_f32_rows_avx2(P, begin * 4, std::min(end * 4, P.N));
+  });
+}
+
+// The same for a group-quantized weight: each task decodes its weight quads into its own scratch.
+void run_gemm_q(const QLinearParams& P) {
+  const int64_t quads = (P.N + 3) / 4;
+  at::parallel_for(0, quads, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(4 * P.K);
+    gemm_q_rows_avx2(P, begin * 4, std::min(end * 4, P.N), scratch.data());
   });
 }
 
@@ -118,6 +128,12 @@ void linear_multi_raw(const std::vector<LinearParams>& P) {
 
 void qlinear_raw(QLinearParams P) {
   const int64_t M = P.M, K = P.K, G = K / kQGroup;
+  // prefill sizes on AVX2: the GEMM tiles over decoded weight quads (cpu_gemm.h), not batch
+  // invariant with the few-row kernel, which keeps every decode / verify size (<= kBlasM rows)
+  if (M > kBlasM && has_avx2_fma_f16c() && gemm_enabled()) {
+    run_gemm_q(P);
+    return;
+  }
   // The baseline kernel's Q4_1 min term needs the sum of x over each group (the AVX2 tile folds
   // the min into the weights): one pass here, not per weight row.
   std::vector<float> xsum;

@@ -1,6 +1,9 @@
-// linear on the CPU for MANY rows of x (prefill: kLinearBlasRows < M <= kLinearGemmRows rows,
-// float32 weights and activations, K a multiple of 8): y = x W^T + bias, compute-bound; AVX2 + FMA
-// only (the baseline build and the other cases keep torch's BLAS GEMM).
+// linear and qlinear on the CPU for MANY rows of x (prefill): y = x W^T + bias, compute-bound; AVX2 +
+// FMA only. linear: float32 weights and activations, kLinearBlasRows < M <= kLinearGemmRows, K a
+// multiple of 8 (the baseline build and the other cases keep torch's BLAS GEMM). qlinear: any
+// group-quantized weight at M > kLinearBlasRows, its weight rows decoded to float32 four at a time
+// into a scratch once per chunk of x rows (instead of the few-row kernel, 32 rows per pass, which
+// widens every group again for every pass and tile).
 //
 // Dot-product micro-tiles of 4 weight rows x 3 x rows: 12 accumulators of 8 partial sums, 3 x
 // vectors and 1 weight vector in flight (16 registers, no spills); per 8 inputs 7 loads feed 12
@@ -17,7 +20,8 @@
 // 576 x 576, gate_up 3072 x 576, down 576 x 1536), 2 threads, against torch's MKL sgemm
 // (torch.nn.functional.linear): ~82-84 G mul-add/s at any M from 65 to 512 (the FMA peak of the two
 // cores measures ~97) against MKL's 63-77 at 65-144 rows (1.08-1.30x) and 83-86 at 256-512
-// (0.97-1.01x), hence kLinearGemmRows. The number of record: benchmarks/bench_prefill.py.
+// (0.97-1.01x), hence kLinearGemmRows. The bundled target's Q4_1 prefill: 170 -> 115 ms at 72
+// tokens. The numbers of record: benchmarks/bench_prefill.py.
 //
 // Every output is one sequence of operations (the K loop of its accumulator, then the same
 // 4-lane reduction, whatever the tile's shape): a row's result does not depend on M, on the other
@@ -29,6 +33,7 @@
 #include <cstdint>
 
 #include "specdec/cpu_linear.h"
+#include "specdec/cpu_qlinear.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -47,14 +52,15 @@ inline __m128 gemm_hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
-// y[m0 .. m0 + MR, n0 .. n0 + NR) over the whole K.
+// y[m0 .. m0 + MR, n0 .. n0 + NR) over the whole K: x rows from x (row stride xs), weight rows from w
+// (row stride ldw), outputs to y (row stride ys), bias (at n0) or nullptr.
 template <int NR, int MR>
-inline void gemm_tile(const LinearParams& P, const float* W, int64_t n0, int64_t m0) {
-  const int64_t K = P.K;
+inline void gemm_tile(const float* x, int64_t xs, const float* w, int64_t ldw, int64_t K, const float* bias,
+                      float* y, int64_t ys) {
   const float* xr[MR];
-  for (int m = 0; m < MR; ++m) xr[m] = P.x + (m0 + m) * P.x_stride;
+  for (int m = 0; m < MR; ++m) xr[m] = x + m * xs;
   const float* wr[NR];
-  for (int r = 0; r < NR; ++r) wr[r] = W + (n0 + r) * K;
+  for (int r = 0; r < NR; ++r) wr[r] = w + r * ldw;
   __m256 acc[4][MR];
   for (int r = 0; r < 4; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_setzero_ps();
@@ -69,24 +75,39 @@ inline void gemm_tile(const LinearParams& P, const float* W, int64_t n0, int64_t
   // the same reduction for every tile shape (unused accumulators are zero)
   for (int m = 0; m < MR; ++m) {
     const __m128 s = gemm_hsum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]);
-    float* y = P.y + (m0 + m) * P.y_stride + n0;
+    float* yr = y + m * ys;
     if constexpr (NR == 4) {
-      _mm_storeu_ps(y, P.bias ? _mm_add_ps(s, _mm_loadu_ps(P.bias + n0)) : s);
+      _mm_storeu_ps(yr, bias ? _mm_add_ps(s, _mm_loadu_ps(bias)) : s);
     } else {
       alignas(16) float t[4];
       _mm_store_ps(t, s);
-      for (int r = 0; r < NR; ++r) y[r] = P.bias ? t[r] + P.bias[n0 + r] : t[r];
+      for (int r = 0; r < NR; ++r) yr[r] = bias ? t[r] + bias[r] : t[r];
     }
   }
 }
 
-// x rows [m0, m1) against weight rows [n0, n0 + NR), kGemmMr x rows at a time.
+// x rows [m0, m1) against NR weight rows (w, row stride ldw) for outputs [n0, n0 + NR), kGemmMr x rows
+// at a time.
 template <int NR>
-inline void gemm_rows_nr(const LinearParams& P, const float* W, int64_t n0, int64_t m0, int64_t m1) {
+inline void gemm_rows_nr(const float* x, int64_t xs, const float* w, int64_t ldw, int64_t K, const float* bias,
+                         float* y, int64_t ys, int64_t n0, int64_t m0, int64_t m1) {
+  const float* b = bias ? bias + n0 : nullptr;
   int64_t m = m0;
-  for (; m + kGemmMr <= m1; m += kGemmMr) gemm_tile<NR, kGemmMr>(P, W, n0, m);
-  if (m1 - m == 2) gemm_tile<NR, 2>(P, W, n0, m);
-  else if (m1 - m == 1) gemm_tile<NR, 1>(P, W, n0, m);
+  for (; m + kGemmMr <= m1; m += kGemmMr) gemm_tile<NR, kGemmMr>(x + m * xs, xs, w, ldw, K, b, y + m * ys + n0, ys);
+  if (m1 - m == 2) gemm_tile<NR, 2>(x + m * xs, xs, w, ldw, K, b, y + m * ys + n0, ys);
+  else if (m1 - m == 1) gemm_tile<NR, 1>(x + m * xs, xs, w, ldw, K, b, y + m * ys + n0, ys);
+}
+
+// Outputs [n, n + rows) (rows <= 4) of x rows [c0, c1): weight rows w (row stride ldw).
+inline void gemm_rows(const float* x, int64_t xs, const float* w, int64_t ldw, int64_t K, const float* bias,
+                      float* y, int64_t ys, int64_t n, int64_t rows, int64_t c0, int64_t c1) {
+  switch (rows) {
+    case 4: gemm_rows_nr<4>(x, xs, w, ldw, K, bias, y, ys, n, c0, c1); break;
+    case 3: gemm_rows_nr<3>(x, xs, w, ldw, K, bias, y, ys, n, c0, c1); break;
+    case 2: gemm_rows_nr<2>(x, xs, w, ldw, K, bias, y, ys, n, c0, c1); break;
+    case 1: gemm_rows_nr<1>(x, xs, w, ldw, K, bias, y, ys, n, c0, c1); break;
+    default: break;
+  }
 }
 
 // Outputs y[:, n_begin:n_end) (float32 weights, P.K % 8 == 0).
@@ -94,13 +115,57 @@ inline void gemm_f32_rows(const LinearParams& P, int64_t n_begin, int64_t n_end)
   const float* W = static_cast<const float*>(P.w);
   for (int64_t c0 = 0; c0 < P.M; c0 += kGemmChunkRows) {
     const int64_t c1 = std::min(P.M, c0 + kGemmChunkRows);
-    int64_t n = n_begin;
-    for (; n + kGemmNr <= n_end; n += kGemmNr) gemm_rows_nr<kGemmNr>(P, W, n, c0, c1);
-    switch (n_end - n) {
-      case 3: gemm_rows_nr<3>(P, W, n, c0, c1); break;
-      case 2: gemm_rows_nr<2>(P, W, n, c0, c1); break;
-      case 1: gemm_rows_nr<1>(P, W, n, c0, c1); break;
-      default: break;
+    for (int64_t n = n_begin; n < n_end; n += kGemmNr)
+      gemm_rows(P.x, P.x_stride, W + n * P.K, P.K, P.K, P.bias, P.y, P.y_stride, n, std::min<int64_t>(kGemmNr, n_end - n),
+                c0, c1);
+  }
+}
+
+// Weight row n of a group-quantized weight as float32 (K values): w = d * q (+ m), the values the
+// few-row kernel (cpu_qlinear.h) computes (fma(q, d, m) for Q4_1, q * d otherwise).
+inline void q_decode_row(const QLinearParams& P, int64_t n, float* out) {
+  const int64_t G = P.K / kQGroup;
+  const __m256i low4 = _mm256_set1_epi32(15);
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i c[4];
+    if (P.bits == 8) {
+      const int8_t* q = static_cast<const int8_t*>(P.qw) + n * P.K + g * kQGroup;
+      for (int k = 0; k < 4; ++k)
+        c[k] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * k)));
+    } else {
+      const uint8_t* q = static_cast<const uint8_t*>(P.qw) + n * (P.K / 2) + g * (kQGroup / 2);
+      const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+      const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
+      c[0] = _mm256_and_si256(a, low4);
+      c[1] = _mm256_and_si256(b, low4);
+      c[2] = _mm256_srli_epi32(a, 4);
+      c[3] = _mm256_srli_epi32(b, 4);
+      if (!P.mins) {
+        const __m256i eight = _mm256_set1_epi32(8);
+        for (int k = 0; k < 4; ++k) c[k] = _mm256_sub_epi32(c[k], eight);
+      }
+    }
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(P.scales[n * G + g]));
+    float* o = out + g * kQGroup;
+    if (P.bits == 4 && P.mins) {
+      const __m256 mn = _mm256_set1_ps(_cvtsh_ss(P.mins[n * G + g]));
+      for (int k = 0; k < 4; ++k) _mm256_storeu_ps(o + 8 * k, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c[k]), d, mn));
+    } else {
+      for (int k = 0; k < 4; ++k) _mm256_storeu_ps(o + 8 * k, _mm256_mul_ps(_mm256_cvtepi32_ps(c[k]), d));
+    }
+  }
+}
+
+// Outputs y[:, n_begin:n_end) of a group-quantized weight (P.x contiguous [M, K]): per x chunk, each
+// weight quad is decoded once into an L1-resident float32 scratch (4 * K values) and meets the chunk's
+// x rows as the float32 tiles do, so the decode (~1/3 op per weight) is paid once per 96 rows.
+inline void gemm_q_rows(const QLinearParams& P, int64_t n_begin, int64_t n_end, float* scratch) {
+  for (int64_t c0 = 0; c0 < P.M; c0 += kGemmChunkRows) {
+    const int64_t c1 = std::min(P.M, c0 + kGemmChunkRows);
+    for (int64_t n = n_begin; n < n_end; n += kGemmNr) {
+      const int64_t rows = std::min<int64_t>(kGemmNr, n_end - n);
+      for (int64_t r = 0; r < rows; ++r) q_decode_row(P, n + r, scratch + r * P.K);
+      gemm_rows(P.x, P.x_stride, scratch, P.K, P.K, P.bias, P.y, P.y_stride, n, rows, c0, c1);
     }
   }
 }
