@@ -13,7 +13,8 @@ interleaved round by round (medians):
            o 576 x 576, gate_up 3072 x 576, down 576 x 1536) at M = 65, 72, 100, 144, 200, 256 rows:
            ms per layer, G multiply-adds / s, tiles / BLAS speed-up;
   prefill  HFCausalLM.prefill of the bundled target (the lean forward) at float32, Q4_1 (the GGUF's
-           own blocks) and Q8_0 for prompts of 72, 143 and 256 tokens (TTFT without the first
+           own blocks) and Q8_0, and of its weight-only int8 draft (w8, which prefills the prompt
+           too when it drafts), for prompts of 72, 143 and 256 tokens (TTFT without the first
            sampling step): ms, speed-up.
 
 The greedy next token of each prompt must be the same both ways (recorded with the largest logit
@@ -40,7 +41,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]   # (N, K): qkv, o, gate_up, down
 ROWS = (65, 72, 100, 144, 200, 256)
 PROMPTS = (72, 143, 256)
-PRECISIONS = ("fp32", "q4_1", "q8_0")
+PRECISIONS = ("fp32", "q4_1", "q8_0", "w8")   # w8: the weight-only int8 draft
 
 
 def timed(f) -> float:
@@ -95,7 +96,8 @@ def main() -> int:
               flush=True)
 
     # ---- whole prefill of the bundled target
-    lms = {p: HFCausalLM(load_bundled("smollm2-135m", precision=p)[0]) for p in PRECISIONS}
+    lms = {p: HFCausalLM(load_bundled("smollm2-135m", draft="w8")[2] if p == "w8" else
+                         load_bundled("smollm2-135m", precision=p)[0]) for p in PRECISIONS}
     caches = {p: lm.new_cache(1, max(PROMPTS) + 8) for p, lm in lms.items()}
     vocab = lms["fp32"].vocab_size
     prompts = {n: torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPTS}

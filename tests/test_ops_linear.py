@@ -227,39 +227,55 @@ def test_linear_batch_invariant_up_to_64_rows_on_cpu(kind):
         assert torch.equal(whole, rows), (kind, M)
 
 
+@pytest.mark.parametrize("kind", ["fp32", "int8"])
 @pytest.mark.parametrize("K", [8, 40, 576, 1536])
 @pytest.mark.parametrize("N", [1, 2, 3, 5, 130, 577])
-def test_linear_prefill_rows_cpu(K, N):
-    """65-256 rows of float32 (prefill sizes) take the CPU's GEMM tiles (csrc/include/specdec/cpu_gemm.h:
-    4 weight rows x 3 x rows, x in chunks of 96 rows) on an AVX2 CPU: close to the float64 product for
-    row counts across the tile and chunk remainders and the 256-row switch to the BLAS GEMM, with a bias
-    and with strided rows of x; a row's result does not depend on how many rows come with it nor on
-    the thread count (bit for bit)."""
+def test_linear_prefill_rows_cpu(kind, K, N):
+    """Prefill sizes take the CPU's GEMM tiles (csrc/include/specdec/cpu_gemm.h: 4 weight rows x 3 x rows,
+    x in chunks of 96 rows) on an AVX2 CPU: float32 weights at 65-256 rows, int8 weights (widened once per
+    chunk) above 64 rows. Close to the float64 product for row counts across the tile and chunk
+    remainders and the float32 switch to the BLAS GEMM above 256 rows, with a bias and with strided rows
+    of x; a row's result does not depend on how many rows come with it nor on the thread count (bit for
+    bit); set_cpu_gemm(False) gives torch's BLAS GEMM (float32) and the few-row kernel (int8) back."""
+    from specdec import _C
+
     g = gen(K * 7 + N)
     w = torch.randn(N, K, generator=g) / math.sqrt(K)
     bias = torch.randn(N, generator=g)
-    x = torch.randn(257, K, generator=g)
-    for M in (65, 66, 67, 97, 100, 193, 256, 257):
-        check_close(ops.linear(x[:M], w, bias if M % 2 else None), x[:M], w, bias if M % 2 else None, None,
-                    torch.float32)
-    wide = torch.randn(100, 2 * K, generator=g)[:, ::2]           # rows K apart in a 2K-wide buffer: stride 2
+    x = torch.randn(300, K, generator=g)
+    if kind == "int8":
+        q, s = ops.quantize_weight_int8(w)
+        wargs, ref_w, scale = (q, s), q, s
+    else:
+        wargs, ref_w, scale = (w, None), w, None
+
+    def lin(xx, b=None):
+        return ops.linear(xx, wargs[0], b, wargs[1])
+
+    for M in (65, 66, 67, 97, 100, 193, 256, 257, 300):
+        b = bias if M % 2 else None
+        check_close(lin(x[:M], b), x[:M], ref_w, b, scale, torch.float32)
+    wide = torch.randn(100, 2 * K, generator=g)[:, ::2]           # column stride 2 (copied to contiguous rows)
     xs = torch.randn(100, K + 8, generator=g)[:, 4:4 + K]         # row stride K + 8, unit column stride
-    check_close(ops.linear(xs, w, bias), xs, w, bias, None, torch.float32)
-    check_close(ops.linear(wide, w), wide, w, None, None, torch.float32)
-    whole = ops.linear(x[:256], w, bias)
+    check_close(lin(xs, bias), xs, ref_w, bias, scale, torch.float32)
+    check_close(lin(wide), wide, ref_w, None, scale, torch.float32)
+    whole = lin(x[:256], bias)
     for M in (65, 97, 131):
-        assert torch.equal(ops.linear(x[256 - M:256], w, bias), whole[256 - M:]), (M, K, N)
+        assert torch.equal(lin(x[256 - M:256], bias), whole[256 - M:]), (M, K, N)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = ops.linear(x[:256], w, bias)
+        one = lin(x[:256], bias)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, whole)
-    from specdec import _C
-    _C.set_cpu_gemm(False)                                        # the switch: torch's BLAS GEMM
+    _C.set_cpu_gemm(False)
     try:
-        blas = ops.linear(x[:100], w, bias)
+        off = lin(x[:100], bias)
+        few = torch.cat([lin(x[i:i + 1], bias) for i in range(100)])
     finally:
         _C.set_cpu_gemm(True)
-    assert torch.equal(blas, torch.nn.functional.linear(x[:100], w, bias))
+    if kind == "fp32":
+        assert torch.equal(off, torch.nn.functional.linear(x[:100], w, bias))
+    else:
+        assert torch.equal(off, few)      # the few-row kernel: every row as a decode step

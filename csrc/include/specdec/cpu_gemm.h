@@ -1,6 +1,8 @@
 // linear and qlinear on the CPU for MANY rows of x (prefill): y = x W^T + bias, compute-bound; AVX2 +
-// FMA only. linear: float32 weights and activations, kLinearBlasRows < M <= kLinearGemmRows, K a
-// multiple of 8 (the baseline build and the other cases keep torch's BLAS GEMM). qlinear: any
+// FMA only. linear: float32 weights and activations at kLinearBlasRows < M <= kLinearGemmRows, K a
+// multiple of 8 (the baseline build and the other cases keep torch's BLAS GEMM); int8 weights (per-row
+// scale) at M > kLinearBlasRows, K a multiple of 8, widened like the quantized ones below (else the
+// few-row kernel). qlinear: any
 // group-quantized weight at M > kLinearBlasRows, its weight rows decoded to float32 four at a time
 // into a scratch once per chunk of x rows (instead of the few-row kernel, 32 rows per pass, which
 // widens every group again for every pass and tile).
@@ -118,6 +120,28 @@ inline void gemm_f32_rows(const LinearParams& P, int64_t n_begin, int64_t n_end)
     for (int64_t n = n_begin; n < n_end; n += kGemmNr)
       gemm_rows(P.x, P.x_stride, W + n * P.K, P.K, P.K, P.bias, P.y, P.y_stride, n, std::min<int64_t>(kGemmNr, n_end - n),
                 c0, c1);
+  }
+}
+
+// Outputs y[:, n_begin:n_end) of an int8 weight with a per-row scale (P.K % 8 == 0): each weight quad
+// is widened once per x chunk into a float32 scratch as q * scale[n] (one rounding per weight, where
+// the few-row kernel scales the dot product instead) and meets the chunk's x rows as above.
+inline void gemm_i8_rows(const LinearParams& P, int64_t n_begin, int64_t n_end, float* scratch) {
+  const int8_t* W = static_cast<const int8_t*>(P.w);
+  for (int64_t c0 = 0; c0 < P.M; c0 += kGemmChunkRows) {
+    const int64_t c1 = std::min(P.M, c0 + kGemmChunkRows);
+    for (int64_t n = n_begin; n < n_end; n += kGemmNr) {
+      const int64_t rows = std::min<int64_t>(kGemmNr, n_end - n);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int8_t* q = W + (n + r) * P.K;
+        const __m256 sc = _mm256_set1_ps(P.scale ? P.scale[n + r] : 1.0f);
+        float* o = scratch + r * P.K;
+        for (int64_t k = 0; k < P.K; k += 8)
+          _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k)))), sc));
+      }
+      gemm_rows(P.x, P.x_stride, scratch, P.K, P.K, P.bias, P.y, P.y_stride, n, rows, c0, c1);
+    }
   }
 }
 
