@@ -3,17 +3,17 @@
     python benchmarks/bench_prefill.py [--rounds 7] [--threads 2] [--out FILE]
 
 Float32 linears of 65-256 rows (prefill sizes; fewer rows are decode / verify sizes and take the
-few-row kernel, more take the BLAS GEMM) and group-quantized ones (qlinear) of more than 64 rows run
+few-row kernel, more take the BLAS GEMM) and group-quantized (qlinear), int8 and float16 / bfloat16 ones of more than 64 rows run
 on specdec's GEMM tiles on an AVX2 CPU (quantized weights decoded once per 96-row chunk);
 ``specdec._C.set_cpu_gemm(False)`` sends them back to torch's BLAS GEMM (MKL in the x86 wheels) and
-to the few-row quantized kernel (32 rows per pass) respectively, so both run in ONE process,
+to the few-row quantized kernel (32 rows per pass; int8 weights too) respectively, so both run in ONE process,
 interleaved round by round (medians):
 
   layers   the bundled SmolLM2-135M target's four projection shapes of a layer (qkv 960 x 576,
            o 576 x 576, gate_up 3072 x 576, down 576 x 1536) at M = 65, 72, 100, 144, 200, 256 rows:
            ms per layer, G multiply-adds / s, tiles / BLAS speed-up;
-  prefill  HFCausalLM.prefill of the bundled target (the lean forward) at float32, Q4_1 (the GGUF's
-           own blocks) and Q8_0, and of its weight-only int8 draft (w8, which prefills the prompt
+  prefill  HFCausalLM.prefill of the bundled target (the lean forward) at float32, bfloat16, Q4_1
+           (the GGUF's own blocks) and Q8_0, and of its weight-only int8 draft (w8, which prefills the prompt
            too when it drafts), for prompts of 72, 143 and 256 tokens (TTFT without the first
            sampling step): ms, speed-up.
 
@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]   # (N, K): qkv, o, gate_up, down
 ROWS = (65, 72, 100, 144, 200, 256)
 PROMPTS = (72, 143, 256)
-PRECISIONS = ("fp32", "q4_1", "q8_0", "w8")   # w8: the weight-only int8 draft
+PRECISIONS = ("fp32", "bf16", "q4_1", "q8_0", "w8")   # w8: the weight-only int8 draft
 
 
 def timed(f) -> float:
@@ -96,8 +96,14 @@ def main() -> int:
               flush=True)
 
     # ---- whole prefill of the bundled target
-    lms = {p: HFCausalLM(load_bundled("smollm2-135m", draft="w8")[2] if p == "w8" else
-                         load_bundled("smollm2-135m", precision=p)[0]) for p in PRECISIONS}
+    def load(p):
+        if p == "w8":
+            return load_bundled("smollm2-135m", draft="w8")[2]
+        if p == "bf16":
+            return load_bundled("smollm2-135m", dtype=torch.bfloat16)[0]
+        return load_bundled("smollm2-135m", precision=p)[0]
+
+    lms = {p: HFCausalLM(load(p)) for p in PRECISIONS}
     caches = {p: lm.new_cache(1, max(PROMPTS) + 8) for p, lm in lms.items()}
     vocab = lms["fp32"].vocab_size
     prompts = {n: torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPTS}

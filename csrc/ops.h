@@ -32,8 +32,8 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at:
                        const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits);
 namespace cpu {
 // Prefill-size linears on the CPU (AVX2; float32 weights at kLinearBlasRows < M <= kLinearGemmRows,
-// group-quantized weights at M > kLinearBlasRows): csrc/include/specdec/cpu_gemm.h's tiles (on, the
-// default) or torch's BLAS GEMM / the few-row quantized kernel; a process-wide switch for benchmarks
+// half, int8 and group-quantized weights at M > kLinearBlasRows): csrc/include/specdec/cpu_gemm.h's
+// tiles (on, the default) or torch's BLAS GEMM / the few-row kernels; a process-wide switch for benchmarks
 // and tests (specdec._C.set_cpu_gemm).
 void set_gemm(bool on);
 bool gemm_enabled();

@@ -107,8 +107,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("strict_checks", &specdec::checks::strict, "Whether strict value checks are on.");
   m.def("set_cpu_gemm", &specdec::cpu::set_gemm, pybind11::arg("on"),
         "Prefill-size linears on the CPU (AVX2): specdec's GEMM tiles (True, the default) for float32 "
-        "weights at 65-256 rows and group-quantized weights above 64 rows, or (False) torch's BLAS GEMM "
-        "and the few-row quantized kernel. For benchmarks and tests.");
+        "weights at 65-256 rows and half, int8 and group-quantized weights above 64 rows, or (False) torch's "
+        "BLAS GEMM and the few-row kernels. For benchmarks and tests.");
   m.def("cpu_gemm", &specdec::cpu::gemm_enabled, "Whether prefill-size CPU linears use specdec's GEMM tiles.");
   specdec::bind_suffix_index(m);
   specdec::bind_recycling(m);

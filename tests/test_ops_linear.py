@@ -227,26 +227,28 @@ def test_linear_batch_invariant_up_to_64_rows_on_cpu(kind):
         assert torch.equal(whole, rows), (kind, M)
 
 
-@pytest.mark.parametrize("kind", ["fp32", "int8"])
+@pytest.mark.parametrize("kind", ["fp32", "int8", "bf16", "fp16"])
 @pytest.mark.parametrize("K", [8, 40, 576, 1536])
 @pytest.mark.parametrize("N", [1, 2, 3, 5, 130, 577])
 def test_linear_prefill_rows_cpu(kind, K, N):
     """Prefill sizes take the CPU's GEMM tiles (csrc/include/specdec/cpu_gemm.h: 4 weight rows x 3 x rows,
-    x in chunks of 96 rows) on an AVX2 CPU: float32 weights at 65-256 rows, int8 weights (widened once per
-    chunk) above 64 rows. Close to the float64 product for row counts across the tile and chunk
+    x in chunks of 96 rows) on an AVX2 CPU: float32 weights at 65-256 rows, int8 / bf16 / fp16 weights
+    (widened once per chunk) above 64 rows. Close to the float64 product for row counts across the tile and chunk
     remainders and the float32 switch to the BLAS GEMM above 256 rows, with a bias and with strided rows
     of x; a row's result does not depend on how many rows come with it nor on the thread count (bit for
-    bit); set_cpu_gemm(False) gives torch's BLAS GEMM (float32) and the few-row kernel (int8) back."""
+    bit); set_cpu_gemm(False) gives torch's BLAS GEMM (float, half) and the few-row kernel (int8) back."""
     from specdec import _C
 
     g = gen(K * 7 + N)
     w = torch.randn(N, K, generator=g) / math.sqrt(K)
     bias = torch.randn(N, generator=g)
     x = torch.randn(300, K, generator=g)
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(kind, torch.float32)
     if kind == "int8":
         q, s = ops.quantize_weight_int8(w)
         wargs, ref_w, scale = (q, s), q, s
     else:
+        w, bias, x = w.to(dt), bias.to(dt), x.to(dt)
         wargs, ref_w, scale = (w, None), w, None
 
     def lin(xx, b=None):
@@ -254,11 +256,11 @@ def test_linear_prefill_rows_cpu(kind, K, N):
 
     for M in (65, 66, 67, 97, 100, 193, 256, 257, 300):
         b = bias if M % 2 else None
-        check_close(lin(x[:M], b), x[:M], ref_w, b, scale, torch.float32)
-    wide = torch.randn(100, 2 * K, generator=g)[:, ::2]           # column stride 2 (copied to contiguous rows)
-    xs = torch.randn(100, K + 8, generator=g)[:, 4:4 + K]         # row stride K + 8, unit column stride
-    check_close(lin(xs, bias), xs, ref_w, bias, scale, torch.float32)
-    check_close(lin(wide), wide, ref_w, None, scale, torch.float32)
+        check_close(lin(x[:M], b), x[:M], ref_w, b, scale, dt)
+    wide = torch.randn(100, 2 * K, generator=g).to(dt)[:, ::2]    # column stride 2 (copied to contiguous rows)
+    xs = torch.randn(100, K + 8, generator=g).to(dt)[:, 4:4 + K]  # row stride K + 8, unit column stride
+    check_close(lin(xs, bias), xs, ref_w, bias, scale, dt)
+    check_close(lin(wide), wide, ref_w, None, scale, dt)
     whole = lin(x[:256], bias)
     for M in (65, 97, 131):
         assert torch.equal(lin(x[256 - M:256], bias), whole[256 - M:]), (M, K, N)
@@ -275,7 +277,7 @@ def test_linear_prefill_rows_cpu(kind, K, N):
         few = torch.cat([lin(x[i:i + 1], bias) for i in range(100)])
     finally:
         _C.set_cpu_gemm(True)
-    if kind == "fp32":
+    if kind != "int8":
         assert torch.equal(off, torch.nn.functional.linear(x[:100], w, bias))
     else:
         assert torch.equal(off, few)      # the few-row kernel: every row as a decode step

@@ -27,7 +27,7 @@ void linear_rows_avx2(const LinearParams& P, int64_t n_begin, int64_t n_end);   
 void qlinear_rows_avx2(const QLinearParams& P, int64_t n_begin, int64_t n_end);  // linear_avx2.cpp
 void gemm_f32_rows_avx2(const LinearParams& P, int64_t n_begin, int64_t n_end);  // linear_avx2.cpp (cpu_gemm.h)
 void gemm_q_rows_avx2(const QLinearParams& P, int64_t n_begin, int64_t n_end, float* scratch);  // (cpu_gemm.h)
-void gemm_i8_rows_avx2(const LinearParams& P, int64_t n_begin, int64_t n_end, float* scratch);   // (cpu_gemm.h)
+void gemm_widen_rows_avx2(const LinearParams& P, int64_t n_begin, int64_t n_end, float* scratch);  // (cpu_gemm.h)
 
 namespace {
 
@@ -60,13 +60,13 @@ void run(const LinearParams& P) {
 
 // Many rows (prefill), float32 weights, AVX2 (cpu_gemm.h): the weight rows split over the threads
 // in whole tiles of 4 (every output is one sequence of operations whatever the split).
-// int8 weights: each task widens its weight quads into its own scratch.
+// int8 / half weights: each task widens its weight quads into its own scratch.
 void run_gemm(const LinearParams& P) {
   const int64_t quads = (P.N + 3) / 4;
   at::parallel_for(0, quads, 4, [&](int64_t begin, int64_t end) {
-    if (P.wtype == WType::kInt8) {
+    if (P.wtype != WType::kFloat32) {
       std::vector<float> scratch(4 * P.K);
-      gemm_i8_rows_avx2(P, begin * 4, std::min(end * 4, P.N), scratch.data());
+      gemm_widen_rows_avx2(P, begin * 4, std::min(end * 4, P.N), scratch.data());
     } else {
       gemm_f32_rows_avx2(P, begin * 4, std::min(end * 4, P.N));
     }
@@ -185,10 +185,12 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::
   const bool quantized = weight.scalar_type() == at::kChar;
   // prefill sizes: float32 weights on an AVX2 CPU take cpu_gemm.h's tiles up to kLinearGemmRows
   // rows (1.08-1.30x MKL's sgemm at 65-144 rows on decoder shapes, parity at 256), the rest the BLAS GEMM
-  // int8 weights take them at any M above kBlasM (instead of the few-row kernel, 32 rows per pass)
+  // int8 weights (instead of the few-row kernel, 32 rows per pass) and float16 / bfloat16 weights
+  // (instead of the BLAS GEMM, ~7x slower here) take them at any M above kBlasM
+  const bool half = weight.scalar_type() == at::kHalf || weight.scalar_type() == at::kBFloat16;
   const bool gemm = M > cpu::kBlasM && K % 8 == 0 && cpu::has_avx2_fma_f16c() && cpu::gemm_enabled() &&
-                    (quantized || (M <= cpu::kLinearGemmRows && weight.scalar_type() == at::kFloat &&
-                                   x.scalar_type() == at::kFloat));
+                    (quantized || half ||
+                     (M <= cpu::kLinearGemmRows && weight.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat));
   if (!quantized && M > cpu::kBlasM && !gemm) {
     return at::linear(x, weight, bias);
   }

@@ -16,8 +16,8 @@ void gemm_f32_rows_avx2(const LinearParams& P, int64_t n_begin, int64_t n_end) {
   avx2::gemm_f32_rows(P, n_begin, n_end);
 }
 
-void gemm_i8_rows_avx2(const LinearParams& P, int64_t n_begin, int64_t n_end, float* scratch) {
-  avx2::gemm_i8_rows(P, n_begin, n_end, scratch);
+void gemm_widen_rows_avx2(const LinearParams& P, int64_t n_begin, int64_t n_end, float* scratch) {
+  avx2::gemm_widen_rows(P, n_begin, n_end, scratch);
 }
 
 void gemm_q_rows_avx2(const QLinearParams& P, int64_t n_begin, int64_t n_end, float* scratch) {

@@ -1,8 +1,9 @@
 // linear and qlinear on the CPU for MANY rows of x (prefill): y = x W^T + bias, compute-bound; AVX2 +
 // FMA only. linear: float32 weights and activations at kLinearBlasRows < M <= kLinearGemmRows, K a
-// multiple of 8 (the baseline build and the other cases keep torch's BLAS GEMM); int8 weights (per-row
-// scale) at M > kLinearBlasRows, K a multiple of 8, widened like the quantized ones below (else the
-// few-row kernel). qlinear: any
+// multiple of 8 (the baseline build and the other cases keep torch's BLAS GEMM); float16 / bfloat16
+// weights and int8 weights (per-row scale) at M > kLinearBlasRows, K a multiple of 8, widened like the
+// quantized ones below (else: the BLAS GEMM for half weights, ~10-12 G mul-add/s here without native
+// bf16 / fp16 FMAs, against ~80 for the tiles; the few-row kernel for int8). qlinear: any
 // group-quantized weight at M > kLinearBlasRows, its weight rows decoded to float32 four at a time
 // into a scratch once per chunk of x rows (instead of the few-row kernel, 32 rows per pass, which
 // widens every group again for every pass and tile).
@@ -123,22 +124,32 @@ inline void gemm_f32_rows(const LinearParams& P, int64_t n_begin, int64_t n_end)
   }
 }
 
-// Outputs y[:, n_begin:n_end) of an int8 weight with a per-row scale (P.K % 8 == 0): each weight quad
-// is widened once per x chunk into a float32 scratch as q * scale[n] (one rounding per weight, where
-// the few-row kernel scales the dot product instead) and meets the chunk's x rows as above.
-inline void gemm_i8_rows(const LinearParams& P, int64_t n_begin, int64_t n_end, float* scratch) {
-  const int8_t* W = static_cast<const int8_t*>(P.w);
+// Outputs y[:, n_begin:n_end) of a float16 / bfloat16 weight, or an int8 weight with a per-row scale
+// (P.K % 8 == 0): each weight quad is widened once per x chunk into a float32 scratch (int8: as
+// q * scale[n], one rounding per weight, where the few-row kernel scales the dot product instead)
+// and meets the chunk's x rows as above.
+inline void gemm_widen_rows(const LinearParams& P, int64_t n_begin, int64_t n_end, float* scratch) {
   for (int64_t c0 = 0; c0 < P.M; c0 += kGemmChunkRows) {
     const int64_t c1 = std::min(P.M, c0 + kGemmChunkRows);
     for (int64_t n = n_begin; n < n_end; n += kGemmNr) {
       const int64_t rows = std::min<int64_t>(kGemmNr, n_end - n);
       for (int64_t r = 0; r < rows; ++r) {
-        const int8_t* q = W + (n + r) * P.K;
-        const __m256 sc = _mm256_set1_ps(P.scale ? P.scale[n + r] : 1.0f);
         float* o = scratch + r * P.K;
-        for (int64_t k = 0; k < P.K; k += 8)
-          _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k)))), sc));
+        if (P.wtype == WType::kInt8) {
+          const int8_t* q = static_cast<const int8_t*>(P.w) + (n + r) * P.K;
+          const __m256 sc = _mm256_set1_ps(P.scale ? P.scale[n + r] : 1.0f);
+          for (int64_t k = 0; k < P.K; k += 8)
+            _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k)))), sc));
+        } else {
+          const uint16_t* h = static_cast<const uint16_t*>(P.w) + (n + r) * P.K;
+          const bool bf16 = P.wtype == WType::kBFloat16;
+          for (int64_t k = 0; k < P.K; k += 8) {
+            const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + k));
+            _mm256_storeu_ps(o + k, bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16))
+                                         : _mm256_cvtph_ps(v));
+          }
+        }
       }
       gemm_rows(P.x, P.x_stride, scratch, P.K, P.K, P.bias, P.y, P.y_stride, n, rows, c0, c1);
     }
