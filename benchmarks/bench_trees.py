@@ -7,7 +7,9 @@ drifts of the machine hit all configurations alike), greedy and temperature 1.0 
 
   chain_N      DraftModel(draft, k=N-1)                                   (N nodes, k draft forwards)
   spine_N      DraftModel(draft, k, top_k=w, node_budget=N)               w = 2 / 3 / 3 (spine + sibling leaves)
-  dynamic_N    DraftModel(draft, k, top_k=w, node_budget=N, tree="dynamic")  (k, w) = (5, 2) / (6, 3) / (8, 4)
+  dynamic_N    DraftModel(draft, k, top_k=w, node_budget=N, tree="dynamic")  (k, w) = (5, 2) / (10, 2) / (10, 4)
+               (16 and 32 nodes: the best of a shape sweep with the int8 draft on the open AND the
+               grounded prompts, see README; before 2026-12-03 (6, 3) / (8, 4))
   dynraw_N     the same dynamic tree ranked by draft probability alone (calibrate=False, EAGLE-2)
   deep_N       DraftModel(draft, k, top_k=2, node_budget=N, tree="dynamic"), k = 7 / 12 / 20: a deep
                dynamic tree (the calibrated ranking decides between spine and siblings)
@@ -51,7 +53,7 @@ from specdec.models.hf import HFCausalLM  # noqa: E402
 
 BUDGETS = (8, 16, 32)
 SPINE_W = {8: 2, 16: 3, 32: 3}
-DYNAMIC_KW = {8: (5, 2), 16: (6, 3), 32: (8, 4)}
+DYNAMIC_KW = {8: (5, 2), 16: (10, 2), 32: (10, 4)}
 DEEP_K = {8: 7, 16: 12, 32: 20}
 
 
