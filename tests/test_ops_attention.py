@@ -530,3 +530,25 @@ def test_verify_attention_cpu_same_bits_for_any_thread_count(dtype):
                                            rtol=1e-5 if dtype == torch.float32 else 2e-2)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_verify_attention_cpu_causal_prefill_rows_equal_decode_steps(dtype):
+    """A causal pass of many queries (a prefill chunk) skips, per row tile, the key blocks past the
+    last key any of its rows can see. That is exact: every row equals, bit for bit, the same query
+    run as a one-node step over the keys before it (whose tile skips nothing), for prefixes and row
+    counts that put tile, head and 64-key block boundaries everywhere, on 1 and 2 threads."""
+    before = torch.get_num_threads()
+    try:
+        for (Hq, Hkv), L, N in [((9, 3), 0, 150), ((9, 3), 37, 131), ((4, 4), 64, 70), ((6, 2), 5, 65)]:
+            q, k_cache, v_cache, cache_lens = make_case(1, N, Hq, Hkv, 64, [L], dtype, seed=Hq + L + N)
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                whole = ops.verify_attention(q, k_cache, v_cache, cache_lens, None)
+                for i in sorted({0, 1, 2, 3, 63, 64, 65, N // 2, N - 2, N - 1} & set(range(N))):
+                    one = ops.verify_attention(q[:, i:i + 1], k_cache, v_cache,
+                                               torch.tensor([L + i], dtype=torch.int32), None)
+                    assert torch.equal(one[0, 0], whole[0, i]), ((Hq, Hkv), L, N, i, threads)
+            assert_attention_close(whole, q, k_cache, v_cache, cache_lens, None, 64 ** -0.5)
+    finally:
+        torch.set_num_threads(before)

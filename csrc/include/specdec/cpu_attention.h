@@ -72,6 +72,7 @@ constexpr int64_t kKeyBlock = 64;  // keys per block: 8 vectors of 8 scores per 
 struct AttentionScratch {
   std::vector<float> q, acc, kt, v, s, row;
   std::vector<float> m, l, corr;
+  std::vector<int64_t> tile_end;  // per row tile: the end of the keys any of its rows can see
 };
 
 constexpr int64_t kRowTile = 3;     // query rows per micro-kernel call (3 x 4 accumulators)
@@ -178,6 +179,20 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, int64
     for (int64_t d = 0; d < D; ++d) dst[d] *= P.scale;
   }
 
+  // Causal (no mask): row r sees the keys before len + qoff + i + 1, so a key block at or past the
+  // end of every row of a tile is skipped for that tile (a prefill chunk of N queries skips about
+  // half its blocks). Skipping is exact: a fully masked block leaves m, l and acc as they are (its
+  // scores are -inf, corr = exp(0) = 1, every p = 0), so the results do not change by a bit.
+  W.tile_end.assign(Rp / kRowTile, total);
+  if (!P.mask) {
+    for (int64_t t = 0; t < Rp / kRowTile; ++t) {
+      int64_t e = 0;
+      for (int64_t r = t * kRowTile; r < std::min(R, (t + 1) * kRowTile); ++r)
+        e = std::max<int64_t>(e, len + qoff + (r_begin + r) % N + 1);
+      W.tile_end[t] = std::min(total, e);
+    }
+  }
+
   const char* kbase = static_cast<const char*>(P.k_cache) + ((b * P.Hkv + h) * P.S) * D * es;
   const char* vbase = static_cast<const char*>(P.v_cache) + ((b * P.Hkv + h) * P.S) * D * es;
 
@@ -205,10 +220,11 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, int64
     const float* vblock = direct ? reinterpret_cast<const float*>(vbase) + s0 * D : W.v.data();
     // 1) scores of every row against the block
     for (int64_t r0 = 0; r0 < Rp; r0 += kRowTile)
-      qk_tile(W.q.data() + r0 * Dp, Dp, W.kt.data(), D, W.s.data() + r0 * kKeyBlock);
+      if (s0 < W.tile_end[r0 / kRowTile]) qk_tile(W.q.data() + r0 * Dp, Dp, W.kt.data(), D, W.s.data() + r0 * kKeyBlock);
     // 2) mask + online softmax per row: s <- p = exp(s - m_new), corr = exp(m_old - m_new)
     const bool touches_tree = s0 + nk > len;
     for (int64_t r = 0; r < Rp; ++r) {
+      if (s0 >= W.tile_end[r / kRowTile]) continue;  // the tile sees none of this block
       float* s = W.s.data() + r * kKeyBlock;
       if (r >= R) {  // padding row of the last tile
         for (int64_t k = 0; k < kKeyBlock; ++k) s[k] = 0.f;
@@ -253,6 +269,7 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, int64
     }
     // 3) acc = acc * corr + P V
     for (int64_t r0 = 0; r0 < Rp; r0 += kRowTile) {
+      if (s0 >= W.tile_end[r0 / kRowTile]) continue;
       float* acc = W.acc.data() + r0 * Dp;
       const float* p = W.s.data() + r0 * kKeyBlock;
       const float* corr = W.corr.data() + r0;
