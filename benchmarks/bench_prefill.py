@@ -14,7 +14,7 @@ interleaved round by round (medians):
            ms per layer, G multiply-adds / s, tiles / BLAS speed-up;
   prefill  HFCausalLM.prefill of the bundled target (the lean forward) at float32, bfloat16, Q4_1
            (the GGUF's own blocks) and Q8_0, and of its weight-only int8 draft (w8, which prefills the prompt
-           too when it drafts), for prompts of 72, 143 and 256 tokens (TTFT without the first
+           too when it drafts), for prompts of 72, 143, 256 and 512 tokens (TTFT without the first
            sampling step): ms, speed-up.
 
 The greedy next token of each prompt must be the same both ways (recorded with the largest logit
@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]   # (N, K): qkv, o, gate_up, down
 ROWS = (65, 72, 100, 144, 200, 256)
-PROMPTS = (72, 143, 256)
+PROMPTS = (72, 143, 256, 512)
 PRECISIONS = ("fp32", "bf16", "q4_1", "q8_0", "w8")   # w8: the weight-only int8 draft
 
 
