@@ -157,38 +157,20 @@ inline void gemm_widen_rows(const LinearParams& P, int64_t n_begin, int64_t n_en
 }
 
 // Weight row n of a group-quantized weight as float32 (K values): w = d * q (+ m), the values the
-// few-row kernel (cpu_qlinear.h) computes (fma(q, d, m) for Q4_1, q * d otherwise).
-inline void q_decode_row(const QLinearParams& P, int64_t n, float* out) {
-  const int64_t G = P.K / kQGroup;
-  const __m256i low4 = _mm256_set1_epi32(15);
-  for (int64_t g = 0; g < G; ++g) {
-    __m256i c[4];
-    if (P.bits == 8) {
-      const int8_t* q = static_cast<const int8_t*>(P.qw) + n * P.K + g * kQGroup;
-      for (int k = 0; k < 4; ++k)
-        c[k] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * k)));
-    } else {
-      const uint8_t* q = static_cast<const uint8_t*>(P.qw) + n * (P.K / 2) + g * (kQGroup / 2);
-      const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
-      const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
-      c[0] = _mm256_and_si256(a, low4);
-      c[1] = _mm256_and_si256(b, low4);
-      c[2] = _mm256_srli_epi32(a, 4);
-      c[3] = _mm256_srli_epi32(b, 4);
-      if (!P.mins) {
-        const __m256i eight = _mm256_set1_epi32(8);
-        for (int k = 0; k < 4; ++k) c[k] = _mm256_sub_epi32(c[k], eight);
-      }
-    }
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(P.scales[n * G + g]));
-    float* o = out + g * kQGroup;
-    if (P.bits == 4 && P.mins) {
-      const __m256 mn = _mm256_set1_ps(_cvtsh_ss(P.mins[n * G + g]));
-      for (int k = 0; k < 4; ++k) _mm256_storeu_ps(o + 8 * k, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c[k]), d, mn));
-    } else {
-      for (int k = 0; k < 4; ++k) _mm256_storeu_ps(o + 8 * k, _mm256_mul_ps(_mm256_cvtepi32_ps(c[k]), d));
-    }
+// few-row kernel computes (the same q_group_weights_avx2).
+template <int BITS, bool MINS>
+inline void q_decode_row_t(const QLinearParams& P, int64_t n, float* out) {
+  for (int64_t g = 0; g < P.K / kQGroup; ++g) {
+    __m256 w[4];
+    q_group_weights_avx2<BITS, MINS>(P, n, g, w);
+    for (int k = 0; k < 4; ++k) _mm256_storeu_ps(out + g * kQGroup + 8 * k, w[k]);
   }
+}
+
+inline void q_decode_row(const QLinearParams& P, int64_t n, float* out) {
+  if (P.bits == 8) q_decode_row_t<8, false>(P, n, out);
+  else if (P.mins) q_decode_row_t<4, true>(P, n, out);
+  else q_decode_row_t<4, false>(P, n, out);
 }
 
 // Outputs y[:, n_begin:n_end) of a group-quantized weight (P.x contiguous [M, K]): per x chunk, each

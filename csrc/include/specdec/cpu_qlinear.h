@@ -161,10 +161,43 @@ inline const char* q_prefetch_target(const QLinearParams& P, int64_t n0, int64_t
 }
 
 #if defined(__AVX2__)
-// The AVX2 tile. Per weight row and group the 32 codes are widened once (a 4-bit group's 16
-// bytes by two vpmovzxbd loads: each 32-bit lane's low nibble is element j, its high nibble
-// element j + 16, two shuffles for four vectors) and turned into the weights themselves,
-// w = d * q (+ m) (one mul or fma per 8), which then feed MR rows of x with 4 FMAs each into
+// The 32 weights of group g of weight row n as 4 vectors of 8 floats, w = d * q (+ m): the codes
+// widened to int32 (a 4-bit group's 16 bytes by two vpmovzxbd loads: each 32-bit lane's low nibble is
+// element j, its high nibble element j + 16), converted, then one mul (fma for Q4_1) per 8. Shared by
+// the few-row tile below and the prefill GEMM's decode (cpu_gemm.h).
+template <int BITS, bool MINS>
+inline void q_group_weights_avx2(const QLinearParams& P, int64_t n, int64_t g, __m256 (&w)[4]) {
+  const int64_t G = P.K / kQGroup;
+  __m256i c[4];
+  if constexpr (BITS == 8) {
+    const int8_t* q = static_cast<const int8_t*>(P.qw) + n * P.K + g * kQGroup;
+    for (int k = 0; k < 4; ++k)
+      c[k] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * k)));
+  } else {
+    const __m256i low4 = _mm256_set1_epi32(15);
+    const uint8_t* q = static_cast<const uint8_t*>(P.qw) + n * (P.K / 2) + g * (kQGroup / 2);
+    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
+    c[0] = _mm256_and_si256(a, low4);
+    c[1] = _mm256_and_si256(b, low4);
+    c[2] = _mm256_srli_epi32(a, 4);
+    c[3] = _mm256_srli_epi32(b, 4);
+    if constexpr (!MINS) {
+      const __m256i eight = _mm256_set1_epi32(8);
+      for (int k = 0; k < 4; ++k) c[k] = _mm256_sub_epi32(c[k], eight);
+    }
+  }
+  const __m256 d = _mm256_set1_ps(_cvtsh_ss(P.scales[n * G + g]));
+  if constexpr (BITS == 4 && MINS) {
+    const __m256 mn = _mm256_set1_ps(_cvtsh_ss(P.mins[n * G + g]));
+    for (int k = 0; k < 4; ++k) w[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c[k]), d, mn);
+  } else {
+    for (int k = 0; k < 4; ++k) w[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(c[k]), d);
+  }
+}
+
+// The AVX2 tile. Per weight row and group the 32 codes are widened once and turned into the
+// weights themselves (q_group_weights_avx2), which then feed MR rows of x with 4 FMAs each into
 // one accumulator per (row, x row). Every output is the same sequence of operations whatever
 // M and the tile shape are (batch invariance: a verify pass of N nodes computes the logits a
 // decode step would, bit for bit, so greedy speculation stays token-exact); NR only sets how
@@ -178,37 +211,12 @@ inline void q_tile_avx2(const QLinearParams& P, int64_t n0, int64_t m0, const ch
   __m256 acc[NR][MR];
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi32(15);
   for (int64_t g = 0; g < G; ++g) {
     prefetch.step();
     for (int r = 0; r < NR; ++r) {
       const int64_t n = n0 + r;
-      __m256i c[4];
-      if constexpr (BITS == 8) {
-        const int8_t* q = static_cast<const int8_t*>(P.qw) + n * P.K + g * kQGroup;
-        for (int k = 0; k < 4; ++k)
-          c[k] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * k)));
-      } else {
-        const uint8_t* q = static_cast<const uint8_t*>(P.qw) + n * (P.K / 2) + g * (kQGroup / 2);
-        const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
-        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
-        c[0] = _mm256_and_si256(a, low4);
-        c[1] = _mm256_and_si256(b, low4);
-        c[2] = _mm256_srli_epi32(a, 4);
-        c[3] = _mm256_srli_epi32(b, 4);
-        if constexpr (!MINS) {
-          const __m256i eight = _mm256_set1_epi32(8);
-          for (int k = 0; k < 4; ++k) c[k] = _mm256_sub_epi32(c[k], eight);
-        }
-      }
-      const __m256 d = _mm256_set1_ps(_cvtsh_ss(P.scales[n * G + g]));
       __m256 w[4];
-      if constexpr (BITS == 4 && MINS) {
-        const __m256 mn = _mm256_set1_ps(_cvtsh_ss(P.mins[n * G + g]));
-        for (int k = 0; k < 4; ++k) w[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c[k]), d, mn);
-      } else {
-        for (int k = 0; k < 4; ++k) w[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(c[k]), d);
-      }
+      q_group_weights_avx2<BITS, MINS>(P, n, g, w);
       for (int m = 0; m < MR; ++m) {
         const float* xg = xr[m] + g * kQGroup;
         __m256 s = acc[r][m];
