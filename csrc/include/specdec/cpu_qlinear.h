@@ -164,9 +164,11 @@ inline const char* q_prefetch_target(const QLinearParams& P, int64_t n0, int64_t
 // The 32 weights of group g of weight row n as 4 vectors of 8 floats, w = d * q (+ m): the codes
 // widened to int32 (a 4-bit group's 16 bytes by two vpmovzxbd loads: each 32-bit lane's low nibble is
 // element j, its high nibble element j + 16), converted, then one mul (fma for Q4_1) per 8. Shared by
-// the few-row tile below and the prefill GEMM's decode (cpu_gemm.h).
+// the few-row tile below and the prefill GEMM's decode (cpu_gemm.h); dsf / msf: the group's scale /
+// min already widened to float32 (else read and widened here).
 template <int BITS, bool MINS>
-inline void q_group_weights_avx2(const QLinearParams& P, int64_t n, int64_t g, __m256 (&w)[4]) {
+inline void q_group_weights_avx2(const QLinearParams& P, int64_t n, int64_t g, __m256 (&w)[4],
+                                 const float* dsf = nullptr, const float* msf = nullptr) {
   const int64_t G = P.K / kQGroup;
   __m256i c[4];
   if constexpr (BITS == 8) {
@@ -187,9 +189,9 @@ inline void q_group_weights_avx2(const QLinearParams& P, int64_t n, int64_t g, _
       for (int k = 0; k < 4; ++k) c[k] = _mm256_sub_epi32(c[k], eight);
     }
   }
-  const __m256 d = _mm256_set1_ps(_cvtsh_ss(P.scales[n * G + g]));
+  const __m256 d = dsf ? _mm256_broadcast_ss(dsf) : _mm256_set1_ps(_cvtsh_ss(P.scales[n * G + g]));
   if constexpr (BITS == 4 && MINS) {
-    const __m256 mn = _mm256_set1_ps(_cvtsh_ss(P.mins[n * G + g]));
+    const __m256 mn = msf ? _mm256_broadcast_ss(msf) : _mm256_set1_ps(_cvtsh_ss(P.mins[n * G + g]));
     for (int k = 0; k < 4; ++k) w[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c[k]), d, mn);
   } else {
     for (int k = 0; k < 4; ++k) w[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(c[k]), d);
@@ -211,12 +213,32 @@ inline void q_tile_avx2(const QLinearParams& P, int64_t n0, int64_t m0, const ch
   __m256 acc[NR][MR];
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_setzero_ps();
+  // The float16 scales (and mins) of 8 groups at a time, widened with one vcvtph2ps per row and
+  // broadcast from L1, instead of a scalar load, a move to a vector register and a conversion per
+  // group (exact either way: the same values; ~1.07x for a Q4_1 decode step, exploratory A/B).
+  alignas(32) float ds[NR][8], ms[NR][8];
   for (int64_t g = 0; g < G; ++g) {
     prefetch.step();
+    if (g % 8 == 0) {
+      const int64_t cnt = std::min<int64_t>(8, G - g);
+      for (int r = 0; r < NR; ++r) {
+        const int64_t base = (n0 + r) * G + g;
+        if (cnt == 8) {
+          _mm256_store_ps(ds[r], _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(P.scales + base))));
+          if constexpr (MINS)
+            _mm256_store_ps(ms[r], _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(P.mins + base))));
+        } else {
+          for (int64_t j = 0; j < cnt; ++j) {
+            ds[r][j] = _cvtsh_ss(P.scales[base + j]);
+            if constexpr (MINS) ms[r][j] = _cvtsh_ss(P.mins[base + j]);
+          }
+        }
+      }
+    }
     for (int r = 0; r < NR; ++r) {
       const int64_t n = n0 + r;
       __m256 w[4];
-      q_group_weights_avx2<BITS, MINS>(P, n, g, w);
+      q_group_weights_avx2<BITS, MINS>(P, n, g, w, &ds[r][g % 8], MINS ? &ms[r][g % 8] : nullptr);
       for (int m = 0; m < MR; ++m) {
         const float* xg = xr[m] + g * kQGroup;
         __m256 s = acc[r][m];
