@@ -6,10 +6,10 @@
 // Rows: the kernel takes kSmallM rows of x per pass over the weight. Float weights use it up
 // to kBlasM rows (2 passes; measured faster than torch's BLAS sgemm up to ~64 rows on the
 // Llama shapes here: 40 rows 1.24x, 64 rows 1.04x, 2 threads); larger M (prefill) is
-// compute-bound: float32 weights and x on an AVX2 CPU take the GEMM tiles of cpu_gemm.h up to
-// kLinearGemmRows rows (cpu::set_gemm(false) turns them off, for benchmarks), anything else
-// at::linear (the BLAS GEMM), same contract. int8 weights always use the kernel, kSmallM rows
-// at a time.
+// compute-bound and, on an AVX2 CPU with K % 8 == 0, takes the GEMM tiles of cpu_gemm.h: float32
+// weights and x up to kLinearGemmRows rows (more: at::linear, the BLAS GEMM, faster from ~256 rows),
+// float16 / bfloat16 and int8 weights at any M. Otherwise float weights go to at::linear and int8
+// weights to the kernel, kSmallM rows at a time. cpu::set_gemm(false) turns the tiles off (A/Bs).
 #include <ATen/Parallel.h>
 
 #include <atomic>
@@ -25,9 +25,8 @@ namespace specdec {
 namespace cpu {
 void linear_rows_avx2(const LinearParams& P, int64_t n_begin, int64_t n_end);    // linear_avx2.cpp
 void qlinear_rows_avx2(const QLinearParams& P, int64_t n_begin, int64_t n_end);  // linear_avx2.cpp
-void gemm_f32_rows_avx2(const LinearParams& P, int64_t n_begin, int64_t n_end);  // linear_avx2.cpp (cpu_gemm.h)
-void gemm_q_rows_avx2(const QLinearParams& P, int64_t n_begin, int64_t n_end, float* scratch);  // (cpu_gemm.h)
-void gemm_widen_rows_avx2(const LinearParams& P, int64_t n_begin, int64_t n_end, float* scratch);  // (cpu_gemm.h)
+void gemm_linear_rows_avx2(const LinearParams& P, int64_t n_begin, int64_t n_end, float* scratch);  // cpu_gemm.h
+void gemm_q_rows_avx2(const QLinearParams& P, int64_t n_begin, int64_t n_end, float* scratch);       // cpu_gemm.h
 
 namespace {
 
@@ -58,27 +57,14 @@ void run(const LinearParams& P) {
   });
 }
 
-// Many rows (prefill), float32 weights, AVX2 (cpu_gemm.h): the weight rows split over the threads
-// in whole tiles of 4 (every output is one sequence of operations whatever the split).
-// int8 / half weights: each task widens its weight quads into its own scratch.
-void run_gemm(const LinearParams& P) {
-  const int64_t quads = (P.N + 3) / 4;
-  at::parallel_for(0, quads, 4, [&](int64_t begin, int64_t end) {
-    if (P.wtype != WType::kFloat32) {
-      std::vector<float> scratch(4 * P.K);
-      gemm_widen_rows_avx2(P, begin * 4, std::min(end * 4, P.N), scratch.data());
-    } else {
-      gemm_f32_rows_avx2(P, begin * 4, std::min(end * 4, P.N));
-    }
-  });
-}
-
-// The same for a group-quantized weight: each task decodes its weight quads into its own scratch.
-void run_gemm_q(const QLinearParams& P) {
-  const int64_t quads = (P.N + 3) / 4;
-  at::parallel_for(0, quads, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(4 * P.K);
-    gemm_q_rows_avx2(P, begin * 4, std::min(end * 4, P.N), scratch.data());
+// Prefill sizes on AVX2 (cpu_gemm.h): the weight rows split over the threads in whole quads (every
+// output is one sequence of operations whatever the split); each task gets a scratch of 4 * K floats
+// for the quads it decodes (unused for float32 weights, which are read in place).
+template <typename F>
+void run_gemm(int64_t N, int64_t K, F&& rows) {
+  at::parallel_for(0, (N + 3) / 4, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(4 * K);
+    rows(begin * 4, std::min(end * 4, N), scratch.data());
   });
 }
 
@@ -138,7 +124,7 @@ void qlinear_raw(QLinearParams P) {
   // prefill sizes on AVX2: the GEMM tiles over decoded weight quads (cpu_gemm.h), not batch
   // invariant with the few-row kernel, which keeps every decode / verify size (<= kBlasM rows)
   if (M > kBlasM && has_avx2_fma_f16c() && gemm_enabled()) {
-    run_gemm_q(P);
+    run_gemm(P.N, K, [&](int64_t n0, int64_t n1, float* scratch) { gemm_q_rows_avx2(P, n0, n1, scratch); });
     return;
   }
   // The baseline kernel's Q4_1 min term needs the sum of x over each group (the AVX2 tile folds
@@ -183,10 +169,9 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   const bool quantized = weight.scalar_type() == at::kChar;
-  // prefill sizes: float32 weights on an AVX2 CPU take cpu_gemm.h's tiles up to kLinearGemmRows
-  // rows (1.08-1.30x MKL's sgemm at 65-144 rows on decoder shapes, parity at 256), the rest the BLAS GEMM
-  // int8 weights (instead of the few-row kernel, 32 rows per pass) and float16 / bfloat16 weights
-  // (instead of the BLAS GEMM, ~7x slower here) take them at any M above kBlasM
+  // prefill sizes (see the file comment; results/prefill_cpu_2026-12-03*.json): the tiles against
+  // MKL's sgemm 1.10-1.61x per layer at 65-72 rows and 0.92-1.31x at 100-256; the bf16 target's
+  // prefill 5.1-6.3x its BLAS GEMM's, the w8 draft's 1.13-1.30x the few-row kernel's
   const bool half = weight.scalar_type() == at::kHalf || weight.scalar_type() == at::kBFloat16;
   const bool gemm = M > cpu::kBlasM && K % 8 == 0 && cpu::has_avx2_fma_f16c() && cpu::gemm_enabled() &&
                     (quantized || half ||
@@ -218,7 +203,7 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::
   P.M = M;
   P.x = x2.data_ptr<float>();
   P.y = y.data_ptr<float>();
-  if (gemm) cpu::run_gemm(P);
+  if (gemm) cpu::run_gemm(N, K, [&](int64_t n0, int64_t n1, float* scratch) { cpu::gemm_linear_rows_avx2(P, n0, n1, scratch); });
   else cpu::linear_raw(P);
   if (!direct) y = y.to(x.scalar_type());
   return y.view(out_shape);

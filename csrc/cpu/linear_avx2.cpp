@@ -12,12 +12,8 @@ void linear_rows_avx2(const LinearParams& P, int64_t n_begin, int64_t n_end) {
   avx2::linear_rows(P, n_begin, n_end);
 }
 
-void gemm_f32_rows_avx2(const LinearParams& P, int64_t n_begin, int64_t n_end) {
-  avx2::gemm_f32_rows(P, n_begin, n_end);
-}
-
-void gemm_widen_rows_avx2(const LinearParams& P, int64_t n_begin, int64_t n_end, float* scratch) {
-  avx2::gemm_widen_rows(P, n_begin, n_end, scratch);
+void gemm_linear_rows_avx2(const LinearParams& P, int64_t n_begin, int64_t n_end, float* scratch) {
+  avx2::gemm_linear_rows(P, n_begin, n_end, scratch);
 }
 
 void gemm_q_rows_avx2(const QLinearParams& P, int64_t n_begin, int64_t n_end, float* scratch) {

@@ -192,6 +192,8 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, int64
       W.tile_end[t] = std::min(total, e);
     }
   }
+  // no K / V block is read that none of the task's tiles sees
+  const int64_t keys_end = *std::max_element(W.tile_end.begin(), W.tile_end.end());
 
   const char* kbase = static_cast<const char*>(P.k_cache) + ((b * P.Hkv + h) * P.S) * D * es;
   const char* vbase = static_cast<const char*>(P.v_cache) + ((b * P.Hkv + h) * P.S) * D * es;
@@ -199,7 +201,7 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, int64
   // A float32 cache with D % 8 == 0 is read in place for V, and its K blocks are transposed in
   // 8 x 8 tiles with AVX2 (the same values: data movement only).
   const bool direct = P.dtype == DType::kFloat32 && D == Dp;
-  for (int64_t s0 = 0; s0 < total; s0 += kKeyBlock) {
+  for (int64_t s0 = 0; s0 < keys_end; s0 += kKeyBlock) {
     const int64_t nk = std::min(kKeyBlock, total - s0);
     // K block -> transposed fp32 Kt[d, k]; V block -> fp32 V[k, d], keys k < nk (the lanes of
     // the keys past nk hold earlier values: their scores are overwritten with -inf below).

@@ -17,14 +17,14 @@
 // (L2-resident), and each weight row quad, L1-resident after its first use, meets every x row
 // triple of the chunk (the x rows stream from L2 at 3 loads per 12 FMAs; the other order, a block
 // of 48 weight rows in L2 met by L1-resident x triples, streams 4 loads per 12 FMAs from L2 and
-// measured 0.97-1.0x of this one).
+// measured 0.96-1.0x of this one in an interleaved A/B).
 //
 // Exploratory interleaved A/B on the bundled SmolLM2 target's layer shapes (qkv 960 x 576, o
 // 576 x 576, gate_up 3072 x 576, down 576 x 1536), 2 threads, against torch's MKL sgemm
 // (torch.nn.functional.linear): ~82-84 G mul-add/s at any M from 65 to 512 (the FMA peak of the two
 // cores measures ~97) against MKL's 63-77 at 65-144 rows (1.08-1.30x) and 83-86 at 256-512
-// (0.97-1.01x), hence kLinearGemmRows. The bundled target's Q4_1 prefill: 170 -> 115 ms at 72
-// tokens. The numbers of record: benchmarks/bench_prefill.py.
+// (0.97-1.01x), hence kLinearGemmRows. The numbers of record, whole prefills included:
+// benchmarks/bench_prefill.py (results/prefill_cpu_2026-12-03*.json).
 //
 // Every output is one sequence of operations (the K loop of its accumulator, then the same
 // 4-lane reduction, whatever the tile's shape): a row's result does not depend on M, on the other
@@ -113,78 +113,74 @@ inline void gemm_rows(const float* x, int64_t xs, const float* w, int64_t ldw, i
   }
 }
 
-// Outputs y[:, n_begin:n_end) (float32 weights, P.K % 8 == 0).
-inline void gemm_f32_rows(const LinearParams& P, int64_t n_begin, int64_t n_end) {
-  const float* W = static_cast<const float*>(P.w);
-  for (int64_t c0 = 0; c0 < P.M; c0 += kGemmChunkRows) {
-    const int64_t c1 = std::min(P.M, c0 + kGemmChunkRows);
-    for (int64_t n = n_begin; n < n_end; n += kGemmNr)
-      gemm_rows(P.x, P.x_stride, W + n * P.K, P.K, P.K, P.bias, P.y, P.y_stride, n, std::min<int64_t>(kGemmNr, n_end - n),
-                c0, c1);
+// The schedule of every weight format: x in chunks of kGemmChunkRows rows, and per chunk each quad of
+// weight rows [n, n + rows) as float32 rows of stride K from quad(n, rows) (the weight itself, or its
+// rows decoded into the caller's scratch), met by all the chunk's x rows.
+template <typename Quad>
+inline void gemm_drive(const float* x, int64_t xs, int64_t M, int64_t K, const float* bias, float* y, int64_t ys,
+                       int64_t n_begin, int64_t n_end, Quad&& quad) {
+  for (int64_t c0 = 0; c0 < M; c0 += kGemmChunkRows) {
+    const int64_t c1 = std::min(M, c0 + kGemmChunkRows);
+    for (int64_t n = n_begin; n < n_end; n += kGemmNr) {
+      const int64_t rows = std::min<int64_t>(kGemmNr, n_end - n);
+      gemm_rows(x, xs, quad(n, rows), K, K, bias, y, ys, n, rows, c0, c1);
+    }
   }
 }
 
-// Outputs y[:, n_begin:n_end) of a float16 / bfloat16 weight, or an int8 weight with a per-row scale
-// (P.K % 8 == 0): each weight quad is widened once per x chunk into a float32 scratch (int8: as
-// q * scale[n], one rounding per weight, where the few-row kernel scales the dot product instead)
-// and meets the chunk's x rows as above.
-inline void gemm_widen_rows(const LinearParams& P, int64_t n_begin, int64_t n_end, float* scratch) {
-  for (int64_t c0 = 0; c0 < P.M; c0 += kGemmChunkRows) {
-    const int64_t c1 = std::min(P.M, c0 + kGemmChunkRows);
-    for (int64_t n = n_begin; n < n_end; n += kGemmNr) {
-      const int64_t rows = std::min<int64_t>(kGemmNr, n_end - n);
+// Outputs y[:, n_begin:n_end) of a linear weight (P.K % 8 == 0). Float32 weights are read in place;
+// float16 / bfloat16 / int8 weights are widened (load_w, as the few-row kernel widens them; int8 as
+// q * scale[n], one rounding per weight, where the few-row kernel scales the dot product instead) into
+// the scratch (4 * K floats) once per quad and x chunk.
+template <WType WT>
+inline void gemm_linear_rows_t(const LinearParams& P, int64_t n_begin, int64_t n_end, float* scratch) {
+  gemm_drive(P.x, P.x_stride, P.M, P.K, P.bias, P.y, P.y_stride, n_begin, n_end, [&](int64_t n, int64_t rows) {
+    if constexpr (WT == WType::kFloat32) {
+      return static_cast<const float*>(P.w) + n * P.K;
+    } else {
       for (int64_t r = 0; r < rows; ++r) {
+        const void* w = w_row<WT>(P.w, n + r, P.K);
         float* o = scratch + r * P.K;
-        if (P.wtype == WType::kInt8) {
-          const int8_t* q = static_cast<const int8_t*>(P.w) + (n + r) * P.K;
-          const __m256 sc = _mm256_set1_ps(P.scale ? P.scale[n + r] : 1.0f);
-          for (int64_t k = 0; k < P.K; k += 8)
-            _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k)))), sc));
-        } else {
-          const uint16_t* h = static_cast<const uint16_t*>(P.w) + (n + r) * P.K;
-          const bool bf16 = P.wtype == WType::kBFloat16;
-          for (int64_t k = 0; k < P.K; k += 8) {
-            const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + k));
-            _mm256_storeu_ps(o + k, bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16))
-                                         : _mm256_cvtph_ps(v));
-          }
-        }
+        const v8f sc = v8_set1(WT == WType::kInt8 && P.scale ? P.scale[n + r] : 1.0f);
+        for (int64_t k = 0; k < P.K; k += 8) v8_store(o + k, WT == WType::kInt8 ? load_w<WT>(w, k) * sc : load_w<WT>(w, k));
       }
-      gemm_rows(P.x, P.x_stride, scratch, P.K, P.K, P.bias, P.y, P.y_stride, n, rows, c0, c1);
+      return static_cast<const float*>(scratch);
     }
+  });
+}
+
+inline void gemm_linear_rows(const LinearParams& P, int64_t n_begin, int64_t n_end, float* scratch) {
+  switch (P.wtype) {
+    case WType::kFloat32: return gemm_linear_rows_t<WType::kFloat32>(P, n_begin, n_end, scratch);
+    case WType::kFloat16: return gemm_linear_rows_t<WType::kFloat16>(P, n_begin, n_end, scratch);
+    case WType::kBFloat16: return gemm_linear_rows_t<WType::kBFloat16>(P, n_begin, n_end, scratch);
+    case WType::kInt8: return gemm_linear_rows_t<WType::kInt8>(P, n_begin, n_end, scratch);
   }
 }
 
-// Weight row n of a group-quantized weight as float32 (K values): w = d * q (+ m), the values the
-// few-row kernel computes (the same q_group_weights_avx2).
+// Outputs y[:, n_begin:n_end) of a group-quantized weight (P.x contiguous [M, K]): each weight quad is
+// decoded into the scratch (4 * K floats, L1-resident) once per x chunk, w = d * q (+ m), the values the
+// few-row kernel computes (q_group_weights_avx2), so the decode (~1/3 op per weight) is paid once per
+// 96 rows.
 template <int BITS, bool MINS>
-inline void q_decode_row_t(const QLinearParams& P, int64_t n, float* out) {
-  for (int64_t g = 0; g < P.K / kQGroup; ++g) {
-    __m256 w[4];
-    q_group_weights_avx2<BITS, MINS>(P, n, g, w);
-    for (int k = 0; k < 4; ++k) _mm256_storeu_ps(out + g * kQGroup + 8 * k, w[k]);
-  }
+inline void gemm_q_rows_t(const QLinearParams& P, int64_t n_begin, int64_t n_end, float* scratch) {
+  const int64_t G = P.K / kQGroup;
+  gemm_drive(P.x, P.x_stride, P.M, P.K, P.bias, P.y, P.y_stride, n_begin, n_end, [&](int64_t n, int64_t rows) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t i = (n + r) * G + g;
+        __m256 w[4];
+        q_group_weights_avx2<BITS, MINS>(P, n + r, g, _cvtsh_ss(P.scales[i]), MINS ? _cvtsh_ss(P.mins[i]) : 0.0f, w);
+        for (int k = 0; k < 4; ++k) _mm256_storeu_ps(scratch + r * P.K + g * kQGroup + 8 * k, w[k]);
+      }
+    return static_cast<const float*>(scratch);
+  });
 }
 
-inline void q_decode_row(const QLinearParams& P, int64_t n, float* out) {
-  if (P.bits == 8) q_decode_row_t<8, false>(P, n, out);
-  else if (P.mins) q_decode_row_t<4, true>(P, n, out);
-  else q_decode_row_t<4, false>(P, n, out);
-}
-
-// Outputs y[:, n_begin:n_end) of a group-quantized weight (P.x contiguous [M, K]): per x chunk, each
-// weight quad is decoded once into an L1-resident float32 scratch (4 * K values) and meets the chunk's
-// x rows as the float32 tiles do, so the decode (~1/3 op per weight) is paid once per 96 rows.
 inline void gemm_q_rows(const QLinearParams& P, int64_t n_begin, int64_t n_end, float* scratch) {
-  for (int64_t c0 = 0; c0 < P.M; c0 += kGemmChunkRows) {
-    const int64_t c1 = std::min(P.M, c0 + kGemmChunkRows);
-    for (int64_t n = n_begin; n < n_end; n += kGemmNr) {
-      const int64_t rows = std::min<int64_t>(kGemmNr, n_end - n);
-      for (int64_t r = 0; r < rows; ++r) q_decode_row(P, n + r, scratch + r * P.K);
-      gemm_rows(P.x, P.x_stride, scratch, P.K, P.K, P.bias, P.y, P.y_stride, n, rows, c0, c1);
-    }
-  }
+  if (P.bits == 8) gemm_q_rows_t<8, false>(P, n_begin, n_end, scratch);
+  else if (P.mins) gemm_q_rows_t<4, true>(P, n_begin, n_end, scratch);
+  else gemm_q_rows_t<4, false>(P, n_begin, n_end, scratch);
 }
 
 }  // namespace avx2

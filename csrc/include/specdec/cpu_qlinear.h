@@ -164,12 +164,10 @@ inline const char* q_prefetch_target(const QLinearParams& P, int64_t n0, int64_t
 // The 32 weights of group g of weight row n as 4 vectors of 8 floats, w = d * q (+ m): the codes
 // widened to int32 (a 4-bit group's 16 bytes by two vpmovzxbd loads: each 32-bit lane's low nibble is
 // element j, its high nibble element j + 16), converted, then one mul (fma for Q4_1) per 8. Shared by
-// the few-row tile below and the prefill GEMM's decode (cpu_gemm.h); dsf / msf: the group's scale /
-// min already widened to float32 (else read and widened here).
+// the few-row tile below and the prefill GEMM's decode (cpu_gemm.h); d, mn: the group's scale and min
+// (Q4_1) as float32, widened by the caller.
 template <int BITS, bool MINS>
-inline void q_group_weights_avx2(const QLinearParams& P, int64_t n, int64_t g, __m256 (&w)[4],
-                                 const float* dsf = nullptr, const float* msf = nullptr) {
-  const int64_t G = P.K / kQGroup;
+inline void q_group_weights_avx2(const QLinearParams& P, int64_t n, int64_t g, float d, float mn, __m256 (&w)[4]) {
   __m256i c[4];
   if constexpr (BITS == 8) {
     const int8_t* q = static_cast<const int8_t*>(P.qw) + n * P.K + g * kQGroup;
@@ -189,12 +187,12 @@ inline void q_group_weights_avx2(const QLinearParams& P, int64_t n, int64_t g, _
       for (int k = 0; k < 4; ++k) c[k] = _mm256_sub_epi32(c[k], eight);
     }
   }
-  const __m256 d = dsf ? _mm256_broadcast_ss(dsf) : _mm256_set1_ps(_cvtsh_ss(P.scales[n * G + g]));
+  const __m256 dv = _mm256_set1_ps(d);
   if constexpr (BITS == 4 && MINS) {
-    const __m256 mn = msf ? _mm256_broadcast_ss(msf) : _mm256_set1_ps(_cvtsh_ss(P.mins[n * G + g]));
-    for (int k = 0; k < 4; ++k) w[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c[k]), d, mn);
+    const __m256 mv = _mm256_set1_ps(mn);
+    for (int k = 0; k < 4; ++k) w[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c[k]), dv, mv);
   } else {
-    for (int k = 0; k < 4; ++k) w[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(c[k]), d);
+    for (int k = 0; k < 4; ++k) w[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(c[k]), dv);
   }
 }
 
@@ -238,7 +236,7 @@ inline void q_tile_avx2(const QLinearParams& P, int64_t n0, int64_t m0, const ch
     for (int r = 0; r < NR; ++r) {
       const int64_t n = n0 + r;
       __m256 w[4];
-      q_group_weights_avx2<BITS, MINS>(P, n, g, w, &ds[r][g % 8], MINS ? &ms[r][g % 8] : nullptr);
+      q_group_weights_avx2<BITS, MINS>(P, n, g, ds[r][g % 8], MINS ? ms[r][g % 8] : 0.0f, w);
       for (int m = 0; m < MR; ++m) {
         const float* xg = xr[m] + g * kQGroup;
         __m256 s = acc[r][m];
