@@ -37,6 +37,14 @@ namespace cpu {
 // and tests (specdec._C.set_cpu_gemm).
 void set_gemm(bool on);
 bool gemm_enabled();
+// Prefill rows (thread-local, off by default; specdec._C.set_cpu_prefill, specdec.ops.prefill_rows()):
+// while on, the calling thread's CPU linears take the GEMM tiles at EVERY row count (float32 weights up
+// to kLinearGemmRows rows), not only above kLinearBlasRows. A prompt's rows then give the same bits
+// whatever its length and whatever the batch it is prefilled with, but not the few-row kernels' bits,
+// which decode steps and verify passes keep (a verify row equals a decode step bit for bit). For
+// prefill only: plain and speculative decoding share it. Returns the previous value.
+bool set_prefill(bool on);
+bool prefill_enabled();
 }  // namespace cpu
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(const at::Tensor& x, const at::Tensor& residual,

@@ -5,6 +5,7 @@
 
 #include "checks.h"
 #include "ops.h"
+#include "specdec/cpu_isa.h"
 
 namespace specdec {
 void bind_suffix_index(pybind11::module_& m);  // csrc/host/suffix_index_bindings.cpp
@@ -100,6 +101,7 @@ PYBIND11_MODULE(_C, m) {
     info["cuda_archs"] = std::string(SPECDEC_CUDA_ARCHS);
     info["cuda_version"] = std::string(SPECDEC_CUDA_VERSION);
     info["torch_version"] = std::string(SPECDEC_TORCH_VERSION);
+    info["cpu_avx2"] = specdec::cpu::has_avx2_fma_f16c();  // this CPU runs the AVX2 / FMA / F16C kernels
     return info;
   }, "What this build of specdec._C contains: CUDA kernels or not, archs, torch/CUDA versions.");
   m.def("set_strict_checks", &specdec::checks::set_strict, pybind11::arg("on"),
@@ -110,6 +112,11 @@ PYBIND11_MODULE(_C, m) {
         "weights at 65-256 rows and half, int8 and group-quantized weights above 64 rows, or (False) torch's "
         "BLAS GEMM and the few-row kernels. For benchmarks and tests.");
   m.def("cpu_gemm", &specdec::cpu::gemm_enabled, "Whether prefill-size CPU linears use specdec's GEMM tiles.");
+  m.def("set_cpu_prefill", &specdec::cpu::set_prefill, pybind11::arg("on"),
+        "Prefill rows on this thread (default off): CPU linears take the GEMM tiles at every row count, so "
+        "a prompt's rows do not depend on its length or batch, but differ in rounding from the few-row "
+        "kernels of decode and verify. Returns the previous value. Use specdec.ops.prefill_rows().");
+  m.def("cpu_prefill", &specdec::cpu::prefill_enabled, "Whether prefill rows are on for this thread.");
   specdec::bind_suffix_index(m);
   specdec::bind_recycling(m);
 }

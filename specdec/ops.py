@@ -10,7 +10,8 @@ Hq / Hkv query / KV heads, D head dim, S cache capacity, L layers.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+import contextlib
+from typing import Iterator, Optional, Sequence, Tuple
 
 import torch
 
@@ -59,6 +60,25 @@ def set_strict_checks(on: bool) -> None:
 def strict_checks() -> bool:
     """Whether strict value checks are on."""
     return bool(_C.strict_checks())
+
+
+@contextlib.contextmanager
+def prefill_rows() -> Iterator[None]:
+    """Within this block, on the calling thread, the CPU ``linear`` / ``qlinear`` / ``decoder_layer``
+    projections take the GEMM tiles (csrc/include/specdec/cpu_gemm.h) at EVERY row count, not only
+    above 64 rows (float32 weights up to 256 rows; BLAS above, as outside the block).
+
+    For prompt prefill: the tiles run prefill-size matrices ~1.2-1.5x faster than the few-row
+    kernels, and a row's result then depends neither on the prompt's length nor on the batch it
+    is prefilled with. It differs in rounding from the few-row kernels, which decode steps and
+    verify passes keep outside the block (a verify row equals a decode step bit for bit, which
+    keeps greedy speculation token-exact); plain and speculative decoding share the prefill.
+    :meth:`specdec.HFCausalLM.prefill` uses it. CUDA ops ignore it. Nests; restores on exit."""
+    was = _C.set_cpu_prefill(True)
+    try:
+        yield
+    finally:
+        _C.set_cpu_prefill(was)
 
 
 def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -208,7 +228,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     Accumulates in float32 and rounds once. The kernels stream the weight from memory
     once for up to 32 rows of x (M = x.numel() / K): on CPU for M <= 64 (larger M with a
     float weight is compute-bound and goes to the BLAS GEMM; int8 weights always use the
-    kernel), on CUDA for M <= 16 (larger M: cuBLAS, int8 weights dequantised first).
+    kernel), on CUDA for M <= 16 (larger M: cuBLAS, int8 weights dequantised first). Inside
+    :func:`prefill_rows` (prompt prefill) the CPU takes its GEMM tiles at every M.
     """
     return _ops.linear(x, weight, bias, weight_scale)
 

@@ -487,8 +487,9 @@ class HFCausalLM:
         rows = list(range(len(prompts))) if rows is None else [int(r) for r in rows]
         self._check_prefill(cache, prompts, rows)
         out = torch.empty(len(prompts), self.vocab_size, dtype=torch.float32, device=self.device)
-        for group in self._prefill_groups(prompts, rows):
-            self._prefill_group(cache, prompts, rows, group, out)
+        with ops.prefill_rows():  # the CPU GEMM tiles at every row count (see ops.prefill_rows)
+            for group in self._prefill_groups(prompts, rows):
+                self._prefill_group(cache, prompts, rows, group, out)
         return out
 
     # ------------------------------------------------------------------ internals
