@@ -13,6 +13,8 @@ drifts of the machine hit all configurations alike), greedy and temperature 1.0 
   dynraw_N     the same dynamic tree ranked by draft probability alone (calibrate=False, EAGLE-2)
   deep_N       DraftModel(draft, k, top_k=2, node_budget=N, tree="dynamic"), k = 7 / 12 / 20: a deep
                dynamic tree (the calibrated ranking decides between spine and siblings)
+  planned_N    DraftModel(draft, k, top_k=w, node_budget=N, tree="planned"), (k, w) = (10, 2) / (10, 2) / (10, 4):
+               a Sequoia-style shape planned from per-rank acceptance, children the draft's top-ranked tokens
   chain_5      DraftModel(draft, k=4): a short chain, for the best-chain tokens/s
 for the int8 (dynamic-quantized) and w8 (weight-only int8, specdec.ops.linear) drafts, plus
   lookup       PromptLookup(ngram=3, k=10)
@@ -55,6 +57,7 @@ BUDGETS = (8, 16, 32)
 SPINE_W = {8: 2, 16: 3, 32: 3}
 DYNAMIC_KW = {8: (5, 2), 16: (10, 2), 32: (10, 4)}
 DEEP_K = {8: 7, 16: 12, 32: 20}
+PLANNED_KW = {8: (10, 2), 16: (10, 2), 32: (10, 4)}
 
 
 def make_drafters(drafts: Dict[str, HFCausalLM], only: List[str]) -> Dict[str, object]:
@@ -70,6 +73,8 @@ def make_drafters(drafts: Dict[str, HFCausalLM], only: List[str]) -> Dict[str, o
             out[f"{name}_dynraw_{n}"] = DraftModel(lm, k=k, top_k=w, node_budget=n, tree="dynamic", calibrate=False)
             k = DEEP_K[n]
             out[f"{name}_deep_{n}"] = DraftModel(lm, k=k, top_k=2, node_budget=n, tree="dynamic")
+            k, w = PLANNED_KW[n]
+            out[f"{name}_planned_{n}"] = DraftModel(lm, k=k, top_k=w, node_budget=n, tree="planned")
     k, w = DYNAMIC_KW[16]
     out["multi_w8_lookup"] = MultiDraft([DraftModel(drafts["w8"], k=k, top_k=w, node_budget=16, tree="dynamic"),
                                          PromptLookup(ngram=3, k=10)])
@@ -198,8 +203,12 @@ def main() -> int:
                ratio(get("int8_dynamic_16", "greedy", "open", L), get("int8_chain_16", "greedy", "open", L)), 1.05)
         target("greedy, int8, open: dynamic_32 / chain_32 mean accepted length",
                ratio(get("int8_dynamic_32", "greedy", "open", L), get("int8_chain_32", "greedy", "open", L)), 1.15)
+        target("greedy, int8, open: planned_16 / chain_16 mean accepted length",
+               ratio(get("int8_planned_16", "greedy", "open", L), get("int8_chain_16", "greedy", "open", L)), 1.05)
+        target("greedy, int8, open: planned_32 / chain_32 mean accepted length",
+               ratio(get("int8_planned_32", "greedy", "open", L), get("int8_chain_32", "greedy", "open", L)), 1.15)
     for mode in modes:
-        trees = [n for n in names if any(f"_{t}_" in n for t in ("spine", "dynamic", "dynraw", "deep"))]
+        trees = [n for n in names if any(f"_{t}_" in n for t in ("spine", "dynamic", "dynraw", "deep", "planned"))]
         chains = [n for n in names if "_chain_" in n]
         if trees and chains:
             bt = max(trees, key=lambda n: get(n, mode, "open", T))
@@ -231,7 +240,7 @@ def main() -> int:
         cores=os.cpu_count(), torch_threads=torch.get_num_threads(), load_average_start=load_start,
         load_average_end=os.getloadavg(), seconds=time.perf_counter() - t_start,
         settings=dict(vars(args), out=_record_path(args.out), budgets=BUDGETS, spine_w=SPINE_W,
-                      dynamic_kw=DYNAMIC_KW, deep_k=DEEP_K),
+                      dynamic_kw=DYNAMIC_KW, deep_k=DEEP_K, planned_kw=PLANNED_KW),
         results=acc, targets=targets, greedy_mismatch_vs_plain=mismatch)
     out.write_text(json.dumps(result, indent=1))
     partial.unlink(missing_ok=True)

@@ -1,4 +1,4 @@
-"""How much can ANY token tree gain over a chain for a given draft / target pair under sampling?
+"""How much can ANY token tree gain over a chain for a given draft / target pair, under sampling or greedy?
 
 The issue asks a sampled dynamic tree of 16 nodes to reach 1.2x the mean accepted length of a
 16-node chain. This script measures what bounds that ratio and computes the best tree that the
@@ -18,7 +18,12 @@ measured acceptances allow:
    A tree that adapts its shape to each step's draft probabilities can beat this static optimum,
    by as much as the draft's confidence predicts acceptance.
 
-Writes benchmarks/results/tree_ceiling_<date>.json. Run: python benchmarks/tree_ceiling.py [--draft int8]
+Greedy (``--mode greedy``): the same with the target's greedy text, and a sibling of rank r (the
+draft's r-th most probable token, as the greedy rule's deterministic children) accepted exactly when
+it is the target's argmax: P(rank r | ranks 0 .. r - 1 were not) from the rank of the target's
+token in the draft's distribution at every position.
+
+Writes benchmarks/results/tree_ceiling_<date>.json. Run: python benchmarks/tree_ceiling.py [--draft int8] [--mode greedy]
 """
 from __future__ import annotations
 
@@ -99,8 +104,12 @@ def main() -> int:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--draws", type=int, default=4, help="Monte Carlo draws per position for the siblings")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--mode", default="sampling", choices=["sampling", "greedy"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    greedy = args.mode == "greedy"
+    if greedy:
+        args.seeds = 1
     torch.set_num_threads(args.threads)
     t0, load0 = time.perf_counter(), os.getloadavg()
     model, tok, draft_model = load_bundled("smollm2-135m", draft=args.draft)
@@ -113,9 +122,9 @@ def main() -> int:
     pos_acc, pos_n = [0.0] * 15, [0.0] * 15
     texts = []
     for s in range(args.seeds):
-        g = chain.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=1.0, seed=4321 + s,
-                           eos_token_id=tok.eos_token_id)
-        texts += list(zip(prompts, g.tokens))  # target-distributed text (exact sampling)
+        g = chain.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=0.0 if greedy else 1.0,
+                           seed=4321 + s, eos_token_id=tok.eos_token_id)
+        texts += list(zip(prompts, g.tokens))  # target-distributed text (exact sampling), or its greedy text
         steps = sum(g.metrics["per_request"]["target_passes"])
         for i, a in enumerate(g.metrics["accepted_per_position"]):
             pos_acc[i] += a * steps
@@ -133,6 +142,17 @@ def main() -> int:
             P = torch.softmax(model(ids).logits[0].float(), -1)[len(p_ids) - 1:-1]
             Q = incremental_q(draft, p_ids, o_ids)
             for t in range(P.shape[0]):
+                if greedy:   # rank of the target's token among the draft's: rank r accepted iff r == that rank
+                    rank = int((Q[t] > Q[t, int(o_ids[t])]).sum())
+                    a = torch.zeros(args.ranks, dtype=torch.float64)
+                    w = torch.zeros(args.ranks, dtype=torch.float64)
+                    w[:min(rank + 1, args.ranks)] = 1.0
+                    if rank < args.ranks:
+                        a[rank] = 1.0
+                    tot += a
+                    wts += w
+                    positions += 1
+                    continue
                 a, w = sibling_acceptance(P[t].double(), Q[t].double(), args.ranks, args.draws, gen)
                 tot += a
                 wts += w

@@ -95,10 +95,11 @@ def _check_caches(dec, drafter, ctx, target_lm, draft_lm, draft_cache, pend_n, b
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("kind", ["dynamic", "multi", "chain", "spine", "multi-chain", "multi-escalate"])
+@pytest.mark.parametrize("kind", ["dynamic", "planned", "multi", "chain", "spine", "multi-chain", "multi-escalate"])
 def test_toy_caches_equal_fresh_prefill_after_every_commit(toy, kind, temperature):
     target, weak, refs = toy
     dm = {"chain": lambda: DraftModel(weak, k=4), "multi-chain": lambda: DraftModel(weak, k=4),
+          "planned": lambda: DraftModel(weak, k=4, top_k=3, node_budget=10, tree="planned"),
           "multi-escalate": lambda: DraftModel(weak, k=4), "spine": lambda: DraftModel(weak, k=3, top_k=2)}.get(
         kind, lambda: DraftModel(weak, k=4, top_k=3, node_budget=10, tree="dynamic"))()
     if kind == "multi-escalate":  # the draft model after a lookup it skips behind (rows fall behind, then catch up)
@@ -573,14 +574,15 @@ def test_sampled_dynamic_tree_expands_the_nodes_most_likely_reached():
     plan = drafter._sampled_plan(7, 3)
     assert len(plan[1][0]) < plan[0][1][0]  # fewer level-1 nodes expanded than drawn: the choice matters
     seen = []
-    orig = drafter._propose_dynamic_sampled
+    orig = drafter._propose_planned
 
-    def spy(ctx, k, b, cache, last):
-        draft = orig(ctx, k, b, cache, last)
+    def spy(ctx, k, b, cache, last, drawn):
+        assert drawn
+        draft = orig(ctx, k, b, cache, last, drawn=drawn)
         seen.append(draft)
         return draft
 
-    drafter._propose_dynamic_sampled = spy
+    drafter._propose_planned = spy
     dec = SpeculativeDecoder(target, drafter, max_batch=4, max_len=32, policy="fixed")
     dec.generate([[1, 2, 3, 1, 2]] * 4, max_new_tokens=12, temperature=1.0, seed=3)
     assert seen

@@ -121,7 +121,7 @@ from specdec.tree import TokenTree, ancestor_mask
 
 __all__ = ["DraftModel"]
 
-_TREES = ("spine", "dynamic")
+_TREES = ("spine", "dynamic", "planned")
 
 #: Prior P(a node's r-th child is accepted | the node is accepted) that plans the shape of a sampled
 #: dynamic tree (:meth:`DraftModel._sampled_plan`; children drawn from q without replacement). The
@@ -130,6 +130,18 @@ _TREES = ("spine", "dynamic")
 #: were rejected): 0.22 measured offline from the two models' distributions). At most
 #: len(SAMPLED_RANK_ACCEPT) children per node.
 SAMPLED_RANK_ACCEPT = (0.6, 0.08, 0.05, 0.03)
+
+#: Prior P(a node's r-th child is accepted | the node is accepted) that plans the shape of a greedy
+#: planned tree (``tree="planned"``, :meth:`DraftModel._plan`; children are the draft's top-ranked
+#: tokens, accepted when one is the target's argmax). Measured on the bundled int8 draft along the
+#: target's greedy text (benchmarks/results/tree_ceiling_greedy_2026-12-03.json, 12 open prompts):
+#: the draft's top token is the target's 0.73 of the time; given that the ranks before it were not,
+#: rank 1 is 0.44, rank 2 0.37, rank 3 0.34, rank 4 0.23. The first child's value is raised to 0.87:
+#: acceptance comes in runs (a node whose parent was accepted is accepted more often than the average
+#: position), so a spine is worth more than independent positions say. With it, the plans of 16 / 32
+#: nodes accept 1.06-1.08x / 1.22-1.33x a chain's tokens in an exact replay of the draft's ranks along
+#: held-out texts (plans fitted on the other half), where 0.73 gives 0.97-1.03x / 1.09-1.18x.
+GREEDY_RANK_ACCEPT = (0.87, 0.44, 0.37, 0.34, 0.23)
 
 #: Calibrated ranking of greedy-rule dynamic trees: candidates fall in cells (rank among their parent's
 #: top-w children, draft probability q in _CAL_BUCKETS halving bins: [1/2, 1], [1/4, 1/2), ..., below
@@ -216,11 +228,13 @@ class DraftModel(Drafter):
             raise ValueError(f"DraftModel: tree must be one of {_TREES}, got {tree!r}")
         if stop_threshold is not None and not 0.0 <= float(stop_threshold) <= 1.0:
             raise ValueError(f"DraftModel: stop_threshold must lie in [0, 1] or be None, got {stop_threshold}")
-        if tree == "dynamic":
+        if tree in ("dynamic", "planned"):
             if stop_threshold is not None:
-                raise ValueError("DraftModel: stop_threshold applies to chains and spine trees, not tree='dynamic' "
-                                 "(the re-rank to node_budget already drops unlikely nodes)")
-            pool = top_k + (k - 1) * top_k * top_k  # candidates one step produces
+                raise ValueError(f"DraftModel: stop_threshold applies to chains and spine trees, not tree={tree!r} "
+                                 "(the node budget already drops unlikely nodes)")
+            # candidates one step produces (a planned tree gives any of its <= top_k parents per level
+            # as many children as its plan says)
+            pool = top_k + (k - 1) * top_k * top_k if tree == "dynamic" else 1 << 30
             if node_budget is None:
                 node_budget = 1 + k * top_k
             if isinstance(node_budget, bool) or not isinstance(node_budget, int) or node_budget < 2:
@@ -239,12 +253,13 @@ class DraftModel(Drafter):
         self.top_k = top_k
         self.node_budget = node_budget
         self.tree = tree
-        self.dynamic = tree == "dynamic" and top_k > 1
+        self.dynamic = tree in ("dynamic", "planned") and top_k > 1
+        self.planned = tree == "planned" and top_k > 1
         self.sampled_children = bool(sampled_children)
         self.calibrate = bool(calibrate)
         self._cal = None          # [3, top_k * _CAL_BUCKETS] float32: reached, accepted, reached sum of q
         self._cal_step = False    # the last proposal was a calibrated greedy-rule dynamic tree
-        self._plans: Dict[Tuple[int, int], List[Tuple[List[int], List[int]]]] = {}
+        self._plans: Dict[Tuple, List[Tuple[List[int], List[int]]]] = {}
         self.cache = None
         self._views: Dict[int, object] = {}
         self._foreign = 0  # tokens from other drafters' subtrees that accept() may pass per row
@@ -255,7 +270,7 @@ class DraftModel(Drafter):
 
     def __repr__(self) -> str:
         stop = "" if self.stop_threshold is None else f", stop_threshold={self.stop_threshold}"
-        shape = f", tree='dynamic', node_budget={self.max_nodes}" if self.dynamic else ""
+        shape = f", tree={self.tree!r}, node_budget={self.max_nodes}" if self.dynamic else ""
         return f"DraftModel(k={self.k}, top_k={self.top_k}{shape}{stop})"
 
     # ------------------------------------------------------------------ setup
@@ -407,7 +422,9 @@ class DraftModel(Drafter):
             last = self._feed_root(ctx.roots, b, cache)
         if self.dynamic:
             if not self.params.greedy and self.sampled_children:
-                draft = self._propose_dynamic_sampled(ctx, k, b, cache, last)
+                draft = self._propose_planned(ctx, k, b, cache, last, drawn=True)
+            elif self.planned:
+                draft = self._propose_planned(ctx, k, b, cache, last, drawn=False)
             else:
                 draft = self._propose_dynamic(ctx, k, b, cache, last)
             if min(limits) < k:
@@ -675,6 +692,9 @@ class DraftModel(Drafter):
         return Draft(tree)
 
     def _sampled_plan(self, n: int, k: int) -> List[Tuple[List[int], List[int]]]:
+        return self._plan(n, k, SAMPLED_RANK_ACCEPT)
+
+    def _plan(self, n: int, k: int, acc: Tuple[float, ...]) -> List[Tuple[List[int], List[int]]]:
         """The shape of a sampled dynamic tree of n draft nodes, at most k deep (fixed before any draw).
 
         Per level d = 1, 2, ...: (positions in level d - 1 of the nodes expanded, their child
@@ -687,11 +707,10 @@ class DraftModel(Drafter):
         levels and expanding the best-scored by draft probability (the earlier shape) cut the
         spine: a drawn token of low draft probability lost its subtree to its siblings'.
         """
-        key = (n, k)
+        key = (n, k, acc)
         plan = self._plans.get(key)
         if plan is not None:
             return plan
-        acc = SAMPLED_RANK_ACCEPT
         parents, slots, _ = plan_tree(lambda d, r: acc[r] if r < len(acc) else 0.0, n + 1, max_depth=k,
                                       max_parents_per_depth=self.top_k)
         kids: Dict[int, List[int]] = {}
@@ -757,22 +776,32 @@ class DraftModel(Drafter):
         a = torch.where(first, 0.25 + 0.6 * s, 0.1 + 0.45 * s).clamp(0.01, 0.97)
         return a.log() + torch.log1p(-a) @ earlier
 
-    def _propose_dynamic_sampled(self, ctx: StepContext, k: int, b: int, cache, last: torch.Tensor) -> Draft:
-        """Sampling: a dynamic tree whose every node exists before it is drawn (see the module docstring)."""
+    def _propose_planned(self, ctx: StepContext, k: int, b: int, cache, last: torch.Tensor, drawn: bool) -> Draft:
+        """A tree of planned shape: per level, the counts of children of its expanded nodes are fixed
+        (:meth:`_plan`); which nodes of the level get them is chosen by their estimated P(reached).
+        drawn=True (sampling, ``sampled_children``): children drawn from q, every node existing before
+        it is drawn (see the module docstring). drawn=False (``tree="planned"`` under the greedy rule):
+        children are the parent's top-ranked draft tokens (deterministic), planned with
+        :data:`GREEDY_RANK_ACCEPT`; a node's estimated P(reached) is the product of those per-rank
+        acceptances along its path (draft log-probability breaks ties)."""
         dev = self.device
         n = self.max_nodes - 1
         if ctx.node_budget is not None:
             n = max(1, min(n, int(ctx.node_budget) - 1))
-        plan = self._sampled_plan(n, k)
+        plan = self._plan(n, k, SAMPLED_RANK_ACCEPT if drawn else GREEDY_RANK_ACCEPT)
         F = sum(len(pos) for pos, _ in plan[1:])                      # forwarded frontier nodes
         toks_l, score_l, par_l, slot_l, depth_l = [], [], [], [], []  # per-level [b, m]; score: log P(reached)
         N = 1 + sum(sum(c) for _, c in plan)
-        # each node's row: the distribution it was drawn from (the root's row is unused)
-        probs = torch.zeros(b, N, self.V, dtype=torch.float32, device=dev)
-        q0 = warp_(last.to(torch.float32, copy=True), self.params).unsqueeze(1)     # [b, 1, V]
-        t, lq, _ = self._children(q0, plan[0][1], probs[:, 1:1 + sum(plan[0][1])])
+        # drawn: each node's row holds the distribution it was drawn from (the root's row is unused)
+        probs = torch.zeros(b, N, self.V, dtype=torch.float32, device=dev) if drawn else None
+        if drawn:
+            q0 = warp_(last.to(torch.float32, copy=True), self.params).unsqueeze(1)     # [b, 1, V]
+            t, lq, _ = self._children(q0, plan[0][1], probs[:, 1:1 + sum(plan[0][1])])
+            score_l.append(self._reach(lq, plan[0][1]))
+        else:
+            t, lq, _, reach = self._top_children(last.unsqueeze(1), plan[0][1])
+            score_l.append(reach)
         toks_l.append(t)
-        score_l.append(self._reach(lq, plan[0][1]))
         par_l.append(torch.full_like(t, -1))
         depth_l.append(1)
         start = [0]                                                   # pool index of each level's first node
@@ -798,12 +827,16 @@ class DraftModel(Drafter):
             ftok = toks_l[-1].gather(1, rank_idx)
             depths = torch.full((b, f), d - 1, dtype=torch.int32, device=dev)
             logits = self.lm.forward(cache, ftok, depths, rows[:, :, :s0 + f].contiguous(), kv_offset=s0)
-            q = warp_(logits.to(torch.float32), self.params)          # [b, f, V]
             first = start[-1] + prev.shape[1]
-            t, lq, rank = self._children(q, counts, probs[:, 1 + first:1 + first + sum(counts)])
+            if drawn:
+                q = warp_(logits.to(torch.float32), self.params)          # [b, f, V]
+                t, lq, rank = self._children(q, counts, probs[:, 1 + first:1 + first + sum(counts)])
+                reach = self._reach(lq, counts)
+            else:
+                t, lq, rank, reach = self._top_children(logits, counts)
             ranks = torch.tensor(rank, dtype=torch.int64, device=dev)
             toks_l.append(t)
-            score_l.append(prev.gather(1, rank_idx).index_select(1, ranks) + self._reach(lq, counts))
+            score_l.append(prev.gather(1, rank_idx).index_select(1, ranks) + reach)
             par_l.append(frontier.index_select(1, ranks))
             depth_l.append(d + 1)
             start.append(first)
@@ -823,6 +856,27 @@ class DraftModel(Drafter):
         tree = TokenTree(tokens, parents, depths, [N] * b, is_chain=False,
                          _mask=ancestor_mask(parents, max_depth=len(plan)), max_depths=[len(plan)] * b)
         return Draft(tree, probs)
+
+    def _top_children(self, logits: torch.Tensor, counts: List[int]
+                      ) -> Tuple[torch.Tensor, torch.Tensor, List[int], torch.Tensor]:
+        """Children of f parents [b, f, V] (raw draft logits) under the greedy rule: parent j gets its
+        counts[j] most probable tokens (torch.topk's order, a function of the logits alone). Returns
+        tokens [b, c], log q [b, c], the parent index of each child (host list; children grouped by
+        parent) and log of each child's planned acceptance given its parent's (GREEDY_RANK_ACCEPT by
+        its rank among its siblings) + 1e-3 log q (ties between equal ranks go to the likelier)."""
+        b, f, V = logits.shape
+        cmax = min(max(counts), V)
+        vals, idx = torch.topk(logits.float(), cmax, dim=2)                        # [b, f, cmax]
+        lse = torch.logsumexp(logits.float(), dim=2, keepdim=True)
+        par = [j for j, c in enumerate(counts) for _ in range(c)]
+        sib = [i for c in counts for i in range(c)]
+        flat = torch.tensor([j * cmax + i for j, i in zip(par, sib)], dtype=torch.int64, device=logits.device)
+        toks = idx.reshape(b, f * cmax).index_select(1, flat)
+        logq = (vals - lse).reshape(b, f * cmax).index_select(1, flat)
+        acc = GREEDY_RANK_ACCEPT
+        prior = torch.tensor([math.log(acc[i]) if i < len(acc) else math.log(1e-3) for i in sib],
+                             dtype=torch.float32, device=logits.device)
+        return toks, logq, par, prior + 1e-3 * logq
 
     def accept(self, accepted: torch.Tensor, num_accepted: torch.Tensor, num_host: Sequence[int],
                foreign: Optional[Sequence[Sequence[int]]] = None) -> None:
@@ -871,6 +925,11 @@ class DraftModel(Drafter):
             width = 1 if any(int(a) == k for a in num_host) else 0
         else:
             width = 1 if any(int(a) > 0 for a in num_host) else 0
+        if own.device.type == "cpu":
+            # host memory: the exact width costs no sync. The bound would feed [root, padding] to rows
+            # with nothing pending: wasted work, and a draft that quantizes its activations per call
+            # (the bundled int8 copy) would see the padding row in its scales
+            width = int(own.max()) if b else 0
         self._pend_width = width
         self._take_foreign(b, foreign, own=own)
 
