@@ -44,6 +44,8 @@ def _drafters(target, weak):
         "dyn-k4-w3-n8": lambda: DraftModel(target, k=4, top_k=3, node_budget=8, tree="dynamic"),
         "dyn-k5-w2-n16": lambda: DraftModel(weak, k=5, top_k=2, node_budget=16, tree="dynamic"),
         "dyn-k6-w4-n32": lambda: DraftModel(weak, k=6, top_k=4, node_budget=32, tree="dynamic"),
+        "planned-k5-w2-n12": lambda: DraftModel(weak, k=5, top_k=2, node_budget=12, tree="planned"),
+        "planned-k4-w3-n24": lambda: DraftModel(weak, k=4, top_k=3, node_budget=24, tree="planned"),
         "multi-dyn-lookup": lambda: MultiDraft([DraftModel(weak, k=4, top_k=2, node_budget=8, tree="dynamic"),
                                                 PromptLookup(ngram=2, k=4, min_ngram=1)]),
         "multi-chain-lookup-split": lambda: MultiDraft([DraftModel(target, k=3), PromptLookup(ngram=2, k=4,
@@ -155,8 +157,8 @@ def test_dynamic_tree_is_connected_topological_and_ranked(toy):
 
 
 # ------------------------------------------------------------------ sampling exactness (whole loop)
-@pytest.mark.parametrize("name", ["dynamic-sampled", "dynamic-topk", "multi-two-sampled", "multi-sampled-lookup",
-                                  "multi-escalate"])
+@pytest.mark.parametrize("name", ["dynamic-sampled", "dynamic-topk", "planned-topk", "multi-two-sampled",
+                                  "multi-sampled-lookup", "multi-escalate"])
 def test_tree_sampled_distribution_is_exact(name):
     temperature, top_k, top_p = 1.0, 0, 1.0
     target = ToyLM(vocab=8, seed=3, scale=1.0, hidden=16, heads=2, kv_heads=1)
@@ -166,6 +168,9 @@ def test_tree_sampled_distribution_is_exact(name):
     drafter = {
         "dynamic-sampled": lambda: DraftModel(draft, k=3, top_k=2, node_budget=7, tree="dynamic"),
         "dynamic-topk": lambda: DraftModel(draft, k=3, top_k=2, node_budget=6, tree="dynamic",
+                                           sampled_children=False),
+        # a planned shape under the greedy rule (deterministic top-ranked children) at temperature 1
+        "planned-topk": lambda: DraftModel(draft, k=3, top_k=2, node_budget=7, tree="planned",
                                            sampled_children=False),
         # sampled siblings from two different drafters under the same root
         "multi-two-sampled": lambda: MultiDraft([DraftModel(draft, k=2), DraftModel(draft2, k=2)]),
@@ -427,6 +432,12 @@ def test_drafter_argument_errors(toy):
         DraftModel(weak, k=3, top_k=2, node_budget=1, tree="dynamic")
     with pytest.raises(ValueError, match="stop_threshold applies to chains and spine trees"):
         DraftModel(weak, k=3, top_k=2, tree="dynamic", stop_threshold=0.3)
+    with pytest.raises(ValueError, match="stop_threshold applies to chains and spine trees, not tree='planned'"):
+        DraftModel(weak, k=3, top_k=2, tree="planned", stop_threshold=0.3)
+    with pytest.raises(ValueError, match="node_budget must be an int >= 2"):
+        DraftModel(weak, k=3, top_k=2, node_budget=1, tree="planned")
+    planned = DraftModel(weak, k=3, top_k=2, node_budget=100, tree="planned")
+    assert planned.max_nodes == 100 and "tree='planned', node_budget=100" in repr(planned)
     assert DraftModel(weak, k=3, top_k=2, node_budget=100, tree="dynamic").max_nodes == 1 + 2 + 2 * 4
     with pytest.raises(ValueError, match="MultiDraft: needs at least one drafter"):
         MultiDraft([])
@@ -465,7 +476,8 @@ def smol():
 
 
 @pytest.mark.parametrize("name,rows", [("int8-dyn-k5-w2-n8", slice(0, 10)), ("w8-dyn-k6-w4-n16", slice(10, 20)),
-                                       ("w8-dyn-k4-w4-n12", slice(0, 10)), ("multi-w8dyn-lookup", slice(0, 20))])
+                                       ("w8-dyn-k4-w4-n12", slice(0, 10)), ("multi-w8dyn-lookup", slice(0, 20)),
+                                       ("int8-planned-k10-w2-n16", slice(10, 20))])
 def test_smollm2_tree_greedy_equals_target_greedy(smol, name, rows):
     """Together >= 20 prompts with dynamic trees of budgets 8 / 12 / 16 and branchings 2 / 4, and all 20
     with MultiDraft(dynamic w8 draft + prompt lookup); ragged batches of 10."""
@@ -473,6 +485,7 @@ def test_smollm2_tree_greedy_equals_target_greedy(smol, name, rows):
         "int8-dyn-k5-w2-n8": lambda: DraftModel(smol["int8"], k=5, top_k=2, node_budget=8, tree="dynamic"),
         "w8-dyn-k6-w4-n16": lambda: DraftModel(smol["w8"], k=6, top_k=4, node_budget=16, tree="dynamic"),
         "w8-dyn-k4-w4-n12": lambda: DraftModel(smol["w8"], k=4, top_k=4, node_budget=12, tree="dynamic"),
+        "int8-planned-k10-w2-n16": lambda: DraftModel(smol["int8"], k=10, top_k=2, node_budget=16, tree="planned"),
         "multi-w8dyn-lookup": lambda: MultiDraft([DraftModel(smol["w8"], k=5, top_k=3, node_budget=12,
                                                              tree="dynamic"), PromptLookup(ngram=3, k=6)]),
     }[name]
@@ -726,3 +739,81 @@ def test_calibration_learns_and_keeps_greedy_output(toy):
     raw = DraftModel(weak, k=5, top_k=2, node_budget=8, tree="dynamic", calibrate=False)
     SpeculativeDecoder(target, raw, max_batch=6, max_len=64, policy="fixed").generate(TOY_PROMPTS, max_new_tokens=8)
     assert torch.tensor(raw.calibration["reached"]).sum() == 0
+
+
+def test_planned_tree_children_are_the_top_ranked_tokens_by_plan():
+    """A planned tree (greedy rule): its shape is the plan of GREEDY_RANK_ACCEPT, every node's children are
+    its parent's most probable draft tokens in rank order (checked against a fresh draft forward over the
+    node's path), and the frontier of a level is the nodes the plan expands (estimated P(reached))."""
+    from specdec.drafters.draft_model import GREEDY_RANK_ACCEPT
+
+    target = ToyLM(vocab=12, seed=0)
+    weak = ToyLM(vocab=12, seed=0)
+    weak.head = weak.head + 0.6 * torch.randn(weak.head.shape, generator=torch.Generator().manual_seed(9))
+    drafter = DraftModel(weak, k=4, top_k=2, node_budget=10, tree="planned")
+    plan = drafter._plan(9, 4, GREEDY_RANK_ACCEPT)
+    assert sum(sum(c) for _, c in plan) == 9 and len(plan) <= 4 and all(len(p) <= 2 for p, _ in plan)
+    seen = []
+    orig = drafter.propose
+
+    def spy(ctx):
+        d = orig(ctx)
+        seen.append((list(ctx.sequences[0]), d.tree))
+        return d
+
+    drafter.propose = spy
+    dec = SpeculativeDecoder(target, drafter, max_batch=1, max_len=64, policy="fixed")
+    dec.generate([TOY_PROMPTS[0]], max_new_tokens=12)
+    assert seen
+    checked = 0
+    for seq, tree in seen:
+        par, tok = tree.parents[0].tolist(), tree.tokens[0].tolist()
+        if min(par[1:]) < 0 or len(tok) != 10:
+            continue  # a step cut short by the token limit
+        for node in range(len(tok)):
+            kids = [c for c in range(1, len(tok)) if par[c] == node]
+            if not kids:
+                continue
+            path, x = [], node
+            while x > 0:
+                path.append(tok[x])
+                x = par[x]
+            ctx = seq + path[::-1]                 # committed text (root last) + the node's path
+            logits = weak.full_logits(ctx)[-1]
+            want = torch.topk(logits.float(), len(kids)).indices.tolist()
+            assert [tok[c] for c in kids] == want, (node, kids)
+            checked += 1
+    assert checked >= 3
+
+
+def test_tree_root_forward_has_no_padding_row_on_cpu(toy):
+    """On the CPU the pending width after a tree step is exact (host memory, no sync): a row with nothing
+    pending feeds its root alone, so a draft whose activations are quantized per call never sees a padding
+    row (the bundled int8 copy ranked differently with one: benchmarks/results/trees_planned_2026-12-03.json)."""
+    target, weak, _ = toy
+    drafter = DraftModel(weak, k=4, top_k=3, node_budget=10, tree="planned")
+    widths = []
+    forward = weak.forward
+    propose = drafter.propose
+    state = {"first": False}
+
+    def mark(ctx):
+        state["first"] = True
+        return propose(ctx)
+
+    def spy_first(cache, tokens, depths, mask=None, **kw):
+        if state["first"]:
+            state["first"] = False
+            widths.append((int(drafter._pend_n[:1].max()), tokens.shape[1]))
+        return forward(cache, tokens, depths, mask, **kw)
+
+    drafter.propose = mark
+    weak.forward = spy_first
+    try:
+        SpeculativeDecoder(target, drafter, max_batch=1, max_len=64, policy="fixed").generate(
+            [TOY_PROMPTS[0]], max_new_tokens=20)
+    finally:
+        del weak.forward
+    root_calls = widths[1:]                     # the first proposal catches up on the prompt
+    assert root_calls and all(n == pending + 1 for pending, n in root_calls), root_calls
+    assert any(p == 0 for p, _ in root_calls) and any(p == 1 for p, _ in root_calls)
