@@ -817,3 +817,51 @@ def test_tree_root_forward_has_no_padding_row_on_cpu(toy):
     root_calls = widths[1:]                     # the first proposal catches up on the prompt
     assert root_calls and all(n == pending + 1 for pending, n in root_calls), root_calls
     assert any(p == 0 for p, _ in root_calls) and any(p == 1 for p, _ in root_calls)
+
+
+def test_planned_tree_learns_its_draft():
+    """learn_plan: a planned greedy tree counts, per (depth, sibling rank), reached and accepted children and
+    re-plans from them. With the target itself as the draft every rank-0 child is accepted: the learned
+    rates move rank 0 towards 1 and the siblings towards 0 at every depth, and the plan turns into a spine
+    of the full depth."""
+    from specdec.drafters.draft_model import _PLAN_EVERY, GREEDY_RANK_ACCEPT
+
+    target = ToyLM(vocab=12, seed=0)
+    drafter = DraftModel(target, k=4, top_k=2, node_budget=8, tree="planned", learn_plan=True)
+    dec = SpeculativeDecoder(target, drafter, max_batch=1, max_len=64, policy="fixed")
+    first = drafter._plan(7, 4, GREEDY_RANK_ACCEPT)
+    for _ in range(6):
+        dec.generate([TOY_PROMPTS[0]], max_new_tokens=40)
+    got = drafter.rank_acceptance()
+    reached, hit, table = got["reached"], got["accepted"], got["planned"]
+    for rd, hd in zip(reached, hit):
+        assert all(0 <= a <= r for a, r in zip(hd, rd))
+        assert hd[0] == rd[0] and sum(hd[1:]) == 0
+    assert reached[0][0] > 2 * _PLAN_EVERY
+    assert table[0][0] > 0.85 > GREEDY_RANK_ACCEPT[0] and table[0][1] < GREEDY_RANK_ACCEPT[1]
+    plan = drafter._plan(7, 4, tuple(tuple(x) for x in table))
+    # a spine of the full depth k, and no sibling next to the first token (rank 1 at depth 1, observed at
+    # every step, is learned worthless; deeper, fewer observations keep more of the prior); the prior's
+    # plan differed
+    assert len(plan) == 4 and plan[0][1] == [1] and plan != first
+    out = dec.generate([TOY_PROMPTS[1]], max_new_tokens=21)
+    assert out.metrics["per_request"]["target_passes"][0] <= 5   # ~5 tokens per pass: the full depth
+    assert drafter.rank_acceptance()["reached"][0][0] > reached[0][0]
+    fixed = DraftModel(target, k=4, top_k=2, node_budget=8, tree="planned")   # learn_plan=False: the prior's
+    SpeculativeDecoder(target, fixed, max_batch=1, max_len=64, policy="fixed").generate([TOY_PROMPTS[0]], 40)
+    assert fixed.rank_acceptance()["planned"] == list(GREEDY_RANK_ACCEPT)
+
+
+def test_planned_tree_counts_a_weak_draft():
+    target, weak = ToyLM(vocab=12, seed=0), ToyLM(vocab=12, seed=0)
+    weak.head = weak.head + 0.6 * torch.randn(weak.head.shape, generator=torch.Generator().manual_seed(9))
+    drafter = DraftModel(weak, k=4, top_k=3, node_budget=12, tree="planned", learn_plan=True)
+    dec = SpeculativeDecoder(target, drafter, max_batch=3, max_len=64, policy="fixed")
+    out = dec.generate(TOY_PROMPTS[:3], max_new_tokens=30)
+    got = drafter.rank_acceptance()
+    reached = [x for row in got["reached"] for x in row]
+    hit = [x for row in got["accepted"] for x in row]
+    assert all(0 <= a <= r for a, r in zip(hit, reached))
+    assert got["accepted"][0][0] < got["reached"][0][0] and sum(sum(row[1:]) for row in got["accepted"]) > 0
+    emitted = sum(len(t) for t in out.tokens)
+    assert 0 < sum(hit) < emitted

@@ -133,15 +133,23 @@ SAMPLED_RANK_ACCEPT = (0.6, 0.08, 0.05, 0.03)
 
 #: Prior P(a node's r-th child is accepted | the node is accepted) that plans the shape of a greedy
 #: planned tree (``tree="planned"``, :meth:`DraftModel._plan`; children are the draft's top-ranked
-#: tokens, accepted when one is the target's argmax). Measured on the bundled int8 draft along the
-#: target's greedy text (benchmarks/results/tree_ceiling_greedy_2026-12-03.json, 12 open prompts):
-#: the draft's top token is the target's 0.73 of the time; given that the ranks before it were not,
-#: rank 1 is 0.44, rank 2 0.37, rank 3 0.34, rank 4 0.23. The first child's value is raised to 0.87:
-#: acceptance comes in runs (a node whose parent was accepted is accepted more often than the average
-#: position), so a spine is worth more than independent positions say. With it, the plans of 16 / 32
-#: nodes accept 1.06-1.08x / 1.22-1.33x a chain's tokens in an exact replay of the draft's ranks along
-#: held-out texts (plans fitted on the other half), where 0.73 gives 0.97-1.03x / 1.09-1.18x.
-GREEDY_RANK_ACCEPT = (0.87, 0.44, 0.37, 0.34, 0.23)
+#: tokens, and the r-th is accepted when it IS the target's argmax, so the values are marginal: the
+#: siblings exclude each other). Measured on the bundled int8 draft along the target's greedy text
+#: (benchmarks/results/tree_ceiling_greedy_2026-12-03.json, 12 open prompts): the draft's top token is
+#: the target's 0.73 of the time; given that the ranks before it were not, rank 1 is 0.44, rank 2 0.37,
+#: rank 3 0.34, rank 4 0.23 -- so P(rank r) = 0.73, 0.27 x 0.44, ... In an exact replay of the draft's
+#: ranks along held-out greedy texts (the two halves of the 12), the plans of 16 / 32 nodes accept
+#: 1.09-1.10x / 1.30-1.31x a chain's tokens.
+GREEDY_RANK_ACCEPT = (0.73, 0.119, 0.056, 0.032, 0.015)
+
+#: Planned greedy trees learn their draft: after every verification the drafter counts, per sibling
+#: rank, the accepted nodes whose parent had a child of that rank (device adds, no host read), and
+#: every _PLAN_EVERY planned steps re-plans with (accepted + _PLAN_PRIOR x prior) / (reached +
+#: _PLAN_PRIOR), rounded to 0.01 (one host read of 2 x len(GREEDY_RANK_ACCEPT) counts; plans are cached
+#: per rounded table). A draft whose argmax is nearly always the target's learns a chain-like plan; a
+#: weaker one learns more siblings.
+_PLAN_EVERY = 16
+_PLAN_PRIOR = 32.0
 
 #: Calibrated ranking of greedy-rule dynamic trees: candidates fall in cells (rank among their parent's
 #: top-w children, draft probability q in _CAL_BUCKETS halving bins: [1/2, 1], [1/4, 1/2), ..., below
@@ -210,13 +218,17 @@ class DraftModel(Drafter):
         Dynamic trees under the greedy rule: rank candidates by their MEASURED acceptance (default True;
         see "Calibrated ranking" in the module docstring) instead of their draft probability (False:
         EAGLE-2's cumulative log q).
+    learn_plan : bool
+        ``tree="planned"`` under the greedy rule: re-plan the shape from this drafter's own measured
+        acceptance per (depth, sibling rank) every _PLAN_EVERY steps (default False: the shape of
+        GREEDY_RANK_ACCEPT, fitted to the bundled int8 draft; see ``rank_acceptance()``).
     """
 
     trusted = True
 
     def __init__(self, lm, k: int = 4, top_k: int = 1, node_budget: Optional[int] = None,
                  stop_threshold: Optional[float] = None, tree: str = "spine", sampled_children: bool = True,
-                 calibrate: bool = True) -> None:
+                 calibrate: bool = True, learn_plan: bool = False) -> None:
         for name, v in (("k", k), ("top_k", top_k)):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"DraftModel: {name} must be an int, got {type(v).__name__}")
@@ -257,6 +269,7 @@ class DraftModel(Drafter):
         self.planned = tree == "planned" and top_k > 1
         self.sampled_children = bool(sampled_children)
         self.calibrate = bool(calibrate)
+        self.learn_plan = bool(learn_plan)
         self._cal = None          # [3, top_k * _CAL_BUCKETS] float32: reached, accepted, reached sum of q
         self._cal_step = False    # the last proposal was a calibrated greedy-rule dynamic tree
         self._plans: Dict[Tuple, List[Tuple[List[int], List[int]]]] = {}
@@ -310,6 +323,12 @@ class DraftModel(Drafter):
         mid = torch.pow(2.0, -torch.arange(_CAL_BUCKETS, dtype=torch.float32, device=dev) - 0.5)  # bin middles
         self._cal_pseudo = _CAL_PRIOR * mid.repeat(w)       # prior: _CAL_PRIOR observations at factor 1
         self._cal_rank = torch.arange(w, device=dev) * _CAL_BUCKETS   # first cell of each sibling rank
+        # planned greedy trees: per sibling rank, [reached (the parent was accepted and had a child of
+        # that rank), accepted]; a new binding starts them afresh, like the calibration counts
+        self._rank_counts = torch.zeros(2, k, len(GREEDY_RANK_ACCEPT), dtype=torch.float32, device=dev)
+        self._rank_acc = GREEDY_RANK_ACCEPT
+        self._plan_steps = 0
+        self._plan_step = False
 
     def _view(self, b: int):
         view = self._views.get(b)
@@ -408,6 +427,7 @@ class DraftModel(Drafter):
         self._b = b
         self._k_step = k
         self._cal_step = False
+        self._plan_step = False
         if k <= 0:  # nothing worth drafting (last token, or the scheduler chose a plain step)
             self._behind = True  # this step's root is not fed: the next draft catches up first
             return Draft(TokenTree.root_only(ctx.roots))
@@ -425,12 +445,19 @@ class DraftModel(Drafter):
                 draft = self._propose_planned(ctx, k, b, cache, last, drawn=True)
             elif self.planned:
                 draft = self._propose_planned(ctx, k, b, cache, last, drawn=False)
+                self._plan_step = True
             else:
                 draft = self._propose_dynamic(ctx, k, b, cache, last)
             if min(limits) < k:
                 draft = _limit_depths(draft, limits, k)
             if self._cal_step:   # the emitted tree's parents (padding: -1), for the calibration counts
                 self._tree_parents = draft.tree.parents.to(torch.int64)
+            if self._plan_step:  # children per node of the emitted tree (padding excluded), for the rank counts
+                par = draft.tree.parents.to(torch.int64)
+                n = par.shape[1]
+                kids = torch.zeros(b, n + 1, dtype=torch.int64, device=par.device)
+                kids.scatter_add_(1, torch.where(par >= 0, par, n), torch.ones_like(par))
+                self._node_kids = kids[:, :n]
             return draft
         return self._propose_spine(ctx, k, b, cache, last, limits)
 
@@ -694,7 +721,7 @@ class DraftModel(Drafter):
     def _sampled_plan(self, n: int, k: int) -> List[Tuple[List[int], List[int]]]:
         return self._plan(n, k, SAMPLED_RANK_ACCEPT)
 
-    def _plan(self, n: int, k: int, acc: Tuple[float, ...]) -> List[Tuple[List[int], List[int]]]:
+    def _plan(self, n: int, k: int, acc: Tuple) -> List[Tuple[List[int], List[int]]]:
         """The shape of a sampled dynamic tree of n draft nodes, at most k deep (fixed before any draw).
 
         Per level d = 1, 2, ...: (positions in level d - 1 of the nodes expanded, their child
@@ -711,8 +738,13 @@ class DraftModel(Drafter):
         plan = self._plans.get(key)
         if plan is not None:
             return plan
-        parents, slots, _ = plan_tree(lambda d, r: acc[r] if r < len(acc) else 0.0, n + 1, max_depth=k,
-                                      max_parents_per_depth=self.top_k)
+        per_depth = bool(acc) and isinstance(acc[0], tuple)   # acc[d - 1][r] (a learned table) or acc[r]
+
+        def rate(d: int, r: int) -> float:
+            row = acc[min(d, len(acc)) - 1] if per_depth else acc
+            return row[r] if r < len(row) else 0.0
+
+        parents, slots, _ = plan_tree(rate, n + 1, max_depth=k, max_parents_per_depth=self.top_k)
         kids: Dict[int, List[int]] = {}
         for c in range(1, len(parents)):
             kids.setdefault(parents[c], []).append(c)  # in the order of their ranks
@@ -782,13 +814,14 @@ class DraftModel(Drafter):
         drawn=True (sampling, ``sampled_children``): children drawn from q, every node existing before
         it is drawn (see the module docstring). drawn=False (``tree="planned"`` under the greedy rule):
         children are the parent's top-ranked draft tokens (deterministic), planned with
-        :data:`GREEDY_RANK_ACCEPT`; a node's estimated P(reached) is the product of those per-rank
-        acceptances along its path (draft log-probability breaks ties)."""
+        :data:`GREEDY_RANK_ACCEPT`, then with the acceptances this drafter measured (:meth:`_rank_table`);
+        a node's estimated P(reached) is the product of those per-rank acceptances along its path (draft
+        log-probability breaks ties)."""
         dev = self.device
         n = self.max_nodes - 1
         if ctx.node_budget is not None:
             n = max(1, min(n, int(ctx.node_budget) - 1))
-        plan = self._plan(n, k, SAMPLED_RANK_ACCEPT if drawn else GREEDY_RANK_ACCEPT)
+        plan = self._plan(n, k, SAMPLED_RANK_ACCEPT if drawn else self._rank_table())
         F = sum(len(pos) for pos, _ in plan[1:])                      # forwarded frontier nodes
         toks_l, score_l, par_l, slot_l, depth_l = [], [], [], [], []  # per-level [b, m]; score: log P(reached)
         N = 1 + sum(sum(c) for _, c in plan)
@@ -799,7 +832,7 @@ class DraftModel(Drafter):
             t, lq, _ = self._children(q0, plan[0][1], probs[:, 1:1 + sum(plan[0][1])])
             score_l.append(self._reach(lq, plan[0][1]))
         else:
-            t, lq, _, reach = self._top_children(last.unsqueeze(1), plan[0][1])
+            t, lq, _, reach = self._top_children(last.unsqueeze(1), plan[0][1], 1)
             score_l.append(reach)
         toks_l.append(t)
         par_l.append(torch.full_like(t, -1))
@@ -833,7 +866,7 @@ class DraftModel(Drafter):
                 t, lq, rank = self._children(q, counts, probs[:, 1 + first:1 + first + sum(counts)])
                 reach = self._reach(lq, counts)
             else:
-                t, lq, rank, reach = self._top_children(logits, counts)
+                t, lq, rank, reach = self._top_children(logits, counts, d + 1)
             ranks = torch.tensor(rank, dtype=torch.int64, device=dev)
             toks_l.append(t)
             score_l.append(prev.gather(1, rank_idx).index_select(1, ranks) + reach)
@@ -853,11 +886,56 @@ class DraftModel(Drafter):
                                      torch.where(slot >= 0, slot + 1, -1)], dim=1)
         self._step_tokens = tokens
         self._F = F
+        if not drawn:   # for the rank counts: each node's sibling rank (children grouped as drafted above)
+            self._node_rank = torch.tensor([-1] + [i for _, c in plan for cnt in sorted(c, reverse=True)
+                                                   for i in range(cnt)], dtype=torch.int64, device=dev)
+            self._node_depth = torch.tensor(depth_list, dtype=torch.int64, device=dev)
         tree = TokenTree(tokens, parents, depths, [N] * b, is_chain=False,
                          _mask=ancestor_mask(parents, max_depth=len(plan)), max_depths=[len(plan)] * b)
         return Draft(tree, probs)
 
-    def _top_children(self, logits: torch.Tensor, counts: List[int]
+    def _rank_table(self) -> Tuple:
+        """The acceptance that plans greedy planned trees: GREEDY_RANK_ACCEPT (per rank), or with
+        ``learn_plan`` after every _PLAN_EVERY planned steps the measured rates per (depth, rank), each
+        shrunk towards the prior with _PLAN_PRIOR pseudo-observations (see _PLAN_EVERY)."""
+        self._plan_steps += 1
+        if self.learn_plan and self._plan_steps % _PLAN_EVERY == 0:
+            reached, hit = self._rank_counts.tolist()
+            prior = GREEDY_RANK_ACCEPT
+            self._rank_acc = tuple(
+                tuple(round(min(0.999, max(0.001, (a + _PLAN_PRIOR * p) / (r + _PLAN_PRIOR))), 2)
+                      for r, a, p in zip(rd, hd, prior)) for rd, hd in zip(reached, hit))
+        return self._rank_acc
+
+    def rank_acceptance(self) -> Dict[str, list]:
+        """What a planned greedy tree has measured, per depth (rows) and sibling rank (columns):
+        ``reached`` (an accepted parent had a child of that rank), ``accepted``, and the table its plans
+        now use (``planned``: per rank, or per depth and rank once learned)."""
+        reached, hit = self._rank_counts.tolist()
+        return {"reached": reached, "accepted": hit, "planned": [list(x) if isinstance(x, tuple) else x
+                                                                 for x in self._rank_acc]}
+
+    def _rank_update(self, path: torch.Tensor, on_path: torch.Tensor) -> None:
+        """Count the last planned tree's outcome (see _PLAN_EVERY): the root and every accepted node are
+        reached parents, each child rank they had was reached at the children's depth, the accepted
+        child's (depth, rank) was accepted."""
+        b = path.shape[0]
+        D, R = self._rank_counts.shape[1:]
+        node = path.clamp(min=0)
+        kids = self._node_kids[:b]
+        pk = torch.cat([kids[:, :1], torch.where(on_path, kids.gather(1, node), 0)], dim=1)        # [b, 1 + P]
+        pd = torch.cat([torch.zeros_like(node[:, :1]), self._node_depth.gather(0, node.view(-1)).view(b, -1)], 1)
+        ranks = torch.arange(R, device=path.device).view(1, 1, R)
+        seen = (pk.unsqueeze(2) > ranks) & (pd < D).unsqueeze(2)                                    # [b, 1 + P, R]
+        cell = pd.clamp(max=D - 1).unsqueeze(2) * R + ranks
+        self._rank_counts[0].view(-1).scatter_add_(0, cell.reshape(-1), seen.reshape(-1).to(torch.float32))
+        rank = self._node_rank.gather(0, node.view(-1)).view(b, -1)
+        depth = self._node_depth.gather(0, node.view(-1)).view(b, -1)
+        hit = on_path & (rank >= 0) & (rank < R) & (depth >= 1) & (depth <= D)
+        cell = (depth - 1).clamp(0, D - 1) * R + rank.clamp(0, R - 1)
+        self._rank_counts[1].view(-1).scatter_add_(0, cell.view(-1), hit.view(-1).to(torch.float32))
+
+    def _top_children(self, logits: torch.Tensor, counts: List[int], depth: int
                       ) -> Tuple[torch.Tensor, torch.Tensor, List[int], torch.Tensor]:
         """Children of f parents [b, f, V] (raw draft logits) under the greedy rule: parent j gets its
         counts[j] most probable tokens (torch.topk's order, a function of the logits alone). Returns
@@ -873,8 +951,10 @@ class DraftModel(Drafter):
         flat = torch.tensor([j * cmax + i for j, i in zip(par, sib)], dtype=torch.int64, device=logits.device)
         toks = idx.reshape(b, f * cmax).index_select(1, flat)
         logq = (vals - lse).reshape(b, f * cmax).index_select(1, flat)
-        acc = GREEDY_RANK_ACCEPT
-        prior = torch.tensor([math.log(acc[i]) if i < len(acc) else math.log(1e-3) for i in sib],
+        acc = self._rank_acc
+        if acc and isinstance(acc[0], tuple):
+            acc = acc[min(depth, len(acc)) - 1]
+        prior = torch.tensor([math.log(max(acc[i], 1e-4)) if i < len(acc) else math.log(1e-4) for i in sib],
                              dtype=torch.float32, device=logits.device)
         return toks, logq, par, prior + 1e-3 * logq
 
@@ -896,6 +976,8 @@ class DraftModel(Drafter):
             on_path = (steps < num.view(b, 1)) & (path >= 0)                           # the accepted nodes
             if self._cal_step:
                 self._cal_update(path, on_path)
+            if self._plan_step:
+                self._rank_update(path, on_path)
             # the accepted nodes with K/V in the draft cache: a prefix of the path (a leaf has no children)
             slots = self._tree_slot.gather(1, path.clamp(min=0))
             valid = on_path & (slots >= 1)
