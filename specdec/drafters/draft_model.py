@@ -142,12 +142,12 @@ SAMPLED_RANK_ACCEPT = (0.6, 0.08, 0.05, 0.03)
 #: 1.09-1.10x / 1.30-1.31x a chain's tokens.
 GREEDY_RANK_ACCEPT = (0.73, 0.119, 0.056, 0.032, 0.015)
 
-#: Planned greedy trees learn their draft: after every verification the drafter counts, per sibling
-#: rank, the accepted nodes whose parent had a child of that rank (device adds, no host read), and
-#: every _PLAN_EVERY planned steps re-plans with (accepted + _PLAN_PRIOR x prior) / (reached +
-#: _PLAN_PRIOR), rounded to 0.01 (one host read of 2 x len(GREEDY_RANK_ACCEPT) counts; plans are cached
-#: per rounded table). A draft whose argmax is nearly always the target's learns a chain-like plan; a
-#: weaker one learns more siblings.
+#: Planned greedy trees count, after every verification and per (depth, sibling rank), the children
+#: whose parent was accepted (reached) and the accepted ones (device adds, no host read;
+#: DraftModel.rank_acceptance()). With learn_plan=True they re-plan every _PLAN_EVERY planned steps
+#: with (accepted + _PLAN_PRIOR x prior) / (reached + _PLAN_PRIOR) per cell, rounded to 0.01 (one host
+#: read of the 2 x k x len(GREEDY_RANK_ACCEPT) counts; plans are cached per rounded table). A draft
+#: whose argmax is nearly always the target's learns a spine; a weaker one keeps more siblings.
 _PLAN_EVERY = 16
 _PLAN_PRIOR = 32.0
 
@@ -323,8 +323,8 @@ class DraftModel(Drafter):
         mid = torch.pow(2.0, -torch.arange(_CAL_BUCKETS, dtype=torch.float32, device=dev) - 0.5)  # bin middles
         self._cal_pseudo = _CAL_PRIOR * mid.repeat(w)       # prior: _CAL_PRIOR observations at factor 1
         self._cal_rank = torch.arange(w, device=dev) * _CAL_BUCKETS   # first cell of each sibling rank
-        # planned greedy trees: per sibling rank, [reached (the parent was accepted and had a child of
-        # that rank), accepted]; a new binding starts them afresh, like the calibration counts
+        # planned greedy trees: per (depth, sibling rank), [reached (the parent was accepted and had a
+        # child of that rank), accepted]; a new binding starts them afresh, like the calibration counts
         self._rank_counts = torch.zeros(2, k, len(GREEDY_RANK_ACCEPT), dtype=torch.float32, device=dev)
         self._rank_acc = GREEDY_RANK_ACCEPT
         self._plan_steps = 0
