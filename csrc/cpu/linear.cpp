@@ -88,15 +88,20 @@ void run_q(const QLinearParams& P) {
 
 }  // namespace
 
-// The GEMM tiles take these raw float32 / int8 rows (AVX2, K % 8 == 0) instead of the few-row
-// kernel: prefill rows (set_prefill) at any M, float32 weights only up to kLinearGemmRows rows.
-static bool gemm_rows(const LinearParams& P) {
-  return prefill_enabled() && P.K % 8 == 0 && (P.wtype != WType::kFloat32 || P.M <= kLinearGemmRows) &&
-         has_avx2_fma_f16c() && gemm_enabled();
+// Whether M rows take cpu_gemm.h's tiles (AVX2, switched on): prefill sizes (more than kBlasM rows),
+// or any M inside prefill rows (set_prefill).
+static bool tiles_for(int64_t M) {
+  return (M > kBlasM || prefill_enabled()) && has_avx2_fma_f16c() && gemm_enabled();
+}
+
+// The same for a linear of weight type wt (K % 8 == 0): float32 weights only with float32 x and up to
+// kLinearGemmRows rows (more: the BLAS GEMM); half and int8 weights at any M.
+static bool tiles_for(int64_t M, int64_t K, WType wt, bool x_float32) {
+  return tiles_for(M) && K % 8 == 0 && (wt != WType::kFloat32 || (x_float32 && M <= kLinearGemmRows));
 }
 
 void linear_raw(LinearParams P) {
-  if (gemm_rows(P)) {
+  if (tiles_for(P.M, P.K, P.wtype, true)) {
     run_gemm(P.N, P.K, [&](int64_t n0, int64_t n1, float* scratch) { gemm_linear_rows_avx2(P, n0, n1, scratch); });
     return;
   }
@@ -113,7 +118,7 @@ void linear_raw(LinearParams P) {
 
 void linear_multi_raw(const std::vector<LinearParams>& P) {
   if (P.empty()) return;
-  if (P[0].M > kSmallM || gemm_rows(P[0])) {
+  if (P[0].M > kSmallM || tiles_for(P[0].M, P[0].K, P[0].wtype, true)) {
     for (const LinearParams& p : P) linear_raw(p);
     return;
   }
@@ -137,7 +142,7 @@ void qlinear_raw(QLinearParams P) {
   const int64_t M = P.M, K = P.K, G = K / kQGroup;
   // prefill sizes on AVX2: the GEMM tiles over decoded weight quads (cpu_gemm.h), not batch
   // invariant with the few-row kernel, which keeps every decode / verify size (<= kBlasM rows)
-  if ((M > kBlasM || prefill_enabled()) && has_avx2_fma_f16c() && gemm_enabled()) {
+  if (tiles_for(M)) {
     run_gemm(P.N, K, [&](int64_t n0, int64_t n1, float* scratch) { gemm_q_rows_avx2(P, n0, n1, scratch); });
     return;
   }
@@ -193,10 +198,7 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::
   // prefill sizes (see the file comment; results/prefill_cpu_2026-12-03*.json): the tiles against
   // MKL's sgemm 1.10-1.61x per layer at 65-72 rows and 0.92-1.31x at 100-256; the bf16 target's
   // prefill 5.1-6.3x its BLAS GEMM's, the w8 draft's 1.13-1.30x the few-row kernel's
-  const bool half = weight.scalar_type() == at::kHalf || weight.scalar_type() == at::kBFloat16;
-  const bool gemm = (M > cpu::kBlasM || cpu::prefill_enabled()) && K % 8 == 0 && cpu::has_avx2_fma_f16c() && cpu::gemm_enabled() &&
-                    (quantized || half ||
-                     (M <= cpu::kLinearGemmRows && weight.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat));
+  const bool gemm = cpu::tiles_for(M, K, cpu::to_wtype(weight.scalar_type()), x.scalar_type() == at::kFloat);
   if (!quantized && M > cpu::kBlasM && !gemm) {
     return at::linear(x, weight, bias);
   }

@@ -134,12 +134,14 @@ SAMPLED_RANK_ACCEPT = (0.6, 0.08, 0.05, 0.03)
 #: Prior P(a node's r-th child is accepted | the node is accepted) that plans the shape of a greedy
 #: planned tree (``tree="planned"``, :meth:`DraftModel._plan`; children are the draft's top-ranked
 #: tokens, and the r-th is accepted when it IS the target's argmax, so the values are marginal: the
-#: siblings exclude each other). Measured on the bundled int8 draft along the target's greedy text
-#: (benchmarks/results/tree_ceiling_greedy_2026-12-03.json, 12 open prompts): the draft's top token is
-#: the target's 0.73 of the time; given that the ranks before it were not, rank 1 is 0.44, rank 2 0.37,
-#: rank 3 0.34, rank 4 0.23 -- so P(rank r) = 0.73, 0.27 x 0.44, ... In an exact replay of the draft's
-#: ranks along held-out greedy texts (the two halves of the 12), the plans of 16 / 32 nodes accept
-#: 1.09-1.10x / 1.30-1.31x a chain's tokens.
+#: siblings exclude each other). Measured on the bundled int8 draft along the target's greedy text of
+#: 12 open prompts (an exploratory run: the 6 of benchmarks/bench_e2e.OPEN and 6 more): the draft's top
+#: token is the target's 0.73 of the time; given that the ranks before it were not, rank 1 is 0.44,
+#: rank 2 0.37, rank 3 0.34, rank 4 0.23 -- so P(rank r) = 0.73, 0.27 x 0.44, ...
+#: (`python benchmarks/tree_ceiling.py --mode greedy` on the 6 OPEN prompts alone,
+#: results/tree_ceiling_greedy_2026-12-03.json: 0.727, 0.448, 0.293, 0.317.) An exact replay of the
+#: draft's ranks along those 12 texts (the same texts, not held out) put the 16 / 32-node plans at
+#: 1.09-1.10x / 1.30-1.31x a chain on either half; in the loop, results/trees_planned_2026-12-03b.json.
 GREEDY_RANK_ACCEPT = (0.73, 0.119, 0.056, 0.032, 0.015)
 
 #: Planned greedy trees count, after every verification and per (depth, sibling rank), the children
@@ -169,6 +171,20 @@ def _sibling_consts(counts: Tuple[int, ...], device: str) -> Tuple[torch.Tensor,
     idx = torch.arange(len(grp))
     earlier = (grp.view(-1, 1) == grp.view(1, -1)) & (idx.view(-1, 1) < idx.view(1, -1))
     return first.to(device), earlier.to(torch.float32).to(device)
+
+
+@functools.lru_cache(maxsize=256)
+def _top_consts(counts: Tuple[int, ...], cmax: int, acc: Tuple[float, ...], device: str
+                ) -> Tuple[Tuple[int, ...], torch.Tensor, torch.Tensor]:
+    """For the greedy children of a planned level (``counts`` per parent, at most cmax of each parent's
+    top-cmax): the parent index of each child, its index into the flattened [f * cmax] top-k, and log of
+    its rank's planned acceptance. Built once per (level shape, table), not per step."""
+    par = tuple(j for j, c in enumerate(counts) for _ in range(c))
+    sib = [i for c in counts for i in range(c)]
+    flat = torch.tensor([j * cmax + i for j, i in zip(par, sib)], dtype=torch.int64, device=device)
+    prior = torch.tensor([math.log(max(acc[i], 1e-4)) if i < len(acc) else math.log(1e-4) for i in sib],
+                         dtype=torch.float32, device=device)
+    return par, flat, prior
 
 
 def _limit_depths(draft: Draft, limits: Sequence[int], k: int) -> Draft:
@@ -946,17 +962,13 @@ class DraftModel(Drafter):
         cmax = min(max(counts), V)
         vals, idx = torch.topk(logits.float(), cmax, dim=2)                        # [b, f, cmax]
         lse = torch.logsumexp(logits.float(), dim=2, keepdim=True)
-        par = [j for j, c in enumerate(counts) for _ in range(c)]
-        sib = [i for c in counts for i in range(c)]
-        flat = torch.tensor([j * cmax + i for j, i in zip(par, sib)], dtype=torch.int64, device=logits.device)
-        toks = idx.reshape(b, f * cmax).index_select(1, flat)
-        logq = (vals - lse).reshape(b, f * cmax).index_select(1, flat)
         acc = self._rank_acc
         if acc and isinstance(acc[0], tuple):
             acc = acc[min(depth, len(acc)) - 1]
-        prior = torch.tensor([math.log(max(acc[i], 1e-4)) if i < len(acc) else math.log(1e-4) for i in sib],
-                             dtype=torch.float32, device=logits.device)
-        return toks, logq, par, prior + 1e-3 * logq
+        par, flat, prior = _top_consts(tuple(counts), cmax, tuple(acc), str(logits.device))
+        toks = idx.reshape(b, f * cmax).index_select(1, flat)
+        logq = (vals - lse).reshape(b, f * cmax).index_select(1, flat)
+        return toks, logq, list(par), prior + 1e-3 * logq
 
     def accept(self, accepted: torch.Tensor, num_accepted: torch.Tensor, num_host: Sequence[int],
                foreign: Optional[Sequence[Sequence[int]]] = None) -> None:
