@@ -10,6 +10,8 @@ nodes) over a 150-token prefix, for:
                           each from Python (fused_layers=False)
   fp32 lean layer         the default: each decoder layer as ONE ops.decoder_layer call (the same
                           kernels called from C++)
+  fp32 lean layer avx2    the same with the AVX-512 verify-size linear switched off (specdec._C.set_cpu_avx512;
+                          the same bits; only on a CPU with AVX-512)
   q8_0 / q4_1 lean fused / layer  the target at group-quantized precision (ops.qlinear; q4_1 = the
                           GGUF's blocks)
   w8 lean unfused / fused / layer the weight-only int8 draft
@@ -93,16 +95,20 @@ def stub_linears(lm) -> None:
 
 def interleaved_medians(built, rounds: int):
     """{(name, N): median ms} of one forward of N = 1 and 8 nodes, configurations interleaved round by
-    round (2 warm-up rounds)."""
+    round (2 warm-up rounds). A configuration whose name ends in "avx2" runs with the AVX-512 linear off."""
+    from specdec import _C
+
     times = {(name, N): [] for name in built for N in (1, 8)}
     for r in range(rounds + 2):
         for N in (1, 8):
             tok, dep = torch.zeros(1, N, dtype=torch.long), torch.arange(N)[None]
             for name, (lm, cache) in built.items():
+                prev = _C.set_cpu_avx512(not name.endswith("avx2"))
                 t0 = time.perf_counter()
                 lm.forward(cache, tok, dep)
                 if r >= 2:
                     times[(name, N)].append(time.perf_counter() - t0)
+                _C.set_cpu_avx512(prev)
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 
@@ -127,6 +133,7 @@ def main() -> int:
         "fp32 lean unfused": ("fp32", dict(fused_ops=False)),
         "fp32 lean fused": ("fp32", per_op),
         "fp32 lean layer": ("fp32", {}),
+        "fp32 lean layer avx2": ("fp32", {}),
         "q8_0 lean fused": ("q8_0", per_op),
         "q8_0 lean layer": ("q8_0", {}),
         "q4_1 lean fused": ("q4_1", per_op),
@@ -135,6 +142,10 @@ def main() -> int:
         "w8 lean fused": ("w8", per_op),
         "w8 lean layer": ("w8", {}),
     }
+    from specdec import _C
+
+    if not _C.build_info().get("cpu_avx512"):
+        del configs["fp32 lean layer avx2"]
     prefix = list(range(1, 151))
 
     def make(name):
@@ -167,7 +178,7 @@ def main() -> int:
                 row[f"N={N} small-op ms"] = round(so, 2)
                 lin = max(median_ms[(name, N)] - so, 1e-6)
                 row[f"N={N} linear GB/s"] = round(wb / lin / 1e6, 1)
-            elif "layer" in name:  # derived: the same linears as its "fused" twin
+            elif "layer" in name and not name.endswith("avx2"):  # derived: the same linears as its "fused" twin
                 twin = name.replace("layer", "fused")
                 lin = median_ms[(twin, N)] - small_ms[(twin, N)]
                 row[f"N={N} small-op ms"] = round(median_ms[(name, N)] - lin, 2)

@@ -102,6 +102,7 @@ PYBIND11_MODULE(_C, m) {
     info["cuda_version"] = std::string(SPECDEC_CUDA_VERSION);
     info["torch_version"] = std::string(SPECDEC_TORCH_VERSION);
     info["cpu_avx2"] = specdec::cpu::has_avx2_fma_f16c();  // this CPU runs the AVX2 / FMA / F16C kernels
+    info["cpu_avx512"] = specdec::cpu::has_avx512();       // ... and the AVX-512 F / DQ / VL ones
     return info;
   }, "What this build of specdec._C contains: CUDA kernels or not, archs, torch/CUDA versions.");
   m.def("set_strict_checks", &specdec::checks::set_strict, pybind11::arg("on"),
@@ -117,6 +118,10 @@ PYBIND11_MODULE(_C, m) {
         "a prompt's rows do not depend on its length or batch, but differ in rounding from the few-row "
         "kernels of decode and verify. Returns the previous value. Use specdec.ops.prefill_rows().");
   m.def("cpu_prefill", &specdec::cpu::prefill_enabled, "Whether prefill rows are on for this thread.");
+  m.def("set_cpu_avx512", &specdec::cpu::set_avx512, pybind11::arg("on"),
+        "The AVX-512 few-row kernel for float32 weights at verify sizes (True, the default, where the CPU has "
+        "AVX-512) or the AVX2 one (False): the same bits either way. Returns the previous value. For A/Bs and tests.");
+  m.def("cpu_avx512", &specdec::cpu::avx512_active, "Whether float32 verify-size CPU linears take the AVX-512 kernel.");
   specdec::bind_suffix_index(m);
   specdec::bind_recycling(m);
 }

@@ -94,6 +94,28 @@ def test_decoder_layer_equals_the_separate_ops(device, dtype, layout, shape):
     assert not torch.equal(a["k_cache"], args["k_cache"])  # the new K were written
 
 
+@pytest.mark.skipif(not __import__("specdec")._C.build_info().get("cpu_avx512", False),
+                    reason="the CPU has no AVX-512 F / DQ / VL")
+@pytest.mark.parametrize("N", [5, 8, 16])
+def test_decoder_layer_avx512_gives_the_avx2_bits(N):
+    """A float32 verify-size layer (the q / k / v and gate / up linears in one parallel region) gives the
+    same bits with the AVX-512 linear as with the AVX2 one, caches included."""
+    from specdec import _C
+
+    args = _case("cpu", torch.float32, "float7", B=1, N=N, bias=True, seed=N)
+    a, b = _with_caches(args), _with_caches(args)
+    prev = _C.set_cpu_avx512(True)
+    try:
+        on = ops.decoder_layer(**a)
+        _C.set_cpu_avx512(False)
+        off = ops.decoder_layer(**b)
+    finally:
+        _C.set_cpu_avx512(prev)
+    for t, w in zip(on, off):
+        assert torch.equal(t, w)
+    assert torch.equal(a["k_cache"], b["k_cache"]) and torch.equal(a["v_cache"], b["v_cache"])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["float7", "q4_1"])
 def test_decoder_layer_matches_reference(device, layout):

@@ -281,3 +281,48 @@ def test_linear_prefill_rows_cpu(kind, K, N):
         assert torch.equal(off, torch.nn.functional.linear(x[:100], w, bias))
     else:
         assert torch.equal(off, few)      # the few-row kernel: every row as a decode step
+
+
+AVX512 = bool(torch.ops.specdec is not None) and __import__("specdec")._C.build_info().get("cpu_avx512", False)
+
+
+@pytest.mark.skipif(not AVX512, reason="the CPU has no AVX-512 F / DQ / VL")
+@pytest.mark.parametrize("K", [8, 16, 24, 40, 576, 1536])
+def test_linear_avx512_gives_the_avx2_bits(K):
+    """Float32 weights at 5-32 rows (K % 8 == 0) take the AVX-512 tile (csrc/cpu/linear_avx512.cpp), which
+    holds two of the AVX2 kernel's accumulators per zmm register and reduces them in the same order: its
+    outputs equal the AVX2 kernel's bit for bit at every M (one and two weight passes), N (the 4-row blocks
+    and the 1-3-row tail), with and without bias, x rows strided; so a verify row still equals a decode step."""
+    from specdec import _C
+
+    g = gen(K)
+    for N in (1, 3, 4, 5, 7, 8, 130, 577):
+        w = torch.randn(N, K, generator=g) / 24
+        b = torch.randn(N, generator=g)
+        xs = torch.randn(64, K + 8, generator=g)[:, :K]  # row stride K + 8
+        for M in (*range(1, 18), 24, 31, 32, 33, 40, 64):
+            for bias in (None, b):
+                prev = _C.set_cpu_avx512(True)
+                try:
+                    on = ops.linear(xs[:M], w, bias)
+                    _C.set_cpu_avx512(False)
+                    off = ops.linear(xs[:M], w, bias)
+                finally:
+                    _C.set_cpu_avx512(prev)
+                assert torch.equal(on, off), (K, N, M, bias is None)
+        rows = torch.cat([ops.linear(xs[i:i + 1], w, b) for i in range(8)])
+        assert torch.equal(ops.linear(xs[:8], w, b), rows), (K, N)
+
+
+@pytest.mark.skipif(not AVX512, reason="the CPU has no AVX-512 F / DQ / VL")
+def test_avx512_switch():
+    from specdec import _C
+
+    assert _C.cpu_avx512()
+    assert _C.set_cpu_avx512(False) is True
+    try:
+        assert not _C.cpu_avx512()
+        assert _C.set_cpu_avx512(False) is False
+    finally:
+        assert _C.set_cpu_avx512(True) is False
+    assert _C.cpu_avx512()

@@ -30,6 +30,7 @@ void linear_rows_avx2(const LinearParams& P, int64_t n_begin, int64_t n_end);   
 void qlinear_rows_avx2(const QLinearParams& P, int64_t n_begin, int64_t n_end);  // linear_avx2.cpp
 void gemm_linear_rows_avx2(const LinearParams& P, int64_t n_begin, int64_t n_end, float* scratch);  // cpu_gemm.h
 void gemm_q_rows_avx2(const QLinearParams& P, int64_t n_begin, int64_t n_end, float* scratch);       // cpu_gemm.h
+void linear_rows_f32_avx512(const LinearParams& P, int64_t n_begin, int64_t n_end);                  // linear_avx512.cpp
 
 namespace {
 
@@ -46,17 +47,25 @@ WType to_wtype(at::ScalarType s) {
   }
 }
 
+// Rows [n0, n1) of P by the best kernel this CPU runs: float32 weights at 5+ rows of x and K % 8 == 0
+// take the AVX-512 tile where there is one (the AVX2 kernel's bits; 1-4 rows stream the weight,
+// memory-bound, in AVX2; a K with a scalar tail keeps AVX2, whose tail the compiler schedules its own way).
+inline void rows_of(const LinearParams& P, int64_t n0, int64_t n1, bool avx2, bool avx512) {
+  if (avx512 && P.wtype == WType::kFloat32 && P.M >= 5 && P.K % 8 == 0) linear_rows_f32_avx512(P, n0, n1);
+  else if (avx2) linear_rows_avx2(P, n0, n1);
+  else base::linear_rows(P, n0, n1);
+}
+
 // y[:, :] for all M rows of P (M <= kSmallM), output columns split over threads.
 void run(const LinearParams& P) {
-  const bool avx2 = has_avx2_fma_f16c();
+  const bool avx2 = has_avx2_fma_f16c(), avx512 = avx512_active();
   const int64_t blocks = (P.N + kNr - 1) / kNr;
   // At least ~256 KiB of weight per task so that small layers do not pay the fork.
   const int64_t es = wtype_size(P.wtype);
   const int64_t grain = std::max<int64_t>(1, (int64_t(256) << 10) / std::max<int64_t>(1, kNr * P.K * es));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     const int64_t n0 = begin * kNr, n1 = std::min(end * kNr, P.N);
-    if (avx2) linear_rows_avx2(P, n0, n1);
-    else base::linear_rows(P, n0, n1);
+    rows_of(P, n0, n1, avx2, avx512);
   });
 }
 
@@ -124,7 +133,7 @@ void linear_multi_raw(const std::vector<LinearParams>& P) {
   }
   std::vector<int64_t> first_block(P.size() + 1, 0);  // weight j owns blocks [first_block[j], first_block[j + 1])
   for (size_t j = 0; j < P.size(); ++j) first_block[j + 1] = first_block[j] + (P[j].N + kNr - 1) / kNr;
-  const bool avx2 = has_avx2_fma_f16c();
+  const bool avx2 = has_avx2_fma_f16c(), avx512 = avx512_active();
   const int64_t es = wtype_size(P[0].wtype);
   const int64_t grain = std::max<int64_t>(1, (int64_t(256) << 10) / std::max<int64_t>(1, kNr * P[0].K * es));
   at::parallel_for(0, first_block.back(), grain, [&](int64_t begin, int64_t end) {
@@ -132,8 +141,7 @@ void linear_multi_raw(const std::vector<LinearParams>& P) {
       const int64_t b0 = std::max(begin, first_block[j]), b1 = std::min(end, first_block[j + 1]);
       if (b0 >= b1) continue;
       const int64_t n0 = (b0 - first_block[j]) * kNr, n1 = std::min((b1 - first_block[j]) * kNr, P[j].N);
-      if (avx2) linear_rows_avx2(P[j], n0, n1);
-      else base::linear_rows(P[j], n0, n1);
+      rows_of(P[j], n0, n1, avx2, avx512);
     }
   });
 }
@@ -172,6 +180,7 @@ void qlinear_raw(QLinearParams P) {
 
 namespace {
 std::atomic<bool> g_gemm{true};
+std::atomic<bool> g_avx512{true};
 thread_local bool t_prefill = false;
 }  // namespace
 
@@ -183,6 +192,8 @@ bool set_prefill(bool on) {
   return was;
 }
 bool prefill_enabled() { return t_prefill; }
+bool set_avx512(bool on) { return g_avx512.exchange(on, std::memory_order_relaxed); }
+bool avx512_active() { return has_avx512() && g_avx512.load(std::memory_order_relaxed); }
 
 }  // namespace cpu
 

@@ -16,5 +16,17 @@ inline bool has_avx2_fma_f16c() {
 #endif
 }
 
+// True when the CPU (and the OS, which must save zmm state) runs the AVX-512 F / DQ / VL build
+// (csrc/cpu/linear_avx512.cpp) on top of the AVX2 one.
+inline bool has_avx512() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool has = has_avx2_fma_f16c() && __builtin_cpu_supports("avx512f") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return has;
+#else
+  return false;
+#endif
+}
+
 }  // namespace cpu
 }  // namespace specdec
