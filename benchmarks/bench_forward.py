@@ -10,8 +10,8 @@ nodes) over a 150-token prefix, for:
                           each from Python (fused_layers=False)
   fp32 lean layer         the default: each decoder layer as ONE ops.decoder_layer call (the same
                           kernels called from C++)
-  fp32 lean layer avx2    the same with the AVX-512 verify-size linear switched off (specdec._C.set_cpu_avx512;
-                          the same bits; only on a CPU with AVX-512)
+  ... layer avx2          on a CPU with AVX-512: each "layer" configuration again with the AVX-512 few-row
+                          kernels off (specdec._C.set_cpu_avx512(False): the AVX2 ones, the same bits)
   q8_0 / q4_1 lean fused / layer  the target at group-quantized precision (ops.qlinear; q4_1 = the
                           GGUF's blocks)
   w8 lean unfused / fused / layer the weight-only int8 draft
@@ -133,7 +133,6 @@ def main() -> int:
         "fp32 lean unfused": ("fp32", dict(fused_ops=False)),
         "fp32 lean fused": ("fp32", per_op),
         "fp32 lean layer": ("fp32", {}),
-        "fp32 lean layer avx2": ("fp32", {}),
         "q8_0 lean fused": ("q8_0", per_op),
         "q8_0 lean layer": ("q8_0", {}),
         "q4_1 lean fused": ("q4_1", per_op),
@@ -144,8 +143,8 @@ def main() -> int:
     }
     from specdec import _C
 
-    if not _C.build_info().get("cpu_avx512"):
-        del configs["fp32 lean layer avx2"]
+    if _C.build_info().get("cpu_avx512"):  # each default configuration again with the AVX2 few-row kernels
+        configs.update({f"{n} avx2": c for n, c in list(configs.items()) if n.endswith("layer")})
     prefix = list(range(1, 151))
 
     def make(name):

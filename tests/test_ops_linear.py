@@ -286,32 +286,53 @@ def test_linear_prefill_rows_cpu(kind, K, N):
 AVX512 = bool(torch.ops.specdec is not None) and __import__("specdec")._C.build_info().get("cpu_avx512", False)
 
 
-@pytest.mark.skipif(not AVX512, reason="the CPU has no AVX-512 F / DQ / VL")
-@pytest.mark.parametrize("K", [8, 16, 24, 40, 576, 1536])
-def test_linear_avx512_gives_the_avx2_bits(K):
-    """Float32 weights at 5-32 rows (K % 8 == 0) take the AVX-512 tile (csrc/cpu/linear_avx512.cpp), which
-    holds two of the AVX2 kernel's accumulators per zmm register and reduces them in the same order: its
-    outputs equal the AVX2 kernel's bit for bit at every M (one and two weight passes), N (the 4-row blocks
-    and the 1-3-row tail), with and without bias, x rows strided; so a verify row still equals a decode step."""
+def _avx512_on_off(f):
+    """f() with the AVX-512 few-row kernels on, then off (the AVX2 ones)."""
     from specdec import _C
 
+    prev = _C.set_cpu_avx512(True)
+    try:
+        on = f()
+        _C.set_cpu_avx512(False)
+        off = f()
+    finally:
+        _C.set_cpu_avx512(prev)
+    return on, off
+
+
+def _same_bits(a, b):
+    return torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b))
+
+
+@pytest.mark.skipif(not AVX512, reason="the CPU has no AVX-512 F / DQ / VL")
+@pytest.mark.parametrize("kind", ["fp32", "int8", "bf16", "fp16"])
+@pytest.mark.parametrize("K", [8, 16, 24, 40, 576, 1536])
+def test_linear_avx512_gives_the_avx2_bits(kind, K):
+    """5-32 rows of x (K % 8 == 0) take the AVX-512 tile (csrc/cpu/linear_avx512.cpp), which holds two of
+    the AVX2 kernel's accumulators per zmm register (weights widened the same way) and reduces them in the
+    same order: its outputs equal the AVX2 kernel's bit for bit, signs of zeros included, at every M (one
+    and two weight passes), N (the 4-row blocks and the 1-3-row tail), with and without bias (and the int8
+    per-row scale), x rows strided; so a verify row still equals a decode step."""
     g = gen(K)
     for N in (1, 3, 4, 5, 7, 8, 130, 577):
         w = torch.randn(N, K, generator=g) / 24
         b = torch.randn(N, generator=g)
         xs = torch.randn(64, K + 8, generator=g)[:, :K]  # row stride K + 8
+        if kind == "int8":
+            q, sc = ops.quantize_weight_int8(w)
+            f = lambda x, bias: ops.linear(x, q, bias, sc)  # noqa: E731
+        elif kind == "fp32":
+            f = lambda x, bias: ops.linear(x, w, bias)  # noqa: E731
+        else:
+            dt = torch.bfloat16 if kind == "bf16" else torch.float16
+            wd, bd = w.to(dt), b.to(dt)
+            f = lambda x, bias: ops.linear(x.to(dt), wd, None if bias is None else bd)  # noqa: E731
         for M in (*range(1, 18), 24, 31, 32, 33, 40, 64):
             for bias in (None, b):
-                prev = _C.set_cpu_avx512(True)
-                try:
-                    on = ops.linear(xs[:M], w, bias)
-                    _C.set_cpu_avx512(False)
-                    off = ops.linear(xs[:M], w, bias)
-                finally:
-                    _C.set_cpu_avx512(prev)
-                assert torch.equal(on, off), (K, N, M, bias is None)
-        rows = torch.cat([ops.linear(xs[i:i + 1], w, b) for i in range(8)])
-        assert torch.equal(ops.linear(xs[:8], w, b), rows), (K, N)
+                on, off = _avx512_on_off(lambda: f(xs[:M], bias))
+                assert _same_bits(on, off), (kind, K, N, M, bias is None)
+        rows = torch.cat([f(xs[i:i + 1], b) for i in range(8)])
+        assert torch.equal(f(xs[:8], b), rows), (kind, K, N)
 
 
 @pytest.mark.skipif(not AVX512, reason="the CPU has no AVX-512 F / DQ / VL")

@@ -164,3 +164,33 @@ def test_qlinear_prefill_rows_cpu(fmt, K, N):
     for M in (33, 64):
         rows = torch.cat([ops.qlinear(x[i:i + 1], qw, d, m, None, bits) for i in range(M)])
         assert torch.equal(ops.qlinear(x[:M], qw, d, m, None, bits), rows), (fmt, M)
+
+
+@pytest.mark.skipif(not __import__("specdec")._C.build_info().get("cpu_avx512", False),
+                    reason="the CPU has no AVX-512 F / DQ / VL")
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q4_0"])
+@pytest.mark.parametrize("K", [32, 288, 576])
+def test_qlinear_avx512_gives_the_avx2_bits(fmt, K):
+    """5-32 rows of x take the AVX-512 tile (csrc/cpu/linear_avx512.cpp: 4 weight rows x 8 x rows, codes
+    widened to d * q (+ m) as pairs of rows, the AVX2 tile's FMA order and horizontal sum): the AVX2
+    kernel's outputs bit for bit (signs of zeros included) at every M, N tail, with and without bias."""
+    from specdec import _C
+
+    g = gen(K + len(fmt))
+    bits = 4 if fmt.startswith("q4") else 8
+    for N in (1, 3, 4, 5, 13, 130):
+        q, s, mn = ops.quantize_weight_groups(torch.randn(N, K, generator=g) / 24, fmt)
+        b = torch.randn(N, generator=g)
+        x = torch.randn(40, K, generator=g)
+        for M in (*range(1, 18), 24, 32, 33, 40):
+            for bias in (None, b):
+                prev = _C.set_cpu_avx512(True)
+                try:
+                    on = ops.qlinear(x[:M], q, s, mn, bias, bits)
+                    _C.set_cpu_avx512(False)
+                    off = ops.qlinear(x[:M], q, s, mn, bias, bits)
+                finally:
+                    _C.set_cpu_avx512(prev)
+                assert torch.equal(on, off) and torch.equal(torch.signbit(on), torch.signbit(off)), (fmt, K, N, M)
+        rows = torch.cat([ops.qlinear(x[i:i + 1], q, s, mn, b, bits) for i in range(8)])
+        assert torch.equal(ops.qlinear(x[:8], q, s, mn, b, bits), rows), (fmt, K, N)

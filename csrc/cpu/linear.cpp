@@ -30,7 +30,8 @@ void linear_rows_avx2(const LinearParams& P, int64_t n_begin, int64_t n_end);   
 void qlinear_rows_avx2(const QLinearParams& P, int64_t n_begin, int64_t n_end);  // linear_avx2.cpp
 void gemm_linear_rows_avx2(const LinearParams& P, int64_t n_begin, int64_t n_end, float* scratch);  // cpu_gemm.h
 void gemm_q_rows_avx2(const QLinearParams& P, int64_t n_begin, int64_t n_end, float* scratch);       // cpu_gemm.h
-void linear_rows_f32_avx512(const LinearParams& P, int64_t n_begin, int64_t n_end);                  // linear_avx512.cpp
+void linear_rows_avx512(const LinearParams& P, int64_t n_begin, int64_t n_end);    // linear_avx512.cpp
+void qlinear_rows_avx512(const QLinearParams& P, int64_t n_begin, int64_t n_end);  // linear_avx512.cpp
 
 namespace {
 
@@ -47,11 +48,11 @@ WType to_wtype(at::ScalarType s) {
   }
 }
 
-// Rows [n0, n1) of P by the best kernel this CPU runs: float32 weights at 5+ rows of x and K % 8 == 0
-// take the AVX-512 tile where there is one (the AVX2 kernel's bits; 1-4 rows stream the weight,
-// memory-bound, in AVX2; a K with a scalar tail keeps AVX2, whose tail the compiler schedules its own way).
+// Rows [n0, n1) of P by the best kernel this CPU runs: 5+ rows of x with K % 8 == 0 take the AVX-512
+// tile where there is one (the AVX2 kernel's bits; 1-4 rows stay on AVX2, whose decode-size schedules
+// are memory-bound; a K with a scalar tail keeps AVX2, whose tail the compiler schedules its own way).
 inline void rows_of(const LinearParams& P, int64_t n0, int64_t n1, bool avx2, bool avx512) {
-  if (avx512 && P.wtype == WType::kFloat32 && P.M >= 5 && P.K % 8 == 0) linear_rows_f32_avx512(P, n0, n1);
+  if (avx512 && P.M >= 5 && P.K % 8 == 0) linear_rows_avx512(P, n0, n1);
   else if (avx2) linear_rows_avx2(P, n0, n1);
   else base::linear_rows(P, n0, n1);
 }
@@ -84,13 +85,14 @@ void run_gemm(int64_t N, int64_t K, F&& rows) {
 // The kernel is compute-bound (codes widened to float32): tasks of >= ~256K multiply-adds
 // (~25 us on one core), so that the 576-row layers of a small model still use both cores.
 void run_q(const QLinearParams& P) {
-  const bool avx2 = has_avx2_fma_f16c();
+  const bool avx2 = has_avx2_fma_f16c(), avx512 = avx512_active() && P.M >= 5;
   constexpr int64_t nr = 8;  // rows per task unit: the AVX2 tile's M = 1 block
   const int64_t blocks = (P.N + nr - 1) / nr;
   const int64_t grain = std::max<int64_t>(1, (int64_t(256) << 10) / std::max<int64_t>(1, nr * P.K * P.M));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     const int64_t n0 = begin * nr, n1 = std::min(end * nr, P.N);
-    if (avx2) qlinear_rows_avx2(P, n0, n1);
+    if (avx512) qlinear_rows_avx512(P, n0, n1);  // the AVX2 tile's bits, 4 weight rows x 8 x rows
+    else if (avx2) qlinear_rows_avx2(P, n0, n1);
     else base::qlinear_rows(P, n0, n1);
   });
 }
