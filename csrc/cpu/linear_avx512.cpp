@@ -235,26 +235,30 @@ inline void q_reduce_store(const QLinearParams& P, int64_t n, int64_t m0, const 
   store_pair<MR>(P.y, P.y_stride, n, m0, _mm512_add_ps(sum, b));
 }
 
-// Weight rows [n0, n0 + 4) x x rows [m0, m0 + MR): per group the codes of the four rows are widened
-// once, as two pairs, and each x vector (broadcast to both halves) feeds 2 zmm FMAs; every accumulator
-// lane does the AVX2 tile's FMAs in its order (4 per group, k order).
-template <int BITS, bool MINS, int MR>
-inline void q_tile_4xm(const QLinearParams& P, int64_t n0, int64_t m0, const char* pf, int64_t pf_lines) {
+// Weight rows [n0, n0 + 2 NP) x x rows [m0, m0 + MR): per group the codes of the 2 NP rows are widened
+// once, as NP pairs, and each x vector (broadcast to both halves) feeds NP zmm FMAs; every accumulator
+// lane does the AVX2 tile's FMAs in its order (4 per group, k order). Used with NP = 2 at 5+ x rows: at
+// 1-4 rows (NP = 4 at 1-2) it gave 0.72-1.09x the AVX2 tile (exploratory), whose widening the zmm
+// form does not make cheaper on a CPU that splits 512-bit integer ops in two.
+template <int BITS, bool MINS, int NP, int MR>
+inline void q_tile(const QLinearParams& P, int64_t n0, int64_t m0, const char* pf, int64_t pf_lines) {
+  constexpr int NR = 2 * NP;
   const int64_t G = P.K / kQGroup;
   const int64_t row_bytes = BITS == 8 ? P.K : P.K / 2, group_bytes = BITS == 8 ? kQGroup : kQGroup / 2;
-  const char* q[4];
-  for (int r = 0; r < 4; ++r) q[r] = static_cast<const char*>(P.qw) + (n0 + r) * row_bytes;
+  const char* q[NR];
+  for (int r = 0; r < NR; ++r) q[r] = static_cast<const char*>(P.qw) + (n0 + r) * row_bytes;
   avx512::QPrefetch prefetch(pf, pf_lines, G);
   const float* xr[MR];
   for (int m = 0; m < MR; ++m) xr[m] = P.x + (m0 + m) * P.x_stride;
-  __m512 a01[MR], a23[MR];
-  for (int m = 0; m < MR; ++m) a01[m] = a23[m] = _mm512_setzero_ps();
-  alignas(32) float ds[4][8], ms[4][8];
+  __m512 acc[NP][MR];
+  for (int p = 0; p < NP; ++p)
+    for (int m = 0; m < MR; ++m) acc[p][m] = _mm512_setzero_ps();
+  alignas(32) float ds[NR][8], ms[NR][8];
   for (int64_t g = 0; g < G; ++g) {
     prefetch.step();
     if (g % 8 == 0) {  // the float16 scales (and mins) of 8 groups, widened exactly
       const int64_t cnt = std::min<int64_t>(8, G - g);
-      for (int r = 0; r < 4; ++r) {
+      for (int r = 0; r < NR; ++r) {
         const int64_t base = (n0 + r) * G + g;
         for (int64_t j = 0; j < cnt; ++j) {
           ds[r][j] = _cvtsh_ss(P.scales[base + j]);
@@ -263,36 +267,33 @@ inline void q_tile_4xm(const QLinearParams& P, int64_t n0, int64_t m0, const cha
       }
     }
     const int j = int(g % 8);
-    __m512 wa[4], wb[4];
-    q_pair_weights<BITS, MINS>(q[0] + g * group_bytes, q[1] + g * group_bytes, pair_of(ds[0][j], ds[1][j]),
-                               MINS ? pair_of(ms[0][j], ms[1][j]) : _mm512_setzero_ps(), wa);
-    q_pair_weights<BITS, MINS>(q[2] + g * group_bytes, q[3] + g * group_bytes, pair_of(ds[2][j], ds[3][j]),
-                               MINS ? pair_of(ms[2][j], ms[3][j]) : _mm512_setzero_ps(), wb);
+    __m512 w[NP][4];
+    for (int p = 0; p < NP; ++p)
+      q_pair_weights<BITS, MINS>(q[2 * p] + g * group_bytes, q[2 * p + 1] + g * group_bytes,
+                                 pair_of(ds[2 * p][j], ds[2 * p + 1][j]),
+                                 MINS ? pair_of(ms[2 * p][j], ms[2 * p + 1][j]) : _mm512_setzero_ps(), w[p]);
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       const float* xg = xr[m] + g * kQGroup;
-      __m512 s01 = a01[m], s23 = a23[m];
       for (int k = 0; k < 4; ++k) {
         const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(xg + 8 * k));
-        s01 = _mm512_fmadd_ps(wa[k], xv, s01);
-        s23 = _mm512_fmadd_ps(wb[k], xv, s23);
+        for (int p = 0; p < NP; ++p) acc[p][m] = _mm512_fmadd_ps(w[p][k], xv, acc[p][m]);
       }
-      a01[m] = s01;
-      a23[m] = s23;
     }
   }
-  q_reduce_store<MR>(P, n0, m0, a01);
-  q_reduce_store<MR>(P, n0 + 2, m0, a23);
+  for (int p = 0; p < NP; ++p) q_reduce_store<MR>(P, n0 + 2 * p, m0, acc[p]);
 }
 
-template <int BITS, bool MINS>
+// Blocks of 2 NP weight rows against all P.M rows of x (groups of 8); the rest by the AVX2 kernel.
+template <int BITS, bool MINS, int NP>
 inline void q_rows(const QLinearParams& P, int64_t n_begin, int64_t n_end) {
+  constexpr int NR = 2 * NP;
   int64_t n = n_begin;
-  for (; n + 4 <= n_end; n += 4) {
+  for (; n + NR <= n_end; n += NR) {
     int64_t lines = 0;
-    const char* pf = avx512::q_prefetch_target<BITS, 4>(P, n, n_end, lines);
+    const char* pf = avx512::q_prefetch_target<BITS, NR>(P, n, n_end, lines);
     for (int64_t m0 = 0; m0 < P.M; m0 += 8, lines = 0)  // the first x group carries the prefetch
-      with_rows(P.M - m0, [&](auto mr) { q_tile_4xm<BITS, MINS, decltype(mr)::value>(P, n, m0, pf, lines); });
+      with_rows(P.M - m0, [&](auto mr) { q_tile<BITS, MINS, NP, decltype(mr)::value>(P, n, m0, pf, lines); });
   }
   if (n < n_end) qlinear_rows_avx2(P, n, n_end);
 }
@@ -316,9 +317,9 @@ void linear_rows_avx512(const LinearParams& P, int64_t n_begin, int64_t n_end) {
 
 // The same for a group-quantized weight (any P.M <= kLinearRowsPerPass).
 void qlinear_rows_avx512(const QLinearParams& P, int64_t n_begin, int64_t n_end) {
-  if (P.bits == 8) q_rows<8, false>(P, n_begin, n_end);
-  else if (P.mins) q_rows<4, true>(P, n_begin, n_end);
-  else q_rows<4, false>(P, n_begin, n_end);
+  if (P.bits == 8) q_rows<8, false, 2>(P, n_begin, n_end);
+  else if (P.mins) q_rows<4, true, 2>(P, n_begin, n_end);
+  else q_rows<4, false, 2>(P, n_begin, n_end);
 }
 
 }  // namespace cpu
