@@ -48,11 +48,15 @@ WType to_wtype(at::ScalarType s) {
   }
 }
 
-// Rows [n0, n1) of P by the best kernel this CPU runs: 5+ rows of x with K % 8 == 0 take the AVX-512
-// tile where there is one (the AVX2 kernel's bits; 1-4 rows stay on AVX2, whose decode-size schedules
-// are memory-bound; a K with a scalar tail keeps AVX2, whose tail the compiler schedules its own way).
+// Rows [n0, n1) of P by the best kernel this CPU runs. With K % 8 == 0 the AVX-512 tile takes float32
+// weights from 4 rows of x and the narrow types from 5 (the AVX2 kernel's bits either way; a K with a
+// scalar tail keeps AVX2, whose tail the compiler schedules its own way). Fewer rows keep the AVX2
+// schedules: benchmarks/bench_rows.py (results/rows_cpu_2026-12-03*.json) has the tile at 0.95x / 1.04x /
+// 1.18x the AVX2 float32 stream at 2 / 3 / 4 rows and 0.80-0.98x for int8, Q8_0 and Q4_1 at 2-4 rows.
+constexpr int64_t kAvx512RowsF32 = 4, kAvx512Rows = 5;
 inline void rows_of(const LinearParams& P, int64_t n0, int64_t n1, bool avx2, bool avx512) {
-  if (avx512 && P.M >= 5 && P.K % 8 == 0) linear_rows_avx512(P, n0, n1);
+  if (avx512 && P.M >= (P.wtype == WType::kFloat32 ? kAvx512RowsF32 : kAvx512Rows) && P.K % 8 == 0)
+    linear_rows_avx512(P, n0, n1);
   else if (avx2) linear_rows_avx2(P, n0, n1);
   else base::linear_rows(P, n0, n1);
 }
@@ -85,7 +89,7 @@ void run_gemm(int64_t N, int64_t K, F&& rows) {
 // The kernel is compute-bound (codes widened to float32): tasks of >= ~256K multiply-adds
 // (~25 us on one core), so that the 576-row layers of a small model still use both cores.
 void run_q(const QLinearParams& P) {
-  const bool avx2 = has_avx2_fma_f16c(), avx512 = avx512_active() && P.M >= 5;
+  const bool avx2 = has_avx2_fma_f16c(), avx512 = avx512_active() && P.M >= kAvx512Rows;
   constexpr int64_t nr = 8;  // rows per task unit: the AVX2 tile's M = 1 block
   const int64_t blocks = (P.N + nr - 1) / nr;
   const int64_t grain = std::max<int64_t>(1, (int64_t(256) << 10) / std::max<int64_t>(1, nr * P.K * P.M));
