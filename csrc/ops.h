@@ -37,7 +37,7 @@ namespace cpu {
 // and tests (specdec._C.set_cpu_gemm).
 void set_gemm(bool on);
 bool gemm_enabled();
-// The AVX-512 few-row kernels (linear and qlinear, every weight type) at 5..kLinearRowsPerPass rows
+// The AVX-512 few-row kernels (linear and qlinear, every weight type) at 4 (float32) or 5..kLinearRowsPerPass rows
 // (csrc/cpu/linear_avx512.cpp; on, the default, where the CPU has AVX-512 F / DQ / VL): the AVX2 kernels'
 // outputs bit for bit, faster at verify sizes. A process-wide switch for A/Bs and the bit-equality tests (specdec._C.set_cpu_avx512);
 // returns the previous value. avx512_active(): the switch is on and the CPU has it.

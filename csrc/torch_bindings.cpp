@@ -119,7 +119,7 @@ PYBIND11_MODULE(_C, m) {
         "kernels of decode and verify. Returns the previous value. Use specdec.ops.prefill_rows().");
   m.def("cpu_prefill", &specdec::cpu::prefill_enabled, "Whether prefill rows are on for this thread.");
   m.def("set_cpu_avx512", &specdec::cpu::set_avx512, pybind11::arg("on"),
-        "The AVX-512 few-row linear / qlinear kernels at verify sizes, 5-32 rows (True, the default, where the "
+        "The AVX-512 few-row linear / qlinear kernels at verify sizes, 4 or 5 to 32 rows (True, the default, where the "
         "CPU has AVX-512) or the AVX2 ones (False): the same bits either way. Returns the previous value. For A/Bs and tests.");
   m.def("cpu_avx512", &specdec::cpu::avx512_active, "Whether verify-size CPU linears take the AVX-512 kernels.");
   specdec::bind_suffix_index(m);

@@ -308,7 +308,7 @@ def _same_bits(a, b):
 @pytest.mark.parametrize("kind", ["fp32", "int8", "bf16", "fp16"])
 @pytest.mark.parametrize("K", [8, 16, 24, 40, 576, 1536])
 def test_linear_avx512_gives_the_avx2_bits(kind, K):
-    """5-32 rows of x (K % 8 == 0) take the AVX-512 tile (csrc/cpu/linear_avx512.cpp), which holds two of
+    """4 (float32) or 5 to 32 rows of x (K % 8 == 0) take the AVX-512 tile (csrc/cpu/linear_avx512.cpp), which holds two of
     the AVX2 kernel's accumulators per zmm register (weights widened the same way) and reduces them in the
     same order: its outputs equal the AVX2 kernel's bit for bit, signs of zeros included, at every M (one
     and two weight passes), N (the 4-row blocks and the 1-3-row tail), with and without bias (and the int8

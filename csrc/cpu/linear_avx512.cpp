@@ -1,4 +1,5 @@
-// The few-row CPU linear and qlinear at 5..32 rows of x (tree verification, batched verify), compiled
+// The few-row CPU linear and qlinear at 4..32 rows of x (float32 weights; other types from 5: tree
+// verification, lookup verify passes, batched verify), compiled
 // with AVX-512 (see CMakeLists.txt) and chosen at run time by csrc/cpu/linear.cpp when the CPU has it.
 //
 // Bits: every output is the AVX2 kernel's (csrc/include/specdec/cpu_linear.h, cpu_qlinear.h), bit for
@@ -6,7 +7,7 @@
 // n and n + 1 against the same x row, the x vector broadcast to both halves): each lane does the same
 // fused multiply-adds on the same widened weights in the same k order, and the horizontal sums add the
 // lanes in the AVX2 kernel's order (v8_hsum for linear, the q tile's pairwise sum for qlinear), then the
-// same scale and bias. So a verify row still equals a decode step (1-4 rows keep the AVX2 kernels), and
+// same scale and bias. So a verify row still equals a decode step (fewer rows keep the AVX2 kernels), and
 // a CPU without AVX-512 gives the same outputs.
 //
 // Why: at 8 rows the AVX2 float32 tile (2 weight rows x 4 x rows, 8 ymm accumulators) ran at ~56 % of
