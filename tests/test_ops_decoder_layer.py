@@ -97,7 +97,7 @@ def test_decoder_layer_equals_the_separate_ops(device, dtype, layout, shape):
 @pytest.mark.skipif(not __import__("specdec")._C.build_info().get("cpu_avx512", False),
                     reason="the CPU has no AVX-512 F / DQ / VL")
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("N", [5, 8, 16])
+@pytest.mark.parametrize("N", [4, 5, 8, 16])
 def test_decoder_layer_avx512_gives_the_avx2_bits(layout, N):
     """A verify-size layer (float32: the q / k / v and gate / up linears in one parallel region) gives the
     same bits with the AVX-512 few-row kernels as with the AVX2 ones, caches included."""
