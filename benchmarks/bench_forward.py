@@ -15,7 +15,8 @@ nodes) over a 150-token prefix, for:
   q8_0 / q4_1 lean fused / layer  the target at group-quantized precision (ops.qlinear; q4_1 = the
                           GGUF's blocks)
   w8 lean unfused / fused / layer the weight-only int8 draft
-Configurations are interleaved round by round (medians). Then, per configuration:
+Configurations are interleaved round by round (medians; the 8-node / 1-node ratio also as the median
+of each round's own ratio, both passes measured in the same round). Then, per configuration:
   small-op time  the same forward with every linear layer replaced by a preallocated output of
                  its shape (so the linears cost nothing): what the rest of the step costs
                  (norms, RoPE, attention, residuals, Python). A "layer" configuration runs its
@@ -109,7 +110,11 @@ def interleaved_medians(built, rounds: int):
                 if r >= 2:
                     times[(name, N)].append(time.perf_counter() - t0)
                 _C.set_cpu_avx512(prev)
-    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    # the 8-node / 1-node ratio of each round (both measured within the same round), its median
+    for name in built:
+        med[(name, "8/1")] = statistics.median(t8 / t1 for t1, t8 in zip(times[(name, 1)], times[(name, 8)]))
+    return med
 
 
 def main() -> int:
@@ -183,13 +188,16 @@ def main() -> int:
                 row[f"N={N} small-op ms"] = round(median_ms[(name, N)] - lin, 2)
                 row["small-op derived"] = True
         row["N=8 / N=1"] = round(median_ms[(name, 8)] / median_ms[(name, 1)], 3)
+        row["N=8 / N=1 per round"] = round(median_ms[(name, "8/1")], 3)
         rows.append(row)
 
     print(f"# HFCausalLM forward, SmolLM2-135M, 150-token prefix, threads {torch.get_num_threads()}, "
           f"median of {args.rounds} interleaved rounds; read bandwidth {bw:.1f} GB/s")
-    print(f"{'config':<24} {'MB':>6} {'N=1 ms':>8} {'N=8 ms':>8} {'8/1':>6} {'small1':>7} {'small8':>7} {'GB/s@1':>7}")
+    print(f"{'config':<24} {'MB':>6} {'N=1 ms':>8} {'N=8 ms':>8} {'8/1':>6} {'8/1 rd':>6} {'small1':>7} {'small8':>7} "
+          f"{'GB/s@1':>7}")
     for r in rows:
         print(f"{r['config']:<24} {r['weight_mb']:>6.0f} {r['N=1 ms']:>8.2f} {r['N=8 ms']:>8.2f} {r['N=8 / N=1']:>6.2f} "
+              f"{r['N=8 / N=1 per round']:>6.2f} "
               f"{r.get('N=1 small-op ms', float('nan')):>7.2f} {r.get('N=8 small-op ms', float('nan')):>7.2f} "
               f"{r.get('N=1 linear GB/s', float('nan')):>7.1f}")
     try:
@@ -208,6 +216,8 @@ def main() -> int:
                                                             "configurations: forward - the linear time of "
                                                             "their fused twin)",
                                          "N=k linear GB/s": "weight bytes / (forward - small-op time)",
+                                         "N=8 / N=1 per round": "median over rounds of the round's 8-node / "
+                                                                "1-node time (paired within a round)",
                                          "weight_mb": "bytes of the linear layers' weight data per forward"}),
                               indent=2))
     print(f"# wrote {out}")

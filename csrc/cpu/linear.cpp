@@ -13,6 +13,8 @@
 // Prompt prefill (cpu::set_prefill, thread-local; specdec.ops.prefill_rows) takes the tiles at every
 // row count: a prompt's rows then do not depend on its length or batch, and the group-quantized
 // prefill of a ~40-token prompt runs 1.35-1.38x the few-row kernel's speed (float32: parity).
+// On an AVX-512 CPU the few-row kernel's 4/5-32-row passes take csrc/cpu/linear_avx512.cpp (the same
+// bits: see rows_of).
 #include <ATen/Parallel.h>
 
 #include <atomic>
@@ -52,7 +54,7 @@ WType to_wtype(at::ScalarType s) {
 // weights from 4 rows of x and the narrow types from 5 (the AVX2 kernel's bits either way; a K with a
 // scalar tail keeps AVX2, whose tail the compiler schedules its own way). Fewer rows keep the AVX2
 // schedules: benchmarks/bench_rows.py (results/rows_cpu_2026-12-03*.json) has the tile at 0.95x / 1.04x /
-// 1.18x the AVX2 float32 stream at 2 / 3 / 4 rows and 0.80-0.98x for int8, Q8_0 and Q4_1 at 2-4 rows.
+// 1.18-1.55x the AVX2 float32 stream at 2 / 3 / 4 rows and 0.80-0.98x for int8, Q8_0 and Q4_1 at 2-4 rows.
 constexpr int64_t kAvx512RowsF32 = 4, kAvx512Rows = 5;
 inline void rows_of(const LinearParams& P, int64_t n0, int64_t n1, bool avx2, bool avx512) {
   if (avx512 && P.M >= (P.wtype == WType::kFloat32 ? kAvx512RowsF32 : kAvx512Rows) && P.K % 8 == 0)
