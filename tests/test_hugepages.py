@@ -1,6 +1,8 @@
 """specdec.models.weights_to_hugepages: the weights move into one huge-page mapping, nothing else changes."""
 from __future__ import annotations
 
+import copy
+import gc
 import sys
 
 import pytest
@@ -36,18 +38,34 @@ def test_weights_move_and_nothing_changes(tie):
     assert before.keys() == after.keys()
     for k in before:
         assert torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype, k
-    # every qualifying weight lives in the one mapping; the small norm weight did not move
-    base = torch.frombuffer(model._specdec_hugepages, dtype=torch.uint8).data_ptr()
-    span = len(model._specdec_hugepages)
-    for name, p in model.named_parameters():
-        inside = base <= p.data_ptr() < base + span
-        assert inside == (p.numel() * p.element_size() >= 4096), name
+    # every qualifying weight lives in the one mapping (one span of `moved` bytes plus page padding);
+    # the small norm weight did not move
+    big = [p for p in model.parameters() if p.numel() * p.element_size() >= 4096]
+    lo = min(p.data_ptr() for p in big)
+    hi = max(p.data_ptr() + p.numel() * p.element_size() for p in big)
+    assert hi - lo < moved + 4096 * len(big)
     assert model.model.norm.weight.data_ptr() == small
     if tie:
         assert model.lm_head.weight is model.model.embed_tokens.weight
     with torch.no_grad():
         assert torch.equal(model(x).logits, want)
-    assert weights_to_hugepages(model) == 0  # already moved
+    assert weights_to_hugepages(model, min_bytes=4096) == moved  # again: a new mapping, the same values
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, want)
+    clone = copy.deepcopy(model)  # the model stays deep-copyable
+    with torch.no_grad():
+        assert torch.equal(clone(x).logits, want)
+
+
+def test_mapping_outlives_the_call():
+    model = _tiny(seed=5)
+    x = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        want = model(x).logits
+    weights_to_hugepages(model, min_bytes=4096)
+    gc.collect()
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, want)
 
 
 def test_decoding_is_unchanged():

@@ -23,18 +23,19 @@ def weights_to_hugepages(model: torch.nn.Module, min_bytes: int = 64 << 10) -> i
     """Move ``model``'s CPU parameters and buffers of at least ``min_bytes`` into one huge-page mapping.
 
     Each tensor keeps its dtype, shape and values (``param.data`` / the buffer is re-pointed to a
-    view of the mapping; tied parameters stay tied); the mapping lives as long as any of them. Returns
-    the bytes moved: 0 where the platform has no ``MADV_HUGEPAGE`` (not Linux), when nothing qualifies,
-    or for a model already moved. Call it before wrapping the model (``HFCausalLM`` reads the weights
-    it is given) and before any other code keeps references to the old tensors, which would keep
-    their memory alive too.
+    view of the mapping; tied parameters stay tied); the mapping lives as long as any view of it (the
+    views hold it; nothing is attached to the model, which stays deep-copyable: a copy gets ordinary
+    allocations). Returns the bytes moved: 0 where the platform has no ``MADV_HUGEPAGE`` (not Linux) or
+    when nothing qualifies; a second call moves the weights into a new mapping and frees the old one.
+    Call it before wrapping the model (``HFCausalLM`` reads the weights it is given) and before other
+    code keeps references to the old tensors, which would keep their memory alive too.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"weights_to_hugepages: model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(min_bytes, int) or min_bytes < 1:
         raise ValueError(f"weights_to_hugepages: min_bytes must be a positive int, got {min_bytes!r}")
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None or not sys.platform.startswith("linux") or getattr(model, "_specdec_hugepages", None):
+    if advice is None or not sys.platform.startswith("linux"):
         return 0
     slots: List[tuple] = []  # (module, name, key, is_param); key = the tensor's (address, dtype, shape) now
     seen = set()
@@ -71,5 +72,4 @@ def weights_to_hugepages(model: torch.nn.Module, min_bytes: int = 64 << 10) -> i
             module._parameters[name].data = view
         else:
             module._buffers[name] = view
-    model._specdec_hugepages = mm  # keeps the mapping alive with the model as well
     return total
