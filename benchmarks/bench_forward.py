@@ -35,7 +35,6 @@ import datetime as _dt
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,6 +43,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -97,8 +97,8 @@ def stub_linears(lm) -> None:
 
 
 def interleaved_medians(built, rounds: int):
-    """{(name, N): median ms} of one forward of N = 1 and 8 nodes, configurations interleaved round by
-    round (2 warm-up rounds). A configuration whose name ends in "avx2" runs with the AVX-512 linear off."""
+    """({(name, N): median ms} of one forward of N = 1 and 8 nodes, {name: median of the rounds' own
+    8 / 1 ratios}), configurations interleaved round by round (2 warm-up rounds). A configuration whose name ends in "avx2" runs with the AVX-512 linear off."""
     from specdec import _C
 
     times = {(name, N): [] for name in built for N in (1, 8)}
@@ -114,9 +114,8 @@ def interleaved_medians(built, rounds: int):
                 _C.set_cpu_avx512(prev)
     med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     # the 8-node / 1-node ratio of each round (both measured within the same round), its median
-    for name in built:
-        med[(name, "8/1")] = statistics.median(t8 / t1 for t1, t8 in zip(times[(name, 1)], times[(name, 8)]))
-    return med
+    ratio = {name: statistics.median(t8 / t1 for t1, t8 in zip(times[(name, 1)], times[(name, 8)])) for name in built}
+    return med, ratio
 
 
 def main() -> int:
@@ -163,7 +162,7 @@ def main() -> int:
         lm.prefill(cache, [prefix])
         return lm, cache
 
-    median_ms = interleaved_medians({name: make(name) for name in configs}, args.rounds)
+    median_ms, round_ratio = interleaved_medians({name: make(name) for name in configs}, args.rounds)
     # small-op time: the lean configurations with free linears (fresh adapters; interleaved too)
     lean = [n for n in configs if "lean" in n and "layer" not in n]
     stubbed = {}
@@ -171,7 +170,7 @@ def main() -> int:
         lm, cache = make(name)
         stub_linears(lm)
         stubbed[name] = (lm, cache)
-    small_ms = interleaved_medians(stubbed, args.rounds)
+    small_ms, _ = interleaved_medians(stubbed, args.rounds)
     bw = read_bandwidth_gbs()
 
     rows = []
@@ -192,7 +191,7 @@ def main() -> int:
                 row[f"N={N} small-op ms"] = round(median_ms[(name, N)] - lin, 2)
                 row["small-op derived"] = True
         row["N=8 / N=1"] = round(median_ms[(name, 8)] / median_ms[(name, 1)], 3)
-        row["N=8 / N=1 per round"] = round(median_ms[(name, "8/1")], 3)
+        row["N=8 / N=1 per round"] = round(round_ratio[name], 3)
         rows.append(row)
 
     print(f"# HFCausalLM forward, SmolLM2-135M, 150-token prefix, threads {torch.get_num_threads()}, "
@@ -204,11 +203,9 @@ def main() -> int:
               f"{r['N=8 / N=1 per round']:>6.2f} "
               f"{r.get('N=1 small-op ms', float('nan')):>7.2f} {r.get('N=8 small-op ms', float('nan')):>7.2f} "
               f"{r.get('N=1 linear GB/s', float('nan')):>7.1f}")
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip()
-    except OSError:
-        commit = "unknown"
+    from bench_e2e import git_commit
+
+    commit = git_commit()
     now = _dt.datetime.now()
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"forward_cpu_{now:%Y-%m-%d}.json"
     out.write_text(json.dumps(dict(date=now.isoformat(timespec="seconds"), commit=commit,

@@ -19,7 +19,6 @@ import datetime as _dt
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,21 +27,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_e2e import git_commit  # noqa: E402
+from bench_forward import read_bandwidth_gbs  # noqa: E402
 
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 ROWS = (1, 2, 3, 4, 5, 8, 16, 32)
 KINDS = ("fp32", "int8", "q8_0", "q4_1")
 MIN_BYTES = 190e6
-
-
-def read_bandwidth_gbs() -> float:
-    buf = torch.ones(256 << 20)  # 1 GiB of float32
-    ts = []
-    for _ in range(9):
-        t0 = time.perf_counter()
-        buf.sum()
-        ts.append(time.perf_counter() - t0)
-    return buf.numel() * 4 / statistics.median(ts[2:]) / 1e9
 
 
 def make_layers(kind: str, g: torch.Generator):
@@ -124,11 +116,7 @@ def main() -> int:
                         for on in kernels)
         print(f"{row['kind']:<6} {row['M']:>3} {row['weight_mb']:>6.0f} {cols}"
               + (f"  {row['avx512 speedup']:>7.3f}" if avx512 else ""))
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip()
-    except OSError:
-        commit = "unknown"
+    commit = git_commit()
     now = _dt.datetime.now()
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"rows_cpu_{now:%Y-%m-%d}.json"
     out.write_text(json.dumps(dict(

@@ -114,7 +114,7 @@ inline void reduce_store(const LinearParams& P, int64_t n, int64_t m0, const __m
 }
 
 // Outputs of weight rows [n0, n0 + 4) x x rows [m0, m0 + MR) (K % 8 == 0: no scalar tail); the prefetch
-// of pf_lines lines from pf is spread over the k loop as in cpu_linear.h's micro_tile.
+// of pf_lines lines from pf is spread over the k loop (KPrefetch, as in cpu_linear.h's micro_tile).
 template <WType WT, int MR>
 inline void tile_4xm(const LinearParams& P, int64_t n0, int64_t m0, const char* pf, int64_t pf_lines) {
   const int64_t K = P.K;
@@ -127,12 +127,10 @@ inline void tile_4xm(const LinearParams& P, int64_t n0, int64_t m0, const char* 
   for (int m = 0; m < MR; ++m) xr[m] = P.x + (m0 + m) * P.x_stride;
   __m512 a01[MR], a23[MR];
   for (int m = 0; m < MR; ++m) a01[m] = a23[m] = _mm512_setzero_ps();
-  const int64_t steps = K16 / 16;
-  const int64_t per_step = (pf != nullptr && steps > 0) ? (pf_lines + steps - 1) / steps : 0;
-  const char* pfp = pf;
+  avx512::KPrefetch prefetch(pf, pf_lines, K16 / 16);
   int64_t k = 0;
   for (; k < K16; k += 16) {
-    for (int64_t j = 0; j < per_step; ++j, pfp += 64) __builtin_prefetch(pfp, 0, 2);
+    prefetch.step();
 #pragma GCC unroll 2
     for (int64_t u = 0; u < 16; u += 8) {
       const __m512 wa = load_pair<WT>(w0, w1, k + u), wb = load_pair<WT>(w2, w3, k + u);
@@ -175,10 +173,8 @@ inline void with_rows(int64_t rows, F&& f) {
 // prefetch of the next 4 weight rows.
 template <WType WT>
 inline void block_4(const LinearParams& P, int64_t n0, int64_t n_end) {
-  constexpr int64_t es = wtype_size(WT);
-  const int64_t next_rows = std::min<int64_t>(4, n_end - (n0 + 4));
-  const int64_t lines = next_rows > 0 ? (next_rows * P.K * es + 63) / 64 : 0;
-  const char* next = lines ? static_cast<const char*>(avx512::w_row<WT>(P.w, n0 + 4, P.K)) : nullptr;
+  int64_t lines = 0;
+  const char* next = avx512::next_block<WT, 4>(P, n0, n_end, lines);
   const int64_t groups = (P.M + 7) / 8;
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t a = lines * g / groups, b = lines * (g + 1) / groups;
@@ -257,16 +253,8 @@ inline void q_tile(const QLinearParams& P, int64_t n0, int64_t m0, const char* p
   alignas(32) float ds[NR][8], ms[NR][8];
   for (int64_t g = 0; g < G; ++g) {
     prefetch.step();
-    if (g % 8 == 0) {  // the float16 scales (and mins) of 8 groups, widened exactly
-      const int64_t cnt = std::min<int64_t>(8, G - g);
-      for (int r = 0; r < NR; ++r) {
-        const int64_t base = (n0 + r) * G + g;
-        for (int64_t j = 0; j < cnt; ++j) {
-          ds[r][j] = _cvtsh_ss(P.scales[base + j]);
-          if constexpr (MINS) ms[r][j] = _cvtsh_ss(P.mins[base + j]);
-        }
-      }
-    }
+    if (g % 8 == 0)  // the float16 scales (and mins) of 8 groups, widened exactly
+      for (int r = 0; r < NR; ++r) avx512::q_group_scales<MINS>(P, n0 + r, g, ds[r], ms[r]);
     const int j = int(g % 8);
     __m512 w[NP][4];
     for (int p = 0; p < NP; ++p)

@@ -121,6 +121,27 @@ inline const void* w_row(const void* w, int64_t n, int64_t K) {
   return static_cast<const char*>(w) + n * K * wtype_size(WT);
 }
 
+// The prefetch target of the weight block at n0 (NR rows): the next block of NR rows, clipped to n_end,
+// as a pointer and a count of 64-byte lines (nullptr / 0 past the end). Shared by every few-row tile.
+template <WType WT, int NR>
+inline const char* next_block(const LinearParams& P, int64_t n0, int64_t n_end, int64_t& lines) {
+  const int64_t rows = std::min<int64_t>(NR, n_end - (n0 + NR));
+  lines = rows > 0 ? (rows * P.K * wtype_size(WT) + 63) / 64 : 0;
+  return lines ? static_cast<const char*>(w_row<WT>(P.w, n0 + NR, P.K)) : nullptr;
+}
+
+// A tile's share of that prefetch (pf_lines lines from pf) spread evenly over its `steps` k steps:
+// step() issues the next step's lines (see micro_tile).
+struct KPrefetch {
+  const char* p;
+  int64_t per_step;
+  KPrefetch(const char* pf, int64_t pf_lines, int64_t steps)
+      : p(pf), per_step((pf != nullptr && steps > 0) ? (pf_lines + steps - 1) / steps : 0) {}
+  inline void step() {
+    for (int64_t j = 0; j < per_step; ++j, p += 64) __builtin_prefetch(p, 0, 2);
+  }
+};
+
 // Dot products of NR weight rows (starting at n0) with MR x rows (starting at m0);
 // writes the finished outputs (scale, bias applied).
 template <WType WT, int NR, int MR>
@@ -143,12 +164,10 @@ inline void micro_tile(const LinearParams& P, int64_t n0, int64_t m0, const char
   // loop branches and prefetch checks per FMA (exploratory, one core, weights in L2:
   // 1.24x at M = 3, 1.10x at M = 8 over one half per step).
   const int64_t K16 = K & ~int64_t(15);
-  const int64_t steps = K16 / 16;
-  const int64_t per_step = (pf != nullptr && steps > 0) ? (pf_lines + steps - 1) / steps : 0;
-  const char* pfp = pf;
+  KPrefetch prefetch(pf, pf_lines, K16 / 16);
   int64_t k = 0;
   for (; k < K16; k += 16) {
-    for (int64_t j = 0; j < per_step; ++j, pfp += 64) __builtin_prefetch(pfp, 0, 2);
+    prefetch.step();
 #pragma GCC unroll 2
     for (int64_t u = 0; u < 16; u += 8) {
       v8f xv[MR];
@@ -183,11 +202,9 @@ inline void micro_tile(const LinearParams& P, int64_t n0, int64_t m0, const char
 // the prefetch of the next block of NR rows.
 template <WType WT, int NR>
 inline void row_block(const LinearParams& P, int64_t n0, int64_t n_end) {
-  constexpr int64_t es = wtype_size(WT);
   const int64_t tiles = (P.M + kMr - 1) / kMr;
-  const int64_t next_rows = std::min<int64_t>(NR, n_end - (n0 + NR));
-  const int64_t lines = next_rows > 0 ? (next_rows * P.K * es + 63) / 64 : 0;
-  const char* next = lines ? static_cast<const char*>(w_row<WT>(P.w, n0 + NR, P.K)) : nullptr;
+  int64_t lines = 0;
+  const char* next = next_block<WT, NR>(P, n0, n_end, lines);
   auto share = [&](int64_t t, int64_t& count) {
     const int64_t a = lines * t / tiles, b = lines * (t + 1) / tiles;
     count = b - a;
@@ -265,10 +282,8 @@ inline void seq_rows_f32(const LinearParams& P, int64_t n_begin, int64_t n_end) 
 template <WType WT>
 inline void row_block_24(const LinearParams& P, int64_t n0, int64_t n_end) {
   static_assert(kNr == 4, "two pairs of weight rows");
-  constexpr int64_t es = wtype_size(WT);
-  const int64_t next_rows = std::min<int64_t>(4, n_end - (n0 + 4));
-  const int64_t lines = next_rows > 0 ? (next_rows * P.K * es + 63) / 64 : 0;
-  const char* next = lines ? static_cast<const char*>(w_row<WT>(P.w, n0 + 4, P.K)) : nullptr;
+  int64_t lines = 0;
+  const char* next = next_block<WT, 4>(P, n0, n_end, lines);
   const int64_t r = P.M - 4;
   const int64_t shares = r > 0 ? 4 : 2;
   int t = 0;

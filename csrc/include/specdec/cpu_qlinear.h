@@ -196,6 +196,23 @@ inline void q_group_weights_avx2(const QLinearParams& P, int64_t n, int64_t g, f
   }
 }
 
+// The float16 scales (and mins) of groups [g, g + 8) of weight row n (fewer at the row's end) as
+// float32 into ds / ms: one vcvtph2ps per 8 (exact either way). Shared with the AVX-512 tile.
+template <bool MINS>
+inline void q_group_scales(const QLinearParams& P, int64_t n, int64_t g, float* ds, float* ms) {
+  const int64_t G = P.K / kQGroup, cnt = std::min<int64_t>(8, G - g), base = n * G + g;
+  if (cnt == 8) {
+    _mm256_storeu_ps(ds, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(P.scales + base))));
+    if constexpr (MINS)
+      _mm256_storeu_ps(ms, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(P.mins + base))));
+  } else {
+    for (int64_t j = 0; j < cnt; ++j) {
+      ds[j] = _cvtsh_ss(P.scales[base + j]);
+      if constexpr (MINS) ms[j] = _cvtsh_ss(P.mins[base + j]);
+    }
+  }
+}
+
 // The AVX2 tile. Per weight row and group the 32 codes are widened once and turned into the
 // weights themselves (q_group_weights_avx2), which then feed MR rows of x with 4 FMAs each into
 // one accumulator per (row, x row). Every output is the same sequence of operations whatever
@@ -217,22 +234,8 @@ inline void q_tile_avx2(const QLinearParams& P, int64_t n0, int64_t m0, const ch
   alignas(32) float ds[NR][8], ms[NR][8];
   for (int64_t g = 0; g < G; ++g) {
     prefetch.step();
-    if (g % 8 == 0) {
-      const int64_t cnt = std::min<int64_t>(8, G - g);
-      for (int r = 0; r < NR; ++r) {
-        const int64_t base = (n0 + r) * G + g;
-        if (cnt == 8) {
-          _mm256_store_ps(ds[r], _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(P.scales + base))));
-          if constexpr (MINS)
-            _mm256_store_ps(ms[r], _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(P.mins + base))));
-        } else {
-          for (int64_t j = 0; j < cnt; ++j) {
-            ds[r][j] = _cvtsh_ss(P.scales[base + j]);
-            if constexpr (MINS) ms[r][j] = _cvtsh_ss(P.mins[base + j]);
-          }
-        }
-      }
-    }
+    if (g % 8 == 0)
+      for (int r = 0; r < NR; ++r) q_group_scales<MINS>(P, n0 + r, g, ds[r], ms[r]);
     for (int r = 0; r < NR; ++r) {
       const int64_t n = n0 + r;
       __m256 w[4];
