@@ -33,7 +33,7 @@ _LAZY = {
     "DocumentDrafter": "specdec.drafters.suffix",
     "TokenRecycling": "specdec.drafters.recycling",
     "MultiDraft": "specdec.drafters.multi",
-    "CallableDrafter": "specdec.drafters.base",
+    "CallableDrafter": "specdec.drafters.callable",
     "GraphedForward": "specdec.graphs",
 }
 

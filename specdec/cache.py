@@ -9,7 +9,7 @@ host except the explicit capacity check helpers, which callers use once per step
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -99,3 +99,31 @@ class StaticKVCache:
             self.lens.zero_()
         else:
             self.lens[torch.as_tensor(list(rows), dtype=torch.long, device=self.device)] = 0
+
+
+def move_cache_rows(cache, moves: Sequence[Tuple[int, int, int]]) -> None:
+    """Copy the first ``length`` positions and the length of row ``src`` into row ``dst`` of a StaticKVCache."""
+    for src, dst, length in moves:
+        if src == dst:
+            continue
+        n = min(int(length), cache.capacity)
+        for t in cache.k + cache.v:
+            t[dst, :, :n].copy_(t[src, :, :n])
+        cache.lens[dst] = cache.lens[src]
+
+
+class RowViews:
+    """Memo of the prefix views ``cache.rows(0, b)``: the first b rows of a cache, one view per b.
+
+    The engine and a draft model step on the active rows only; a view shares the cache's storage,
+    so building it once per row count keeps the step free of per-step tensor construction."""
+
+    def __init__(self, cache: StaticKVCache) -> None:
+        self.cache = cache
+        self._views: Dict[int, StaticKVCache] = {}
+
+    def __call__(self, b: int) -> StaticKVCache:
+        view = self._views.get(b)
+        if view is None:
+            view = self._views[b] = self.cache.rows(0, b)
+        return view

@@ -59,7 +59,9 @@ from typing import Deque, Dict, Hashable, Iterable, List, Optional, Sequence, Tu
 import torch
 
 from specdec import ops
-from specdec.drafters.base import Draft, Drafter, StepContext, check_draft, draft_errors, move_cache_rows
+from specdec.cache import move_cache_rows
+from specdec.drafters.base import Draft, Drafter, StepContext
+from specdec.drafters.validate import check_draft, draft_errors
 from specdec.metrics import MetricsRecorder, static_memory_bytes
 from specdec.sampling import SamplingParams, make_generator, mix_seed, warp_
 from specdec.scheduler import POLICIES, CostModel, Policy, StepTimes, make_policy

@@ -21,13 +21,15 @@ Builders: :meth:`TokenTree.chain` (device tensors, no host work),
 """
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["TokenTree"]
+__all__ = ["TokenTree", "ancestor_mask", "expected_tokens", "expected_tokens_chain", "expected_tokens_tree",
+           "plan_tree"]
 
 
 @dataclass
@@ -261,3 +263,89 @@ def ancestor_mask(parents: torch.Tensor, max_depth: Optional[int] = None) -> tor
         mask.scatter_(2, torch.where(valid, cur, self_index).unsqueeze(-1), True)
         cur = torch.where(valid, torch.gather(par, 1, cur.clamp(min=0)), -1)
     return mask
+
+
+# ---------------------------------------------------------------------- expected accepted length
+def expected_tokens(alpha: float, k: int) -> float:
+    """E[T] = (1 - alpha^(k+1)) / (1 - alpha): tokens per step of a k-chain with i.i.d. acceptance alpha."""
+    if k <= 0:
+        return 1.0
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def expected_tokens_chain(alphas: Sequence[float], k: int) -> float:
+    """E[T] = 1 + sum_{i=1..k} prod_{j<=i} alphas[j-1] (positional acceptance; the last alpha repeats)."""
+    total, run = 1.0, 1.0
+    for i in range(k):
+        a = alphas[i] if i < len(alphas) else (alphas[-1] if alphas else 0.0)
+        run *= a
+        total += run
+    return total
+
+
+def expected_tokens_tree(parents: Sequence[int], accept: Sequence[float]) -> float:
+    """E[T] of a token tree: 1 + sum over draft nodes of P(the path root -> node is accepted).
+
+    ``parents[i]`` (topological, ``parents[0] == -1``); ``accept[i]`` = P(node i accepted | its
+    parent accepted). Siblings are mutually exclusive (at most one child is accepted), so the
+    expected accepted path length is the sum of the nodes' path probabilities.
+    """
+    path = [1.0] * len(parents)
+    total = 1.0
+    for i in range(1, len(parents)):
+        p = parents[i]
+        if not 0 <= p < i:
+            raise ValueError(f"expected_tokens_tree: parents[{i}] must lie in [0, {i}), got {p}")
+        path[i] = path[p] * accept[i]
+        total += path[i]
+    return total
+
+
+def plan_tree(accept_by_rank, max_nodes: int, max_depth: int = 64, max_parents_per_depth: Optional[int] = None
+              ) -> Tuple[List[int], List[Tuple[int, int]], float]:
+    """The tree of at most ``max_nodes`` nodes (root included) with the largest E[T] (Sequoia-style).
+
+    ``accept_by_rank(depth, rank) -> float``: P(the rank-th child (0-based) of an accepted node at
+    ``depth - 1`` is accepted), e.g. :meth:`AcceptanceStats.tree_alpha`. Best-first: the frontier
+    holds, for every node, its next child slot (next rank) and, for the newest child, its first
+    grandchild slot; the node with the largest path probability is added next. With acceptance
+    that does not grow with depth or rank this yields the optimal tree for every budget.
+    ``max_parents_per_depth``: at most that many nodes of one depth get children (a drafter that
+    runs one forward per depth over a frontier of fixed width); a slot whose parent would exceed
+    it is dropped and the best-first order goes on.
+    Returns (parents, [(depth, rank)] per node, E[T]).
+    """
+    if max_nodes < 1:
+        raise ValueError(f"plan_tree: max_nodes must be >= 1, got {max_nodes}")
+    parents, slots, path = [-1], [(0, 0)], [1.0]
+    children = [0]
+    expanded: Dict[int, int] = {}  # depth -> nodes of that depth with children
+    heap: List[Tuple[float, int, int]] = []  # (-path prob, parent node, rank)
+
+    def push(node: int) -> None:
+        d = slots[node][0] + 1
+        r = children[node]
+        if d <= max_depth:
+            heapq.heappush(heap, (-path[node] * accept_by_rank(d, r), node, r))
+
+    push(0)
+    while len(parents) < max_nodes and heap:
+        negp, par, rank = heapq.heappop(heap)
+        if -negp <= 0.0:
+            break
+        if children[par] == 0:
+            d = slots[par][0]
+            if max_parents_per_depth is not None and expanded.get(d, 0) >= max_parents_per_depth:
+                continue
+            expanded[d] = expanded.get(d, 0) + 1
+        node = len(parents)
+        parents.append(par)
+        slots.append((slots[par][0] + 1, rank))
+        path.append(-negp)
+        children.append(0)
+        children[par] += 1
+        push(par)   # the parent's next sibling slot
+        push(node)  # the new node's first child
+    return parents, slots, 1.0 + sum(path[1:])

@@ -17,7 +17,7 @@ def test_top_level_names_and_subpackages_in_a_fresh_interpreter():
     code = ("import specdec\n"
             "assert callable(specdec.models.load_bundled), 'specdec.models.load_bundled'\n"
             "from specdec.drafters.multi import MultiDraft\n"
-            "from specdec.drafters.base import CallableDrafter\n"
+            "from specdec.drafters.callable import CallableDrafter\n"
             "assert specdec.MultiDraft is MultiDraft and specdec.CallableDrafter is CallableDrafter\n"
             "assert specdec.drafters.DraftModel is specdec.DraftModel\n"
             "assert 'models' in dir(specdec) and 'MultiDraft' in specdec.__all__\n"

@@ -1,10 +1,12 @@
 """Drafters: where candidate tokens come from (see :mod:`specdec.drafters.base`)."""
-from specdec.drafters.base import CallableDrafter, Draft, Drafter, StepContext, check_draft
+from specdec.drafters.base import Draft, Drafter, StepContext
+from specdec.drafters.callable import CallableDrafter
 from specdec.drafters.draft_model import DraftModel
 from specdec.drafters.multi import MultiDraft
 from specdec.drafters.prompt_lookup import PromptLookup
 from specdec.drafters.recycling import TokenRecycling
 from specdec.drafters.suffix import DocumentDrafter, SuffixDrafter
+from specdec.drafters.validate import check_draft, draft_errors
 
 __all__ = ["Draft", "Drafter", "StepContext", "CallableDrafter", "DraftModel", "MultiDraft", "PromptLookup",
            "SuffixDrafter", "TokenRecycling", "DocumentDrafter", "check_draft"]

@@ -114,10 +114,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from specdec.drafters.base import Draft, Drafter, StepContext, move_cache_rows
+from specdec.cache import move_cache_rows
+from specdec.drafters.base import Draft, Drafter, StepContext
 from specdec.sampling import SamplingParams, sample_tokens, warp_
-from specdec.scheduler import plan_tree
-from specdec.tree import TokenTree, ancestor_mask
+from specdec.tree import TokenTree, ancestor_mask, plan_tree
 
 __all__ = ["DraftModel"]
 
@@ -743,7 +743,7 @@ class DraftModel(Drafter):
         Per level d = 1, 2, ...: (positions in level d - 1 of the nodes expanded, their child
         counts); children are grouped by parent in that order and drawn without replacement. The
         shape maximises the tree's expected accepted length under the per-rank acceptance of
-        :data:`SAMPLED_RANK_ACCEPT` (:func:`specdec.scheduler.plan_tree`), with at
+        :data:`SAMPLED_RANK_ACCEPT` (:func:`specdec.tree.plan_tree`), with at
         most ``top_k`` nodes expanded per level (one draft forward per level runs over them, and
         the draft cache holds ``top_k`` frontier slots per level): a spine of first-drawn children
         with siblings where their path probability is highest. Spreading the nodes evenly over the

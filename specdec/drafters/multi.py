@@ -58,7 +58,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from specdec.drafters.base import Draft, Drafter, StepContext, check_draft
+from specdec.drafters.base import Draft, Drafter, StepContext
+from specdec.drafters.validate import check_draft
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
 
