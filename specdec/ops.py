@@ -68,10 +68,10 @@ def prefill_rows() -> Iterator[None]:
     projections take the GEMM tiles (csrc/include/specdec/cpu_gemm.h) at EVERY row count, not only
     above 64 rows (float32 weights up to 256 rows; BLAS above, as outside the block).
 
-    For prompt prefill: on a ~40-token prompt the tiles ran Q4_1 / Q8_0 weights 1.35x / 1.38x the
-    few-row kernels' speed and float32 at parity (exploratory A/B, README), and a row's result then
-    depends neither on the prompt's length nor on the batch it is prefilled with. It differs in rounding from the few-row kernels, which decode steps and
-    verify passes keep outside the block (a verify row equals a decode step bit for bit, which
+    For prompt prefill: the tiles are faster than the few-row kernels on short prompts with
+    quantized weights (docs/benchmarks.md), and a row's result then depends neither on the
+    prompt's length nor on the batch it is prefilled with. It differs in rounding from the few-row
+    kernels, which decode steps and verify passes keep outside the block (a verify row equals a decode step bit for bit, which
     keeps greedy speculation token-exact); plain and speculative decoding share the prefill.
     :meth:`specdec.HFCausalLM.prefill` uses it. CUDA ops ignore it. Nests; restores on exit."""
     was = _C.set_cpu_prefill(True)

@@ -4,7 +4,7 @@ Written for clarity, not speed. Every compiled kernel (C++ CPU, CUDA) must agree
 with these functions: integer outputs exactly, float outputs within the tolerance
 justified in the tests. See docs in ``specdec/ops.py`` for the full contract.
 
-Conventions (DESIGN.md):
+Conventions (docs/design.md):
   * B requests, N tree nodes per request, V vocabulary, Hq / Hkv heads, D head dim,
     S cache capacity.
   * Node 0 is the root (the last committed token). Nodes are topologically

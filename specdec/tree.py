@@ -1,6 +1,6 @@
 """TokenTree: the candidate tokens of one speculative step, for a batch of requests.
 
-Layout (DESIGN.md): B requests, N nodes each, node 0 = the ROOT (the last emitted
+Layout (docs/design.md): B requests, N nodes each, node 0 = the ROOT (the last emitted
 token, whose K/V is not in the cache yet). Nodes are in topological order
 (``parents[b, i] < i``, ``parents[b, 0] == -1``). Requests with fewer nodes are
 padded: padding nodes have token -1, parent -1, depth 0 and sit after every real node.
