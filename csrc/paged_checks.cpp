@@ -167,7 +167,10 @@ void kv_commit_paged(at::TensorList k_pages, at::TensorList v_pages, const at::T
       check_same_device(op, name.c_str(), c, ref);
     }
   }
-  const int64_t B = block_tables.dim() == 2 ? block_tables.size(0) : -1;
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt, op,
+              ": block_tables must be int32 [B, max_blocks], got ", block_tables.scalar_type(), " ",
+              block_tables.sizes());
+  const int64_t B = block_tables.size(0);
   check_tables(op, block_tables, cache_lens, B, ref);
   TORCH_CHECK(num_accepted.dim() == 1 && num_accepted.size(0) == B && num_accepted.scalar_type() == at::kInt, op,
               ": num_accepted must be int32 [", B, "], got ", num_accepted.scalar_type(), " ", num_accepted.sizes());
