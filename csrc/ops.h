@@ -97,3 +97,26 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     int64_t num_heads, int64_t num_kv_heads);
 
 }  // namespace specdec
+
+// ---------------------------------------------------------------- paged KV (csrc/cpu/paged_*.cpp, csrc/cuda/paged_kv.cu)
+// The three KV ops over a paged cache: k_pages / v_pages [num_pages, page_size, Hkv, D] (NHD),
+// block_tables [B, max_blocks] int32 (position s of request b: page block_tables[b, s / page_size],
+// slot s % page_size), cache_lens [B] int32. Same semantics as the dense ops above.
+namespace specdec {
+at::Tensor verify_attention_paged_cpu(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
+                                      const at::Tensor& block_tables, const at::Tensor& cache_lens,
+                                      const std::optional<at::Tensor>& tree_mask, double scale);
+void append_kv_paged_cpu(at::Tensor& k_pages, at::Tensor& v_pages, const at::Tensor& k_new, const at::Tensor& v_new,
+                         const at::Tensor& block_tables, const at::Tensor& cache_lens, int64_t offset);
+void kv_commit_paged_cpu(at::TensorList k_pages, at::TensorList v_pages, const at::Tensor& block_tables,
+                         at::Tensor& cache_lens, const at::Tensor& accepted, const at::Tensor& num_accepted);
+#ifdef SPECDEC_WITH_CUDA
+at::Tensor verify_attention_paged_cuda(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
+                                       const at::Tensor& block_tables, const at::Tensor& cache_lens,
+                                       const std::optional<at::Tensor>& tree_mask, double scale);
+void append_kv_paged_cuda(at::Tensor& k_pages, at::Tensor& v_pages, const at::Tensor& k_new, const at::Tensor& v_new,
+                          const at::Tensor& block_tables, const at::Tensor& cache_lens, int64_t offset);
+void kv_commit_paged_cuda(at::TensorList k_pages, at::TensorList v_pages, const at::Tensor& block_tables,
+                          at::Tensor& cache_lens, const at::Tensor& accepted, const at::Tensor& num_accepted);
+#endif
+}  // namespace specdec

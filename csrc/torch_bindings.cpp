@@ -125,3 +125,29 @@ PYBIND11_MODULE(_C, m) {
   specdec::bind_suffix_index(m);
   specdec::bind_recycling(m);
 }
+
+// ---------------------------------------------------------------- paged KV ops
+// The dense KV ops over k_pages / v_pages [num_pages, page_size, Hkv, D] through block_tables
+// [B, max_blocks] int32 (see csrc/ops.h and specdec/paged_ops.py).
+TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.def("verify_attention_paged(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_tables, Tensor cache_lens, "
+        "Tensor? tree_mask, float scale) -> Tensor");
+  m.def("append_kv_paged(Tensor(a!) k_pages, Tensor(b!) v_pages, Tensor k_new, Tensor v_new, Tensor block_tables, "
+        "Tensor cache_lens, int offset=0) -> ()");
+  m.def("kv_commit_paged(Tensor(a!)[] k_pages, Tensor(b!)[] v_pages, Tensor block_tables, Tensor(c!) cache_lens, "
+        "Tensor accepted, Tensor num_accepted) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("verify_attention_paged", &specdec::verify_attention_paged_cpu);
+  m.impl("append_kv_paged", &specdec::append_kv_paged_cpu);
+  m.impl("kv_commit_paged", &specdec::kv_commit_paged_cpu);
+}
+
+#ifdef SPECDEC_WITH_CUDA
+TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
+  m.impl("verify_attention_paged", &specdec::verify_attention_paged_cuda);
+  m.impl("append_kv_paged", &specdec::append_kv_paged_cuda);
+  m.impl("kv_commit_paged", &specdec::kv_commit_paged_cuda);
+}
+#endif

@@ -10,7 +10,7 @@ import importlib
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from specdec import _C, ops
+from specdec import _C, ops, paged_ops  # noqa: F401  (_C registers torch.ops.specdec)
 from specdec.ops import build_info
 
 __version__ = "0.1.0"
@@ -18,6 +18,8 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _LAZY = {
     "StaticKVCache": "specdec.cache",
+    "PagedKVCache": "specdec.paged_cache",
+    "BlockAllocator": "specdec.paged_cache",
     "TokenTree": "specdec.tree",
     "HFCausalLM": "specdec.models.hf",
     "load_bundled": "specdec.models.bundled",
@@ -38,9 +40,10 @@ _LAZY = {
 }
 
 # subpackages / modules served as attributes (``specdec.models.load_bundled(...)``), imported on first use
-_SUBMODULES = ("models", "drafters", "reference", "tree", "cache", "decoding", "engine", "sampling", "metrics", "graphs")
+_SUBMODULES = ("models", "drafters", "reference", "tree", "cache", "decoding", "engine", "sampling", "metrics",
+               "graphs", "paged_cache", "reference_paged")
 
-__all__ = ["ops", "build_info", "__version__", *_LAZY, *_SUBMODULES]
+__all__ = ["ops", "paged_ops", "build_info", "__version__", *_LAZY, *_SUBMODULES]
 
 
 def __getattr__(name: str):

@@ -86,6 +86,40 @@ def _commit_args(device):
     return [ks, vs, torch.tensor([0, 7, S - N], dtype=torch.int32).to(device), accepted.to(device), num.to(device)]
 
 
+def _paged(dense, page_size, g):
+    """dense [B, H, S, D] -> (pages [num_pages, page_size, H, D], block_tables [B, S / page_size] int32), shuffled."""
+    B, H, S, D = dense.shape
+    M = S // page_size
+    tables = torch.randperm(B * M + 2, generator=g)[:B * M].view(B, M).to(torch.int32)
+    pages = torch.zeros(B * M + 2, page_size, H, D, dtype=dense.dtype)
+    pages[tables.long()] = dense.view(B, H, M, page_size, D).permute(0, 2, 3, 1, 4)
+    return pages, tables
+
+
+def _attention_paged_args(device, dtype, with_mask, page_size=16):
+    q, k, v, lens, mask, scale = _attention_args("cpu", dtype, with_mask)
+    g = gen(8)
+    kp, tables = _paged(k, page_size, g)
+    vp, _ = _paged(v, page_size, gen(8))
+    return [t if t is None else t.to(device) for t in (q, kp, vp, tables, lens, mask)] + [scale]
+
+
+def _append_paged_args(device, page_size=16):
+    k, v, kn, vn, lens = _append_args("cpu")
+    kp, tables = _paged(k, page_size, gen(9))
+    vp, _ = _paged(v, page_size, gen(9))
+    return [t.to(device) for t in (kp, vp, kn, vn, tables, lens)]
+
+
+def _commit_paged_args(device, page_size=16):
+    ks, vs, lens, accepted, num = _commit_args("cpu")
+    kps = [_paged(k, page_size, gen(10))[0] for k in ks]
+    vps = [_paged(v, page_size, gen(10))[0] for v in vs]
+    tables = _paged(ks[0], page_size, gen(10))[1]
+    return [[t.to(device) for t in kps], [t.to(device) for t in vps], tables.to(device), lens.to(device),
+            accepted.to(device), num.to(device)]
+
+
 def _linear_args(device, dtype, quantized, M=5):
     g = gen(5)
     x = torch.randn(M, 40, generator=g).to(dtype)
@@ -141,6 +175,12 @@ OPCHECK_CASES = {
     "greedy_verify-fp32": lambda d: (SD.greedy_verify.default, _greedy_args(d, torch.float32)),
     "greedy_verify-bf16": lambda d: (SD.greedy_verify.default, _greedy_args(d, torch.bfloat16)),
     "kv_commit": lambda d: (SD.kv_commit.default, _commit_args(d)),
+    "verify_attention_paged-fp32-mask": lambda d: (SD.verify_attention_paged.default,
+                                                   _attention_paged_args(d, torch.float32, True)),
+    "verify_attention_paged-bf16-causal-page1": lambda d: (SD.verify_attention_paged.default,
+                                                           _attention_paged_args(d, torch.bfloat16, False, 1)),
+    "append_kv_paged": lambda d: (SD.append_kv_paged.default, _append_paged_args(d)),
+    "kv_commit_paged": lambda d: (SD.kv_commit_paged.default, _commit_paged_args(d)),
     "linear-fp32": lambda d: (SD.linear.default, _linear_args(d, torch.float32, False)),
     "linear-bf16": lambda d: (SD.linear.default, _linear_args(d, torch.bfloat16, False)),
     "linear-int8-fp32x": lambda d: (SD.linear.default, _linear_args(d, torch.float32, True)),

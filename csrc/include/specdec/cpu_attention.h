@@ -51,6 +51,10 @@ struct AttentionParams {
   float scale;
   DType dtype;
   int64_t row_chunk = 0;    // query rows per task (a multiple of the row tile); 0: chosen by verify_attention_raw
+  // Paged caches (k_cache / v_cache [num_pages, page_size, Hkv, D], NHD): key s of request b sits in
+  // page block_table[b * max_blocks + s / page_size], slot s % page_size. nullptr: the dense layout.
+  const int32_t* block_table = nullptr;
+  int64_t page_size = 0, max_blocks = 0;
 };
 
 // Tasks of a call: (request, KV head, chunk of query rows). Rows never interact (each is its own
@@ -101,9 +105,10 @@ inline void qk_tile(const float* q, int64_t Dp, const float* kt, int64_t D, floa
 }
 
 // acc[r0 + t, dims] = acc * corr[t] + sum_k p[t, k] V[k, dims] for t < 3, 4 vectors (32 dims)
-// at a time (12 accumulators in registers); NV < 4 for the tail of the head dim.
+// at a time (12 accumulators in registers); NV < 4 for the tail of the head dim. V rows are vs apart.
 template <int NV>
-inline void pv_tile(float* acc, int64_t Dp, const float* p, const float* V, int64_t nk, const float* corr) {
+inline void pv_tile(float* acc, int64_t Dp, const float* p, const float* V, int64_t vs, int64_t nk,
+                    const float* corr) {
   v8f a[kRowTile][NV];
   for (int t = 0; t < kRowTile; ++t) {
     const v8f cv = v8_set1(corr[t]);
@@ -111,7 +116,7 @@ inline void pv_tile(float* acc, int64_t Dp, const float* p, const float* V, int6
   }
   for (int64_t k = 0; k < nk; ++k) {
     v8f vk[NV];
-    for (int c = 0; c < NV; ++c) vk[c] = v8_load(V + k * Dp + 8 * c);
+    for (int c = 0; c < NV; ++c) vk[c] = v8_load(V + k * vs + 8 * c);
     for (int t = 0; t < kRowTile; ++t) {
       const v8f pk = v8_set1(p[t * kKeyBlock + k]);
       for (int c = 0; c < NV; ++c) a[t][c] += pk * vk[c];
@@ -195,31 +200,44 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, int64
   // no K / V block is read that none of the task's tiles sees
   const int64_t keys_end = *std::max_element(W.tile_end.begin(), W.tile_end.end());
 
-  const char* kbase = static_cast<const char*>(P.k_cache) + ((b * P.Hkv + h) * P.S) * D * es;
-  const char* vbase = static_cast<const char*>(P.v_cache) + ((b * P.Hkv + h) * P.S) * D * es;
+  // Key s of this (request, KV head): dense rows are D elements apart; paged rows rs = Hkv * D apart
+  // within a page (the address of every key is the same either way, so are the results).
+  const bool paged = P.block_table != nullptr;
+  const int64_t rs = paged ? P.Hkv * D : D;
+  auto kv_row = [&](const void* cache, int64_t s) -> const char* {
+    const char* base = static_cast<const char*>(cache);
+    if (!paged) return base + ((b * P.Hkv + h) * P.S + s) * D * es;
+    const int64_t page = P.block_table[b * P.max_blocks + s / P.page_size];
+    return base + ((page * P.page_size + s % P.page_size) * P.Hkv + h) * D * es;
+  };
 
   // A float32 cache with D % 8 == 0 is read in place for V, and its K blocks are transposed in
-  // 8 x 8 tiles with AVX2 (the same values: data movement only).
+  // 8 x 8 tiles with AVX2 (the same values: data movement only). Paged: K in place when every run
+  // of 8 keys lies in one page, V when the whole key block does; otherwise the rows are copied.
   const bool direct = P.dtype == DType::kFloat32 && D == Dp;
+  [[maybe_unused]] const bool direct_k = direct && (!paged || P.page_size % 8 == 0);
+  const bool direct_v = direct && (!paged || P.page_size % kKeyBlock == 0);
   for (int64_t s0 = 0; s0 < keys_end; s0 += kKeyBlock) {
     const int64_t nk = std::min(kKeyBlock, total - s0);
     // K block -> transposed fp32 Kt[d, k]; V block -> fp32 V[k, d], keys k < nk (the lanes of
     // the keys past nk hold earlier values: their scores are overwritten with -inf below).
     int64_t k = 0;
 #if defined(__AVX2__)
-    if (direct) {
-      const float* kf = reinterpret_cast<const float*>(kbase) + s0 * D;
-      for (; k + 8 <= nk; k += 8)
-        for (int64_t d = 0; d < D; d += 8) transpose8x8(kf + k * D + d, D, W.kt.data() + d * kKeyBlock + k, kKeyBlock);
+    if (direct_k) {
+      for (; k + 8 <= nk; k += 8) {
+        const float* kf = reinterpret_cast<const float*>(kv_row(P.k_cache, s0 + k));
+        for (int64_t d = 0; d < D; d += 8) transpose8x8(kf + d, rs, W.kt.data() + d * kKeyBlock + k, kKeyBlock);
+      }
     }
 #endif
     for (; k < nk; ++k) {
-      load_row(kbase + (s0 + k) * D * es, P.dtype, D, W.row.data());
+      load_row(kv_row(P.k_cache, s0 + k), P.dtype, D, W.row.data());
       for (int64_t d = 0; d < D; ++d) W.kt[d * kKeyBlock + k] = W.row[d];
     }
-    if (!direct)
-      for (k = 0; k < nk; ++k) load_row(vbase + (s0 + k) * D * es, P.dtype, D, W.v.data() + k * Dp);
-    const float* vblock = direct ? reinterpret_cast<const float*>(vbase) + s0 * D : W.v.data();
+    if (!direct_v)
+      for (k = 0; k < nk; ++k) load_row(kv_row(P.v_cache, s0 + k), P.dtype, D, W.v.data() + k * Dp);
+    const float* vblock = direct_v ? reinterpret_cast<const float*>(kv_row(P.v_cache, s0)) : W.v.data();
+    const int64_t vs = direct_v ? rs : Dp;
     // 1) scores of every row against the block
     for (int64_t r0 = 0; r0 < Rp; r0 += kRowTile)
       if (s0 < W.tile_end[r0 / kRowTile]) qk_tile(W.q.data() + r0 * Dp, Dp, W.kt.data(), D, W.s.data() + r0 * kKeyBlock);
@@ -276,11 +294,11 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, int64
       const float* p = W.s.data() + r0 * kKeyBlock;
       const float* corr = W.corr.data() + r0;
       int64_t c = 0;
-      for (; c + 32 <= Dp; c += 32) pv_tile<4>(acc + c, Dp, p, vblock + c, nk, corr);
+      for (; c + 32 <= Dp; c += 32) pv_tile<4>(acc + c, Dp, p, vblock + c, vs, nk, corr);
       switch ((Dp - c) / 8) {
-        case 1: pv_tile<1>(acc + c, Dp, p, vblock + c, nk, corr); break;
-        case 2: pv_tile<2>(acc + c, Dp, p, vblock + c, nk, corr); break;
-        case 3: pv_tile<3>(acc + c, Dp, p, vblock + c, nk, corr); break;
+        case 1: pv_tile<1>(acc + c, Dp, p, vblock + c, vs, nk, corr); break;
+        case 2: pv_tile<2>(acc + c, Dp, p, vblock + c, vs, nk, corr); break;
+        case 3: pv_tile<3>(acc + c, Dp, p, vblock + c, vs, nk, corr); break;
         default: break;
       }
     }
