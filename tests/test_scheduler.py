@@ -991,7 +991,7 @@ def test_bench_cli_rejects_bad_arguments_before_loading_a_model(argv, message, c
 def test_cost_table_memo_follows_every_change():
     """_CostTable memoises each b's sorted cells and level between changes: after every observe /
     scale / load its predictions equal those of a fresh table holding the same cells (no memo)."""
-    from specdec.scheduler import _CostTable
+    from specdec.scheduler import CostTable as _CostTable
 
     rng = random.Random(3)
     for trial in range(40):
