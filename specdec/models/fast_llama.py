@@ -1,9 +1,9 @@
 """A lean forward for Llama-style decoders (Llama / SmolLM2, Qwen2, Mistral without an active window).
 
-Why: on a CPU a 30-layer model spends ~20 ms per forward in transformers' per-layer Python
-(module calls, kwargs plumbing, mask / cache bookkeeping, ~40 small torch ops per layer),
-as much as the weights take to stream. A draft model pays that on every drafted token. This
-runner reads the model's own parameters and runs the same math with 11 op calls per layer
+Why: on a CPU a small model spends as much time per forward in transformers' per-layer Python
+(module calls, kwargs plumbing, mask / cache bookkeeping, dozens of small torch ops per layer)
+as its weights take to stream, and a draft model pays that on every drafted token. This runner
+reads the model's own parameters and runs the same math with 11 op calls per layer
 (fused_ops=True, the default: specdec's fused small ops, transformers' rounding steps):
 
     h = embed(ids);  x = rms_norm(h)
@@ -16,9 +16,11 @@ runner reads the model's own parameters and runs the same math with 11 op calls 
 
 With fused_layers=True (the default) a layer whose projections are all known layer types runs
 as ONE ops.decoder_layer call: the same kernels in the same order, called from C++ (on the CPU
-with float32 activations, on raw pointers with one workspace): bit-identical; SmolLM2-135M's
-forward 0.7 ms (fp32) to 1.3 ms (Q4_1) faster (benchmarks/results/forward_cpu_2026-12-02c.json). fused_ops=False runs the unfused torch expressions (~35 calls per
-layer; kept for comparison).
+with float32 activations, on raw pointers with one workspace): bit-identical.
+
+fused_ops=False runs transformers' expressions with torch's ops (RMSNorm in float32, rotate-half
+RoPE, SiLU times up): the path a model whose norm weights are not in the activations' dtype
+takes, since the fused ops take norm weights of that dtype.
 
 Linear layers are called as specdec.ops.linear on their weight (nn.Linear, Int8Linear);
 any other module type is called as a module (e.g. torch.ao dynamic-quantized layers).
@@ -76,7 +78,7 @@ def _linear_fn(module: torch.nn.Module, fast_linear: bool) -> Callable[[torch.Te
         if not fast_linear or w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return lambda x: F.linear(x, w, b)
         return lambda x: ops.linear(x, w, b)
-    if type(module) is GroupQuantLinear:  # its tensors bound once (a module attribute read costs ~1 us)
+    if type(module) is GroupQuantLinear:  # its tensors bound once, not read from the module on every call
         qw, d, m, b, bits = module.qweight, module.scales, module.mins, module.bias, module.bits
         return lambda x: ops.qlinear(x, qw, d, m, b if b is None or b.dtype == x.dtype else b.to(x.dtype), bits)
     if type(module) is Int8Linear:
@@ -277,50 +279,68 @@ def build(model: torch.nn.Module, fast_linear: bool = True, fused_ops: bool = Tr
     layers: List[_Layer] = []
     heads = None
     for i, layer in enumerate(inner.layers):
-        att, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if att is None or mlp is None:
-            return None, f"layer {i}: no self_attn / mlp"
-        extra = [n for n, _ in att.named_children() if n not in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        if extra:
-            return None, f"layer {i}: attention has extra modules {extra}"
-        extra = [n for n, _ in mlp.named_children() if n not in ("gate_proj", "up_proj", "down_proj", "act_fn")]
-        if extra or type(getattr(mlp, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
-            return None, f"layer {i}: MLP is not gate/up/down with SiLU"
-        norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
-        if any(n is None or not type(n).__name__.endswith("RMSNorm") or not hasattr(n, "variance_epsilon")
-               for n in norms):
-            return None, f"layer {i}: norms are not RMSNorm"
-        hd = int(att.head_dim)
-        hq = int(att.q_proj.out_features) // hd if hasattr(att.q_proj, "out_features") else None
-        hkv = int(att.k_proj.out_features) // hd if hasattr(att.k_proj, "out_features") else None
-        if hq is None or hkv is None:
-            return None, f"layer {i}: cannot read head counts"
-        if heads is not None and heads != (hq, hkv, hd):
+        shape, why = _layer_heads(i, layer)
+        if shape is None:
+            return None, why
+        if heads is not None and heads != shape:
             return None, "layers differ in head layout"
-        heads = (hq, hkv, hd)
-        L = _Layer()
-        L.ln1_w, L.ln1_eps = norms[0].weight, float(norms[0].variance_epsilon)
-        L.ln2_w, L.ln2_eps = norms[1].weight, float(norms[1].variance_epsilon)
-        L.q, L.k, L.v, L.o = (_linear_fn(m, fast_linear) for m in (att.q_proj, att.k_proj, att.v_proj, att.o_proj))
-        L.gate, L.up, L.down = (_linear_fn(m, fast_linear) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-        qkv = _merged_spec([att.q_proj, att.k_proj, att.v_proj]) if fused_ops else None
-        gate_up = _merged_spec([mlp.gate_proj, mlp.up_proj]) if fused_ops else None
-        L.qkv, L.gate_up = _spec_fn(qkv), _spec_fn(gate_up)
-        L.fused = None
-        if fused_ops and fused_layers:  # the whole layer as one ops.decoder_layer call, when every projection is known
-            dtype = model.get_input_embeddings().weight.dtype
-            if qkv is not None and gate_up is not None:
-                specs = [qkv, _linear_spec(att.o_proj, fast_linear, dtype), gate_up,
-                         _linear_spec(mlp.down_proj, fast_linear, dtype)]
-            else:
-                specs = [_linear_spec(m, fast_linear, dtype) for m in (att.q_proj, att.k_proj, att.v_proj,
-                                                                        att.o_proj, mlp.gate_proj, mlp.up_proj,
-                                                                        mlp.down_proj)]
-            if all(sp is not None for sp in specs):
-                specs = [(w, sc, mn, _as_dtype(b, dtype), bits) for w, sc, mn, b, bits in specs]
-                L.fused = tuple(list(col) for col in zip(*specs))  # weights, scales, mins, biases, bits
-        L.scale = float(getattr(att, "scaling", hd ** -0.5))
-        layers.append(L)
+        heads = shape
+        layers.append(_make_layer(model, layer, shape[2], fast_linear, fused_ops, fused_layers))
     if not layers:
         return None, "no layers"
     return LlamaRunner(model, layers, heads, fast_linear, fused_ops), ""
+
+
+def _layer_heads(i: int, layer: torch.nn.Module) -> Tuple[Optional[Tuple[int, int, int]], str]:
+    """((query heads, KV heads, head dim), "") when decoder layer ``i`` has the supported layout,
+    else (None, why not)."""
+    att, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if att is None or mlp is None:
+        return None, f"layer {i}: no self_attn / mlp"
+    extra = [n for n, _ in att.named_children() if n not in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    if extra:
+        return None, f"layer {i}: attention has extra modules {extra}"
+    extra = [n for n, _ in mlp.named_children() if n not in ("gate_proj", "up_proj", "down_proj", "act_fn")]
+    if extra or type(getattr(mlp, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
+        return None, f"layer {i}: MLP is not gate/up/down with SiLU"
+    norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
+    if any(n is None or not type(n).__name__.endswith("RMSNorm") or not hasattr(n, "variance_epsilon")
+           for n in norms):
+        return None, f"layer {i}: norms are not RMSNorm"
+    hd = int(att.head_dim)
+    hq = int(att.q_proj.out_features) // hd if hasattr(att.q_proj, "out_features") else None
+    hkv = int(att.k_proj.out_features) // hd if hasattr(att.k_proj, "out_features") else None
+    if hq is None or hkv is None:
+        return None, f"layer {i}: cannot read head counts"
+    return (hq, hkv, hd), ""
+
+
+def _make_layer(model: torch.nn.Module, layer: torch.nn.Module, hd: int, fast_linear: bool, fused_ops: bool,
+                fused_layers: bool) -> _Layer:
+    """The runner's view of one supported decoder layer (merges its quantized projections, see
+    :func:`_merged_spec`)."""
+    att, mlp = layer.self_attn, layer.mlp
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    L = _Layer()
+    L.ln1_w, L.ln1_eps = norms[0].weight, float(norms[0].variance_epsilon)
+    L.ln2_w, L.ln2_eps = norms[1].weight, float(norms[1].variance_epsilon)
+    L.q, L.k, L.v, L.o = (_linear_fn(m, fast_linear) for m in (att.q_proj, att.k_proj, att.v_proj, att.o_proj))
+    L.gate, L.up, L.down = (_linear_fn(m, fast_linear) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    qkv = _merged_spec([att.q_proj, att.k_proj, att.v_proj]) if fused_ops else None
+    gate_up = _merged_spec([mlp.gate_proj, mlp.up_proj]) if fused_ops else None
+    L.qkv, L.gate_up = _spec_fn(qkv), _spec_fn(gate_up)
+    L.fused = None
+    if fused_ops and fused_layers:  # the whole layer as one ops.decoder_layer call, when every projection is known
+        dtype = model.get_input_embeddings().weight.dtype
+        if qkv is not None and gate_up is not None:
+            specs = [qkv, _linear_spec(att.o_proj, fast_linear, dtype), gate_up,
+                     _linear_spec(mlp.down_proj, fast_linear, dtype)]
+        else:
+            specs = [_linear_spec(m, fast_linear, dtype) for m in (att.q_proj, att.k_proj, att.v_proj,
+                                                                    att.o_proj, mlp.gate_proj, mlp.up_proj,
+                                                                    mlp.down_proj)]
+        if all(sp is not None for sp in specs):
+            specs = [(w, sc, mn, _as_dtype(b, dtype), bits) for w, sc, mn, b, bits in specs]
+            L.fused = tuple(list(col) for col in zip(*specs))  # weights, scales, mins, biases, bits
+    L.scale = float(getattr(att, "scaling", hd ** -0.5))
+    return L

@@ -19,7 +19,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from specdec.models.quant import GroupQuantLinear, _untie, replace_module
+from specdec.models.quant import GroupQuantLinear, replace_module, untie
 
 __all__ = ["gguf_linear_layers", "load_gguf_linears", "install_linears"]
 
@@ -115,7 +115,7 @@ def install_linears(model: torch.nn.Module, layers: Dict[str, dict]) -> None:
     for name, t in layers.items():
         replace_module(model, name, GroupQuantLinear(t["qweight"], t["scales"], t["mins"], t["bias"], t["bits"]))
     if "lm_head" in layers:
-        _untie(model)
+        untie(model)
 
 
 def load_gguf_linears(model: torch.nn.Module, gguf: Path) -> Dict[str, dict]:

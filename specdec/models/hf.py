@@ -1,262 +1,58 @@
 """HFCausalLM: drive a Hugging Face ``transformers`` causal LM with specdec's static KV cache.
 
-Hooked path (every model whose attention goes through ``ALL_ATTENTION_FUNCTIONS``: Llama /
-SmolLM2, Qwen2, Mistral, Gemma / Gemma3, GPT-2, GPT-NeoX, OPT, Phi, ...). At import this module
-registers one attention function, ``"specdec"``, in transformers' ``AttentionInterface``.
-During :meth:`HFCausalLM.forward` the model's attention implementation is switched to it, the
-model runs with ``use_cache=False`` (HF keeps no cache of its own) and, in every layer, the
-function receives the new nodes' query / key / value (after RoPE) and does
+Three routes, chosen once at construction:
 
-    ops.append_kv(cache.k[l], cache.v[l], key, value, cache.lens)         # new K/V at lens[b] + j
-    ops.verify_attention(query.transpose(1, 2), cache.k[l], cache.v[l], cache.lens, tree_mask, scaling)
+* Lean forward (Llama / SmolLM2, Qwen2, Mistral without an active sliding window):
+  :mod:`specdec.models.fast_llama` runs the same math on the model's own parameters, without
+  transformers' per-layer Python.
+* Hooked path (every model whose attention goes through ``ALL_ATTENTION_FUNCTIONS``: Llama /
+  SmolLM2, Qwen2, Mistral, Gemma / Gemma3, GPT-2, GPT-NeoX, OPT, Phi, ...): the model's own
+  modules run with the "specdec" attention function (:mod:`specdec.models.hf_attention`), which
+  appends each layer's new K/V to the cache and runs ``ops.verify_attention`` with the tree mask.
+  Position ids are ``cache.lens[b] + depths[b, j]``; no attention mask is built.
+* Generic fallback (attention that bypasses the registry, attention-logit softcapping, non-causal
+  or sink / position-bias attention, or ``hook=False``): the model's own attention on a
+  transformers ``Cache`` that writes into the same :class:`StaticKVCache`, with a 4-D additive mask.
+  Same cache layout, same commit, same results; a ``warnings.warn`` says why it is used.
 
-Position ids are ``cache.lens[b] + depths[b, j]``. No attention mask is ever built: "specdec" is
-deliberately NOT registered in ``AttentionMaskInterface``, and transformers 5.x returns from
-``create_causal_mask`` / ``create_sliding_window_causal_mask`` before doing any work for an
-implementation that has no mask function (``masking_utils._preprocess_mask_arguments``:
-"For TGI/vLLM backends, or other custom attention without equivalent mask creation"). So a
-step costs what the model's own layers cost plus the two ops: no host sync, no ``.item()``,
-no O(prefix) work outside verify_attention.
-
-The per-call state (cache, tree mask) reaches the attention function through the model's
-forward kwargs (``specdec_call=...``) when the model forwards ``**kwargs`` down to its attention
-modules (checked once at construction), otherwise through a ``contextvars.ContextVar`` set for
-the duration of the call. The switch of ``config._attn_implementation`` lasts for one call too,
-so outside :meth:`forward` / :meth:`prefill` the wrapped model behaves exactly as before (e.g.
-``model.generate(assistant_model=...)`` for a baseline). Not thread-safe for concurrent use of
-one model object from several threads.
-
-Sliding-window layers (Mistral, Gemma2/3, Qwen2 with ``use_sliding_window``): while every
-position of the call is inside the window (always when ``cache.capacity <= window``: checked
-with no host read) the window changes nothing and verify_attention is exact. Past the window
-(one host read of ``max(cache.lens)`` per call, sliding models only) the sliding layers switch
-for that call to a masked attention over the cache (correct, slower) with a one-time warning.
-
-Generic fallback (models that cannot be hooked: attention that bypasses the registry,
-attention-logit softcapping (Gemma2), non-causal or sink / position-bias attention, or
-``hook=False``): the model runs with its own attention implementation on a transformers ``Cache``
-whose ``update`` writes into the same :class:`StaticKVCache` (``append_kv``) and returns the
-first ``max(lens) + N`` positions, plus a 4-D additive float mask (prefix < lens[b], tree_mask
-among the new nodes, sliding windows per layer type). Same cache layout, same commit, same
-results; one host read per call and O(N x (max_len + N)) mask work. A ``warnings.warn`` says
-why it is used.
+The switch of ``config._attn_implementation`` lasts for one call, so outside :meth:`forward` /
+:meth:`prefill` the wrapped model behaves exactly as before (e.g. ``model.generate(assistant_model=...)``
+for a baseline). Not thread-safe for concurrent use of one model object from several threads.
 """
 from __future__ import annotations
 
-import contextvars
 import inspect
-import types
 import warnings
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from specdec import ops
+from specdec._check import check_int, out_of_vocab
 from specdec.cache import StaticKVCache
+from specdec.models.hf_attention import (
+    ACTIVE_CALL,
+    ATTN_NAME,
+    CALL_KWARG,
+    FAST_LINEAR,
+    AttentionCall,
+    StaticCacheBridge,
+    additive_mask,
+    config_windows,
+    hook_blocker,
+    install_fast_linear,
+    probe_generic,
+    probe_tokens,
+    selects_positions,
+    visibility,
+)
 
 try:
     from transformers import PretrainedConfig
-    from transformers.cache_utils import Cache
-    from transformers.modeling_utils import AttentionInterface
 except ImportError as exc:  # pragma: no cover - transformers is a dependency of this module
     raise ImportError("specdec.models.hf needs transformers (pip install 'transformers==5.24.0')") from exc
 
 __all__ = ["HFCausalLM"]
-
-ATTN_NAME = "specdec"
-_CALL_KWARG = "specdec_call"
-# kwargs of an attention call that change its math in ways verify_attention does not do
-_UNSUPPORTED_ATTN_KWARGS = ("softcap", "s_aux", "sinks", "position_bias", "attention_chunk_size")
-
-# The state of the HFCausalLM call in flight (fallback route when the model drops **kwargs).
-_ACTIVE_CALL: contextvars.ContextVar[Optional["_Call"]] = contextvars.ContextVar("specdec_active_call", default=None)
-# True while an HFCausalLM with fast_linear=True runs its model: nn.Linear layers then call ops.linear.
-_FAST_LINEAR: contextvars.ContextVar[bool] = contextvars.ContextVar("specdec_fast_linear", default=False)
-
-
-def _linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    """nn.Linear.forward, routed to specdec's weight-streaming ops.linear inside HFCausalLM calls."""
-    if _FAST_LINEAR.get() and input.dtype == self.weight.dtype and input.device == self.weight.device:
-        return ops.linear(input, self.weight, self.bias)
-    return F.linear(input, self.weight, self.bias)
-
-
-def _install_fast_linear(model: torch.nn.Module) -> int:
-    """Route every plain nn.Linear of ``model`` through :func:`_linear_forward`; returns how many.
-
-    Outside an HFCausalLM call the routed forward is ``F.linear`` exactly as before, so the
-    model object keeps working everywhere else (e.g. transformers' ``generate``).
-    Subclasses of nn.Linear (quantized, LoRA, ...) keep their own forward.
-    """
-    count = 0
-    for module in model.modules():
-        if type(module) is torch.nn.Linear and module.weight.dim() == 2 and \
-                module.weight.dtype in (torch.float32, torch.float16, torch.bfloat16):
-            if not getattr(module, "_specdec_fast_linear", False):
-                module.forward = types.MethodType(_linear_forward, module)
-                module._specdec_fast_linear = True
-            count += 1
-    return count
-
-
-@dataclass
-class _Call:
-    """What the attention function needs for one forward: the cache, the tree mask, window info."""
-
-    cache: Optional[StaticKVCache]
-    tree_mask: Optional[torch.Tensor]            # [B, N, kv_offset + N] bool or None (causal chain)
-    depths: Optional[torch.Tensor] = None        # [B, N] int64 (window masks only)
-    window_ok: bool = True                       # every position of this call is inside every window
-    total_len: int = 0                           # max(lens) + N, host value (window path only)
-    masks: Dict[Optional[int], torch.Tensor] = field(default_factory=dict)  # window -> additive bias
-    probe: Optional[dict] = None                 # construction-time probe record
-    kwarg_seen: bool = False
-    kv_offset: int = 0                           # new nodes of this step already in the cache (draft trees)
-
-
-def _specdec_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
-                       scaling: Optional[float] = None, sliding_window: Optional[int] = None, **kwargs):
-    """The "specdec" attention function: query [B, Hq, N, D], key / value [B, Hkv, N, D] (after RoPE).
-
-    Returns (out [B, N, Hq, D], None) as every transformers attention function does.
-    """
-    call = kwargs.get(_CALL_KWARG)
-    if call is not None:
-        call.kwarg_seen = True
-    else:
-        call = _ACTIVE_CALL.get()
-    if call is None:
-        raise RuntimeError("specdec attention was called outside HFCausalLM.forward/prefill; the model's attention "
-                           "implementation is only switched to 'specdec' for the duration of those calls")
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    if call.probe is not None:
-        return _probe_attention(call.probe, module, query, key, value, scaling, sliding_window, kwargs)
-    for name in _UNSUPPORTED_ATTN_KWARGS:  # construction-time probe routes such models to the fallback
-        if kwargs.get(name) is not None:
-            raise RuntimeError(f"specdec attention: unsupported attention argument {name!r} at run time "
-                               f"(use HFCausalLM(model, hook=False))")
-    cache = call.cache
-    layer = module.layer_idx
-    k_cache, v_cache = cache.k[layer], cache.v[layer]
-    ops.append_kv(k_cache, v_cache, key, value, cache.lens, call.kv_offset)
-    if sliding_window is not None and not call.window_ok:
-        return _masked_attention(call, query, k_cache, v_cache, scaling, int(sliding_window)), None
-    out = ops.verify_attention(query.transpose(1, 2), k_cache, v_cache, cache.lens, call.tree_mask, scaling)
-    return out, None
-
-
-# Registered once, at import: the registry is process-wide and keyed by name.
-AttentionInterface.register(ATTN_NAME, _specdec_attention)
-
-
-def _slices(logits_to_keep) -> bool:
-    """Whether a logits_to_keep value selects positions (0 keeps all of them)."""
-    return isinstance(logits_to_keep, torch.Tensor) or logits_to_keep != 0
-
-
-def _probe_attention(record: dict, module, query, key, value, scaling, sliding_window, kwargs):
-    """Construction-time probe: note what each layer passes, answer with plain causal attention."""
-    layer = getattr(module, "layer_idx", None)
-    unsupported = [n for n in _UNSUPPORTED_ATTN_KWARGS if kwargs.get(n) is not None]
-    if not getattr(module, "is_causal", True):
-        unsupported.append("is_causal=False")
-    record.setdefault("layers", []).append(
-        dict(layer=layer, kv_shape=tuple(key.shape[1:2]) + tuple(key.shape[3:]), dtype=key.dtype,
-             window=sliding_window, unsupported=unsupported))
-    groups = query.shape[1] // key.shape[1]
-    k = key.repeat_interleave(groups, dim=1)
-    v = value.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(query, k, v, is_causal=True, scale=scaling)
-    return out.transpose(1, 2), None
-
-
-def _visibility(lens: torch.Tensor, depths: torch.Tensor, tree_mask: Optional[torch.Tensor], total_len: int,
-                window: Optional[int]) -> torch.Tensor:
-    """[B, N, T] bool: query i of request b sees cache position s (T = max(lens) + N).
-
-    Prefix s < lens[b] (within ``window`` of the query position when given); new node j at
-    lens[b] + j iff tree_mask[b, i, j] (causal chain when None). Positions are lens + depth.
-    With a [B, N, Nkv] mask (Nkv > N: the queries are the last N of Nkv new nodes) ``window``
-    must be None (the depths of the earlier nodes are not known here).
-    """
-    B, N = depths.shape
-    Nkv = N if tree_mask is None else tree_mask.shape[2]
-    dev = depths.device
-    s = torch.arange(total_len, device=dev)                        # [T]
-    start = lens.to(torch.long).view(B, 1, 1)                      # [B, 1, 1]
-    depth = depths.to(torch.long)                                  # [B, N]
-    vis = (s < start).expand(B, N, total_len)                      # prefix
-    j = s - start                                                  # [B, 1, T] node index of s
-    inside = (j >= 0) & (j < Nkv)
-    jc = j.clamp(0, Nkv - 1).expand(B, N, total_len)
-    if tree_mask is None:
-        tree_mask = torch.ones(N, N, dtype=torch.bool, device=dev).tril().expand(B, N, N)
-    tree = torch.gather(tree_mask.to(torch.bool), 2, jc) & inside  # [B, N, T]
-    if window is not None:
-        q_pos = start.view(B, 1) + depth                           # [B, N]
-        vis = vis & (q_pos.unsqueeze(2) - s < window)
-        k_depth = torch.gather(depth.unsqueeze(1).expand(B, N, N), 2, jc)
-        tree = tree & (depth.unsqueeze(2) - k_depth < window)
-    return vis | tree
-
-
-def _additive_mask(vis: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[B, N, T] bool -> [B, 1, N, T] additive bias (0 / finfo.min: finite, so masked keys never yield NaN)."""
-    bias = torch.zeros(vis.shape, dtype=dtype, device=vis.device)
-    return bias.masked_fill_(~vis, torch.finfo(dtype).min).unsqueeze(1)
-
-
-def _masked_attention(call: _Call, query, k_cache, v_cache, scaling: float, window: int) -> torch.Tensor:
-    """Sliding-window layer past its window: masked attention over the first max(lens) + N positions."""
-    bias = call.masks.get(window)
-    if bias is None:  # built once per call and window, shared by all layers
-        vis = _visibility(call.cache.lens, call.depths, call.tree_mask, call.total_len, window)
-        bias = call.masks[window] = _additive_mask(vis, query.dtype)
-    T = call.total_len
-    k, v = k_cache[:, :, :T], v_cache[:, :, :T]
-    out = F.scaled_dot_product_attention(query, k, v, attn_mask=bias, scale=scaling,
-                                         enable_gqa=query.shape[1] != k.shape[1])
-    return out.transpose(1, 2)
-
-
-class _StaticCacheBridge(Cache):
-    """A transformers ``Cache`` over a StaticKVCache, for the generic (unhooked) path.
-
-    ``update`` writes the new K/V at lens[b] + j (append_kv, lens unchanged) and returns the
-    first ``total_len`` positions; the caller's 4-D mask hides everything that is not visible.
-    With ``cache=None`` it only records the per-layer K/V shapes (construction-time probe).
-    """
-
-    is_compileable = False
-
-    def __init__(self, cache: Optional[StaticKVCache], total_len: int, kv_offset: int = 0) -> None:
-        super().__init__(layers=[])
-        self.static = cache
-        self.total_len = total_len
-        self.kv_offset = kv_offset
-        self.seen: List[dict] = []
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        if self.static is None:
-            self.seen.append(dict(layer=layer_idx, kv_shape=(key_states.shape[1], key_states.shape[3]),
-                                  dtype=key_states.dtype))
-            return key_states, value_states
-        k_cache, v_cache = self.static.k[layer_idx], self.static.v[layer_idx]
-        ops.append_kv(k_cache, v_cache, key_states, value_states, self.static.lens, self.kv_offset)
-        return k_cache[:, :, :self.total_len], v_cache[:, :, :self.total_len]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0 if self.static is None else self.total_len
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0):
-        return (query_length, 0) if self.static is None else (self.total_len, 0)
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        return 0
 
 
 class HFCausalLM:
@@ -278,18 +74,18 @@ class HFCausalLM:
     fast_path : bool, default True
         For Llama-style decoders (Llama / SmolLM2, Qwen2, Mistral without an active sliding
         window; see :mod:`specdec.models.fast_llama`) run the same math on the model's own
-        parameters without transformers' per-layer Python (~20 ms of a 30-layer forward on a
-        CPU). Other models, and hook=False, use transformers' modules. ``fast_path`` (the
-        attribute) says whether it is in use.
+        parameters without transformers' per-layer Python. Other models, and hook=False, use
+        transformers' modules. ``fast_path`` (the attribute) says whether it is in use.
     fused_ops : bool, default True
         On the fast path, run each layer's small steps as specdec's fused ops (rms_norm,
-        add_rms_norm, rope, silu_mul: 11 op calls per layer instead of ~35 torch calls);
-        False keeps torch's unfused expressions (for comparison).
+        add_rms_norm, rope, silu_mul: 11 op calls per layer); False runs torch's unfused
+        expressions, which are also what a model whose norm weights are not in the activations'
+        dtype gets.
     fused_layers : bool, default True
         With ``fused_ops``, run each decoder layer whose projections are all known layer types
         (``nn.Linear`` with fast_linear, specdec's ``Int8Linear`` / ``GroupQuantLinear``) as one
         :func:`specdec.ops.decoder_layer` call: the same kernels in the same order, called from
-        C++ (~20 Python-level calls per layer become 1). Same results, bit for bit.
+        C++ (one Python-level call per layer). Same results, bit for bit.
 
     Attributes: ``model, config, vocab_size, device, dtype, num_layers, num_kv_heads, head_dim,
     hooked`` (True: "specdec" attention path; False: generic fallback, warned).
@@ -305,7 +101,7 @@ class HFCausalLM:
         self.model = model.eval()
         self.config = model.config
         self.prefill_chunk = int(prefill_chunk)
-        self.fast_linear = bool(fast_linear) and _install_fast_linear(model) > 0
+        self.fast_linear = bool(fast_linear) and install_fast_linear(model) > 0
         self.device = model.get_input_embeddings().weight.device
         params = inspect.signature(model.forward).parameters
         self._keep_logits = "logits_to_keep" in params
@@ -321,7 +117,7 @@ class HFCausalLM:
         self._windows: List[Optional[int]] = []
         self._warned_window = False
 
-        reason = self._hook_blocker() if hook else "hook=False was requested"
+        reason = hook_blocker(self.config) if hook else "hook=False was requested"
         layers = None
         if reason is None:
             layers, reason = self._probe_hooked()
@@ -330,8 +126,8 @@ class HFCausalLM:
             warnings.warn(f"HFCausalLM: {type(model).__name__} runs on the generic fallback path (its own attention "
                           f"with a 4-D mask over the static cache; slower, one host sync per call): {reason}",
                           stacklevel=2)
-            layers = self._probe_generic()
-            self._generic_windows = self._config_windows()
+            layers = probe_generic(model, self._cache_kwarg, self.device)
+            self._generic_windows = config_windows(self.config)
         self._init_shapes(layers)
         self._runner = None
         if self.hooked and fast_path:
@@ -342,30 +138,18 @@ class HFCausalLM:
         self.fast_path = self._runner is not None
 
     # ------------------------------------------------------------------ construction
-    def _hook_blocker(self) -> Optional[str]:
-        text = self.config.get_text_config()
-        if getattr(text, "attn_logit_softcapping", None) is not None:
-            return (f"attention logit softcapping ({text.attn_logit_softcapping}) is not supported by "
-                    f"verify_attention")
-        if not getattr(text, "is_causal", True) or getattr(text, "use_bidirectional_attention", False):
-            return "the model's attention is not causal"
-        return None
-
-    def _probe_tokens(self) -> torch.Tensor:
-        return torch.tensor([[1, 2, 3]], dtype=torch.long, device=self.device)
-
     def _probe_hooked(self):
         """Run 3 tokens with the "specdec" function in probe mode; see which layers reach it."""
         expected = getattr(self.config.get_text_config(), "num_hidden_layers", None)
-        call = _Call(cache=None, tree_mask=None, probe={})
+        call = AttentionCall(cache=None, tree_mask=None, probe={})
         try:
             with torch.no_grad():
                 try:
-                    self._call_model(call, self._probe_tokens(), None, pass_kwarg=True, logits_to_keep=1)
+                    self._call_model(call, probe_tokens(self.device), None, pass_kwarg=True, logits_to_keep=1)
                     self._pass_kwarg = call.kwarg_seen
                 except TypeError:  # the model rejects unknown kwargs: ContextVar route
                     call.probe = {}
-                    self._call_model(call, self._probe_tokens(), None, pass_kwarg=False, logits_to_keep=1)
+                    self._call_model(call, probe_tokens(self.device), None, pass_kwarg=False, logits_to_keep=1)
         except Exception as exc:  # noqa: BLE001 - any failure means "cannot hook", reported in the warning
             return None, f"the hooked probe forward failed ({type(exc).__name__}: {exc})"
         seen = call.probe.get("layers", [])
@@ -381,31 +165,6 @@ class HFCausalLM:
         seen = sorted(seen, key=lambda s: s["layer"])
         self._windows = [s["window"] for s in seen]
         return seen, None
-
-    def _probe_generic(self) -> List[dict]:
-        bridge = _StaticCacheBridge(None, 0)
-        ids = self._probe_tokens()
-        mask = _additive_mask(torch.ones(1, 3, 3, dtype=torch.bool, device=self.device).tril(),
-                              self.model.get_input_embeddings().weight.dtype)
-        with torch.no_grad():
-            self.model(input_ids=ids, position_ids=torch.arange(3, device=self.device).unsqueeze(0),
-                       attention_mask=mask, use_cache=True, **{self._cache_kwarg: bridge})
-        if not bridge.seen:
-            raise TypeError(f"HFCausalLM: {type(self.model).__name__} neither routes attention through "
-                            f"ALL_ATTENTION_FUNCTIONS nor uses the transformers Cache API; it cannot be driven")
-        return sorted(bridge.seen, key=lambda s: s["layer"])
-
-    def _config_windows(self) -> dict:
-        """Sliding-window layout from the config, for the generic path's masks."""
-        text = self.config.get_text_config()
-        window = getattr(text, "sliding_window", None)
-        types = getattr(text, "layer_types", None)
-        if window is None or (types is not None and "sliding_attention" not in types):
-            return {"window": None, "mixed": False}
-        if types is not None and set(types) - {"full_attention", "sliding_attention"}:
-            raise ValueError(f"HFCausalLM: layer types {sorted(set(types))} are not supported by the generic path")
-        mixed = types is not None and "full_attention" in types
-        return {"window": int(window), "mixed": mixed}
 
     def _init_shapes(self, layers: List[dict]) -> None:
         shapes = {s["kv_shape"] for s in layers}
@@ -509,8 +268,7 @@ class HFCausalLM:
             raise ValueError(f"HFCausalLM.forward: depths must have the shape of tokens {tuple(tokens.shape)}, "
                              f"got {tuple(depths.shape)}")
         B, N = tokens.shape
-        if isinstance(kv_offset, bool) or not isinstance(kv_offset, int) or kv_offset < 0:
-            raise ValueError(f"HFCausalLM.forward: kv_offset must be an int >= 0, got {kv_offset!r}")
+        check_int("HFCausalLM.forward", "kv_offset", kv_offset, lo=0, type_error=False)
         nkv = kv_offset + N
         if tree_mask is not None and (tree_mask.shape != (B, N, nkv) or tree_mask.dtype != torch.bool):
             raise ValueError(f"HFCausalLM.forward: tree_mask must be bool [B, N, kv_offset + N] = [{B}, {N}, {nkv}], "
@@ -522,11 +280,11 @@ class HFCausalLM:
 
     def _forward(self, cache, tokens, depths, tree_mask, logits_to_keep, kv_offset: int = 0) -> torch.Tensor:
         """Shared by forward and prefill; logits_to_keep as transformers' slice_logits_to_keep."""
-        token = _FAST_LINEAR.set(self.fast_linear)
+        token = FAST_LINEAR.set(self.fast_linear)
         try:
             return self._forward_impl(cache, tokens, depths, tree_mask, logits_to_keep, kv_offset)
         finally:
-            _FAST_LINEAR.reset(token)
+            FAST_LINEAR.reset(token)
 
     def _forward_impl(self, cache, tokens, depths, tree_mask, logits_to_keep, kv_offset: int = 0) -> torch.Tensor:
         if self._runner is not None:
@@ -534,7 +292,7 @@ class HFCausalLM:
             return self._runner(cache, tokens.clamp(min=0), positions, tree_mask, logits_to_keep,
                                 kv_offset=kv_offset).float()
         B, N = tokens.shape
-        call = _Call(cache=cache, tree_mask=tree_mask, kv_offset=kv_offset)
+        call = AttentionCall(cache=cache, tree_mask=tree_mask, kv_offset=kv_offset)
         if not self.hooked:
             return self._forward_generic(call, tokens, depths, logits_to_keep)
         if self._min_window is not None and cache.capacity > self._min_window:
@@ -555,7 +313,7 @@ class HFCausalLM:
         logits = self._call_model(call, tokens, depths, pass_kwarg=self._pass_kwarg, logits_to_keep=logits_to_keep)
         return logits.float()
 
-    def _call_model(self, call: _Call, tokens, depths, pass_kwarg: bool, logits_to_keep) -> torch.Tensor:
+    def _call_model(self, call: AttentionCall, tokens, depths, pass_kwarg: bool, logits_to_keep) -> torch.Tensor:
         """Run the model with the "specdec" attention implementation for this call only."""
         ids = tokens.clamp(min=0)
         if call.cache is None:  # probe
@@ -563,12 +321,12 @@ class HFCausalLM:
         else:
             positions = call.cache.lens.to(torch.long).unsqueeze(1) + depths.to(torch.long)  # [B, N]
         kwargs = {}
-        if _slices(logits_to_keep) and self._keep_logits:
+        if selects_positions(logits_to_keep) and self._keep_logits:
             kwargs["logits_to_keep"] = logits_to_keep
         if pass_kwarg:
-            kwargs[_CALL_KWARG] = call
+            kwargs[CALL_KWARG] = call
         saved = [cfg._attn_implementation_internal for cfg in self._configs]
-        token = _ACTIVE_CALL.set(call)
+        token = ACTIVE_CALL.set(call)
         try:
             for cfg in self._configs:
                 cfg._attn_implementation_internal = ATTN_NAME
@@ -576,16 +334,16 @@ class HFCausalLM:
         finally:
             for cfg, impl in zip(self._configs, saved):
                 cfg._attn_implementation_internal = impl
-            _ACTIVE_CALL.reset(token)
+            ACTIVE_CALL.reset(token)
         return self._select_logits(out.logits, logits_to_keep)
 
     def _select_logits(self, logits: torch.Tensor, logits_to_keep) -> torch.Tensor:
-        if self._keep_logits or not _slices(logits_to_keep):
+        if self._keep_logits or not selects_positions(logits_to_keep):
             return logits
         from transformers.modeling_utils import slice_logits_to_keep
         return slice_logits_to_keep(logits, logits_to_keep)
 
-    def _forward_generic(self, call: _Call, tokens, depths, logits_to_keep) -> torch.Tensor:
+    def _forward_generic(self, call: AttentionCall, tokens, depths, logits_to_keep) -> torch.Tensor:
         cache = call.cache
         B, N = tokens.shape
         off = call.kv_offset
@@ -600,17 +358,17 @@ class HFCausalLM:
         if window is not None and off:
             raise ValueError(f"HFCausalLM.forward: kv_offset > 0 past the sliding window ({window}) is not "
                              f"supported on the generic path; draft with a chain or spine tree")
-        full = _additive_mask(_visibility(cache.lens, depths, call.tree_mask, total, None), dtype)
+        full = additive_mask(visibility(cache.lens, depths, call.tree_mask, total, None), dtype)
         if window is None:
             mask = full
         else:
-            sliding = _additive_mask(_visibility(cache.lens, depths, call.tree_mask, total, window), dtype)
+            sliding = additive_mask(visibility(cache.lens, depths, call.tree_mask, total, window), dtype)
             mask = {"full_attention": full, "sliding_attention": sliding} if layout["mixed"] else sliding
         positions = cache.lens.to(torch.long).unsqueeze(1) + depths.to(torch.long)
         kwargs = {}
-        if _slices(logits_to_keep) and self._keep_logits:
+        if selects_positions(logits_to_keep) and self._keep_logits:
             kwargs["logits_to_keep"] = logits_to_keep
-        bridge = _StaticCacheBridge(cache, total, off)
+        bridge = StaticCacheBridge(cache, total, off)
         out = self.model(input_ids=tokens.clamp(min=0), position_ids=positions, attention_mask=mask,
                          use_cache=True, **{self._cache_kwarg: bridge}, **kwargs)
         return self._select_logits(out.logits, logits_to_keep).float()
@@ -630,10 +388,9 @@ class HFCausalLM:
             if len(p) > cache.capacity:
                 raise ValueError(f"HFCausalLM.prefill: prompt {i} has {len(p)} tokens, more than the cache capacity "
                                  f"{cache.capacity}")
-            lo, hi = min(p), max(p)
-            if lo < 0 or hi >= self.vocab_size:
-                raise ValueError(f"HFCausalLM.prefill: prompt {i} holds token {lo if lo < 0 else hi}, outside "
-                                 f"[0, {self.vocab_size})")
+            bad = out_of_vocab(p, self.vocab_size)
+            if bad is not None:
+                raise ValueError(f"HFCausalLM.prefill: prompt {i} holds token {bad}, outside [0, {self.vocab_size})")
 
     @staticmethod
     def _prefill_groups(prompts, rows) -> List[List[int]]:

@@ -1,11 +1,10 @@
 """Model weights in transparent huge pages (Linux): the CPU decode step streams them faster.
 
 A decode step reads every weight once. On the CPU each linear layer's weight is a separate
-allocation of 4 KiB pages, and each thread streams 0.2-2 MB of it between two parallel regions. Copying
-the weights into one anonymous private mapping advised ``MADV_HUGEPAGE`` (2 MiB pages) changes no value
-and no result bit. ``benchmarks/bench_forward.py`` runs the bundled model both ways ("4k pages" row):
-``results/forward_cpu_2026-12-03g.json`` has the float32 forward 1.05x faster at one node and 1.03x at
-8 nodes (1.10-1.12x / 1.04-1.06x in an exploratory interleaved A/B of the same forward).
+allocation of 4 KiB pages, and each thread streams a slice of it between two parallel regions, so
+the step pays TLB misses on every slice. Copying the weights into one anonymous private mapping
+advised ``MADV_HUGEPAGE`` (2 MiB pages) changes no value and no result bit.
+``benchmarks/bench_forward.py`` runs the bundled model both ways (its "4k pages" row).
 """
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ import torch
 
 from specdec import ops
 
-__all__ = ["Int8Linear", "quantize_linear_int8", "GroupQuantLinear", "quantize_linear_groups"]
+__all__ = ["Int8Linear", "quantize_linear_int8", "GroupQuantLinear", "quantize_linear_groups", "replace_module",
+           "untie"]
 
 
 class Int8Linear(torch.nn.Module):
@@ -54,7 +55,7 @@ def quantize_linear_int8(model: torch.nn.Module, skip: Iterable[str] = ()) -> to
                if type(m) is torch.nn.Linear and name not in skip]
     for name, linear in targets:
         replace_module(model, name, Int8Linear.from_linear(linear))
-    _untie(model)
+    untie(model)
     return model
 
 
@@ -101,7 +102,7 @@ def quantize_linear_groups(model: torch.nn.Module, fmt: str, skip: Iterable[str]
                if type(m) is torch.nn.Linear and name not in skip and m.in_features % 32 == 0]
     for name, linear in targets:
         replace_module(model, name, GroupQuantLinear.from_linear(linear, fmt))
-    _untie(model)
+    untie(model)
     return model
 
 
@@ -111,7 +112,7 @@ def replace_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
-def _untie(model: torch.nn.Module) -> None:
+def untie(model: torch.nn.Module) -> None:
     """A model that ties lm_head to the embeddings would re-tie on save / resize: mark it untied."""
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "tie_word_embeddings", False):
