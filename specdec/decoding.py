@@ -32,11 +32,11 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
-from specdec import ops
+from specdec._check import as_float, check_stop_ids, is_int
 from specdec.drafters.base import Drafter
 from specdec.engine import Engine, RequestParams
 from specdec.metrics import MemoryProbe, MetricsRecorder, empty_metrics, write_trace
@@ -48,11 +48,11 @@ __all__ = ["SpeculativeDecoder", "GenerateOutput"]
 
 @dataclass
 class GenerateOutput:
-    """``tokens[i]``: the new tokens of request i (EOS included when hit). ``metrics``: see DESIGN.md."""
+    """``tokens[i]``: the new tokens of request i (EOS included when hit). ``metrics``: see docs/metrics.md."""
 
     tokens: List[List[int]]
     metrics: Dict[str, object] = field(default_factory=dict)
-    trace: Optional[List[dict]] = None  # per-step records (generate(trace=...)); keys in specdec/metrics.py
+    trace: Optional[List[dict]] = None  # per-step records (generate(trace=...)); keys in docs/metrics.md
 
 
 class SpeculativeDecoder:
@@ -81,23 +81,23 @@ class SpeculativeDecoder:
 
     def __init__(self, target, drafter: Optional[Drafter] = None, max_batch: int = 8, max_len: int = 2048,
                  policy: Union[str, Policy] = "goodput", calibrate: bool = False) -> None:
-        #: the continuous-batching engine that runs every generate call (specdec/engine.py)
+        #: the continuous-batching engine that runs every generate call (specdec.engine)
         self.engine = Engine(target, drafter, max_batch=max_batch, max_len=max_len, policy=policy,
                              drafter_errors="raise", _name="SpeculativeDecoder")
-        eng = self.engine
-        self.target = target
-        self.max_batch = max_batch
-        self.max_len = max_len
-        self.policy = eng.policy
-        self.device = eng.device
-        self.vocab_size = eng.vocab_size
-        self.max_nodes = eng.max_nodes
-        self.cache = eng.cache
-        #: the step policy (specdec/scheduler.py); its cost model persists across generate calls
-        self.scheduler: Policy = eng.scheduler
         self._calibrate = bool(calibrate)
-        #: weights (target + draft model) + KV caches, for the peak-memory metric
-        self.static_memory_bytes = eng.static_memory_bytes
+
+    # the engine's settings and state, read through (one source of truth)
+    target = property(lambda self: self.engine.target)
+    max_batch = property(lambda self: self.engine.max_batch)
+    max_len = property(lambda self: self.engine.max_len)
+    policy = property(lambda self: self.engine.policy)
+    device = property(lambda self: self.engine.device)
+    vocab_size = property(lambda self: self.engine.vocab_size)
+    max_nodes = property(lambda self: self.engine.max_nodes)
+    cache = property(lambda self: self.engine.cache, doc="the target's KV cache")
+    scheduler = property(lambda self: self.engine.scheduler, doc="the step policy; its cost model persists")
+    static_memory_bytes = property(lambda self: self.engine.static_memory_bytes,
+                                   doc="weights (target + draft model) + KV caches, for the peak-memory metric")
 
     @property
     def drafter(self) -> Optional[Drafter]:
@@ -128,13 +128,13 @@ class SpeculativeDecoder:
                         raise TypeError(f"generate: request {i} must be a 1-D integer tensor or a list of ints, "
                                         f"got a {p.dtype} tensor of shape {tuple(p.shape)}")
                     p = p.tolist()
-                if isinstance(p, (int,)) and not isinstance(p, bool):
+                if is_int(p):
                     raise TypeError("generate: input_ids must be a list of token lists (a batch); "
                                     "wrap a single prompt as [[t0, t1, ...]]")
                 if not isinstance(p, (list, tuple)):
                     raise TypeError(f"generate: request {i} must be a list of token ids, got {type(p).__name__}")
                 for t in p:
-                    if isinstance(t, bool) or not isinstance(t, int):
+                    if not is_int(t):
                         raise TypeError(f"generate: request {i} holds a non-integer token {t!r}")
                 prompts.append(list(p))
         else:
@@ -154,23 +154,6 @@ class SpeculativeDecoder:
                                  f"[0, {self.vocab_size})")
         return prompts
 
-    @staticmethod
-    def _eos_set(eos_token_id) -> frozenset:
-        if eos_token_id is None:
-            return frozenset()
-        if isinstance(eos_token_id, torch.Tensor):
-            eos_token_id = eos_token_id.flatten().tolist()
-        if isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool):
-            return frozenset([eos_token_id])
-        try:
-            ids = list(eos_token_id)
-        except TypeError:
-            raise TypeError(f"generate: eos_token_id must be an int, a list of ints or None, "
-                            f"got {type(eos_token_id).__name__}") from None
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise TypeError(f"generate: eos_token_id must hold ints, got {ids!r}")
-        return frozenset(ids)
-
     # ------------------------------------------------------------------ generate
     def generate(self, input_ids: Union[torch.Tensor, Sequence[Sequence[int]]], max_new_tokens: int = 128,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -185,16 +168,16 @@ class SpeculativeDecoder:
         call reproducible (same inputs, same batch, same decoder -> same tokens).
         ``callback(request_index, new_tokens)`` is called as tokens are accepted (streaming).
         ``trace``: True returns the per-step trace in ``GenerateOutput.trace``; a path also
-        writes it there as JSON lines (keys: specdec/metrics.py).
+        writes it there as JSON lines (keys: docs/metrics.md).
         """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        if not is_int(max_new_tokens):
             raise TypeError(f"generate: max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
         if max_new_tokens < 0:
             raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        if seed is not None and not is_int(seed):
             raise TypeError(f"generate: seed must be an int or None, got {type(seed).__name__}")
-        params = SamplingParams(_int_to_float(temperature), top_k, _int_to_float(top_p))
-        eos = self._eos_set(eos_token_id)
+        params = SamplingParams(as_float(temperature), top_k, as_float(top_p))
+        eos = check_stop_ids("generate", "eos_token_id", eos_token_id)
         prompts = self._prompts(input_ids)
         too_long = [(i, len(p)) for i, p in enumerate(prompts) if len(p) + max_new_tokens > self.max_len]
         if too_long:
@@ -224,25 +207,19 @@ class SpeculativeDecoder:
         B = len(prompts)
         dev = self.device
         rec = MetricsRecorder(B, dev)
-        eng.recorder = rec
-        eng._auto_recorder = False
-        eng.draft_generator = make_generator(None if seed is None else seed + 0x5EED, dev)
         self.scheduler.begin(B, trace)
         mem = MemoryProbe(dev, self.static_memory_bytes)
-        # per-request generators: request i of a seeded call draws from seed (mixed with i)
         rp = RequestParams(max_new_tokens=max_new, temperature=params.temperature, top_k=params.top_k,
                            top_p=params.top_p, stop_token_ids=tuple(sorted(eos)))
         new: List[List[int]] = [[] for _ in range(B)]
         finish = [""] * B
         t_first = None
         t_start = time.perf_counter()
-        try:
+        with eng.closed_batch(rec, make_generator(None if seed is None else seed + 0x5EED, dev)):
             for i, p in enumerate(prompts):
-                gen = None
-                if not params.greedy:
-                    gen = make_generator(None if seed is None else mix_seed(seed, i), "cpu")
-                eng._enqueue(i, p, rp, gen)
-            eng._closed = True
+                # request i of a seeded call draws from the call's seed mixed with i
+                gen = None if params.greedy else make_generator(None if seed is None else mix_seed(seed, i), "cpu")
+                eng.add_request(i, p, rp, generator=gen)
             while eng.has_unfinished():
                 deltas = eng.step()
                 if t_first is None:
@@ -254,11 +231,6 @@ class SpeculativeDecoder:
                         finish[i] = "eos" if d.finish_reason == "stop" else d.finish_reason
                     if callback is not None and d.new_tokens:
                         callback(i, list(d.new_tokens))
-        finally:
-            if eng.has_unfinished():
-                eng.abort_all()  # an exception mid-call (a callback raised): the engine is left empty
-            eng._auto_recorder = True
-            eng._closed = False
         t_end = time.perf_counter()
         metrics = rec.summary(new, finish, t_start, t_first if t_first is not None else t_end, t_end, mem.peak(),
                               mem.static)
@@ -266,10 +238,4 @@ class SpeculativeDecoder:
         if self.drafter is None:
             metrics["policy"] = "none"
         return GenerateOutput(new, metrics, self.scheduler.trace)
-
-
-def _int_to_float(x):
-    """Accept ints for float parameters (temperature=1), leave everything else to SamplingParams' checks."""
-    return float(x) if isinstance(x, int) and not isinstance(x, bool) else x
-
 

@@ -19,27 +19,10 @@ One :meth:`Engine.step`:
    row moves into the hole (target cache, drafter caches and state), so rows are reused by
    the next admissions. :meth:`abort` does the same between steps.
 
-Rows of one batch may carry different sampling settings. Verification groups them: when every
-row shares one setting the op of that setting runs (``greedy_verify``, or ``warp_`` +
-``rejection_sample``); otherwise each sampled setting's rows are warped with their own
-temperature / top-k / top-p and greedy rows get the one-hot distribution of their argmax, and
-one ``rejection_sample`` decides all rows (on a one-hot target row it accepts exactly the
-argmax child and draws the argmax: the same decisions as ``greedy_verify``). The drafter is
-told the step's common setting (``StepContext.params``), or greedy when the rows disagree:
-deterministic candidates are exact under every setting.
-
-Randomness. A request added with a ``seed`` is *seed-coupled*: the token at sequence position t
-is the Gumbel-max draw argmax_x(log p_t(x) + G(seed, t)(x)), with noise G a function of the
-seed and the position only (i.i.d. Gumbel over the vocabulary, independent across positions:
-exact sampling from p_t). Verification then accepts a draft token iff it equals that draw (every
-node's warped p becomes the one-hot row of its position's draw and the rejection sampler accepts
-exactly the matching child), so the output equals plain seeded sampling token for token, whatever
-the drafter, the policy and the rest of the batch. Its acceptance is sum_x q(x) p(x) for sampled
-drafts (p(argmax q) for greedy ones) instead of sum_x min(p, q): reproducibility costs some
-speculation. Each step draws one V-vector of noise per request and depth on the host. Requests
-without a seed use the SpecInfer rejection sampler (``rejection_sample``) with a fresh generator
-of their own; :meth:`SpeculativeDecoder.generate` (``seed=`` per call) uses that sampler with
-per-request generators seeded from the call's seed (reproducible for the same call).
+Rows of one batch may carry different sampling settings, and a request with a ``seed`` is
+seed-coupled (its tokens equal plain seeded sampling whatever the drafter and the batch):
+:func:`specdec.sampling.verify_rows` decides every row under its own setting; docs/design.md
+explains both.
 
 Failure isolation: a drafter that raises is cancelled and the step runs as a plain step for
 every row; a proposal that is invalid for some rows (untrusted drafters: the host check of
@@ -50,105 +33,27 @@ never fails for them.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Deque, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple, Union
+from contextlib import contextmanager
+from typing import Deque, Dict, Hashable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from specdec import ops
-from specdec.cache import move_cache_rows
+from specdec._check import check_token_ids, is_int
+from specdec.cache import RowViews, move_cache_rows
 from specdec.drafters.base import Draft, Drafter, StepContext
 from specdec.drafters.validate import check_draft, draft_errors
 from specdec.metrics import MetricsRecorder, static_memory_bytes
-from specdec.sampling import SamplingParams, make_generator, mix_seed, warp_
-from specdec.scheduler import POLICIES, CostModel, Policy, StepTimes, make_policy
+from specdec.request import QueueFull, Request, RequestOutput, RequestParams
+from specdec.sampling import SamplingParams, make_generator, verify_rows
+from specdec.scheduler import POLICIES, CostModel, Policy, make_policy
+from specdec.telemetry import StepRecord, StepTimes
 from specdec.tree import TokenTree
 
-__all__ = ["Engine", "RequestParams", "RequestOutput"]
+__all__ = ["Engine", "RequestParams", "RequestOutput", "QueueFull"]
 
 log = logging.getLogger("specdec.engine")
-
-
-@dataclass(frozen=True)
-class RequestParams:
-    """Per-request settings. ``temperature == 0`` is greedy (top_k / top_p ignored). ``seed``: a sampled
-    request becomes seed-coupled (the module docstring): its tokens equal plain seeded sampling
-    whatever the drafter and the batch; None: the rejection sampler with a fresh generator.
-    ``stop_token_ids``: the request finishes right after emitting any of them."""
-
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: Optional[int] = None
-    stop_token_ids: Tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        m = self.max_new_tokens
-        if isinstance(m, bool) or not isinstance(m, int):
-            raise TypeError(f"RequestParams: max_new_tokens must be an int, got {type(m).__name__}")
-        if m < 1:
-            raise ValueError(f"RequestParams: max_new_tokens must be >= 1, got {m}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise TypeError(f"RequestParams: seed must be an int or None, got {type(self.seed).__name__}")
-        try:
-            SamplingParams(_as_float(self.temperature), self.top_k, _as_float(self.top_p))
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"RequestParams: {exc}") from None
-        stops = self.stop_token_ids
-        if isinstance(stops, int) and not isinstance(stops, bool):
-            stops = (stops,)
-        try:
-            stops = tuple(stops)
-        except TypeError:
-            raise TypeError(f"RequestParams: stop_token_ids must be a list of ints, got {type(stops).__name__}") \
-                from None
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in stops):
-            raise TypeError(f"RequestParams: stop_token_ids must hold ints, got {list(stops)!r}")
-        object.__setattr__(self, "stop_token_ids", stops)
-
-    @property
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(_as_float(self.temperature), self.top_k, _as_float(self.top_p))
-
-
-@dataclass
-class RequestOutput:
-    """What one step did for one request: the tokens it emitted (in order), and whether it is done."""
-
-    request_id: Hashable
-    new_tokens: List[int]
-    finished: bool = False
-    finish_reason: Optional[str] = None   # "stop" (a stop token), "length" (max_new_tokens), "abort"
-    num_generated: int = 0                # tokens generated so far, these included
-
-
-@dataclass
-class _Req:
-    rid: Hashable
-    uid: int                        # engine-internal id, given at admission (drafters, scheduler, metrics
-                                    # key on it): 0, 1, ... in admission order from the start of a busy period
-    prompt: List[int]
-    params: RequestParams
-    sampling: SamplingParams
-    stops: frozenset
-    generator: Optional[torch.Generator]   # CPU; None for greedy and seed-coupled requests
-    coupled: bool = False                   # seeded engine request: Gumbel-max on (seed, position) noise
-    seq: List[int] = field(default_factory=list)
-    new: List[int] = field(default_factory=list)
-    finish: Optional[str] = None
-    t_arrival: float = 0.0
-    t_first: Optional[float] = None
-    drafted: int = 0
-    accepted: int = 0
-    passes: int = 0
-
-
-def _as_float(x):
-    return float(x) if isinstance(x, int) and not isinstance(x, bool) else x
 
 
 class Engine:
@@ -167,26 +72,7 @@ class Engine:
                  policy: Union[str, Policy] = "goodput", max_waiting: Optional[int] = None,
                  draft_seed: Optional[int] = None, drafter_errors: str = "fallback", _name: str = "Engine") -> None:
         name = _name
-        for arg, v in (("max_batch", max_batch), ("max_len", max_len)):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{name}: {arg} must be an int, got {type(v).__name__}")
-            if v < 1:
-                raise ValueError(f"{name}: {arg} must be >= 1, got {v}")
-        if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, int)
-                                        or max_waiting < 0):
-            raise ValueError(f"{name}: max_waiting must be an int >= 0 or None, got {max_waiting!r}")
-        if drafter_errors not in ("fallback", "raise"):
-            raise ValueError(f"{name}: drafter_errors must be 'fallback' or 'raise', got {drafter_errors!r}")
-        if not isinstance(policy, Policy) and policy not in POLICIES:
-            raise ValueError(f"{name}: policy must be one of {POLICIES} or a specdec.scheduler.Policy, "
-                             f"got {policy!r}")
-        if drafter is not None and not isinstance(drafter, Drafter):
-            raise TypeError(f"{name}: drafter must be a specdec Drafter (DraftModel, PromptLookup, ...) "
-                            f"or None, got {type(drafter).__name__}")
-        for attr in ("vocab_size", "device", "new_cache", "forward", "prefill"):
-            if not hasattr(target, attr):
-                raise TypeError(f"{name}: target lacks {attr!r}; wrap a transformers model with "
-                                f"specdec.HFCausalLM(model)")
+        self._check_args(name, target, drafter, max_batch, max_len, policy, max_waiting, drafter_errors)
         self.name = name
         self.target = target
         self.drafter = drafter
@@ -201,26 +87,48 @@ class Engine:
             drafter.bind(target, max_batch, max_len)  # vocabulary / device checks happen here
         self.max_nodes = drafter.max_nodes if drafter is not None else 1
         self.cache = target.new_cache(max_batch, max_len + self.max_nodes)
-        self._views: Dict[int, object] = {}
-        #: the step policy (specdec/scheduler.py); its cost model persists for the engine's life
+        self._view = RowViews(self.cache)
+        #: the step policy (specdec.scheduler); its cost model persists for the engine's life
         self.scheduler: Policy = make_policy(policy if drafter is not None else "fixed", drafter, CostModel())
         self.scheduler.begin(0, False)
         #: weights (target + draft model) + KV caches, for the peak-memory metric
         self.static_memory_bytes = static_memory_bytes(target, drafter, [self.cache, getattr(drafter, "cache", None)])
         self.draft_generator = make_generator(draft_seed, self.device)
         self.recorder = MetricsRecorder(0, self.device)
-        self._waiting: Deque[_Req] = deque()
-        # a closed batch (SpeculativeDecoder.generate: every request is queued up front, none joins
-        # later): once nothing waits, the call ends with its slowest row and the policy plans for that
+        self._waiting: Deque[Request] = deque()
+        # a closed batch (see closed_batch): once nothing waits, the call ends with its slowest row
+        # and the policy plans for that
         self._closed = False
-        self._rows: List[_Req] = []                   # active requests in row order
-        self._by_id: Dict[Hashable, _Req] = {}        # waiting + active
+        self._rows: List[Request] = []                # active requests in row order
+        self._by_id: Dict[Hashable, Request] = {}     # waiting + active
         self._roots = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._uid = 0
-        self._auto_recorder = True                    # a fresh MetricsRecorder per busy period (generate sets its own)
+        self._auto_recorder = True                    # a fresh MetricsRecorder per busy period
         self._t_prev: Optional[float] = None
         self.counters = dict(requests_added=0, requests_finished=0, requests_aborted=0, steps=0,
                              generated_tokens=0, drafted_tokens=0, accepted_tokens=0, drafter_errors=0)
+
+    @staticmethod
+    def _check_args(name, target, drafter, max_batch, max_len, policy, max_waiting, drafter_errors) -> None:
+        for arg, v in (("max_batch", max_batch), ("max_len", max_len)):
+            if not is_int(v):
+                raise TypeError(f"{name}: {arg} must be an int, got {type(v).__name__}")
+            if v < 1:
+                raise ValueError(f"{name}: {arg} must be >= 1, got {v}")
+        if max_waiting is not None and (not is_int(max_waiting) or max_waiting < 0):
+            raise ValueError(f"{name}: max_waiting must be an int >= 0 or None, got {max_waiting!r}")
+        if drafter_errors not in ("fallback", "raise"):
+            raise ValueError(f"{name}: drafter_errors must be 'fallback' or 'raise', got {drafter_errors!r}")
+        if not isinstance(policy, Policy) and policy not in POLICIES:
+            raise ValueError(f"{name}: policy must be one of {POLICIES} or a specdec.scheduler.Policy, "
+                             f"got {policy!r}")
+        if drafter is not None and not isinstance(drafter, Drafter):
+            raise TypeError(f"{name}: drafter must be a specdec Drafter (DraftModel, PromptLookup, ...) "
+                            f"or None, got {type(drafter).__name__}")
+        for attr in ("vocab_size", "device", "new_cache", "forward", "prefill"):
+            if not hasattr(target, attr):
+                raise TypeError(f"{name}: target lacks {attr!r}; wrap a transformers model with "
+                                f"specdec.HFCausalLM(model)")
 
     def __repr__(self) -> str:
         return (f"{self.name}(drafter={self.drafter!r}, max_batch={self.max_batch}, max_len={self.max_len}, "
@@ -228,8 +136,11 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: Hashable, prompt_ids: Sequence[int],
-                    params: Optional[RequestParams] = None) -> None:
+                    params: Optional[RequestParams] = None, generator: Optional[torch.Generator] = None) -> None:
         """Queue a request; it joins the batch at the next step boundary with a free row.
+
+        ``generator``: a CPU torch.Generator the rejection sampler of a sampled request draws from
+        (default: a fresh one, or seed coupling when ``params.seed`` is set).
 
         Raises (nothing changes then): ValueError for a duplicate ``request_id``, an empty prompt,
         out-of-vocabulary ids or ``len(prompt) + max_new_tokens > max_len``; TypeError for non-int
@@ -240,7 +151,7 @@ class Engine:
                             f"got {type(params).__name__}")
         if request_id in self._by_id:
             raise ValueError(f"{self.name}.add_request: request {request_id!r} is already in the engine")
-        prompt = self._check_prompt(request_id, prompt_ids)
+        prompt = check_token_ids(f"{self.name}.add_request: request {request_id!r}", prompt_ids, self.vocab_size)
         need = len(prompt) + params.max_new_tokens
         if need > self.max_len:
             raise ValueError(f"{self.name}.add_request: request {request_id!r} has a prompt of {len(prompt)} tokens; "
@@ -249,9 +160,6 @@ class Engine:
         if self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
             raise QueueFull(f"{self.name}.add_request: {len(self._waiting)} requests already wait "
                             f"(max_waiting={self.max_waiting})")
-        self._enqueue(request_id, prompt, params, None)
-
-    def _enqueue(self, request_id, prompt: List[int], params: RequestParams, generator) -> _Req:
         sampling = params.sampling
         gen = None
         coupled = False
@@ -260,32 +168,32 @@ class Engine:
                 coupled = True
             else:
                 gen = generator if generator is not None else make_generator(params.seed, "cpu")
-        req = _Req(request_id, -1, prompt, params, sampling, frozenset(params.stop_token_ids), gen, coupled,
-                   seq=list(prompt), t_arrival=time.perf_counter())
+        req = Request(request_id, -1, prompt, params, sampling, frozenset(params.stop_token_ids), gen, coupled,
+                      seq=list(prompt), t_arrival=time.perf_counter())
         self._waiting.append(req)
         self._by_id[request_id] = req
         self.counters["requests_added"] += 1
-        return req
 
-    def _check_prompt(self, rid, prompt_ids) -> List[int]:
-        where = f"{self.name}.add_request: request {rid!r}"
-        if isinstance(prompt_ids, torch.Tensor):
-            if prompt_ids.dim() != 1 or prompt_ids.dtype.is_floating_point or prompt_ids.dtype == torch.bool:
-                raise TypeError(f"{where}: prompt_ids must be a 1-D integer tensor or a list of ints, got a "
-                                f"{prompt_ids.dtype} tensor of shape {tuple(prompt_ids.shape)}")
-            prompt_ids = prompt_ids.tolist()
-        if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, (list, tuple)):
-            raise TypeError(f"{where}: prompt_ids must be a list of token ids, got {type(prompt_ids).__name__}")
-        for t in prompt_ids:
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise TypeError(f"{where}: holds a non-integer token {t!r}")
-        if not prompt_ids:
-            raise ValueError(f"{where}: empty prompt (at least one token is needed)")
-        lo, hi = min(prompt_ids), max(prompt_ids)
-        if lo < 0 or hi >= self.vocab_size:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"{where}: holds token id {bad}, outside the vocabulary [0, {self.vocab_size})")
-        return list(prompt_ids)
+    @contextmanager
+    def closed_batch(self, recorder: MetricsRecorder, draft_generator: torch.Generator) -> Iterator["Engine"]:
+        """A static batch (``SpeculativeDecoder.generate``): the requests added inside the block are all
+        there is, so once none waits the policy plans for the slowest row; ``recorder`` collects the
+        block's metrics and ``draft_generator`` seeds the drafter. Whatever is left unfinished when the
+        block exits (an exception) is aborted, so the engine is empty afterwards."""
+        if self.has_unfinished():
+            raise RuntimeError(f"{self.name}.closed_batch: the engine holds requests (step them to completion "
+                               f"or abort them first)")
+        self.recorder = recorder
+        self.draft_generator = draft_generator
+        self._auto_recorder = False
+        self._closed = True
+        try:
+            yield self
+        finally:
+            if self.has_unfinished():
+                self.abort_all()
+            self._auto_recorder = True
+            self._closed = False
 
     def abort(self, request_id: Hashable) -> bool:
         """Drop a request now (waiting or active); its rows are free for the next admission.
@@ -336,12 +244,6 @@ class Engine:
         return out
 
     # ------------------------------------------------------------------ the step
-    def _view(self, b: int):
-        view = self._views.get(b)
-        if view is None:
-            view = self._views[b] = self.cache.rows(0, b)
-        return view
-
     def admit(self) -> List[RequestOutput]:
         """Only the admission part of :meth:`step`: waiting requests that fit are prefilled and get their
         first token (returned), nothing else advances. A server calls it before ``step()`` to deliver
@@ -369,7 +271,7 @@ class Engine:
             self._t_prev = None
         return list(deltas.values())
 
-    def _emit(self, req: _Req, toks: Sequence[int], deltas: Dict[int, RequestOutput]) -> Tuple[int, bool]:
+    def _emit(self, req: Request, toks: Sequence[int], deltas: Dict[int, RequestOutput]) -> Tuple[int, bool]:
         """Append tokens up to a stop token / max_new_tokens; returns (count appended, finished)."""
         n = 0
         done = False
@@ -398,62 +300,10 @@ class Engine:
             self.counters["generated_tokens"] += n
         return n, done
 
-    def _verify(self, tree: TokenTree, logits: torch.Tensor, q: Optional[torch.Tensor], reqs: Sequence[_Req]):
-        """Accept per row under each row's own setting (see the module docstring)."""
-        b, N = tree.batch, tree.size
-        first = reqs[0].sampling
-        same = all(r.sampling == first for r in reqs) and not any(r.coupled for r in reqs)
-        if same and first.greedy:
-            return ops.greedy_verify(tree.tokens, tree.parents, logits)
-        if same:
-            p = warp_(logits, first)  # [b, N, V], in place on the logits the forward returned
-        else:
-            p = logits
-            groups: Dict[Tuple[SamplingParams, bool], List[int]] = {}
-            for r, req in enumerate(reqs):
-                groups.setdefault((req.sampling, req.coupled), []).append(r)
-            for (sp, coupled), rows in groups.items():
-                idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
-                part = p.index_select(0, idx)
-                if coupled:  # the Gumbel-max draw of every node's position, as a one-hot row
-                    warp_(part, sp)
-                    part = part.log_().add_(self._gumbel([reqs[r] for r in rows], tree, rows))
-                if sp.greedy or coupled:  # one-hot at the argmax (first max; NaN counts as max, like greedy_verify)
-                    arg = part.argmax(dim=-1, keepdim=True)
-                    part = torch.zeros_like(part).scatter_(-1, arg, 1.0)
-                else:
-                    warp_(part, sp)
-                p.index_copy_(0, idx, part)
-        u = self._uniforms(reqs, N)
-        return ops.rejection_sample(tree.tokens, tree.parents, p, q, u)
-
-    def _gumbel(self, reqs: Sequence[_Req], tree: TokenTree, rows: Sequence[int]) -> torch.Tensor:
-        """[len(rows), N, V] float32 Gumbel noise: node i of a request gets the noise of the sequence position
-        it predicts (len(seq) + depth_i), a function of (seed, position) only."""
-        N = tree.size
-        V = self.vocab_size
-        depths = tree.depths.index_select(0, torch.tensor(list(rows), dtype=torch.int64,
-                                                          device=tree.depths.device)).tolist()
-        out = torch.empty(len(rows), N, V, dtype=torch.float32)
-        g = torch.Generator()
-        for j, req in enumerate(reqs):
-            base = len(req.seq)
-            seen: Dict[int, torch.Tensor] = {}
-            for i, d in enumerate(depths[j]):
-                noise = seen.get(d)
-                if noise is None:
-                    g.manual_seed(mix_seed(req.params.seed, base + d))
-                    u = torch.rand(V, dtype=torch.float64, generator=g).clamp_(min=1e-300)
-                    noise = seen[d] = (-torch.log(-torch.log(u))).to(torch.float32)
-                out[j, i] = noise
-        return out.to(self.device)
-
-    def _uniforms(self, reqs: Sequence[_Req], N: int) -> torch.Tensor:
-        """[b, N] float64: each sampled request draws max_nodes uniforms per step from its own generator."""
-        M = max(self.max_nodes, N)
-        rows = [torch.rand(M, dtype=torch.float64, generator=r.generator) if r.generator is not None
-                else torch.zeros(M, dtype=torch.float64) for r in reqs]
-        return torch.stack(rows)[:, :N].to(self.device)
+    def _verify(self, tree: TokenTree, logits: torch.Tensor, q: Optional[torch.Tensor], reqs: Sequence[Request]):
+        """Accept per row under each row's own setting (:func:`specdec.sampling.verify_rows`)."""
+        return verify_rows(tree, logits, q, [r.sampling for r in reqs], [r.coupling for r in reqs],
+                           [r.generator for r in reqs], self.max_nodes)
 
     def _step_params(self) -> SamplingParams:
         first = self._rows[0].sampling
@@ -474,16 +324,15 @@ class Engine:
             self._uid += 1
         rows = list(range(b0, b0 + len(new)))
         clock = self.recorder.clock
-        c0 = clock.mark()
-        try:
-            logits0 = self.target.prefill(self.cache, [r.prompt for r in new], rows=rows)   # [n, V]
-        except Exception:
-            for r in reversed(new):
-                self._waiting.appendleft(r)
-            raise
-        root_tree = TokenTree.root_only(torch.zeros(len(new), dtype=torch.int64, device=self.device))
-        _, _, out0 = self._verify(root_tree, logits0.float().view(len(new), 1, -1), None, new)
-        clock.add("prefill", c0, clock.mark())
+        with clock.phase("prefill"):
+            try:
+                logits0 = self.target.prefill(self.cache, [r.prompt for r in new], rows=rows)   # [n, V]
+            except Exception:
+                for r in reversed(new):
+                    self._waiting.appendleft(r)
+                raise
+            root_tree = TokenTree.root_only(torch.zeros(len(new), dtype=torch.int64, device=self.device))
+            _, _, out0 = self._verify(root_tree, logits0.float().view(len(new), 1, -1), None, new)
         first = out0[:, 0].tolist()                        # host sync: the first token of each request
         now = time.perf_counter()
         self._rows.extend(new)
@@ -493,20 +342,30 @@ class Engine:
             _, done = self._emit(req, [t], deltas)
             if done:
                 finished.append(r)
-        drafter = self.drafter
-        if drafter is not None:
-            c0 = clock.mark()
-            params = self._step_params()
-            if b0 == 0:
-                drafter.start([req.prompt for req in self._rows], params, self.draft_generator)
-            else:
-                drafter.admit(rows, [req.prompt for req in new])
-            clock.add("draft_prefill", c0, clock.mark())
+        if self.drafter is not None:
+            with clock.phase("draft_prefill"):
+                if b0 == 0:
+                    self.drafter.start([req.prompt for req in self._rows], self._step_params(), self.draft_generator)
+                else:
+                    self.drafter.admit(rows, [req.prompt for req in new])
 
-    def _propose(self, ctx: StepContext) -> Draft:
-        """The drafter's proposal, with failures isolated (see the module docstring)."""
+    def _plan(self, reqs: Sequence[Request], uids: List[int]):
+        """The policy's plan for this step (draft budgets per row)."""
+        behind = None
+        if self.drafter is not None and self.scheduler.uses_catch_up:
+            try:  # advisory: a drafter whose report fails (or is malformed) is planned without it
+                behind = [max(0, int(x)) for x in self.drafter.pending_catch_up([len(r.seq) for r in reqs])]
+                if len(behind) != len(reqs):
+                    behind = None
+            except Exception:  # noqa: BLE001 - never let an advisory hook take a step (or a server) down
+                behind = None
+        return self.scheduler.plan(uids, [r.params.max_new_tokens - len(r.new) - 1 for r in reqs],
+                                   closed=self._closed and not self._waiting, behind=behind)
+
+    def _propose(self, ctx: StepContext) -> Tuple[Draft, bool]:
+        """The drafter's proposal, with failures isolated (see the module docstring); the flag says
+        whether the drafter's proposal is the one verified (False: a plain step replaced it)."""
         drafter = self.drafter
-        b = len(ctx.request_ids)
         try:
             draft = drafter.propose(ctx)
         except Exception as exc:  # a broken drafter never fails the batch: plain step for every row
@@ -522,6 +381,11 @@ class Engine:
             return Draft(TokenTree.root_only(ctx.roots)), False
         if drafter.trusted:
             return draft, True
+        return self._checked(draft, ctx)
+
+    def _checked(self, draft: Draft, ctx: StepContext) -> Tuple[Draft, bool]:
+        """An untrusted drafter's proposal checked on the host: invalid rows are cut back to their root."""
+        drafter = self.drafter
         roots = [seq[-1] for seq in ctx.sequences]
         if self.drafter_errors == "raise":
             try:
@@ -541,71 +405,66 @@ class Engine:
             self.counters["drafter_errors"] += len(bad)
             for msg in bad.values():
                 log.warning("%s: %s; plain decoding for that request this step", self.name, msg)
-            draft = _cut_rows(draft, sorted(bad), b, ctx.roots)
+            draft = _cut_rows(draft, sorted(bad), len(ctx.request_ids), ctx.roots)
         return draft, True
 
     def _spec_step(self, deltas) -> List[int]:
-        rec = self.recorder
-        clock = rec.clock
-        target, drafter = self.target, self.drafter
-        reqs = self._rows
+        """plan -> propose -> verify -> commit -> emit over every active row; returns the finished rows."""
+        clock = self.recorder.clock
+        clock.begin_step()
+        drafter, reqs = self.drafter, self._rows
         b = len(reqs)
         uids = [r.uid for r in reqs]
-        roots = self._roots
         cache = self._view(b)
         t_prev = self._t_prev if self._t_prev is not None else time.perf_counter()
-        c0 = clock.mark()
-        behind = None
-        pending = getattr(drafter, "pending_catch_up", None) if getattr(self.scheduler, "uses_catch_up", False) else None
-        if pending is not None:
-            try:  # advisory: a drafter whose report fails (or is malformed) is planned without it
-                behind = [max(0, int(x)) for x in pending([len(r.seq) for r in reqs])]
-                if len(behind) != b:
-                    behind = None
-            except Exception:  # noqa: BLE001 - never let an advisory hook take a step (or a server) down
-                behind = None
-        plan = self.scheduler.plan(uids, [r.params.max_new_tokens - len(r.new) - 1 for r in reqs],
-                                   closed=self._closed and not self._waiting, behind=behind)
         consulted = False
-        if drafter is None:
-            draft = Draft(TokenTree.root_only(roots))
-        else:
-            ctx = StepContext(roots=roots, sequences=[r.seq for r in reqs], request_ids=uids,
-                              budgets=plan.budgets, params=self._step_params())
-            draft, consulted = self._propose(ctx)
-        catch_up = float(getattr(drafter, "catch_up_seconds", 0.0) or 0.0) if consulted else 0.0
-        catch_up_pos = int(getattr(drafter, "catch_up_positions", 0) or 0) if consulted else 0
+        with clock.phase("draft"):
+            plan = self._plan(reqs, uids)
+            if drafter is None:
+                draft = Draft(TokenTree.root_only(self._roots))
+            else:
+                ctx = StepContext(roots=self._roots, sequences=[r.seq for r in reqs], request_ids=uids,
+                                  budgets=plan.budgets, params=self._step_params())
+                draft, consulted = self._propose(ctx)
         tree = draft.tree
-        c1 = clock.mark()
-        logits = target.forward(cache, tree.tokens, tree.depths, tree.attention_mask())   # [b, N, V]
-        if consulted:
-            drafter.observe_verify(tree, logits)       # before warp_ (in place); no host sync
-        accepted, num, out = self._verify(tree, logits, draft.draft_probs, reqs)
-        c2 = clock.mark()
-        if tree.size == 1:  # root only (no drafter, or nothing proposed): nothing moves, each row appends one
-            cache.lens += 1
-        else:
-            cache.commit(accepted, num)                # ops.kv_commit; lens += num + 1
-        c3 = clock.mark()
+        with clock.phase("verify"):
+            logits = self.target.forward(cache, tree.tokens, tree.depths, tree.attention_mask())   # [b, N, V]
+            if consulted:
+                drafter.observe_verify(tree, logits)       # before warping (in place); no host sync
+            accepted, num, out = self._verify(tree, logits, draft.draft_probs, reqs)
+        with clock.phase("commit"):
+            if tree.size == 1:  # root only (no drafter, or nothing proposed): nothing moves, each row appends one
+                cache.lens += 1
+            else:
+                cache.commit(accepted, num)                # ops.kv_commit; lens += num + 1
         # THE host sync of the step: accepted counts and tokens, to append them and check stops
         host = torch.cat([num.view(b, 1).to(torch.int64), out], dim=1).tolist()
+        clock.synced()
         num_host = [h[0] for h in host]
-        c4 = clock.mark()
         if consulted:
-            drafter.accept(accepted, num, num_host)    # drafter rollback (kv_commit)
-        c5 = clock.mark()
+            with clock.phase("commit"):
+                drafter.accept(accepted, num, num_host)    # drafter rollback (kv_commit)
         self._roots = out.gather(1, num.view(b, 1).to(torch.int64)).view(b)   # next roots [b]
-        clock.add("draft", c0, c1)
-        clock.add("verify", c1, c2)
-        clock.add("commit", c2, c3)
-        clock.add("commit", c4, c5)
-
         t_now = time.perf_counter()
-        finished = []
-        emitted = []
         drafted = tree.num_drafted
+        emitted, finished = self._emit_step(reqs, host, drafted, deltas)
+        phases = clock.step_seconds()
+        times = StepTimes(phases.get("draft", 0.0), phases.get("verify", 0.0), phases.get("commit", 0.0),
+                          total=t_now - t_prev,
+                          catch_up=float(drafter.catch_up_seconds or 0.0) if consulted else 0.0,
+                          catch_up_positions=int(drafter.catch_up_positions or 0) if consulted else 0)
+        self._observe(StepRecord(uids, plan, tree.size, drafted,
+                                 tree.depth_per_request() if drafter is not None else drafted,
+                                 num_host, emitted, times))
+        self._t_prev = t_now
+        return finished
+
+    def _emit_step(self, reqs: Sequence[Request], host: List[List[int]], drafted: Sequence[int],
+                   deltas) -> Tuple[List[int], List[int]]:
+        """Append each row's accepted tokens and its drawn token; returns (emitted per row, finished rows)."""
+        finished, emitted = [], []
         for r, req in enumerate(reqs):
-            a = num_host[r]
+            a = host[r][0]
             n, done = self._emit(req, host[r][1:a + 2], deltas)
             emitted.append(n)
             req.passes += 1
@@ -613,22 +472,23 @@ class Engine:
             req.accepted += a
             if done:
                 finished.append(r)
+        return emitted, finished
+
+    def _observe(self, step: StepRecord) -> None:
+        """The step's one record, read by the engine's counters, the metrics recorder and the policy."""
         self.counters["steps"] += 1
-        self.counters["drafted_tokens"] += sum(drafted)
-        self.counters["accepted_tokens"] += sum(num_host)
-        depths = tree.depth_per_request() if drafter is not None else drafted
-        rec.step(uids, drafted, depths, num_host, emitted, t_now - t_prev)
-        self.scheduler.observe(plan, uids, tree.size, depths, drafted, num_host, emitted,
-                               StepTimes(*clock.split(c0, c1, c2, c3, c4, c5), total=t_now - t_prev,
-                                         catch_up=catch_up, catch_up_positions=catch_up_pos))
-        self._t_prev = t_now
+        self.counters["drafted_tokens"] += sum(step.drafted)
+        self.counters["accepted_tokens"] += sum(step.accepted)
+        rec = self.recorder
+        rec.observe(step)
+        self.scheduler.observe(step.plan, step.request_ids, step.nodes, step.depths, step.drafted, step.accepted,
+                               step.emitted, step.times)
         if self._auto_recorder and rec.target_passes % 4096 == 0:  # a server that never idles: bounded state
-            clock.totals()
+            rec.clock.totals()
             del rec.itl[:-65536]
-        return finished
 
     # ------------------------------------------------------------------ rows
-    def _forget(self, req: _Req) -> None:
+    def _forget(self, req: Request) -> None:
         self._by_id.pop(req.rid, None)
         if req.uid >= 0:
             self.scheduler.requests.pop(req.uid, None)
@@ -661,10 +521,6 @@ class Engine:
             self._roots = self._roots.index_select(0, torch.tensor(perm, dtype=torch.int64, device=self.device))
         else:
             self._roots = self._roots[:b_new]
-
-
-class QueueFull(RuntimeError):
-    """:meth:`Engine.add_request` past ``max_waiting`` waiting requests (a server answers 429)."""
 
 
 def _cut_rows(draft: Draft, rows: Sequence[int], b: int, roots: torch.Tensor) -> Draft:

@@ -1,88 +1,21 @@
-"""Metrics of a generate call: per-step recording and the summary dict (DESIGN.md keys).
+"""Metrics of a generate call: per-step recording, the summary dict, traces and memory.
 
-Keys of ``GenerateOutput.metrics`` (one summary per generate call):
-
-target_passes          batched target verification forwards (the prefill not counted)
-drafted_tokens         draft nodes proposed, root excluded, summed over requests and steps
-                       (a tree counts every node, so trees have lower acceptance_rate by construction)
-accepted_tokens        draft nodes accepted by verification (before EOS / max_new_tokens truncation)
-acceptance_rate        accepted_tokens / drafted_tokens (0 without drafts)
-mean_accepted_length   tokens emitted per target pass per request, bonus included:
-                       (accepted_tokens + request-steps) / request-steps (1.0 for plain decoding)
-accepted_per_position  [i]: among request-steps whose draft reached depth i + 1, the fraction whose
-                       accepted path reached depth i + 1
-draft_seconds          drafter time (its prefill included)
-verify_seconds         target forward over the tree + verification op (+ warping when sampling)
-commit_seconds         target kv_commit + drafter rollback
-prefill_seconds        target prefill + first-token draw
-ttft_seconds           call start -> first token of every request known on the host
-itl_p50/p99_seconds    inter-token latency: each step's wall time split evenly over the tokens it
-                       emitted for a request (one sample per emitted token after the first)
-tokens_per_second      new tokens of all requests / wall time of the call
-total_seconds, new_tokens
-peak_memory_bytes      CUDA: torch.cuda.max_memory_allocated during the call. CPU: weights + KV
-                       caches (static_memory_bytes) + the growth of the process' peak RSS during the
-                       call (tracemalloc does not see torch's allocations)
-static_memory_bytes    weights (target + draft model) + KV caches (target + draft)
-per_request            lists per request: new_tokens, target_passes, drafted_tokens,
-                       accepted_tokens, mean_accepted_length, finish_reason ("eos" / "length")
-
-Policy keys (specdec/scheduler.py; every decoder has a policy, "none" for plain decoding):
-
-policy                     "goodput" / "heuristic" / "fixed" / "none"
-policy_events              state changes of requests (fallback, collapse, resumed after a probe)
-fallback_request_steps     request-steps decoded plainly because the request was in fallback
-mean_chosen_k              mean over steps of the step's draft depth (max over rows of the chosen k)
-chosen_k_histogram         {"k": number of steps whose chosen depth was k}
-expected_tokens_predicted  mean over drafted request-steps of E[T] predicted, before the step, from
-                           the request's measured acceptance at the depth really drafted
-expected_tokens_observed   mean over the same request-steps of (accepted + 1): what E[T] predicts
-expected_tokens_from_acceptance
-                           E[T] = (1 - a^(k+1)) / (1 - a) with a = acceptance_rate and k = the mean
-                           drafted depth (the closed form from the call's summary; chains)
-predicted_goodput_ratio    mean over steps of the plan's predicted goodput / a plain step's (goodput
-                           policy; 1.0 for the others' plans)
-
-Trace (``generate(trace=True)`` -> ``GenerateOutput.trace``; ``trace=path`` also writes JSON lines,
-one object per line). Two record types:
-
-type="step", one per request and step:
-  step            step index in the generate call (0 = the first step after prefill)
-  request         request index in the call;  row: its batch row this step;  batch: active rows
-  state           policy state of the request for this step: "spec" (speculating), "probe" (in
-                  fallback but drafted this step: a due probe, or riding along a speculative step),
-                  "fallback" (decoded plainly) or "check" (speculating, but its window's goodput
-                  looked collapsed: decoded plainly once to re-measure a plain step)
-  k               draft depth the policy allowed the row (its budget to the drafter)
-  nodes           nodes per row the target verified (padded: the same for every row of the step)
-  depth           deepest node drafted for the request;  drafted: draft nodes (root excluded)
-  accepted        draft tokens accepted;  emitted: tokens appended (after EOS / length truncation)
-  expected_tokens E[T] predicted for the row at k before the step
-  predicted_goodput_ratio   the step's predicted goodput / a plain step's
-  draft_seconds, verify_seconds, commit_seconds   the step's phase times (shared by its rows)
-  catch_up_seconds  of draft_seconds: the drafter bringing its state up to date (a draft model's
-                  lazy prompt prefill, the tokens of plain steps); kept out of the cost model
-  step_seconds    wall time of the step;  plain_seconds_estimate: the cost model's plain step at this batch
-type="event", one per state change:
-  step, request, reason (text: the rule and the measured ratio), old_state, new_state,
-  goodput_ratio (the ratio that triggered it), next_probe_step (entering fallback),
-  plain_seconds (after a "check" step: the plain step time the window was judged against)
-
-Timing: host wall clock on CPU (every op is synchronous there); CUDA events on CUDA, read
-once at the end of the call (no synchronisation inside the loop).
+Every key of ``GenerateOutput.metrics`` and of a trace record is documented in docs/metrics.md.
+The recorder reads one :class:`specdec.telemetry.StepRecord` per step.
 """
 from __future__ import annotations
 
 import math
 import os
-import time
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Sequence
 
 import torch
 
+from specdec.telemetry import PhaseClock, StepRecord
+
 __all__ = ["MetricsRecorder", "PhaseClock", "MemoryProbe", "static_memory_bytes", "state_bytes", "percentile",
-           "empty_metrics", "write_trace", "read_trace", "summarize_trace", "expected_tokens_from_acceptance", "TRACE_STEP_KEYS",
-           "TRACE_EVENT_KEYS", "POLICY_KEYS"]
+           "empty_metrics", "write_trace", "read_trace", "summarize_trace", "expected_tokens_from_acceptance",
+           "TRACE_STEP_KEYS", "TRACE_EVENT_KEYS", "POLICY_KEYS"]
 
 #: keys of a type="step" trace record
 TRACE_STEP_KEYS = ("type", "step", "request", "row", "batch", "state", "k", "nodes", "depth", "drafted", "accepted",
@@ -133,6 +66,10 @@ class MetricsRecorder:
                 self.pos_accepted[i] += 1
             if n:
                 self.itl += [seconds / n] * n
+
+    def observe(self, step: StepRecord) -> None:
+        """One engine step's record (the step's wall time splits evenly over each row's emitted tokens)."""
+        self.step(step.request_ids, step.drafted, step.depths, step.accepted, step.emitted, step.times.total)
 
     def summary(self, new: Sequence[Sequence[int]], finish: Sequence[str], t_start: float, t_first: float,
                 t_end: float, peak: int, static: int) -> Dict[str, object]:
@@ -279,44 +216,6 @@ def percentile(sorted_vals: List[float], q: float) -> float:
     lo = math.floor(pos)
     hi = min(lo + 1, len(sorted_vals) - 1)
     return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
-
-
-class PhaseClock:
-    """Phase timers: host wall clock on CPU (ops are synchronous); CUDA events on CUDA, read once at the end."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self._totals: Dict[str, float] = {}
-        self._events: List[Tuple[str, object, object]] = []
-
-    def mark(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def add(self, name: str, start, end) -> None:
-        if self.cuda:
-            self._events.append((name, start, end))
-        else:
-            self._totals[name] = self._totals.get(name, 0.0) + (end - start)
-
-    def split(self, c0, c1, c2, c3, c4, c5) -> Tuple[float, float, float]:
-        """(draft, verify, commit) seconds of one step from its marks (draft c0-c1, verify c1-c2, commit
-        c2-c3 + c4-c5). CUDA: read right after the step's host sync, when c0..c3 have completed; the
-        drafter rollback (c4-c5) is still in flight then and is left to the step's wall time."""
-        if self.cuda:
-            return (c0.elapsed_time(c1) / 1000.0, c1.elapsed_time(c2) / 1000.0, c2.elapsed_time(c3) / 1000.0)
-        return (c1 - c0, c2 - c1, (c3 - c2) + (c5 - c4))
-
-    def totals(self) -> Dict[str, float]:
-        if self.cuda and self._events:
-            torch.cuda.synchronize()
-            for name, s, e in self._events:
-                self._totals[name] = self._totals.get(name, 0.0) + s.elapsed_time(e) / 1000.0
-            self._events = []
-        return self._totals
 
 
 def static_memory_bytes(target, drafter, caches: Sequence) -> int:
