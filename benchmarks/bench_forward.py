@@ -98,7 +98,8 @@ def stub_linears(lm) -> None:
 
 def interleaved_medians(built, rounds: int):
     """({(name, N): median ms} of one forward of N = 1 and 8 nodes, {name: median of the rounds' own
-    8 / 1 ratios}), configurations interleaved round by round (2 warm-up rounds). A configuration whose name ends in "avx2" runs with the AVX-512 linear off."""
+    8 / 1 ratios}), configurations interleaved round by round (2 warm-up rounds). A configuration whose
+    name ends in "avx2" runs with the AVX-512 linear off."""
     from specdec import _C
 
     times = {(name, N): [] for name in built for N in (1, 8)}
@@ -199,7 +200,8 @@ def main() -> int:
     print(f"{'config':<24} {'MB':>6} {'N=1 ms':>8} {'N=8 ms':>8} {'8/1':>6} {'8/1 rd':>6} {'small1':>7} {'small8':>7} "
           f"{'GB/s@1':>7}")
     for r in rows:
-        print(f"{r['config']:<24} {r['weight_mb']:>6.0f} {r['N=1 ms']:>8.2f} {r['N=8 ms']:>8.2f} {r['N=8 / N=1']:>6.2f} "
+        print(f"{r['config']:<24} {r['weight_mb']:>6.0f} {r['N=1 ms']:>8.2f} {r['N=8 ms']:>8.2f} "
+              f"{r['N=8 / N=1']:>6.2f} "
               f"{r['N=8 / N=1 per round']:>6.2f} "
               f"{r.get('N=1 small-op ms', float('nan')):>7.2f} {r.get('N=8 small-op ms', float('nan')):>7.2f} "
               f"{r.get('N=1 linear GB/s', float('nan')):>7.1f}")

@@ -29,7 +29,8 @@ Prompt sets (all built here, see the JSON for the texts)
                cache holds related, never identical, requests)
 
 Warm-up: every method first runs the set's first warm-up prompt (first-call allocations); the stateful
-drafters (suffix_warm, recycle, multi) run all of the set's warm-up prompts and learn from them as from live traffic. Document store: the source texts of the grounded prompts,
+drafters (suffix_warm, recycle, multi) run all of the set's warm-up prompts and learn from them as from
+live traffic. Document store: the source texts of the grounded prompts,
 a reference SQL query and a short style guide (what a user would paste into a retriever).
 
 Drafter overhead: host time spent in propose + observe_verify + accept per target step, against the

@@ -227,8 +227,10 @@ def bench_append(device, timer, copy_bw, *, B, Hkv, N, D, S, dtype, ref_reps) ->
     lens = torch.full((B,), S // 2, dtype=torch.int32, device=device)
 
     def make(i):
-        return (torch.randn(B, Hkv, S, D, device=device, dtype=dtype), torch.randn(B, Hkv, S, D, device=device, dtype=dtype),
-                torch.randn(B, Hkv, N, D, device=device, dtype=dtype), torch.randn(B, Hkv, N, D, device=device, dtype=dtype))
+        return (torch.randn(B, Hkv, S, D, device=device, dtype=dtype),
+                torch.randn(B, Hkv, S, D, device=device, dtype=dtype),
+                torch.randn(B, Hkv, N, D, device=device, dtype=dtype),
+                torch.randn(B, Hkv, N, D, device=device, dtype=dtype))
 
     nbytes = 2 * 2 * B * Hkv * N * D * es
     sets = rotating_sets(make, nbytes, device)  # touched: new K/V read + cache rows written
@@ -251,7 +253,8 @@ def bench_rejection(device, timer, copy_bw, *, B, N, V, with_draft, ref_reps) ->
 
     nbytes = B * N * V * 4 * (2 if with_draft else 1)
     sets = rotating_sets(make, nbytes, device)
-    fns = [lambda s=s: ops.rejection_sample(s["tokens"], s["parents"], s["target_probs"], s["draft_probs"], s["uniforms"])
+    fns = [lambda s=s: ops.rejection_sample(s["tokens"], s["parents"], s["target_probs"], s["draft_probs"],
+                                            s["uniforms"])
            for s in sets]
     acc = float(fns[0]()[1].float().mean())
     row = Row("rejection_sample", f"B={B} N={N} V={V} {'q' if with_draft else 'q=None'}", "float32", 0, nbytes, 0,
@@ -366,9 +369,13 @@ def bench_linear(device, timer, copy_bw, *, M, N, K, count, wdtype, ref_reps) ->
         w = torch.randn(N, K, generator=g) / math.sqrt(K)
         if wdtype == torch.int8:
             q, sc = ops.quantize_weight_int8(w)
-            ws.append(q.to(device)); ss.append(sc.to(device)); wt.append(w.to(xdt).to(device))
+            ws.append(q.to(device))
+            ss.append(sc.to(device))
+            wt.append(w.to(xdt).to(device))
         else:
-            ws.append(w.to(wdtype).to(device)); ss.append(None); wt.append(ws[-1])
+            ws.append(w.to(wdtype).to(device))
+            ss.append(None)
+            wt.append(ws[-1])
     x = torch.randn(M, K, generator=g).to(xdt).to(device)
     es = 1 if wdtype == torch.int8 else torch.finfo(wdtype).bits // 8
     nbytes = count * N * K * es
@@ -412,7 +419,8 @@ def cpu_plan(quick: bool):
     # SmolLM2-135M shapes: its lm_head (N 49152, K 576) and 16 MLP-like projections (1536 x 576)
     for wd in (torch.float32, torch.bfloat16, torch.int8):
         for M in (1, 8, 16):
-            plan.append((bench_linear, dict(M=M, N=49152 if not quick else 8192, K=576, count=1, wdtype=wd, ref_reps=0)))
+            plan.append((bench_linear, dict(M=M, N=49152 if not quick else 8192, K=576, count=1, wdtype=wd,
+                                            ref_reps=0)))
             plan.append((bench_linear, dict(M=M, N=1536, K=576, count=16 if not quick else 4, wdtype=wd, ref_reps=0)))
     return plan
 
@@ -476,7 +484,8 @@ def fmt(x, spec):
 
 def print_table(rows: List[Row], meta: Dict) -> None:
     print(f"# specdec kernel benchmarks — {meta['device_name']} — {meta['date']} — commit {meta['commit']}")
-    print(f"# torch {meta['torch']}, threads {meta['threads']}, copy bandwidth {meta['copy_bw_gbps']:.1f} GB/s (read+write)"
+    print(f"# torch {meta['torch']}, threads {meta['threads']}, "
+          f"copy bandwidth {meta['copy_bw_gbps']:.1f} GB/s (read+write)"
           + (f", load average {meta['loadavg_before'][0]:.1f} (other processes share these cores)"
              if meta.get("loadavg_before") and meta["loadavg_before"][0] > 0.5 * (os.cpu_count() or 1) else ""))
     head = (f"{'op':<17} {'shape':<44} {'dtype':<8} {'median us':>10} {'MB moved':>9} {'GB/s':>7} {'%copy':>6} "
@@ -504,7 +513,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="CI-sized shapes and few repetitions")
     ap.add_argument("--ops", nargs="*", default=None,
                     help="only these ops (verify_attention append_kv rejection_sample greedy_verify kv_commit linear)")
-    ap.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/ops_<device>_<date>.json)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="JSON path (default benchmarks/results/ops_<device>_<date>.json)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     args = ap.parse_args(argv)
 
@@ -519,8 +529,10 @@ def main(argv=None) -> int:
     timer = Timer(args.device, args.quick)
     copy_bw = copy_bandwidth(args.device, timer)
     now = _dt.datetime.now()
-    device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else (platform.processor() or platform.machine())
-    meta = dict(device=args.device, device_name=device_name, date=now.strftime("%Y-%m-%d %H:%M:%S"), commit=git_commit(),
+    device_name = (torch.cuda.get_device_name(0) if args.device == "cuda"
+                   else (platform.processor() or platform.machine()))
+    meta = dict(device=args.device, device_name=device_name, date=now.strftime("%Y-%m-%d %H:%M:%S"),
+                commit=git_commit(),
                 torch=torch.__version__, build_info=specdec.build_info(), threads=torch.get_num_threads(),
                 quick=args.quick, copy_bw_gbps=copy_bw / 1e9, python=platform.python_version(),
                 bytes_convention="fewest bytes the op must read + write (docs/DESIGN.md napkin math)",
@@ -535,8 +547,8 @@ def main(argv=None) -> int:
         try:
             rows.append(fn(args.device, timer, copy_bw, **kw))
         except Exception as e:  # one failing row must not hide the others
-            rows.append(Row(names[fn], " ".join(f"{k}={v}" for k, v in kw.items() if k != "ref_reps"), "-", float("nan"),
-                            0, float("nan"), notes=f"ERROR {type(e).__name__}: {e}"[:200]))
+            rows.append(Row(names[fn], " ".join(f"{k}={v}" for k, v in kw.items() if k != "ref_reps"), "-",
+                            float("nan"), 0, float("nan"), notes=f"ERROR {type(e).__name__}: {e}"[:200]))
         if args.device == "cuda":
             torch.cuda.empty_cache()
     if args.device == "cpu":

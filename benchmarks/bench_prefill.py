@@ -3,7 +3,8 @@
     python benchmarks/bench_prefill.py [--rounds 7] [--threads 2] [--out FILE]
 
 Float32 linears of 65-256 rows (prefill sizes; fewer rows are decode / verify sizes and take the
-few-row kernel, more take the BLAS GEMM) and group-quantized (qlinear), int8 and float16 / bfloat16 ones of more than 64 rows run
+few-row kernel, more take the BLAS GEMM) and group-quantized (qlinear), int8 and float16 / bfloat16 ones of
+more than 64 rows run
 on specdec's GEMM tiles on an AVX2 CPU (quantized weights decoded once per 96-row chunk);
 ``specdec._C.set_cpu_gemm(False)`` sends them back to torch's BLAS GEMM (MKL in the x86 wheels) and
 to the few-row quantized kernel (32 rows per pass; int8 weights too) respectively, so both run in ONE process,

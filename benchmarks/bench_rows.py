@@ -112,7 +112,8 @@ def main() -> int:
         f"{'avx512' if on else 'avx2':>7} ms {'M/1':>6}" for on in kernels) + ("  speedup" if avx512 else "")
     print(head)
     for row in rows:
-        cols = " ".join(f"{row[('avx512' if on else 'avx2') + ' ms']:>10.2f} {row[('avx512' if on else 'avx2') + ' M / 1 row']:>6.3f}"
+        cols = " ".join(f"{row[('avx512' if on else 'avx2') + ' ms']:>10.2f} "
+                        f"{row[('avx512' if on else 'avx2') + ' M / 1 row']:>6.3f}"
                         for on in kernels)
         print(f"{row['kind']:<6} {row['M']:>3} {row['weight_mb']:>6.0f} {cols}"
               + (f"  {row['avx512 speedup']:>7.3f}" if avx512 else ""))

@@ -234,8 +234,6 @@ def soak(target, tok, n: int, max_batch: int, seed: int, threads: Optional[int])
     """n requests, random aborts and bad requests mixed in; checks completeness, correctness, rows, RSS."""
     import httpx
 
-    from specdec import PromptLookup
-
     prompts = PROMPT_SETS["grounded"][:3] + PROMPT_SETS["open"][:3]
     max_tokens = 12
     want = solo_texts(target, tok, None, prompts, max_tokens)

@@ -3,7 +3,8 @@
 Every configuration runs every group of prompts (a ragged batch of --batch requests, default 4:
 on a loaded shared CPU this is what fits the time; mean accepted length does not depend on the
 batch, tokens/s is batch throughput), in an order rotated from group to group (interleaved, so
-drifts of the machine hit all configurations alike), greedy and temperature 1.0 (fixed seeds). Node budgets 8 / 16 / 32 (root included):
+drifts of the machine hit all configurations alike), greedy and temperature 1.0 (fixed seeds). Node budgets
+8 / 16 / 32 (root included):
 
   chain_N      DraftModel(draft, k=N-1)                                   (N nodes, k draft forwards)
   spine_N      DraftModel(draft, k, top_k=w, node_budget=N)               w = 2 / 3 / 3 (spine + sibling leaves)
@@ -24,7 +25,8 @@ for the int8 (dynamic-quantized) and w8 (weight-only int8, specdec.ops.linear) d
   plain        no drafter (one target pass per token)
 
 Reported per configuration, mode and prompt set: mean accepted length (tokens emitted per target
-pass per request, bonus included: (accepted + request-steps) / request-steps), tokens/s, and the issue's targets as ratios measured in this run. The JSON
+pass per request, bonus included: (accepted + request-steps) / request-steps), tokens/s, and the issue's
+targets as ratios measured in this run. The JSON
 (benchmarks/results/trees_<date>.json) records the git commit, the machine, the load average at
 start and end, settings and every number.
 """

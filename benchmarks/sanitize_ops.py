@@ -191,7 +191,8 @@ def run_fused(g):
             c, s_ = torch.randn(B, N, D, generator=g).to(dt), torch.randn(B, N, D, generator=g).to(dt)
             gq, gk = ops.rope(q.to(DEV), k.to(DEV), c.to(DEV), s_.to(DEV))
             wq, wk = reference.rope(q, k, c, s_)
-            check(f"rope {dt} B={B} N={N} D={D} (bit-identical)", torch.equal(gq.cpu(), wq) and torch.equal(gk.cpu(), wk))
+            check(f"rope {dt} B={B} N={N} D={D} (bit-identical)",
+                  torch.equal(gq.cpu(), wq) and torch.equal(gk.cpu(), wk))
 
 
 def run_decoder_layer(g):
@@ -245,15 +246,16 @@ def run_bad_values(g):
         ks = [torch.randn(B, Hkv, S, D, device=DEV) for _ in range(2)]
         vs = [torch.randn(B, Hkv, S, D, device=DEV) for _ in range(2)]
         ops.kv_commit(ks, vs, torch.tensor(lens, dtype=torch.int32, device=DEV),
-                      torch.tensor(acc, dtype=torch.int32, device=DEV), torch.tensor(num, dtype=torch.int32, device=DEV))
+                      torch.tensor(acc, dtype=torch.int32, device=DEV),
+                      torch.tensor(num, dtype=torch.int32, device=DEV))
         torch.cuda.synchronize()
         check(f"kv_commit with accepted {acc} num {num} lens {lens}", True)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ops", nargs="*", default=["verify_attention", "sampling", "kv_commit", "linear", "qlinear", "fused",
-                                                 "decoder_layer", "bad_values"],
+    ap.add_argument("--ops", nargs="*", default=["verify_attention", "sampling", "kv_commit", "linear", "qlinear",
+                                                 "fused", "decoder_layer", "bad_values"],
                     help="subset of: verify_attention sampling kv_commit linear qlinear fused decoder_layer bad_values")
     ap.add_argument("--quick", action="store_true", help="attention: one case per head dim x dtype (for racecheck)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself (bad_values skipped)")
@@ -266,8 +268,9 @@ def main(argv=None) -> int:
     if DEV != "cuda" and "bad_values" in args.ops:
         args.ops.remove("bad_values")  # CPU always value-checks: those inputs raise there
     g = torch.Generator().manual_seed(0)
-    steps = {"verify_attention": run_attention, "sampling": run_sampling, "kv_commit": run_commit, "linear": run_linear, "qlinear": run_qlinear,
-             "fused": run_fused, "decoder_layer": run_decoder_layer, "bad_values": run_bad_values}
+    steps = {"verify_attention": run_attention, "sampling": run_sampling, "kv_commit": run_commit, "linear": run_linear,
+             "qlinear": run_qlinear, "fused": run_fused, "decoder_layer": run_decoder_layer,
+             "bad_values": run_bad_values}
     for name in args.ops:
         steps[name](g)
     sync()

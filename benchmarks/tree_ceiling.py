@@ -6,7 +6,8 @@ measured acceptances allow:
 
 1. the target samples text (temperature 1) from open prompts;
 2. along that text, from the two models' distributions p (target) and q (draft, computed one token
-   per forward as the loop does), exactly (no sampling of the draft: sums over the vocabulary): P(a drawn child is accepted) = sum min(p, q),
+   per forward as the loop does), exactly (no sampling of the draft: sums over the vocabulary): P(a drawn child
+   is accepted) = sum min(p, q),
    and for siblings drawn without replacement after r rejections, P(the next one is accepted | the
    earlier ones were rejected) (Monte Carlo over the rejected tokens, the residual norm(max(0, p - q))
    and q renormalised without them, as the sampler verifies them);
@@ -23,7 +24,8 @@ draft's r-th most probable token, as the greedy rule's deterministic children) a
 it is the target's argmax: P(rank r | ranks 0 .. r - 1 were not) from the rank of the target's
 token in the draft's distribution at every position.
 
-Writes benchmarks/results/tree_ceiling_<date>.json. Run: python benchmarks/tree_ceiling.py [--draft int8] [--mode greedy]
+Writes benchmarks/results/tree_ceiling_<date>.json.
+Run: python benchmarks/tree_ceiling.py [--draft int8] [--mode greedy]
 """
 from __future__ import annotations
 
@@ -195,7 +197,8 @@ def main() -> int:
         date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), commit=git_commit(), cpu=cpu_name(),
         threads=args.threads, load_average_start=load0, load_average_end=os.getloadavg(),
         seconds=round(time.perf_counter() - t0, 1), settings=vars(args), positions=positions,
-        sibling_acceptance=sib, sibling_scale=scale, chain_conditional_acceptance=measured, chain_accepted_per_position=uncond,
+        sibling_acceptance=sib, sibling_scale=scale, chain_conditional_acceptance=measured,
+        chain_accepted_per_position=uncond,
         ceiling=rows), indent=1))
     print(f"wrote {out}")
     return 0

@@ -278,7 +278,9 @@ def attention_case(draw):
             mask = (mask[:, :, : N - 1] if Nkv == N else mask[:, :1]) if N > 1 else mask.int()
         mask = place(mask, draw(st.sampled_from(("contig", "offset1", "transposed"))))
     scale = draw(st.sampled_from([None] * 12 + [0.3, 2.0, float("nan"), float("inf")]))
-    args = dict(q=qd, k_cache=place(k.to(kdtype), draw(st.sampled_from(("contig",) * 5 + ("offset4", "offset4", "transposed")))),
+    args = dict(q=qd,
+                k_cache=place(k.to(kdtype),
+                              draw(st.sampled_from(("contig",) * 5 + ("offset4", "offset4", "transposed")))),
                 v_cache=place(v.to(kdtype), "contig"), cache_lens=place(torch.tensor(lens, dtype=torch.int32),
                                                                         draw(st.sampled_from(("contig", "strided")))),
                 tree_mask=mask, scale=scale)
@@ -321,8 +323,8 @@ def append_case(draw):
         v = k
     elif alias == "new_in_cache" and N > 0 and S >= N:
         kn = k[:, :, S - N:]
-    return dict(k_cache=k, v_cache=v, k_new=kn, v_new=vn, cache_lens=place(torch.tensor(lens, dtype=torch.int32),
-                                                                           draw(st.sampled_from(("contig", "strided")))),
+    return dict(k_cache=k, v_cache=v, k_new=kn, v_new=vn,
+                cache_lens=place(torch.tensor(lens, dtype=torch.int32), draw(st.sampled_from(("contig", "strided")))),
                 offset=offset)
 
 
@@ -543,7 +545,8 @@ def qlinear_case(draw):
         d = d.float()
     x = torch.randn(*lead, K, generator=g).to(dtype)
     bias = torch.randn(N, generator=g).to(dtype) if draw(st.booleans()) else None
-    return dict(x=place(x, draw(layouts())), qweight=place(qw, draw(st.sampled_from(("contig",) * 4 + ("offset1", "transposed")))),
+    return dict(x=place(x, draw(layouts())),
+                qweight=place(qw, draw(st.sampled_from(("contig",) * 4 + ("offset1", "transposed")))),
                 scales=place(d, "contig"), mins=None if m is None else place(m, "contig"),
                 bias=None if bias is None else place(bias, draw(st.sampled_from(("contig", "strided")))), bits=bits)
 

@@ -120,7 +120,8 @@ def test_suffix_index_bad_input_leaves_state_unchanged():
     idx = _C.SuffixIndex(8, 100, 0, 10)
     d = idx.add([1, 2, 3, 1, 2])
     before = (idx.num_nodes, idx.num_tokens, idx.continuations([1, 2], 7))
-    with pytest.raises(ValueError, match=r"SuffixIndex.add: token 10 at position 2 lies outside the vocabulary \[0, 10\)"):
+    with pytest.raises(ValueError,
+                       match=r"SuffixIndex.add: token 10 at position 2 lies outside the vocabulary \[0, 10\)"):
         idx.add([1, 2, 10])
     with pytest.raises(ValueError, match=r"SuffixIndex.extend: token -1 at position 0"):
         idx.extend(d, [-1])

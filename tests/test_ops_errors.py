@@ -193,7 +193,8 @@ CASES = [
     Case("tree_mask_nkv_exceeds_capacity", "verify_attention",
          _set(tree_mask=lambda: torch.ones(2, 3, 17, dtype=torch.bool)),
          "verify_attention: tree_mask has Nkv = 17 new nodes, more than the cache capacity S = 16"),
-    Case("cache_lens_no_room_for_nkv", "verify_attention", _set(tree_mask=lambda: torch.ones(2, 3, 12, dtype=torch.bool)),
+    Case("cache_lens_no_room_for_nkv", "verify_attention",
+         _set(tree_mask=lambda: torch.ones(2, 3, 12, dtype=torch.bool)),
          "verify_attention: cache_lens[1] = 5" + NOROOM.format(n=12), "value"),
     Case("cache_lens_negative", "verify_attention", _put("cache_lens", 0, -1),
          "verify_attention: cache_lens[0] = -1" + NOROOM.format(n=3), "value"),
@@ -402,10 +403,13 @@ CASES += [
 # check_tree is shared by rejection_sample and greedy_verify: every condition for both ops
 for _op in ("rejection_sample", "greedy_verify"):
     CASES += [
-        Case("tokens_dtype", _op, _edit("tokens", lambda t: t.int()), f"{_op}: tokens must be int64 [B, N], got Int [2, 4]"),
-        Case("tokens_rank", _op, _edit("tokens", lambda t: t.flatten()), f"{_op}: tokens must be int64 [B, N], got Long [8]"),
+        Case("tokens_dtype", _op, _edit("tokens", lambda t: t.int()),
+             f"{_op}: tokens must be int64 [B, N], got Int [2, 4]"),
+        Case("tokens_rank", _op, _edit("tokens", lambda t: t.flatten()),
+             f"{_op}: tokens must be int64 [B, N], got Long [8]"),
         Case("no_root", _op,
-             _set(tokens=lambda: torch.zeros(2, 0, dtype=torch.int64), parents=lambda: torch.zeros(2, 0, dtype=torch.int32),
+             _set(tokens=lambda: torch.zeros(2, 0, dtype=torch.int64),
+                  parents=lambda: torch.zeros(2, 0, dtype=torch.int32),
                   **({"target_probs": lambda: torch.rand(2, 0, 7), "draft_probs": None,
                       "uniforms": lambda: torch.rand(2, 0, dtype=torch.float64)} if _op == "rejection_sample"
                      else {"target_logits": lambda: torch.randn(2, 0, 7)})),

@@ -121,7 +121,8 @@ def test_linear_errors(device):
         (lambda: ops.linear(x.to(torch.int32), w), "x must be float32, float16 or bfloat16"),
         (lambda: ops.linear(x, w.to(torch.int8)), "an int8 weight needs weight_scale"),
         (lambda: ops.linear(x, w, None, torch.ones(8, device=device)), "weight_scale is only for int8 weights"),
-        (lambda: ops.linear(x, w.to(torch.int8), None, torch.ones(7, device=device)), "weight_scale must be float32 [8]"),
+        (lambda: ops.linear(x, w.to(torch.int8), None, torch.ones(7, device=device)),
+         "weight_scale must be float32 [8]"),
         (lambda: ops.linear(x, w, torch.zeros(9, device=device)), "bias must be Float [8]"),
         (lambda: ops.linear(x, w, torch.zeros(8, device=device, dtype=torch.float16)), "bias must be Float [8]"),
     ]
@@ -308,8 +309,8 @@ def _same_bits(a, b):
 @pytest.mark.parametrize("kind", ["fp32", "int8", "bf16", "fp16"])
 @pytest.mark.parametrize("K", [8, 16, 24, 40, 576, 1536])
 def test_linear_avx512_gives_the_avx2_bits(kind, K):
-    """4 (float32) or 5 to 32 rows of x (K % 8 == 0) take the AVX-512 tile (csrc/cpu/linear_avx512.cpp), which holds two of
-    the AVX2 kernel's accumulators per zmm register (weights widened the same way) and reduces them in the
+    """4 (float32) or 5 to 32 rows of x (K % 8 == 0) take the AVX-512 tile (csrc/cpu/linear_avx512.cpp), which holds
+    two of the AVX2 kernel's accumulators per zmm register (weights widened the same way) and reduces them in the
     same order: its outputs equal the AVX2 kernel's bit for bit, signs of zeros included, at every M (one
     and two weight passes), N (the 4-row blocks and the 1-3-row tail), with and without bias (and the int8
     per-row scale), x rows strided; so a verify row still equals a decode step."""

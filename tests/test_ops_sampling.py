@@ -601,7 +601,6 @@ def test_review_many_rejected_siblings_offset_slice(device, with_draft):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_greedy_offset_slice_odd_vocab(device):
-    g = gen(61)
     tokens, parents, logits = greedy_case(5, 9, 49153, "mixed", torch.bfloat16, seed=62, ragged=True)
     buf = torch.empty(logits.numel() + 1, dtype=logits.dtype)
     off = buf[1:].view(logits.shape)

@@ -113,5 +113,6 @@ def test_merged_projections_are_views_and_match_separate_calls(quantized):
 def test_precision_errors():
     from specdec.models.bundled import load_bundled
 
-    with pytest.raises(ValueError, match=r"load_bundled: precision must be one of \['fp32', 'q8_0', 'q4_1'\], got 'q3'"):
+    with pytest.raises(ValueError,
+                       match=r"load_bundled: precision must be one of \['fp32', 'q8_0', 'q4_1'\], got 'q3'"):
         load_bundled("smollm2-135m", precision="q3")

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import os
 import random
 import sys
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, List, Sequence
 
 import pytest
 import torch
@@ -285,7 +284,8 @@ def test_cost_model_speed_factor_follows_slow_spells():
     assert cm.speed != 1.0
     want = [cm.step_seconds(b, k, k + 1) for b, k in ((1, 0), (1, 2), (1, 4))]
     state = json.loads(json.dumps(cm.state_dict()))
-    assert cm.speed == 1.0 and [cm.step_seconds(b, k, k + 1) for b, k in ((1, 0), (1, 2), (1, 4))] == pytest.approx(want)
+    assert cm.speed == 1.0 and ([cm.step_seconds(b, k, k + 1) for b, k in ((1, 0), (1, 2), (1, 4))]
+                                == pytest.approx(want))
     cm3 = CostModel()
     cm3.load_state_dict(state)
     assert [cm3.step_seconds(b, k, k + 1) for b, k in ((1, 0), (1, 2), (1, 4))] == pytest.approx(want)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List
+from typing import List
 
 import pytest
 import torch

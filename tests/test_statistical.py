@@ -26,7 +26,8 @@ criteria has a false-alarm probability below 1.2e-3 under a correct sampler.
 Power: the same statistics must REJECT a deliberately wrong sampler (a vectorized
 Python mock of the algorithm with one bug: accept every draft; do not subtract the
 rejected draft's q from the residual; or (trees) keep the residual's stale mass for the
-next sibling's test), which also shows the tables make those bugs visible. The same mock without the bug passes and matches specdec.reference exactly.
+next sibling's test), which also shows the tables make those bugs visible. The same mock without the bug
+passes and matches specdec.reference exactly.
 Structural invariants are checked on all 200k rows, and the kernel's rows match the
 reference exactly on a subset.
 """

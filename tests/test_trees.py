@@ -394,7 +394,8 @@ def test_bad_proposals_name_drafter_and_request_and_change_nothing(toy):
     target, weak, refs = toy
     cases = [
         (_Fixed([4, 5], [0, 2]), "parents must be -1 (padding) or a node index < 2"),
-        (_Fixed([4, 5, 6], [0, 1, 2], max_nodes=99), "has 4 nodes per request (4 real), more than the 2 the caches reserve"),
+        (_Fixed([4, 5, 6], [0, 1, 2], max_nodes=99),
+         "has 4 nodes per request (4 real), more than the 2 the caches reserve"),
         (_Fixed([4, 12], [0, 1]), "node 2 holds token 12, outside the vocabulary [0, 12)"),
     ]
     for bad, message in cases:
