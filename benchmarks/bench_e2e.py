@@ -53,7 +53,7 @@ from specdec.drafters import DraftModel, PromptLookup  # noqa: E402
 from specdec.models.bundled import load_bundled  # noqa: E402
 from specdec.models.hf import HFCausalLM  # noqa: E402
 
-from specdec.bench import PROMPT_SETS, _cpu_name, _git_commit  # noqa: E402  (the prompt sets live in the package; `specdec bench`)
+from specdec.bench import PROMPT_SETS, cpu_name as _cpu_name, git_commit as _git_commit  # noqa: E402  (the prompt sets live in the package; `specdec bench`)
 
 GROUNDED = PROMPT_SETS["grounded"]
 OPEN = PROMPT_SETS["open"]

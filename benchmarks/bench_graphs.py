@@ -62,7 +62,7 @@ def main() -> int:
         print("needs a CUDA device and a CUDA build of specdec", file=sys.stderr)
         return 2
     from specdec import HFCausalLM, PromptLookup, SpeculativeDecoder
-    from specdec.bench import _git_commit, _record_path
+    from specdec.bench import git_commit as _git_commit, record_path as _record_path
     from specdec.graphs import GraphedForward
     from specdec.models import load_bundled
 

@@ -61,7 +61,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     from bench_e2e import cpu_name, git_commit
     from specdec import HFCausalLM, _C, ops
-    from specdec.bench import _record_path
+    from specdec.bench import record_path as _record_path
     from specdec.models import load_bundled
 
     if not _C.cpu_gemm():

@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specdec.bench import PROMPT_SETS, _cpu_name, _git_commit, _loadavg  # noqa: E402
+from specdec.bench import PROMPT_SETS, cpu_name as _cpu_name, git_commit as _git_commit, loadavg as _loadavg  # noqa: E402
 from specdec.engine import Engine, RequestParams  # noqa: E402
 
 

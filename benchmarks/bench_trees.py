@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_e2e import GROUNDED, OPEN, cpu_name, encode, git_commit  # noqa: E402
-from specdec.bench import _record_path  # noqa: E402
+from specdec.bench import record_path as _record_path  # noqa: E402
 
 from specdec.decoding import SpeculativeDecoder  # noqa: E402
 from specdec.drafters import DraftModel, MultiDraft, PromptLookup  # noqa: E402

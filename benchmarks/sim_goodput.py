@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from specdec import scheduler as S  # noqa: E402
-from specdec.bench import _git_commit, _record_path  # noqa: E402
+from specdec.bench import git_commit as _git_commit, record_path as _record_path  # noqa: E402
 
 INT8 = [0.5, 0.43, 0.3, 0.25, 0.12, 0.1, 0.1, 0.1]
 PROFILES: Dict[str, tuple] = {

@@ -957,7 +957,7 @@ def test_bench_dashboard_and_table_from_a_result(tmp_path):
 
 
 def test_bench_ratios_pair_each_repetition_with_its_own_plain_run():
-    from specdec.bench import _summarize
+    from specdec.bench import summarize as _summarize
 
     def rec(method, rep, tps, r=0):
         return dict(method=method, unit=0, round=r, rep=rep, new_tokens=8, seconds=8 / tps, tokens_per_second=tps,

@@ -1,0 +1,6 @@
+"""``python -m specdec.bench`` is ``specdec bench``."""
+import sys
+
+from specdec.bench.run import main
+
+sys.exit(main())

@@ -1,0 +1,52 @@
+"""What a benchmark record says about where it ran: the commit, the CPU, the load, and paths made
+safe to record. ``specdec bench`` and the scripts under benchmarks/ share these."""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Optional
+
+__all__ = ["git_commit", "record_path", "cpu_name", "loadavg"]
+
+#: the repository root of a source checkout (specdec/bench/record.py -> the folder holding specdec/)
+_ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def git_commit() -> str:
+    """The checkout's commit (``-dirty`` with uncommitted changes to tracked files), or "unknown"."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=_ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return (sha + ("-dirty" if dirty else "")) or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def record_path(path) -> Optional[str]:
+    """A path as a result file records it: relative to the repository when inside it, else its name only
+    (a record must not carry the paths of the machine it ran on)."""
+    if path is None:
+        return None
+    p = Path(path).resolve()
+    try:
+        return str(p.relative_to(_ROOT))
+    except ValueError:
+        return p.name
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def loadavg():
+    """The 1 / 5 / 15 minute load averages (None where the platform has none)."""
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
