@@ -70,7 +70,7 @@ class SpeculativeDecoder:
     max_len : int
         Most tokens per request, prompt + new tokens.
     policy : str or specdec.scheduler.Policy
-        How much to draft each step (specdec/scheduler.py): "goodput" (default: the depth that
+        How much to draft each step (:mod:`specdec.scheduler`): "goodput" (default: the depth that
         maximises expected tokens per second, per step and request, with fallback to plain
         decoding), "heuristic" (transformers' +2 / -1 schedule) or "fixed" (the drafter's own k).
     calibrate : bool

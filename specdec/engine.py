@@ -481,8 +481,7 @@ class Engine:
         self.counters["accepted_tokens"] += sum(step.accepted)
         rec = self.recorder
         rec.observe(step)
-        self.scheduler.observe(step.plan, step.request_ids, step.nodes, step.depths, step.drafted, step.accepted,
-                               step.emitted, step.times)
+        self.scheduler.observe_step(step)
         if self._auto_recorder and rec.target_passes % 4096 == 0:  # a server that never idles: bounded state
             rec.clock.totals()
             del rec.itl[:-65536]

@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from specdec.scheduler.acceptance import AcceptanceStats
 from specdec.scheduler.cost import CostModel
+from specdec.telemetry import StepRecord, StepTimes
 
 __all__ = ["POLICIES", "SPEC", "FALLBACK", "PROBE", "CHECK", "StepPlan", "StepTimes", "RequestRecord", "Policy",
            "FixedPolicy", "HeuristicPolicy", "drafter_shape", "make_policy"]
@@ -34,18 +35,6 @@ class StepPlan:
     expected: List[float]         # predicted E[T] per row at its budget (1.0 for k = 0)
     k: int = 0                    # the step's depth (max of budgets)
     predicted_ratio: float = 1.0  # predicted goodput of the step / a plain step's
-
-
-@dataclass
-class StepTimes:
-    """Seconds of one step's phases, as the decoding loop measured them."""
-
-    draft: float
-    verify: float
-    commit: float
-    total: float
-    catch_up: float = 0.0  # of draft (and total): the drafter catching up, kept out of the per-step costs
-    catch_up_positions: int = 0  # positions that catch-up fed (its per-position price is learned)
 
 
 @dataclass
@@ -142,6 +131,11 @@ class Policy:
 
     def _budgets(self, request_ids, reqs: List[RequestRecord], budgets: List[int]) -> StepPlan:
         raise NotImplementedError
+
+    def observe_step(self, step: StepRecord) -> None:
+        """The engine's record of the step (see :mod:`specdec.telemetry`): :meth:`observe` with its fields."""
+        self.observe(step.plan, step.request_ids, step.nodes, step.depths, step.drafted, step.accepted,
+                     step.emitted, step.times)
 
     def observe(self, plan: StepPlan, request_ids: Sequence[int], nodes: int, depths: Sequence[int],
                 drafted: Sequence[int], accepted: Sequence[int], emitted: Sequence[int], times: StepTimes) -> None:
