@@ -15,25 +15,24 @@ sampling settings and seed) and reports the speedup; in greedy mode it also says
 whether both texts are identical (they must be).
 
 ``specdec serve --model smollm2-135m|HF_FOLDER --draft ... --host 127.0.0.1 --port 8000`` serves
-the model over an OpenAI-compatible HTTP API (specdec/server.py; needs the ``serve`` extra:
+the model over an OpenAI-compatible HTTP API (specdec/serve/; needs the ``serve`` extra:
 FastAPI, uvicorn, prometheus-client).
 
 ``--model`` and ``--draft-model`` take the bundled model's name or a local Hugging Face
 causal-LM folder (``config.json`` + safetensors weights + tokenizer files), loaded through
 transformers only. ``--draft-model PATH`` drafts with that model (``--k``, ``--tree``, ``--stop``).
 
-``specdec bench [args]`` runs an end-to-end workload grid (specdec/bench.py: drafters, k,
+``specdec bench [args]`` runs an end-to-end workload grid (specdec/bench/: drafters, k,
 policies, batch sizes, prompt sets) and writes a table, JSON and a PNG dashboard; it works
 from an installed package. ``specdec bench --help`` lists the options.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, Dict, List, Optional
 
 
 def _model_options(g: argparse.ArgumentParser) -> None:
@@ -41,8 +40,7 @@ def _model_options(g: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="smollm2-135m",
                    help="the bundled model's name (smollm2-135m, the default) or a local Hugging Face causal-LM "
                         "folder")
-    g.add_argument("--draft", default=None, choices=["auto", "int8", "w8", "bf16", "lookup", "suffix", "recycle",
-                                                     "docs", "model", "none"],
+    g.add_argument("--draft", default=None, choices=list(DRAFTER_PRESETS),
                    help="drafter: auto (prompt lookup first, the w8 draft only where lookup is not trusted: "
                         "MultiDraft with escalation), int8 (dynamic-quantized) / w8 (weight-only int8) / bf16 copy "
                         "of the bundled model, prompt lookup (n-gram), suffix (suffix decoding), recycle (token "
@@ -104,9 +102,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _is_bundled(name: str) -> bool:
-    from specdec.models.bundled import _BUNDLED
+    from specdec.models.bundled import BUNDLED
 
-    return name in _BUNDLED
+    return name in BUNDLED
 
 
 def load_hf_folder(path: str):
@@ -128,22 +126,99 @@ def load_hf_folder(path: str):
 
 
 def _bundled_names():
-    from specdec.models.bundled import _BUNDLED
+    from specdec.models.bundled import BUNDLED
 
-    return sorted(_BUNDLED)
+    return sorted(BUNDLED)
 
 
-def _load(args: argparse.Namespace):
-    """(target, drafter, tokenizer, draft name) from the shared options."""
-    import torch
+#: (k, candidates per depth, stop threshold) of the bundled model's draft copies; docs/serving.md says where
+#: these defaults come from
+_BUNDLED_DRAFT_DEFAULTS = {"int8": (6, 4, 0.3), "w8": (6, 1, None), "bf16": (8, 1, None)}
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from specdec.drafters import DocumentDrafter, DraftModel, MultiDraft, PromptLookup, SuffixDrafter, TokenRecycling
-    from specdec.models.bundled import load_bundled
+
+@dataclass
+class _DraftSource:
+    """What a drafter preset may build from: the options, the tokenizer, the bundled model's draft copy
+    (loaded for int8 / w8 / bf16 / auto) and the document files of ``--draft docs``."""
+
+    args: argparse.Namespace
+    name: str
+    tok: object
+    bundled_draft: object
+    doc_files: List[str]
+
+
+def _bundled_copy(src: _DraftSource):
+    from specdec.drafters import DraftModel
     from specdec.models.hf import HFCausalLM
 
-    bundled = _is_bundled(args.model)
+    k, tree, stop = _BUNDLED_DRAFT_DEFAULTS[src.name]
+    stop = stop if src.args.stop is None else (src.args.stop or None)
+    return DraftModel(HFCausalLM(src.bundled_draft), k=src.args.k or k, top_k=src.args.tree or tree,
+                      stop_threshold=stop)
+
+
+def _auto(src: _DraftSource):
+    """Free candidates first; the w8 chain runs only for a request whose lookup is not trusted (MultiDraft
+    escalation: fewer than 2 accepted tokens per proposing step recently)."""
+    from specdec.drafters import DraftModel, MultiDraft, PromptLookup
+    from specdec.models.hf import HFCausalLM
+
+    a = src.args
+    return MultiDraft([PromptLookup(ngram=a.ngram, k=10),
+                       DraftModel(HFCausalLM(src.bundled_draft), k=a.k or 6, top_k=a.tree or 1,
+                                  stop_threshold=a.stop or None)], escalate=2.0)
+
+
+def _folder_model(src: _DraftSource):
+    from specdec.drafters import DraftModel
+    from specdec.models.hf import HFCausalLM
+
+    a = src.args
+    dmodel, _ = load_hf_folder(a.draft_model)
+    return DraftModel(HFCausalLM(dmodel), k=a.k or 4, top_k=a.tree or 1, stop_threshold=a.stop or None)
+
+
+def _lookup(src: _DraftSource):
+    from specdec.drafters import PromptLookup
+
+    return PromptLookup(ngram=src.args.ngram, k=src.args.k or 10)
+
+
+def _suffix(src: _DraftSource):
+    from specdec.drafters import SuffixDrafter
+
+    return SuffixDrafter(max_spec=src.args.k or 16)
+
+
+def _recycle(src: _DraftSource):
+    from specdec.drafters import TokenRecycling
+
+    return TokenRecycling(max_depth=src.args.k or 6)
+
+
+def _documents(src: _DraftSource):
+    """Retrieval from the paragraphs (blank-line separated) of the ``--docs`` files."""
+    from specdec.drafters import DocumentDrafter
+
+    docs = []
+    for f in src.doc_files:
+        text = Path(f).read_text()
+        docs += [p for p in text.split("\n\n") if p.strip()]
+    if not docs:
+        raise ValueError(f"--draft docs: {', '.join(src.doc_files)} holds no text")
+    return DocumentDrafter(docs, tokenizer=src.tok, max_spec=src.args.k or 16)
+
+
+#: ``--draft`` name -> the factory of its drafter (None: plain decoding), in the order ``--help`` lists them
+DRAFTER_PRESETS: Dict[str, Callable[[_DraftSource], object]] = {
+    "auto": _auto, "int8": _bundled_copy, "w8": _bundled_copy, "bf16": _bundled_copy, "lookup": _lookup,
+    "suffix": _suffix, "recycle": _recycle, "docs": _documents, "model": _folder_model, "none": lambda src: None,
+}
+
+
+def _check_draft_options(args: argparse.Namespace, bundled: bool) -> str:
+    """The ``--draft`` preset the options ask for (its default depends on the model), or ValueError."""
     draft = args.draft or ("model" if args.draft_model else "auto" if bundled else "lookup")
     if draft == "model" and not args.draft_model:
         raise ValueError("--draft model needs --draft-model PATH (a Hugging Face model folder)")
@@ -157,47 +232,32 @@ def _load(args: argparse.Namespace):
         raise ValueError("--draft docs needs a document file: --draft docs FILE (or --docs FILE)")
     if doc_files and draft != "docs":
         raise ValueError(f"document files are only used with --draft docs (got --draft {draft})")
+    return draft
+
+
+def _load(args: argparse.Namespace):
+    """(target, drafter, tokenizer, draft name) from the shared options."""
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from specdec.models.bundled import load_bundled
+    from specdec.models.hf import HFCausalLM
+
+    bundled = _is_bundled(args.model)
+    draft = _check_draft_options(args, bundled)
+    bundled_draft = None   # the bundled model's draft copy, loaded with it for int8 / w8 / bf16 / auto
     if bundled:
-        loaded = load_bundled(args.model, draft="w8" if draft == "auto" else
-                              draft if draft in ("int8", "w8", "bf16") else None)
-        model, tok = loaded[0], loaded[1]
+        model, tok, *rest = load_bundled(args.model, draft="w8" if draft == "auto" else
+                                         draft if draft in ("int8", "w8", "bf16") else None)
+        bundled_draft = rest[0] if rest else None
     else:
         model, tok = load_hf_folder(args.model)
         if tok is None:
             raise ValueError(f"{args.model}: the folder holds no tokenizer (tokenizer.json / tokenizer_config.json)")
     target = HFCausalLM(model)
-    if draft in ("int8", "w8", "bf16"):
-        # defaults measured on a 2-core CPU (benchmarks/bench_e2e.py); see the README's benchmark table
-        k, tree, stop = {"int8": (6, 4, 0.3), "w8": (6, 1, None), "bf16": (8, 1, None)}[draft]
-        stop = stop if args.stop is None else (args.stop or None)
-        drafter = DraftModel(HFCausalLM(loaded[2]), k=args.k or k, top_k=args.tree or tree, stop_threshold=stop)
-    elif draft == "auto":
-        # free candidates first; the w8 chain runs only for a request whose lookup is not trusted
-        # (MultiDraft escalation: fewer than 2 accepted tokens per proposing step recently)
-        drafter = MultiDraft([PromptLookup(ngram=args.ngram, k=10),
-                              DraftModel(HFCausalLM(loaded[2]), k=args.k or 6, top_k=args.tree or 1,
-                                         stop_threshold=args.stop or None)], escalate=2.0)
-    elif draft == "model":
-        dmodel, _ = load_hf_folder(args.draft_model)
-        drafter = DraftModel(HFCausalLM(dmodel), k=args.k or 4, top_k=args.tree or 1,
-                             stop_threshold=args.stop or None)
-    elif draft == "lookup":
-        drafter = PromptLookup(ngram=args.ngram, k=args.k or 10)
-    elif draft == "suffix":
-        drafter = SuffixDrafter(max_spec=args.k or 16)
-    elif draft == "recycle":
-        drafter = TokenRecycling(max_depth=args.k or 6)
-    elif draft == "docs":
-        docs = []
-        for f in doc_files:
-            text = Path(f).read_text()
-            docs += [p for p in text.split("\n\n") if p.strip()]
-        if not docs:
-            raise ValueError(f"--draft docs: {', '.join(doc_files)} holds no text")
-        drafter = DocumentDrafter(docs, tokenizer=tok, max_spec=args.k or 16)
-    else:
-        drafter = None
-    return target, drafter, tok, draft
+    src = _DraftSource(args, draft, tok, bundled_draft, args.docs_opt or [])
+    return target, DRAFTER_PRESETS[draft](src), tok, draft
 
 
 class _Streamer:
