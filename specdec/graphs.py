@@ -1,9 +1,8 @@
 """The target's forward captured in CUDA graphs: one graph per step shape, replayed.
 
-Why (napkin math, not measured here): on a GPU a small model's step is bound by kernel launches,
-not by the weights (SmolLM2-135M: ~12 kernels per layer, 30 layers, ~400 launches per forward at a
-few microseconds each, while its 538 MB of weights take ~0.1 ms at an H200's ~4.8 TB/s). A CUDA graph records the
-launches once and replays them with one host call.
+Why: on a GPU a small model's step is bound by kernel launches (about a dozen per layer, each a few
+microseconds of host time), not by streaming its weights (docs/design.md, "Where a small model's
+time goes"). A CUDA graph records the launches once and replays them with one host call.
 
 :class:`GraphedForward` wraps an :class:`~specdec.models.hf.HFCausalLM` (any object with its
 ``forward(cache, tokens, depths, tree_mask=None, kv_offset=0)``) and is used in its place, e.g.
@@ -30,6 +29,8 @@ from collections import OrderedDict
 from typing import Any, Dict, Optional, Tuple
 
 import torch
+
+from specdec._check import check_int
 
 __all__ = ["GraphedForward"]
 
@@ -63,10 +64,8 @@ class GraphedForward:
     """
 
     def __init__(self, lm, max_graphs: int = 16, warmup: int = 2, capture: Optional[bool] = None) -> None:
-        if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
-            raise ValueError(f"GraphedForward: max_graphs must be an int >= 1, got {max_graphs!r}")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
-            raise ValueError(f"GraphedForward: warmup must be an int >= 1, got {warmup!r}")
+        check_int("GraphedForward", "max_graphs", max_graphs, lo=1, type_error=False)
+        check_int("GraphedForward", "warmup", warmup, lo=1, type_error=False)
         if not callable(getattr(lm, "forward", None)):
             raise TypeError(f"GraphedForward: lm must have a forward(cache, tokens, depths, tree_mask, kv_offset), "
                             f"got {type(lm).__name__}")

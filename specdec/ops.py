@@ -71,8 +71,9 @@ def prefill_rows() -> Iterator[None]:
     For prompt prefill: the tiles are faster than the few-row kernels on short prompts with
     quantized weights (docs/benchmarks.md), and a row's result then depends neither on the
     prompt's length nor on the batch it is prefilled with. It differs in rounding from the few-row
-    kernels, which decode steps and verify passes keep outside the block (a verify row equals a decode step bit for bit, which
-    keeps greedy speculation token-exact); plain and speculative decoding share the prefill.
+    kernels, which decode steps and verify passes keep outside the block (a verify row equals a
+    decode step bit for bit, which keeps greedy speculation token-exact); plain and speculative
+    decoding share the prefill.
     :meth:`specdec.HFCausalLM.prefill` uses it. CUDA ops ignore it. Nests; restores on exit."""
     was = _C.set_cpu_prefill(True)
     try:
@@ -246,7 +247,8 @@ def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: 
     scales, mins : float16 [N, K / 32] (d, m per output row and group); bias : [N], x's dtype.
     Returns [..., N] in x's dtype; float32 accumulation, one rounding. The weight is streamed
     once for all M = x.numel() / K rows (CPU: the kernel for every M, 32 rows per pass over the
-    weight; CUDA: the kernel for M <= 16, cuBLAS on the dequantized float32 weight above). See :func:`quantize_weight_groups`.
+    weight; CUDA: the kernel for M <= 16, cuBLAS on the dequantized float32 weight above).
+    See :func:`quantize_weight_groups`.
     """
     return _ops.qlinear(x, qweight, scales, mins, bias, int(bits))
 
@@ -318,7 +320,7 @@ def decoder_layer(x: torch.Tensor, h: torch.Tensor, weights: Sequence[torch.Tens
                           int(kv_offset), float(scale), int(num_heads), int(num_kv_heads))
 
 
-# the overload itself: ~1 us less per call than the packet (called once per layer and forward)
+# the overload itself, not the packet: it skips the overload resolution on every call (once per layer and forward)
 _decoder_layer = _ops.decoder_layer.default
 
 

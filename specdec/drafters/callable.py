@@ -5,6 +5,7 @@ from typing import List, Optional
 
 import torch
 
+from specdec._check import check_int, is_int
 from specdec.drafters.base import Draft, Drafter, StepContext
 from specdec.tree import TokenTree
 
@@ -28,8 +29,7 @@ class CallableDrafter(Drafter):
     def __init__(self, fn, max_nodes: int = 16, name: Optional[str] = None) -> None:
         if not callable(fn):
             raise TypeError(f"CallableDrafter: fn must be callable, got {type(fn).__name__}")
-        if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
-            raise ValueError(f"CallableDrafter: max_nodes must be an int >= 1, got {max_nodes!r}")
+        check_int("CallableDrafter", "max_nodes", max_nodes, lo=1, type_error=False)
         self.fn = fn
         self.max_nodes = max_nodes
         self.name = name or f"CallableDrafter({getattr(fn, '__name__', type(fn).__name__)})"
@@ -58,7 +58,7 @@ class CallableDrafter(Drafter):
                 raise TypeError(f"{self.name}: request {rid}: each candidate must be a list of token ids, "
                                 f"got {type(c).__name__}")
             for t in c:
-                if isinstance(t, bool) or not isinstance(t, int):
+                if not is_int(t):
                     raise TypeError(f"{self.name}: request {rid}: candidate token {t!r} is not an int")
                 if not 0 <= t < self.vocab_size:
                     raise ValueError(f"{self.name}: request {rid}: candidate token {t} outside the vocabulary "

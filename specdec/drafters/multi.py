@@ -58,6 +58,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from specdec._check import check_int, is_int, is_number
 from specdec.drafters.base import Draft, Drafter, StepContext
 from specdec.drafters.validate import check_draft
 from specdec.sampling import SamplingParams
@@ -105,7 +106,7 @@ class MultiDraft(Drafter):
             raise ValueError("MultiDraft: the same drafter object appears twice (each member keeps its own state)")
         self.members = list(drafters)
         if escalate is not None:
-            if isinstance(escalate, bool) or not isinstance(escalate, (int, float)) or not escalate > 0:
+            if not is_number(escalate) or not escalate > 0:
                 raise ValueError(f"MultiDraft: escalate must be a number > 0 (accepted tokens per step) or None, "
                                  f"got {escalate!r}")
             escalate = float(escalate)
@@ -125,16 +126,14 @@ class MultiDraft(Drafter):
                 raise ValueError(f"MultiDraft: budgets must hold one int per drafter ({len(self.members)}), "
                                  f"got {len(budgets)}")
             for i, n in enumerate(budgets):
-                if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                    raise ValueError(f"MultiDraft: budgets[{i}] must be an int >= 1, got {n!r}")
+                check_int("MultiDraft", f"budgets[{i}]", n, lo=1, type_error=False)
             self.budgets: Optional[List[int]] = [min(n, c) if c > 0 else 0 for n, c in zip(budgets, caps)]
             total = sum(self.budgets)
         else:
             self.budgets = None
             total = sum(caps)
             if node_budget is not None:
-                if isinstance(node_budget, bool) or not isinstance(node_budget, int) or \
-                        node_budget < 1 + len(self.members):
+                if not is_int(node_budget) or node_budget < 1 + len(self.members):
                     raise ValueError(f"MultiDraft: node_budget must be an int >= 1 + {len(self.members)} (root + one "
                                      f"node per drafter), got {node_budget!r}")
                 total = min(total, node_budget - 1)

@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from specdec._check import check_int, require_int
 from specdec.drafters.base import Draft, Drafter, StepContext
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
@@ -79,25 +80,21 @@ class PromptLookup(Drafter):
         Continuations from up to this many latest occurrences of the matched n-gram, merged into
         a token tree (1 = a chain from the latest occurrence).
 
-    Defaults (k=10, min_ngram=2) come from the end-to-end benchmark on SmolLM2 / CPU: a target
-    pass over 2..16 nodes costs about the same (1.7-2x a 1-node pass there), so long proposals
-    are cheap once any is made, while 1-token matches are mostly noise and make open-ended text
-    slower (k=10, min_ngram=1: 0.82x plain on open-ended prompts; min_ngram=2: 1.00x, and 1.98x
-    on input-grounded prompts).
+    Defaults (k=10, min_ngram=2): on a CPU target a pass over 2..16 nodes costs about the same,
+    so long proposals are cheap once any is made, while 1-token matches are mostly noise and make
+    open-ended text slower (docs/drafters.md).
     """
 
     def __init__(self, ngram: int = 3, k: int = 10, min_ngram: Optional[int] = None, matches: int = 1) -> None:
         if min_ngram is None:
             min_ngram = min(2, ngram) if isinstance(ngram, int) else 2
         for name, v in (("ngram", ngram), ("k", k), ("min_ngram", min_ngram)):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"PromptLookup: {name} must be an int, got {type(v).__name__}")
+            require_int("PromptLookup", name, v)
         if k < 1:
             raise ValueError(f"PromptLookup: k must be >= 1, got {k}")
         if not 1 <= min_ngram <= ngram:
             raise ValueError(f"PromptLookup: need 1 <= min_ngram <= ngram, got min_ngram={min_ngram}, ngram={ngram}")
-        if isinstance(matches, bool) or not isinstance(matches, int) or matches < 1:
-            raise ValueError(f"PromptLookup: matches must be an int >= 1, got {matches!r}")
+        check_int("PromptLookup", "matches", matches, lo=1, type_error=False)
         self.ngram = ngram
         self.k = k
         self.min_ngram = min_ngram

@@ -13,9 +13,8 @@ template (node = (parent, rank): its token is ``table[token(parent), rank]``).
   token appears at several nodes of the pass, the last node (highest flat index b * N + i)
   wins, so the update is deterministic; no host synchronisation. On a CPU target the same
   update is one C++ call (``specdec._C.recycling_observe`` on numpy views of the tables: one
-  pass over the logits with a vectorised threshold test, ~40 us per 13-node pass on the
-  bundled target against ~320 us for the torch calls); the tests check that both paths write
-  the same rows.
+  pass over the logits with a vectorised threshold test instead of a dozen torch dispatches);
+  the tests check that both paths write the same rows.
 * ``propose`` fills the template level by level with gathers on the device; one host copy
   of the [b, T] tokens then drops the nodes whose table entry is empty (and their
   subtrees) and those deeper than the request's budget. On a CPU target that copy is free;
@@ -26,11 +25,9 @@ holds the top-w next tokens seen after that pair (hashed rows [H, w] with the ex
 stored beside each row, so a collision is a miss, never a wrong row); a node whose (parent
 token, token) pair has a row drafts from it, otherwise from the one-token row. Both tables
 are written from every node of every verify pass (a root's previous token is the last token
-before it in its sequence). On SmolLM2-135M a one-token key mixes the continuations of every
-context a token was seen in; the pair key keeps them apart (an offline replay of the bench
-prompt sets, chain of top-1 drafts: repetitive 0.66 -> 1.10 accepted tokens per step, open
-chat 0.09 -> 0.12; in the loop, 12-node template, policy fixed: repetitive 1.545 -> 1.750 and
-open 1.295 -> 1.336 mean accepted length, exploratory). ``context=1`` is the paper's table alone.
+before it in its sequence). A one-token key mixes the continuations of every context a token
+was seen in; the pair key keeps them apart, which is why it is the default (docs/drafters.md).
+``context=1`` is the paper's table alone.
 
 The template: the ``node_budget - 1`` best (parent, rank) nodes under a rank prior
 (``rank_prior[r]`` ~ how often the rank-r token is accepted; a node's score is the product
@@ -48,6 +45,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from specdec import _C
+from specdec._check import require_int
 from specdec.drafters.base import Draft, Drafter, StepContext
 from specdec.tree import TokenTree
 
@@ -61,8 +59,8 @@ def _topk_indices(x: torch.Tensor, w: int, chunk: int = 256) -> torch.Tensor:
     """``x.topk(w, dim=-1).indices`` for [M, V] logits with a large V, in two cheap passes: the w chunks
     (of ``chunk`` columns) with the largest maxima hold the w largest values (a value outside them has
     w larger chunk maxima above it), so one vectorised max per chunk and two small topk calls replace a
-    topk over the whole row (CPU, V = 49152, 12 rows: ~0.3 ms against ~1.1 ms). Ties may order
-    differently from torch.topk (the table only steers drafts, which are verified)."""
+    topk over the whole row, which on the CPU costs more at a large V. Ties may order differently
+    from torch.topk (the table only steers drafts, which are verified)."""
     M, V = x.shape
     C = -(-V // chunk)
     if C <= 2 * w:
@@ -125,10 +123,7 @@ class TokenRecycling(Drafter):
                  rank_prior: Optional[Sequence[float]] = None, context: int = 2, pair_rows: int = 1 << 16) -> None:
         for name, v, lo in (("top_w", top_w, 1), ("node_budget", node_budget, 2), ("max_depth", max_depth, 1),
                             ("context", context, 1), ("pair_rows", pair_rows, 1)):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"TokenRecycling: {name} must be an int, got {type(v).__name__}")
-            if v < lo:
-                raise ValueError(f"TokenRecycling: {name} must be >= {lo}, got {v}")
+            require_int("TokenRecycling", name, v, lo)
         if rank_prior is None:
             rank_prior = [0.6, 0.15, 0.08, 0.05, 0.03, 0.02, 0.01, 0.01][:top_w] + [0.005] * max(0, top_w - 8)
         if context > 2:
@@ -228,7 +223,7 @@ class TokenRecycling(Drafter):
     def observe_verify(self, tree: TokenTree, logits: torch.Tensor) -> None:
         """Write the top-w next tokens of every node of a verify pass into its token's row."""
         if self.device.type == "cpu" and self.host_levels and logits.dtype == torch.float32:
-            # one C++ call on numpy views of the tables (~40 us against ~320 us for the torch calls below)
+            # one C++ call on numpy views of the tables instead of the torch calls below
             b = tree.tokens.shape[0]
             prev = self._prev_roots if self.context == 2 else None
             if prev is not None and prev.shape[0] != b:
@@ -278,7 +273,7 @@ class TokenRecycling(Drafter):
             prev_roots = [seq[-2] if len(seq) >= 2 else -1 for seq in ctx.sequences]
         if self.device.type == "cpu" and self.host_levels:
             # the same gathers on numpy views of the tables (they share the tensors' memory): a numpy
-            # call costs ~1 us against ~5 us for a torch call, and a template takes ~13 calls per level
+            # call costs a fraction of a torch call's dispatch, and a template takes a dozen calls per level
             ext = np.full((b, T + 1), -1, dtype=np.int64)
             ext[:, 0] = ctx.roots.numpy()
             if pairs:

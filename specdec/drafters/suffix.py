@@ -34,6 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from specdec import _C
+from specdec._check import is_int, is_number, non_int_index, out_of_vocab, require_int
 from specdec.drafters.base import Draft, Drafter, StepContext
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
@@ -41,17 +42,9 @@ from specdec.tree import TokenTree
 __all__ = ["SuffixDrafter", "DocumentDrafter"]
 
 
-def _check_int(owner: str, name: str, v, lo: int, allow_none: bool = False) -> None:
-    if v is None and allow_none:
-        return
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"{owner}: {name} must be an int{' or None' if allow_none else ''}, got {type(v).__name__}")
-    if v < lo:
-        raise ValueError(f"{owner}: {name} must be >= {lo}, got {v}")
-
-
 def _check_float(owner: str, name: str, v, lo: float, hi: float) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= float(v) <= hi:
+    """A number in [lo, hi] (NaN is not), as a float."""
+    if not is_number(v) or not lo <= float(v) <= hi:
         raise ValueError(f"{owner}: {name} must be a number in [{lo}, {hi}], got {v!r}")
     return float(v)
 
@@ -64,11 +57,11 @@ class _SuffixProposer(Drafter):
     def _init_speculation(self, max_depth: int, max_match: int, min_match: int, max_spec: int, spec_factor: float,
                           spec_offset: float, min_token_prob: float, node_budget: int) -> None:
         n = self._name
-        _check_int(n, "max_depth", max_depth, 2)
-        _check_int(n, "max_match", max_match, 1)
-        _check_int(n, "min_match", min_match, 1)
-        _check_int(n, "max_spec", max_spec, 1)
-        _check_int(n, "node_budget", node_budget, 2)
+        require_int(n, "max_depth", max_depth, 2)
+        require_int(n, "max_match", max_match, 1)
+        require_int(n, "min_match", min_match, 1)
+        require_int(n, "max_spec", max_spec, 1)
+        require_int(n, "node_budget", node_budget, 2)
         if max_depth > 1024:
             raise ValueError(f"{n}: max_depth must be <= 1024, got {max_depth}")
         if max_match >= max_depth:
@@ -138,7 +131,7 @@ class SuffixDrafter(_SuffixProposer):
         ``max_depth`` prompt tokens, so that a later request's first tokens can be matched).
 
     Defaults: ``node_budget=16`` because a target pass over 2..16 nodes costs about the same on
-    the benchmark CPU (DESIGN.md napkin math); ``min_match=2`` for the reason PromptLookup gives.
+    a CPU target, and ``min_match=2`` for the reason PromptLookup gives (docs/drafters.md).
     """
 
     _name = "SuffixDrafter"
@@ -150,8 +143,8 @@ class SuffixDrafter(_SuffixProposer):
                  use_global_cache: bool = True) -> None:
         self._init_speculation(max_depth, max_match, min_match, max_spec, spec_factor, spec_offset, min_token_prob,
                                node_budget)
-        _check_int(self._name, "max_cached_tokens", max_cached_tokens, 1, allow_none=True)
-        _check_int(self._name, "max_cached_requests", max_cached_requests, 1, allow_none=True)
+        require_int(self._name, "max_cached_tokens", max_cached_tokens, 1, allow_none=True)
+        require_int(self._name, "max_cached_requests", max_cached_requests, 1, allow_none=True)
         self.cache_prompts = bool(cache_prompts)
         self.use_global_cache = bool(use_global_cache)
         self.max_cached_tokens = max_cached_tokens
@@ -297,15 +290,14 @@ class DocumentDrafter(_SuffixProposer):
             raise TypeError(f"DocumentDrafter: document {i} must be a string or a list of token ids, "
                             f"got {type(doc).__name__}")
         ids = list(ids)
-        for j, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise TypeError(f"DocumentDrafter: document {i} holds a non-integer token {t!r} at position {j}")
+        j = non_int_index(ids)
+        if j is not None:
+            raise TypeError(f"DocumentDrafter: document {i} holds a non-integer token {ids[j]!r} at position {j}")
         if not ids:
             raise ValueError(f"DocumentDrafter: document {i} is empty (no tokens)")
-        lo, hi = min(ids), max(ids)
         limit = self.vocab_size
-        if lo < 0 or (limit is not None and hi >= limit):
-            bad = lo if lo < 0 else hi
+        bad = out_of_vocab(ids, limit)
+        if bad is not None:
             raise ValueError(f"DocumentDrafter: document {i} holds token id {bad}, outside the vocabulary "
                              f"[0, {limit if limit is not None else 'V'})")
         return ids
@@ -313,7 +305,7 @@ class DocumentDrafter(_SuffixProposer):
     def add_documents(self, docs) -> List[int]:
         """Add documents (validated all together first: on an error nothing is added). Returns their ids."""
         if isinstance(docs, (str, torch.Tensor)) or (isinstance(docs, (list, tuple)) and docs and
-                                                     isinstance(docs[0], int) and not isinstance(docs[0], bool)):
+                                                     is_int(docs[0])):
             raise TypeError("DocumentDrafter: docs must be a list of documents (strings or token lists); "
                             "wrap a single document as [doc]")
         try:
