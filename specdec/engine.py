@@ -24,11 +24,9 @@ seed-coupled (its tokens equal plain seeded sampling whatever the drafter and th
 :func:`specdec.sampling.verify_rows` decides every row under its own setting; docs/design.md
 explains both.
 
-Failure isolation: a drafter that raises is cancelled and the step runs as a plain step for
-every row; a proposal that is invalid for some rows (untrusted drafters: the host check of
-:func:`specdec.drafters.base.draft_errors`) is cut back to the root for those rows only. Both
-are logged (logger ``specdec.engine``) and counted (``stats()["drafter_errors"]``); the batch
-never fails for them.
+Failure isolation (:mod:`specdec.drafters.guard`): a drafter that raises, or proposes an invalid
+tree, costs the rows concerned one plain step, is logged and counted (``stats()["drafter_errors"]``);
+the batch never fails for it.
 """
 from __future__ import annotations
 
@@ -43,7 +41,7 @@ import torch
 from specdec._check import check_token_ids, is_int
 from specdec.cache import RowViews, move_cache_rows
 from specdec.drafters.base import Draft, Drafter, StepContext
-from specdec.drafters.validate import check_draft, draft_errors
+from specdec.drafters.guard import DraftGuard
 from specdec.metrics import MetricsRecorder, static_memory_bytes
 from specdec.request import QueueFull, Request, RequestOutput, RequestParams
 from specdec.sampling import SamplingParams, make_generator, verify_rows
@@ -107,6 +105,7 @@ class Engine:
         self._t_prev: Optional[float] = None
         self.counters = dict(requests_added=0, requests_finished=0, requests_aborted=0, steps=0,
                              generated_tokens=0, drafted_tokens=0, accepted_tokens=0, drafter_errors=0)
+        self._guard = DraftGuard(name, drafter_errors, self.vocab_size, self.max_nodes, self.counters)
 
     @staticmethod
     def _check_args(name, target, drafter, max_batch, max_len, policy, max_waiting, drafter_errors) -> None:
@@ -362,52 +361,6 @@ class Engine:
         return self.scheduler.plan(uids, [r.params.max_new_tokens - len(r.new) - 1 for r in reqs],
                                    closed=self._closed and not self._waiting, behind=behind)
 
-    def _propose(self, ctx: StepContext) -> Tuple[Draft, bool]:
-        """The drafter's proposal, with failures isolated (see the module docstring); the flag says
-        whether the drafter's proposal is the one verified (False: a plain step replaced it)."""
-        drafter = self.drafter
-        try:
-            draft = drafter.propose(ctx)
-        except Exception as exc:  # a broken drafter never fails the batch: plain step for every row
-            self.counters["drafter_errors"] += 1
-            if self.drafter_errors == "raise":
-                raise
-            log.warning("%s: drafter %s raised %s: %s; plain decoding for this step", self.name,
-                        type(drafter).__name__, type(exc).__name__, exc)
-            try:
-                drafter.cancel()
-            except Exception:  # noqa: BLE001 -- a drafter that cannot even cancel stays out of this step
-                log.exception("%s: drafter %s failed to cancel", self.name, type(drafter).__name__)
-            return Draft(TokenTree.root_only(ctx.roots)), False
-        if drafter.trusted:
-            return draft, True
-        return self._checked(draft, ctx)
-
-    def _checked(self, draft: Draft, ctx: StepContext) -> Tuple[Draft, bool]:
-        """An untrusted drafter's proposal checked on the host: invalid rows are cut back to their root."""
-        drafter = self.drafter
-        roots = [seq[-1] for seq in ctx.sequences]
-        if self.drafter_errors == "raise":
-            try:
-                check_draft(draft, type(drafter).__name__, ctx.request_ids, self.vocab_size, self.max_nodes, roots)
-            except (TypeError, ValueError):
-                drafter.cancel()
-                raise
-            return draft, True
-        fatal, bad = draft_errors(draft, type(drafter).__name__, ctx.request_ids, self.vocab_size, self.max_nodes,
-                                  roots)
-        if fatal is not None:
-            self.counters["drafter_errors"] += 1
-            log.warning("%s: %s; plain decoding for this step", self.name, fatal)
-            drafter.cancel()
-            return Draft(TokenTree.root_only(ctx.roots)), False
-        if bad:
-            self.counters["drafter_errors"] += len(bad)
-            for msg in bad.values():
-                log.warning("%s: %s; plain decoding for that request this step", self.name, msg)
-            draft = _cut_rows(draft, sorted(bad), len(ctx.request_ids), ctx.roots)
-        return draft, True
-
     def _spec_step(self, deltas) -> List[int]:
         """plan -> propose -> verify -> commit -> emit over every active row; returns the finished rows."""
         clock = self.recorder.clock
@@ -425,7 +378,7 @@ class Engine:
             else:
                 ctx = StepContext(roots=self._roots, sequences=[r.seq for r in reqs], request_ids=uids,
                                   budgets=plan.budgets, params=self._step_params())
-                draft, consulted = self._propose(ctx)
+                draft, consulted = self._guard.propose(drafter, ctx)
         tree = draft.tree
         with clock.phase("verify"):
             logits = self.target.forward(cache, tree.tokens, tree.depths, tree.attention_mask())   # [b, N, V]
@@ -521,21 +474,3 @@ class Engine:
         else:
             self._roots = self._roots[:b_new]
 
-
-def _cut_rows(draft: Draft, rows: Sequence[int], b: int, roots: torch.Tensor) -> Draft:
-    """The proposal with the given rows cut back to their root (padding everywhere else)."""
-    tree = draft.tree
-    keep = torch.ones(b, dtype=torch.bool, device=tree.tokens.device)
-    keep[list(rows)] = False
-    node = torch.arange(tree.size, device=tree.tokens.device).view(1, -1)
-    real = keep.view(b, 1) | (node == 0)
-    parents = torch.where(real, tree.parents, -1).to(torch.int32)
-    parents[:, 0] = -1
-    cut = set(rows)
-    nodes = [1 if r in cut else n for r, n in enumerate(tree.num_nodes)]
-    tokens = torch.where(real, tree.tokens, -1)
-    tokens[:, 0] = roots
-    depths = torch.where(real, tree.depths, 0).to(torch.int32)
-    depths[:, 0] = 0
-    new = TokenTree(tokens.contiguous(), parents.contiguous(), depths.contiguous(), nodes, is_chain=False)
-    return Draft(new, draft.draft_probs)
