@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
+from specdec._check import is_int, is_number
 from specdec.engine import RequestParams
 
 __all__ = ["APIError", "ParsedRequest", "RequestParser", "Replies", "find_stop", "sse"]
@@ -29,7 +30,7 @@ def _number(body: Dict[str, Any], name: str, default, kind, lo=None, hi=None, lo
     v = body.get(name, default)
     if v is None:
         v = default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
+    if not (is_int(v) if kind is int else is_number(v)):
         raise APIError(400, f"'{name}' must be {'an integer' if kind is int else 'a number'}, got {v!r}", param=name)
     if lo is not None and (v <= lo if lo_open else v < lo):
         raise APIError(400, f"'{name}' must be {'>' if lo_open else '>='} {lo}, got {v}", param=name)
@@ -113,7 +114,7 @@ class RequestParser:
         top_p = _number(body, "top_p", 1.0, float, lo=0.0, hi=1.0, lo_open=True)
         top_k = _number(body, "top_k", 0, int, lo=0)
         seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        if seed is not None and not is_int(seed):
             raise APIError(400, f"'seed' must be an integer, got {seed!r}", param="seed")
         stop = _stop_strings(body)
         stream = body.get("stream", False)
