@@ -825,7 +825,7 @@ def test_planned_tree_learns_its_draft():
     re-plans from them. With the target itself as the draft every rank-0 child is accepted: the learned
     rates move rank 0 towards 1 and the siblings towards 0 at every depth, and the plan turns into a spine
     of the full depth."""
-    from specdec.drafters.draft_model import _PLAN_EVERY, GREEDY_RANK_ACCEPT
+    from specdec.drafters.draft_model import GREEDY_RANK_ACCEPT, PLAN_EVERY as _PLAN_EVERY
 
     target = ToyLM(vocab=12, seed=0)
     drafter = DraftModel(target, k=4, top_k=2, node_budget=8, tree="planned", learn_plan=True)
