@@ -47,11 +47,14 @@
 // B * Hkv * N * D * sizeof(dtype) bytes per tensor, reading and writing once.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAMacros.h>
 
 #include <algorithm>
 #include <initializer_list>
 #include <limits>
+#include <mutex>
 
 #include "checks.h"
 #include "common.cuh"
@@ -653,6 +656,34 @@ __global__ void attention_combine_kernel(const float* __restrict__ part_o,    //
   store4(out + row * D + 4 * c, acc);
 }
 
+// The dynamic shared memory a launch of verify_attention_kernel<T, D> may use on the current device.
+// cudaFuncSetAttribute(MaxDynamicSharedMemorySize) is per (kernel, device), not per launch: setting it
+// before each launch to that launch's size (which grows with the mask words, i.e. with N) would race
+// between host threads -- a thread that lowers the limit between another thread's set and launch makes
+// that launch fail. So the limit is raised ONCE per (instantiation, device) to the largest size any
+// launch can ask for: the device's opt-in maximum less the kernel's static shared memory (none today).
+// Larger layouts are refused by the caller with a clear error. A launch reserves only the bytes it
+// asks for, so the high limit costs no occupancy.
+template <typename T, int D>
+size_t verify_attention_smem_limit() {
+  static std::once_flag once[C10_COMPILE_TIME_MAX_GPUS];
+  static size_t limit[C10_COMPILE_TIME_MAX_GPUS];
+  const int dev = int(c10::cuda::current_device());
+  TORCH_CHECK(dev >= 0 && dev < C10_COMPILE_TIME_MAX_GPUS, "verify_attention: device index ", dev,
+              " out of range");
+  std::call_once(once[dev], [dev] {  // a throw leaves the flag unset: the next call retries
+    auto kernel = verify_attention_kernel<T, D>;
+    cudaFuncAttributes attr{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+    const cudaDeviceProp* prop = at::cuda::getDeviceProperties(c10::DeviceIndex(dev));
+    const size_t optin = prop->sharedMemPerBlockOptin;
+    const size_t dyn = optin > attr.sharedSizeBytes ? optin - attr.sharedSizeBytes : 0;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dyn)));
+    limit[dev] = dyn;
+  });
+  return limit[dev];
+}
+
 template <typename T, int D>
 void launch_verify_attention(AttnParams p, const at::Tensor& out, cudaStream_t stream) {
   using Pol = AttnPolicy<T, D>;
@@ -664,11 +695,11 @@ void launch_verify_attention(AttnParams p, const at::Tensor& out, cudaStream_t s
   p.row_tiles = int(ceil_div(p.R, rows_per_tile));
   const AttnSmem lay = attn_smem<T, D>(nwarps, rows_per_tile, p.mask != nullptr ? p.W : 0);
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  TORCH_CHECK(lay.total <= prop->sharedMemPerBlockOptin, "verify_attention: N = ", p.N,
-              " tree nodes need ", lay.total, " bytes of shared memory per block on CUDA (the bit-packed mask rows),",
-              " more than the device's ", prop->sharedMemPerBlockOptin);
+  const size_t smem_limit = verify_attention_smem_limit<T, D>();
+  TORCH_CHECK(lay.total <= smem_limit, "verify_attention: N = ", p.N, " tree nodes need ", lay.total,
+              " bytes of shared memory per block on CUDA (the bit-packed mask rows), more than the device's ",
+              smem_limit);
   auto kernel = verify_attention_kernel<T, D>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(lay.total)));
 
   // Split the keys until the grid fills the GPU once (one wave at the achievable occupancy).
   // Each split writes rows_per_tile * D fp32 partials that the combine reads back (mostly
@@ -727,7 +758,7 @@ __global__ void append_kv_kernel(char* __restrict__ k_cache,        // [B, H, S,
                                  const char* __restrict__ v_new,    // [B, H, N, D], byte strides below
                                  const int32_t* __restrict__ lens,  // [B]
                                  int64_t kb_s, int64_t kh_s, int64_t kn_s, int64_t vb_s, int64_t vh_s,
-                                 int64_t vn_s, int B, int H, int S, int N, int offset, int64_t row_bytes) {
+                                 int64_t vn_s, int B, int H, int S, int N, int64_t offset, int64_t row_bytes) {
   const int64_t chunks = row_bytes / int64_t(sizeof(VT));
   const int64_t total = int64_t(B) * H * N * chunks;
   for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
@@ -738,8 +769,10 @@ __global__ void append_kv_kernel(char* __restrict__ k_cache,        // [B, H, S,
     rest /= N;
     const int h = int(rest % H);
     const int b = int(rest / H);
-    const int len = lens[b] + offset;
-    if (lens[b] < 0 || len > S - N) continue;  // unchecked bad length: write nothing rather than out of bounds
+    // int64: with strict checks off cache_lens[b] may be anything up to 2^31 - 1, and an int32
+    // cache_lens[b] + offset would wrap negative, pass the guard and write before the cache.
+    const int64_t len = int64_t(lens[b]) + offset;
+    if (lens[b] < 0 || len > int64_t(S) - N) continue;  // unchecked bad length: write nothing, not out of bounds
     const int64_t dst = ((int64_t(b) * H + h) * S + len + j) * row_bytes + c * int64_t(sizeof(VT));
     const int64_t off = c * int64_t(sizeof(VT));
     *reinterpret_cast<VT*>(k_cache + dst) =
@@ -855,7 +888,7 @@ void append_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& 
         static_cast<const char*>(k_new.data_ptr()), static_cast<const char*>(v_new.data_ptr()),
         lens.data_ptr<int32_t>(), k_new.stride(0) * es, k_new.stride(1) * es, k_new.stride(2) * es,
         v_new.stride(0) * es, v_new.stride(1) * es, v_new.stride(2) * es, int(B), int(H), int(S), int(N),
-        int(offset), row_bytes);
+        offset, row_bytes);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   if (vec == 16) launch(uint4{});

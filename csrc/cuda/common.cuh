@@ -166,6 +166,15 @@ __device__ __forceinline__ void zero16(void* smem_dst) {
   *reinterpret_cast<uint4*>(smem_dst) = make_uint4(0u, 0u, 0u, 0u);
 }
 
+// ---------------------------------------------------------------- cache lengths
+// kv_commit's length update cache_lens + num_accepted + 1, in int64 and saturated to the int32 range:
+// with strict checks off the inputs may be any int32 values, and an int32 sum would overflow (undefined;
+// in practice a wrap to a large negative length). Valid inputs (the checked contract) never saturate.
+__device__ __forceinline__ int32_t advanced_len(int32_t len, int32_t num_accepted) {
+  const int64_t next = int64_t(len) + int64_t(num_accepted) + 1;
+  return int32_t(next > INT32_MAX ? int64_t(INT32_MAX) : next < INT32_MIN ? int64_t(INT32_MIN) : next);
+}
+
 // ---------------------------------------------------------------- warp reductions
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll

@@ -24,7 +24,8 @@
 //
 // Unchecked values (strict checks off) never cause an out-of-bounds access: moves whose
 // source is not a node index in [0, N) or whose rows lie outside [0, S) are skipped and
-// num_accepted is clamped to [0, N - 1] for the moves.
+// num_accepted is clamped to [0, N - 1] for the moves; the length update is computed in int64 and
+// saturated to int32 (advanced_len), so an unchecked cache_lens near 2^31 - 1 does not wrap negative.
 //
 // Napkin math: 2 * L * B * Hkv * moved * D * sizeof(dtype) bytes read and as many
 // written; zero for chains. Llama-3-8B (L = 32, Hkv = 8, D = 128, bf16), B = 8, 3 moved
@@ -103,7 +104,7 @@ __global__ void advance_lens_kernel(int32_t* __restrict__ lens, int64_t lens_str
                                     const int32_t* __restrict__ num_acc,               // [B]
                                     int B) {
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
-  if (b < B) lens[b * lens_stride] += num_acc[b] + 1;
+  if (b < B) lens[b * lens_stride] = advanced_len(lens[b * lens_stride], num_acc[b]);
 }
 
 }  // namespace

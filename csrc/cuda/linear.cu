@@ -12,14 +12,23 @@
 // weight is read exactly once for all M rows: at M <= 16 the kernel is bound by HBM
 // bandwidth, not by FMA throughput (16 FMAs per 2-byte weight).
 // Rows whose base is not 16-byte aligned (K * es % 16 != 0) take a scalar loop.
-// Larger M (prefill) is compute-bound: cuBLAS through at::linear (int8 weights are
-// dequantised to x's dtype first).
+// Larger M (prefill) is compute-bound: cuBLAS. Float16 / bfloat16 weights go through at::linear.
+// float32 and int8 weights (and qlinear's dequantized weights) take gemm_f32: float32 operands
+// (int8 codes convert to float32 exactly; the scale multiplies the float32 dot product, as in the
+// small-M kernel), cublasGemmEx with CUBLAS_COMPUTE_32F_PEDANTIC -- float32 products and sums
+// whatever torch's matmul settings say (no TF32, no reduced-precision or emulated arithmetic) --
+// then y * scale + bias in float32 and ONE rounding to x's dtype. (Dequantizing int8 to a 16-bit
+// x dtype first would round every weight, then the output again.)
 //
 // Napkin math: Llama-3-8B bf16 decode, 15 GB of linear weights per forward, 4.8 TB/s
 // (H200): ~3.1 ms at M = 1..16.
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/Exceptions.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+#include <limits>
 
 #include "checks.h"
 #include "common.cuh"
@@ -124,6 +133,47 @@ void launch(const at::Tensor& x32, const at::Tensor& w, const float* scale, cons
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// ---------------------------------------------------------------- large M: float32 cuBLAS GEMM
+// y[m, n] = y[m, n] * scale[n] + bias[n] in float32 (one fused rounding, as the small-M kernel's
+// v * s + b); scale / bias may be null (1 / 0).
+__global__ void scale_bias_kernel(float* __restrict__ y, const float* __restrict__ scale,
+                                  const float* __restrict__ bias, int64_t M, int64_t N) {
+  const int64_t total = M * N;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t n = i % N;
+    y[i] = fmaf(y[i], scale ? scale[n] : 1.f, bias ? bias[n] : 0.f);
+  }
+}
+
+// y [M, N] float32 = x32 [M, K] @ w32 [N, K]^T (* scale[N]) (+ bias[N]); x32, w32 float32 contiguous.
+// CUBLAS_COMPUTE_32F_PEDANTIC: float32 products and accumulation, never down-converted to TF32 /
+// BF16x9 (torch.backends.cuda.matmul.allow_tf32, set_float32_matmul_precision and the handle's math
+// mode do not apply to an explicit pedantic compute type); the output is float32, so no reduction is
+// carried out in a narrower type either.
+at::Tensor gemm_f32(const at::Tensor& x32, const at::Tensor& w32, const float* scale, const float* bias) {
+  const int64_t M = x32.size(0), K = x32.size(1), N = w32.size(0);
+  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+  TORCH_CHECK(M <= kIntMax && N <= kIntMax && K <= kIntMax, "linear: sizes too large for cuBLAS (M = ", M,
+              ", N = ", N, ", K = ", K, ")");
+  at::Tensor y = at::empty({M, N}, x32.options());
+  // cuBLAS is column-major: the row-major y [M, N] is the column-major y^T [N, M] = w32 x32^T, with
+  // w32 (row-major [N, K] = column-major [K, N]) transposed and x32 (column-major [K, M]) as is.
+  cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();  // on the current stream
+  const float one = 1.f, zero = 0.f;
+  TORCH_CUDABLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(M), int(K), &one,
+                                    w32.data_ptr<float>(), CUDA_R_32F, int(K), x32.data_ptr<float>(), CUDA_R_32F,
+                                    int(K), &zero, y.data_ptr<float>(), CUDA_R_32F, int(N),
+                                    CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT));
+  if (scale != nullptr || bias != nullptr) {
+    const int threads = 256;
+    const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(ceil_div(M * N, threads), int64_t(sms) * 8));
+    scale_bias_kernel<<<unsigned(blocks), threads, 0, at::cuda::getCurrentCUDAStream()>>>(
+        y.data_ptr<float>(), scale, bias, M, N);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return y;
+}
 
 // ---------------------------------------------------------------- qlinear (group-quantized weights)
 // Same plan as above: one warp per output row, the weight row read once for all M rows of x.
@@ -231,19 +281,20 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std:
   const int64_t M = checks::linear_rows(x);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
-  const bool quantized = weight.scalar_type() == at::kChar;
-  if (M > cuda::kMaxM) {
-    if (!quantized) return at::linear(x, weight, bias);
-    const at::Tensor wd = (weight.to(at::kFloat) * weight_scale->unsqueeze(1)).to(x.scalar_type());
-    return at::linear(x, wd, bias);
-  }
-  const at::Tensor w = weight.contiguous();
+  const bool f16_weight = weight.scalar_type() == at::kHalf || weight.scalar_type() == at::kBFloat16;
+  if (M > cuda::kMaxM && f16_weight) return at::linear(x, weight, bias);
   const at::Tensor x32 = x.reshape({M, K}).to(at::kFloat).contiguous();
   std::optional<at::Tensor> b32, s32;
   if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
   if (weight_scale.has_value()) s32 = weight_scale->contiguous();
   const float* bp = b32.has_value() ? b32->data_ptr<float>() : nullptr;
   const float* sp = s32.has_value() ? s32->data_ptr<float>() : nullptr;
+  if (M > cuda::kMaxM) {  // float32 or int8 weight: float32 operands (int8 -> float32 is exact)
+    at::Tensor y = cuda::gemm_f32(x32, weight.to(at::kFloat).contiguous(), sp, bp);
+    if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
+    return y.view(out_shape);
+  }
+  const at::Tensor w = weight.contiguous();
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   switch (w.scalar_type()) {
     case at::kFloat: cuda::launch<float>(x32, w, sp, bp, y, int(M), N, K); break;
@@ -264,17 +315,17 @@ at::Tensor qlinear_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   const int64_t M = checks::linear_rows(x);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
-  if (M > cuda::kMaxM) {  // prefill: cuBLAS on the dequantized weight
-    // float32 operands: the contract's float32 accumulation and one rounding to x's dtype
-    const at::Tensor w32 = checks::qlinear_dequantize(qweight, scales, mins, bits, at::kFloat);
-    std::optional<at::Tensor> bf;
-    if (bias.has_value()) bf = bias->to(at::kFloat);
-    return at::linear(x.to(at::kFloat), w32, bf).to(x.scalar_type());
-  }
   const at::Tensor x32 = x.reshape({M, K}).to(at::kFloat).contiguous();
   std::optional<at::Tensor> b32;
   if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
   const float* bp = b32.has_value() ? b32->data_ptr<float>() : nullptr;
+  if (M > cuda::kMaxM) {  // prefill: cuBLAS on the dequantized weight
+    // float32 operands and float32 (pedantic) GEMM: the contract's float32 accumulation, one rounding
+    const at::Tensor w32 = checks::qlinear_dequantize(qweight, scales, mins, bits, at::kFloat).contiguous();
+    at::Tensor y = cuda::gemm_f32(x32, w32, nullptr, bp);
+    if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
+    return y.view(out_shape);
+  }
   const __half* mp = mins.has_value() ? reinterpret_cast<const __half*>(mins->data_ptr<at::Half>()) : nullptr;
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (bits == 8) cuda::launch_q<8, false>(x32, qweight, scales, mp, bp, y, int(M), N, K);

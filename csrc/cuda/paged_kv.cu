@@ -67,8 +67,11 @@ __global__ void __launch_bounds__(kWarps * 32) paged_verify_kernel(
   }
   const int64_t len = lens[b];
   const int64_t qoff = Nkv - N;
+  // Positions past the row's capacity have no slot (skipped below): stop there, so that an unchecked
+  // cache_lens of up to 2^31 - 1 does not walk 2^31 empty positions.
+  const int64_t end = min(len + Nkv, pt.M * pt.page_size);
   float m = kNegInf, l = 0.f;
-  for (int64_t s = 0; s < len + Nkv; ++s) {
+  for (int64_t s = 0; s < end; ++s) {
     if (s >= len) {
       const int64_t j = s - len;
       const bool visible = mask ? mask[(b * N + i) * Nkv + j] : j <= qoff + i;
@@ -113,7 +116,11 @@ __global__ void paged_append_kernel(T* __restrict__ kp, T* __restrict__ vp, cons
   const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;  // (b, j, h, d)
   if (e >= B * N * H * D) return;
   const int64_t d = e % D, h = (e / D) % H, j = (e / (D * H)) % N, b = e / (D * H * N);
-  const int64_t slot = pt.slot(b, int64_t(lens[b]) + offset + j);
+  // int64 (cache_lens[b] may be up to 2^31 - 1 with strict checks off). As the dense append_kv: a
+  // request whose new positions do not all fit its row writes nothing; a bad page drops its slot.
+  const int64_t start = int64_t(lens[b]) + offset;
+  if (lens[b] < 0 || start > pt.M * pt.page_size - N) return;
+  const int64_t slot = pt.slot(b, start + j);
   if (slot < 0) return;
   const int64_t src = b * n_sb + h * n_sh + j * n_sn + d;
   kp[(slot * H + h) * D + d] = kn[src];
@@ -140,7 +147,7 @@ __global__ void paged_commit_kernel(U* __restrict__ pages, int64_t slot_elems, c
 __global__ void paged_advance_lens_kernel(int32_t* __restrict__ lens, int64_t lens_stride,
                                           const int32_t* __restrict__ num_accepted, int64_t B) {
   const int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (b < B) lens[b * lens_stride] += num_accepted[b] + 1;
+  if (b < B) lens[b * lens_stride] = advanced_len(lens[b * lens_stride], num_accepted[b]);
 }
 
 PagedTable make_table(const at::Tensor& table, const at::Tensor& pages) {
