@@ -18,7 +18,13 @@ __all__ = ["calibration_key", "calibration_path", "calibrate"]
 
 
 def calibration_key(target) -> str:
-    """(model, device, dtype, torch threads) of a target, as the calibration cache's key."""
+    """(model, device, dtype, torch threads) of a target, as the calibration cache's key.
+
+    A target that runs its model's forward differently (e.g. :class:`specdec.graphs.GraphedForward`:
+    CUDA-graph replays, which time unlike the model's eager forwards) gives its ``calibration_tag``,
+    appended to the key, so that the wrapper and the bare model never reuse each other's timings.
+    The tag is read from the target's class: attribute forwarding to a wrapped model cannot lend a
+    wrapper its model's tag, nor a bare model a wrapper's."""
     model = getattr(target, "model", None)
     cfg = getattr(model, "config", None)
     if cfg is not None:
@@ -30,7 +36,9 @@ def calibration_key(target) -> str:
         shape = (getattr(target, "hidden", None), getattr(target, "num_layers", None),
                  getattr(target, "vocab_size", None))
     dtype = getattr(target, "dtype", None)
-    return f"{name}|{shape}|{torch.device(target.device)}|{dtype}|threads={torch.get_num_threads()}"
+    key = f"{name}|{shape}|{torch.device(target.device)}|{dtype}|threads={torch.get_num_threads()}"
+    tag = getattr(target, "calibration_tag", None) if hasattr(type(target), "calibration_tag") else None
+    return f"{key}|{tag}" if tag else key
 
 
 def calibration_path() -> Path:
