@@ -15,6 +15,22 @@ inf / negative / all-zero probability rows, -1 tokens and parents, lengths at an
 capacity) and aliased tensors. Strict checks are off (their default), so CPU value checks
 and the kernels' own robustness are what is exercised.
 
+On CUDA the ops check tensor VALUES (lengths, tokens, parents, paths, uniforms) only in
+strict mode (specdec.ops.set_strict_checks): without it, a draw with an invalid value
+returns whatever the memory-safe kernel gives, and the reference raises or disagrees. So on
+a device whose ops skip value checks (:func:`values_checked_only_in_strict`) a draw that
+the op accepts is first judged by the CPU op (which always checks values) on a copy:
+
+* the CPU accepts it: the draw is valid and the op's result must match the reference, as
+  on the CPU;
+* the CPU rejects it (an invalid value): the unchecked run was a memory-safety case (it
+  returned, synchronised without a CUDA error and left its read-only inputs unchanged;
+  compute-sanitizer tells the rest), and the same inputs are run again with strict checks
+  on, which must raise the op's clear error with nothing changed.
+
+That keeps every check of the CPU property and adds the strict-mode errors: see
+:func:`run_property`.
+
 A crash (SIGSEGV, SIGFPE, abort) cannot be caught in-process, so tests/test_fuzz_ops.py
 runs each op's batch in a subprocess of this file:
 
@@ -29,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import re
 import math
 import os
@@ -37,7 +54,7 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
-from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -64,7 +81,7 @@ ARGS: Dict[str, Sequence[str]] = {
                       "v_cache", "cache_lens", "cos", "sin", "tree_mask", "kv_offset", "num_heads", "projection",
                       "attention inputs"),
 }
-STATS = {"examples": 0, "raised": 0, "matched": 0}
+STATS = {"examples": 0, "raised": 0, "matched": 0, "unchecked": 0}
 ERRORS: "collections.Counter[str]" = collections.Counter()  # error kinds seen (message up to the first digit)
 
 
@@ -133,27 +150,112 @@ def assert_unchanged(before, after, what: str) -> None:
             assert_unchanged(before[k], after[k], k)
 
 
-def run_property(op: str, call: Callable[[], object], args: dict, check: Callable[[object, dict], None],
+def values_checked_only_in_strict(device) -> bool:
+    """Whether the ops on ``device`` check tensor values only in strict mode: CUDA (a value check
+    there costs a device -> host copy and a synchronisation); the CPU ops always check them."""
+    return torch.device(device).type != "cpu"
+
+
+def sync() -> None:
+    """Wait for the device, so that an asynchronous CUDA fault fails the example that caused it."""
+    if torch.device(DEVICE).type == "cuda":
+        torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def strict_mode():
+    before = ops.strict_checks()
+    ops.set_strict_checks(True)
+    try:
+        yield
+    finally:
+        ops.set_strict_checks(before)
+
+
+def to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, (list, tuple)):
+        return [to_cpu(o) for o in obj]
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    return obj
+
+
+def cpu_rejects(fn: Callable[..., object], before: dict) -> Optional[str]:
+    """The first line of the error the CPU op raises on a copy of the inputs (None: it accepts them)."""
+    try:
+        fn(**to_cpu(before))
+    except (RuntimeError, ValueError) as e:
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+    return None
+
+
+def assert_clear_error(op: str, e: BaseException, before, args) -> str:
+    msg = str(e).splitlines()[0] if str(e) else ""
+    assert msg.startswith(op + ":") or f" {op}:" in msg or msg.startswith(f"specdec.{op}"), \
+        f"error message does not name the op {op!r}: {msg!r}"
+    assert any(a in msg for a in ARGS[op]), f"error message names no argument of {op}: {msg!r}"
+    assert_unchanged(before, args, "input")
+    return msg
+
+
+def run_property(op: str, fn: Callable[..., object], args: dict, check: Callable[[object, dict], None],
                  read_only: Sequence[str]) -> None:
-    """The harness property: a clear error with nothing changed, or the reference's result."""
+    """The harness property: a clear error with nothing changed, or the reference's result.
+
+    ``fn(**args)`` runs the op. Where values are checked only in strict mode (CUDA), an accepted
+    draw that the CPU op rejects is a value-corrupted draw: its unchecked run must be memory-safe
+    (returned, synchronised, read-only inputs unchanged) and a rerun with strict checks on must
+    raise the clear error. Why not only one of the two: memory-safety-only would never check the
+    strict errors, and strict-only would never run the kernels on bad values with checks off (the
+    CUDA default, what compute-sanitizer's memcheck stage watches); both keep the most checking.
+    """
     STATS["examples"] += 1
     log(f"{op}: " + ", ".join(f"{k}={describe(v)}" for k, v in args.items()))
     before = snapshot(args)
     try:
-        out = call()
+        out = fn(**args)
     except (RuntimeError, ValueError) as e:
-        msg = str(e).splitlines()[0] if str(e) else ""
-        assert msg.startswith(op + ":") or f" {op}:" in msg or msg.startswith(f"specdec.{op}"), \
-            f"error message does not name the op {op!r}: {msg!r}"
-        assert any(a in msg for a in ARGS[op]), f"error message names no argument of {op}: {msg!r}"
-        assert_unchanged(before, args, "input")
+        msg = assert_clear_error(op, e, before, args)
         STATS["raised"] += 1
         ERRORS[re.split(r"[0-9\[(]", msg, maxsplit=1)[0][:90]] += 1
         return
+    sync()  # outside the try: a CUDA fault is no clear error
     for name in read_only:
         assert_unchanged(before[name], args[name], name)
+    if values_checked_only_in_strict(DEVICE):
+        rejected = cpu_rejects(fn, before)
+        if rejected is not None:
+            if strict_rerun_raises(op, fn, before):
+                STATS["unchecked"] += 1
+                ERRORS["strict only: " + re.split(r"[0-9\[(]", rejected, maxsplit=1)[0][:78]] += 1
+                return
+            # Strict checks accept what the CPU rejects: the backends differ on this input, and the
+            # reference decides (a missing strict check gives a result it does not have).
+            try:
+                check(out, before)
+            except Exception as e:  # a reference that raises, or a result that differs
+                raise AssertionError(f"{op}: the CPU rejects these inputs ({rejected}) but strict checks on "
+                                     f"{DEVICE} accept them, and the result is not the reference's: {e}") from e
+            STATS["matched"] += 1
+            return
     check(out, before)
     STATS["matched"] += 1
+
+
+def strict_rerun_raises(op: str, fn: Callable[..., object], before: dict) -> bool:
+    """The inputs again (fresh copies on the device) with strict checks on: True when the op raises its
+    clear error with nothing changed (anything else that it raises fails the example)."""
+    again, pristine = snapshot(before), snapshot(before)
+    with strict_mode():
+        try:
+            fn(**again)
+        except (RuntimeError, ValueError) as e:
+            assert_clear_error(op, e, pristine, again)
+            return True
+    sync()
+    return False
 
 
 def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, scale: float, what: str) -> None:
@@ -297,7 +399,7 @@ def fuzz_verify_attention(args):
         assert out.dtype == before["q"].dtype
         assert not bool(torch.isnan(out.float()).any()), "NaN in the output (read past the tree?)"
         close(out, want, before["q"].dtype, 4.0, "out")
-    run_property("verify_attention", lambda: ops.verify_attention(**args), args, check, list(args))
+    run_property("verify_attention", ops.verify_attention, args, check, list(args))
 
 
 @st.composite
@@ -336,7 +438,7 @@ def fuzz_append_kv(args):
                             before["offset"])
         assert torch.equal(bits(args["k_cache"]), bits(k)), "k_cache differs from the reference"
         assert torch.equal(bits(args["v_cache"]), bits(v)), "v_cache differs from the reference"
-    run_property("append_kv", lambda: ops.append_kv(**args), args, check, ["k_new", "v_new", "cache_lens"])
+    run_property("append_kv", ops.append_kv, args, check, ["k_new", "v_new", "cache_lens"])
 
 
 @st.composite
@@ -407,13 +509,13 @@ def _check_sample(op):
 
 @given(sampling_case(True))
 def fuzz_rejection_sample(args):
-    run_property("rejection_sample", lambda: ops.rejection_sample(**args), args, _check_sample("rejection_sample"),
+    run_property("rejection_sample", ops.rejection_sample, args, _check_sample("rejection_sample"),
                  list(args))
 
 
 @given(sampling_case(False))
 def fuzz_greedy_verify(args):
-    run_property("greedy_verify", lambda: ops.greedy_verify(**args), args, _check_sample("greedy_verify"), list(args))
+    run_property("greedy_verify", ops.greedy_verify, args, _check_sample("greedy_verify"), list(args))
 
 
 @st.composite
@@ -471,7 +573,7 @@ def fuzz_kv_commit(args):
         for i, (a, b) in enumerate(zip(args["v_caches"], vc)):
             assert torch.equal(bits(a), bits(b)), f"v_caches[{i}] differs from the reference"
         assert torch.equal(args["cache_lens"].cpu(), lens), "cache_lens differs from the reference"
-    run_property("kv_commit", lambda: ops.kv_commit(**args), args, check, ["accepted", "num_accepted"])
+    run_property("kv_commit", ops.kv_commit, args, check, ["accepted", "num_accepted"])
 
 
 @st.composite
@@ -512,7 +614,7 @@ def fuzz_linear(args):
         tol = 2e-5 * math.sqrt(max(x.shape[-1], 1)) * mag + 2 * ULP[x.dtype] * want.double().abs() + 1e-30
         err = (out.cpu().double() - want.double()).abs()
         assert bool((err <= tol).all()), f"linear: max |err| {err.max().item() if err.numel() else 0:.3e}"
-    run_property("linear", lambda: ops.linear(**args), args, check, list(args))
+    run_property("linear", ops.linear, args, check, list(args))
 
 
 @st.composite
@@ -567,7 +669,7 @@ def fuzz_qlinear(args):
         ok = ((got - want.double()).abs() <= tol) | (got == want.double()) | \
             (~torch.isfinite(got) & ~torch.isfinite(want.double()))
         assert bool(ok.all()), "qlinear differs from the reference past the tolerance"
-    run_property("qlinear", lambda: ops.qlinear(**args), args, check, list(args))
+    run_property("qlinear", ops.qlinear, args, check, list(args))
 
 
 def _equal_nan(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -628,12 +730,12 @@ def _check_norm(out, before, residual: bool):
 
 @given(norm_case(False))
 def fuzz_rms_norm(args):
-    run_property("rms_norm", lambda: ops.rms_norm(**args), args, lambda o, b: _check_norm(o, b, False), list(args))
+    run_property("rms_norm", ops.rms_norm, args, lambda o, b: _check_norm(o, b, False), list(args))
 
 
 @given(norm_case(True))
 def fuzz_add_rms_norm(args):
-    run_property("add_rms_norm", lambda: ops.add_rms_norm(**args), args, lambda o, b: _check_norm(o, b, True),
+    run_property("add_rms_norm", ops.add_rms_norm, args, lambda o, b: _check_norm(o, b, True),
                  list(args))
 
 
@@ -673,7 +775,7 @@ def fuzz_rope(args):
     def check(out, before):
         want = reference.rope(*(before[n].cpu() for n in ("q", "k", "cos", "sin")))
         assert _equal_nan(out[0], want[0]) and _equal_nan(out[1], want[1]), "rope is not bit-identical to the reference"
-    run_property("rope", lambda: ops.rope(**args), args, check, list(args))
+    run_property("rope", ops.rope, args, check, list(args))
 
 
 @st.composite
@@ -703,7 +805,7 @@ def fuzz_silu_mul(args):
         want = reference.silu_mul(gate, up)
         assert out.dtype == gate.dtype
         close(out, want, gate.dtype, 2.0 ** -12 if gate.dtype == torch.float16 else 1e-30, "silu_mul")
-    run_property("silu_mul", lambda: ops.silu_mul(**args), args, check, list(args))
+    run_property("silu_mul", ops.silu_mul, args, check, list(args))
 
 
 @st.composite
@@ -733,7 +835,7 @@ def fuzz_decoder_layer(args):
         assert _equal_nan(args["k_cache"], b["k_cache"]) and _equal_nan(args["v_cache"], b["v_cache"]), \
             "decoder_layer wrote other K/V than the separate ops"
     read_only = [k for k in args if k not in ("k_cache", "v_cache")]
-    run_property("decoder_layer", lambda: ops.decoder_layer(**args), args, check, read_only)
+    run_property("decoder_layer", ops.decoder_layer, args, check, read_only)
 
 
 FUZZERS = {
@@ -760,17 +862,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--show-errors", type=int, default=0, help="print the N most frequent error kinds")
+    ap.add_argument("--shrink", choices=("auto", "yes", "no"), default="auto",
+                    help="shrink a failing example (auto: on the CPU only; on CUDA a fault can leave the context "
+                         "unusable and shrinking would spend the time budget; the failing case is logged anyway)")
     a = ap.parse_args(argv)
     DEVICE = a.device
     torch.set_num_threads(1)
+    shrink = a.shrink == "yes" or (a.shrink == "auto" and torch.device(DEVICE).type == "cpu")
+    phases = [p for p in Phase if shrink or p not in (Phase.shrink, Phase.explain)]
     fn = FUZZERS[a.op]
-    fn = settings(max_examples=a.examples, database=None, deadline=None, print_blob=True,
+    fn = settings(max_examples=a.examples, database=None, deadline=None, print_blob=True, phases=phases,
                   suppress_health_check=list(HealthCheck))(fn)
     fn = seed(a.seed * 1000 + sorted(FUZZERS).index(a.op))(fn)
     t0 = time.time()
     fn()
+    unchecked = (f", {STATS['unchecked']} invalid values: memory-safe unchecked, raised under strict checks"
+                 if values_checked_only_in_strict(DEVICE) else "")
     print(f"{a.op} on {a.device}: {STATS['examples']} examples ({STATS['raised']} raised a clear error, "
-          f"{STATS['matched']} matched the reference) in {time.time() - t0:.1f} s", flush=True)
+          f"{STATS['matched']} matched the reference{unchecked}) in {time.time() - t0:.1f} s", flush=True)
     for kind, n in ERRORS.most_common(a.show_errors):
         print(f"  {n:6d}  {kind}")
     return 0
