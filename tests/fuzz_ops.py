@@ -6,7 +6,9 @@ The property, for every op and every drawn input: the op either
   one of its arguments, leaving EVERY input bitwise unchanged, or
 * returns exactly what specdec.reference returns (integer outputs and in-place integer /
   copied state equal; float outputs within the documented tolerance), without touching
-  its read-only inputs.
+  its read-only inputs. The paged KV ops are compared with specdec.reference_paged, over
+  block tables with shuffled, shared and padded pages (page sizes 1 to 64); on the CPU the
+  paged attention must also give the dense kernel's bits for the gathered keys.
 
 Drawn inputs cover zero-size dimensions (B = 0, V = 1, K = 0, N = 0, prefix 0,
 S = prefix + N exactly), every float dtype and mixed dtypes, non-contiguous and
@@ -59,7 +61,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from specdec import ops, reference  # noqa: E402
+from specdec import ops, paged_ops, reference, reference_paged  # noqa: E402
 
 ONE_MINUS = 1.0 - 2.0 ** -53
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -71,6 +73,9 @@ ARGS: Dict[str, Sequence[str]] = {
     "rejection_sample": ("tokens", "parents", "target_probs", "draft_probs", "uniforms"),
     "greedy_verify": ("tokens", "parents", "target_logits"),
     "kv_commit": ("k_caches", "v_caches", "cache_lens", "accepted", "num_accepted"),
+    "verify_attention_paged": ("q", "k_pages", "v_pages", "block_tables", "cache_lens", "tree_mask", "scale"),
+    "append_kv_paged": ("k_pages", "v_pages", "k_new", "v_new", "block_tables", "cache_lens", "offset"),
+    "kv_commit_paged": ("k_pages", "v_pages", "block_tables", "cache_lens", "accepted", "num_accepted"),
     "linear": ("x", "weight", "bias", "weight_scale"),
     "qlinear": ("x", "qweight", "scales", "mins", "bias", "bits", "K"),
     "rms_norm": ("x", "weight", "eps"),
@@ -576,6 +581,390 @@ def fuzz_kv_commit(args):
     run_property("kv_commit", ops.kv_commit, args, check, ["accepted", "num_accepted"])
 
 
+# --------------------------------------------------------------------------- paged KV ops
+PAGE_SIZES = (1, 1, 16, 16, 64, 2, 3, 5)
+_PAD, _ANY = -100, -200  # placeholders while a block table is built
+_BAD_PAGES = (-1, -2 ** 31, 2 ** 31 - 1)  # plus num_pages and num_pages + 3, drawn where the pool is known
+
+
+def paged_lens(draw, B: int) -> List[int]:
+    """Ragged committed lengths: mostly short, now and then across a page or a 64-key block boundary."""
+    return [draw(st.integers(0, 9)) if draw(st.integers(0, 4)) else
+            draw(st.sampled_from([15, 16, 17, 63, 64, 65, 130])) for _ in range(B)]
+
+
+@st.composite
+def block_tables(draw, ends: List[int], starts: Optional[List[int]], ps: int):
+    """(block_tables [B, M] int64, num_pages) for a call that touches positions [starts[b], ends[b]) of row b.
+
+    starts None: a read-only call (verify) that reads every position < ends[b]; its blocks are distinct
+    pages, a common prefix (rows share row 0's first blocks) or pages drawn at random (one page at several
+    blocks of a row or of several rows). Otherwise the call writes positions [starts[b], ends[b]): their
+    blocks are pages of the row's own, distinct across the batch (a page two rows write would race), and
+    the blocks before them, never read, hold distinct pages, a prefix shared by every row, or padding.
+    Past ends[b]: padding (-1, garbage ids or any page). Page ids are shuffled over a pool with spares.
+    """
+    B = len(ends)
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31 - 1)))
+    nblk = [-(-e // ps) for e in ends]
+    first = [0] * B if starts is None else [min(s // ps, n) for s, n in zip(starts, nblk)]
+    M = max(nblk + [1]) + draw(st.sampled_from([0, 0, 1, 3]))
+    share = draw(st.sampled_from(("distinct", "prefix", "any") if starts is None else ("distinct", "prefix", "pad")))
+    table = torch.full((B, M), _PAD, dtype=torch.int64)
+    count, prefix = 0, {}
+    for b in range(B):
+        for j in range(nblk[b]):
+            if (starts is not None and j >= first[b]) or share == "distinct":  # a fresh page
+                table[b, j], count = count, count + 1
+            elif share == "any":
+                table[b, j] = _ANY
+            elif share == "prefix":
+                if j not in prefix:
+                    prefix[j], count = count, count + 1
+                table[b, j] = prefix[j]
+    if share == "any":
+        P = draw(st.integers(1, max(1, sum(nblk)) + 1))
+    else:
+        P = max(1, count + draw(st.sampled_from([0, 1, 3])))
+    perm = torch.randperm(P, generator=g)
+    real = table >= 0
+    table[real] = perm[table[real]]
+    anyb = table == _ANY
+    table[anyb] = torch.randint(0, P, (int(anyb.sum()),), generator=g)
+    pad = table == _PAD
+    kind = draw(st.sampled_from(("minus1", "garbage", "pages")))
+    if kind == "minus1":
+        table[pad] = -1
+    elif kind == "garbage":
+        table[pad] = torch.tensor([-1, -7, P, P + 5, 2 ** 31 - 1])[torch.randint(0, 5, (int(pad.sum()),), generator=g)]
+    else:
+        table[pad] = torch.randint(0, P, (int(pad.sum()),), generator=g)
+    return table, P
+
+
+def corrupt_block(draw, table: torch.Tensor, ends: List[int], starts: Optional[List[int]], ps: int, P: int) -> None:
+    """One block that the call uses names no page (-1, past the pool, int32 extremes)."""
+    spans = [(b, (0 if starts is None else starts[b] // ps), -(-e // ps) - 1) for b, e in enumerate(ends)]
+    spans = [s for s in spans if s[1] <= s[2]]
+    if spans:
+        b, lo, hi = draw(st.sampled_from(spans))
+        table[b, draw(st.integers(lo, hi))] = draw(st.sampled_from(_BAD_PAGES + (P, P + 3)))
+
+
+def noncontig(t: torch.Tensor) -> torch.Tensor:
+    """t's values on DEVICE in a non-contiguous view (a view with size-1 dims only can only be contiguous)."""
+    for how in ("transposed", "strided"):
+        out = place(t, how)
+        if not out.is_contiguous():
+            return out
+    out = torch.empty(2 * t.shape[0], *t.shape[1:], dtype=t.dtype, device=DEVICE)[::2]
+    out.copy_(t)
+    return out
+
+
+def dense_caches(pages: torch.Tensor, tables: torch.Tensor, ends: List[int]) -> torch.Tensor:
+    """Positions [0, ends[b]) of every row as a dense [B, Hkv, S, D] cache (zeros past a row's end)."""
+    P, ps, H, D = pages.shape
+    out = torch.zeros(len(ends), H, max(ends + [1]), D, dtype=pages.dtype)
+    for b, e in enumerate(ends):
+        out[b, :, :e] = reference_paged.gather_dense(pages, tables, b, e)
+    return out
+
+
+@st.composite
+def paged_attention_case(draw):
+    # every invalid draw (about a third) comes from `special`
+    special = draw(st.sampled_from(("none",) * 40 + ("page", "page", "len", "len", "n0", "heads", "scale", "mask_shape",
+                                                     "mask_int", "tables_dtype", "tables_shape", "tables_cols0",
+                                                     "lens_dtype", "lens_shape", "pages_dtype", "kv_dtype", "pages_3d",
+                                                     "pages_empty", "v_shape", "head_dim", "noncontig", "q3d")))
+    B = draw(st.sampled_from([0, 1, 1, 2, 3]))
+    N = 0 if special == "n0" else draw(st.sampled_from([1, 1, 2, 2, 3, 3, 5, 8]))
+    Hkv = draw(st.sampled_from([1, 2]))
+    Hq = Hkv * draw(st.sampled_from([1, 2, 3])) + (special == "heads")  # "heads": not a multiple of Hkv
+    D = draw(st.sampled_from([64, 64, 40, 80, 128, 8, 1]))
+    dtype = draw(st.sampled_from(FLOATS))
+    ps = draw(st.sampled_from(PAGE_SIZES))
+    Nkv = N + draw(st.sampled_from([0, 0, 0, 1, 3, 8]))  # the frontier form: queries = the last N of Nkv nodes
+    lens = paged_lens(draw, B)
+    ends = [l + Nkv for l in lens]
+    table, P = draw(block_tables(ends, None, ps))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31 - 1)))
+    k = torch.randn(P, ps, Hkv, D, generator=g)
+    v = torch.randn(P, ps, Hkv, D, generator=g)
+    read = torch.zeros(P * ps, dtype=torch.bool)  # slots that no row reads hold NaN: they must never be read
+    for b, e in enumerate(ends):
+        read[reference_paged.slots(table, b, torch.arange(e), ps)] = True
+    k.view(P * ps, Hkv, D)[~read] = float("nan")
+    v.view(P * ps, Hkv, D)[~read] = float("nan")
+    if special == "page":
+        corrupt_block(draw, table, ends, None, ps, P)
+    elif special == "len" and B:
+        cap = table.shape[1] * ps
+        lens[draw(st.integers(0, B - 1))] = draw(st.sampled_from([cap - Nkv + 1, cap, -1, 2 ** 31 - 1, -2 ** 31]))
+    kdtype = draw(st.sampled_from([f for f in FLOATS if f != dtype])) if special == "kv_dtype" else dtype
+    k, v = k.to(kdtype), v.to(kdtype)
+    q = torch.randn(B, N, Hq, D, generator=g).to(dtype)
+    qhow = draw(st.sampled_from(("contig", "contig", "offset1", "hf_transposed", "strided")))
+    if qhow == "hf_transposed":  # transformers' [B, H, N, D] -> [B, N, H, D] view
+        qd = q.transpose(1, 2).contiguous().to(DEVICE).transpose(1, 2)
+    else:
+        qd = place(q, qhow)
+    mask_kind = draw(st.sampled_from(("none", "chain", "tree", "tree", "random", "all_false_row", "last_only")))
+    mask_kind = {"mask_shape": "wrong_shape", "mask_int": "int"}.get(special, mask_kind)
+    mask = None
+    if Nkv > N and mask_kind == "none" and draw(st.integers(0, 3)):
+        mask_kind = "tree"  # the frontier form needs a mask (None is causal, Nkv = Nq); None keeps Nkv = Nq
+    if mask_kind != "none" and N > 0:
+        mask = torch.rand(B, N, Nkv, generator=g) < 0.5
+        if mask_kind == "tree":  # the last N rows of ragged trees' ancestor masks
+            mask = reference.tree_attention_mask(draw(tree(B, Nkv, 5, True))[1])[:, Nkv - N:]
+        elif mask_kind == "chain":
+            mask = torch.ones(Nkv, Nkv, dtype=torch.bool).tril()[Nkv - N:].expand(B, N, Nkv).clone()
+        elif mask_kind == "all_false_row":
+            mask[:, 0] = False
+        elif mask_kind == "last_only":  # a row that sees only the last node
+            mask[:, 0] = False
+            mask[:, 0, Nkv - 1] = True
+        elif mask_kind == "wrong_shape":
+            mask = (mask[:, :, : N - 1] if Nkv == N else mask[:, :1]) if N > 1 else mask[:, :, :0]
+        elif mask_kind == "int":
+            mask = mask.int()
+        mask = place(mask, draw(st.sampled_from(("contig", "offset1", "transposed"))))
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    if special == "tables_dtype":
+        table = table.to(draw(st.sampled_from((torch.int64, torch.int16, torch.float32))))
+    elif special == "tables_shape":
+        table = table[:-1] if B else torch.zeros(1, 2, dtype=torch.int64)
+    elif special == "tables_cols0":
+        table = table[:, :0]
+    elif special == "lens_dtype":
+        lens_t = lens_t.long()
+    elif special == "lens_shape":
+        lens_t = torch.zeros(B + 1, dtype=torch.int32) if draw(st.booleans()) else lens_t[None]
+    elif special == "pages_dtype":
+        k = k.to(torch.float64) if draw(st.booleans()) else k.to(torch.int32)
+    elif special == "pages_3d":
+        k, v = k[0], v[0]
+    elif special == "pages_empty":
+        k, v = k[:0], v[:0]
+    elif special == "v_shape":
+        v = torch.cat([v, v[:1]])
+    elif special == "head_dim":
+        k, v = k[..., : D - 1].contiguous(), v[..., : D - 1].contiguous()
+    elif special == "q3d":
+        qd = qd.reshape(B, N, Hq * D)
+    table = table.to(torch.int32) if special != "tables_dtype" else table
+    kp = noncontig(k) if special == "noncontig" else place(k, draw(st.sampled_from(("contig",) * 3 + ("offset4",))))
+    scale = draw(st.sampled_from([None] * 6 + [0.3, 2.0]))
+    if special == "scale":
+        scale = draw(st.sampled_from([float("nan"), float("inf"), -float("inf")]))
+    return dict(q=qd, k_pages=kp, v_pages=place(v, draw(st.sampled_from(("contig", "contig", "offset1")))),
+                block_tables=place(table, draw(st.sampled_from(("contig",) * 3 + ("offset1", "transposed",
+                                                                                  "strided")))),
+                cache_lens=place(lens_t, draw(st.sampled_from(("contig", "strided", "offset1")))), tree_mask=mask,
+                scale=scale)
+
+
+@given(paged_attention_case())
+def fuzz_verify_attention_paged(args):
+    def check(out, before):
+        q = before["q"].cpu()
+        kp, vp, tables, lens = (before[n].cpu() for n in ("k_pages", "v_pages", "block_tables", "cache_lens"))
+        mask = None if before["tree_mask"] is None else before["tree_mask"].cpu()
+        sc = before["scale"] if before["scale"] is not None else q.shape[-1] ** -0.5
+        assert out.dtype == q.dtype and out.shape == q.shape, f"out is {out.dtype} {tuple(out.shape)}"
+        if q.shape[0] == 0:
+            return
+        want = reference_paged.verify_attention_paged(q, kp, vp, tables, lens, mask, sc)
+        assert not bool(torch.isnan(out.float()).any()), "NaN in the output (read a slot past the row?)"
+        close(out, want, q.dtype, 4.0, "out")
+        if torch.device(DEVICE).type == "cpu":  # the CPU kernel gives the dense kernel's bits for the same keys
+            Nkv = q.shape[1] if mask is None else mask.shape[2]
+            ends = [int(l) + Nkv for l in lens.tolist()]
+            dense = ops.verify_attention(q, dense_caches(kp, tables, ends), dense_caches(vp, tables, ends), lens,
+                                         mask, sc)
+            assert torch.equal(bits(out), bits(dense)), "the paged CPU kernel differs from the dense one"
+    run_property("verify_attention_paged", paged_ops.verify_attention_paged, args, check, list(args))
+
+
+@st.composite
+def paged_append_case(draw):
+    special = draw(st.sampled_from(("none",) * 40 + ("page", "page", "len", "len", "offset", "offset", "n0",
+                                                     "knew_heads", "knew_dim", "knew_3d", "vnew_shape", "knew_dtype",
+                                                     "v_pages", "pages_dtype", "pages_empty", "noncontig",
+                                                     "tables_dtype", "tables_shape", "lens_dtype", "lens_shape",
+                                                     "v_is_k", "new_in_pages")))
+    B = draw(st.sampled_from([0, 1, 2, 3]))
+    N = 0 if special == "n0" else draw(st.sampled_from([1, 1, 2, 3, 5]))
+    Hkv, D = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 8, 64, 80]))
+    dtype = draw(st.sampled_from(FLOATS))
+    ps = draw(st.sampled_from(PAGE_SIZES))
+    offset = draw(st.sampled_from([0, 0, 0, 1, 3]))  # writes at cache_lens + offset + j
+    lens = paged_lens(draw, B)
+    starts = [l + offset for l in lens]
+    ends = [s + N for s in starts]
+    table, P = draw(block_tables(ends, starts, ps))
+    cap = table.shape[1] * ps
+    if special == "page":
+        corrupt_block(draw, table, ends, starts, ps, P)
+    elif special == "len" and B:
+        lens[draw(st.integers(0, B - 1))] = draw(st.sampled_from([cap - offset - N + 1, cap, -1, 2 ** 31 - 1]))
+    elif special == "offset":
+        offset = draw(st.sampled_from([-1, cap - N + 1, 2 ** 31, -2 ** 40]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31 - 1)))
+    k = torch.randn(P, ps, Hkv, D, generator=g).to(dtype)
+    v = torch.randn(P, ps, Hkv, D, generator=g).to(dtype)
+    kn = torch.randn(B, Hkv, N, D, generator=g).to(dtype)
+    vn = torch.randn(B, Hkv, N, D, generator=g).to(dtype)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    table = table.to(torch.int32)
+    if special == "knew_heads":
+        kn = torch.zeros(B, Hkv + 1, N, D, dtype=dtype)
+    elif special == "knew_dim":
+        kn, vn = kn[..., : D - 1], vn[..., : D - 1]
+    elif special == "knew_3d":
+        kn = kn.reshape(B * Hkv, N, D)
+    elif special == "vnew_shape":
+        vn = torch.zeros(B, Hkv, N + 1, D, dtype=dtype)
+    elif special == "knew_dtype":
+        kn = kn.to(torch.float32 if dtype != torch.float32 else torch.float16)
+    elif special == "v_pages":
+        v = torch.cat([v, v[:1]]) if draw(st.booleans()) else v.to(torch.float64)
+    elif special == "pages_dtype":
+        k, v, kn, vn = k.double(), v.double(), kn.double(), vn.double()
+    elif special == "pages_empty":
+        k, v = k[:0], v[:0]
+    elif special == "tables_dtype":
+        table = table.long()
+    elif special == "tables_shape":
+        table = table[:, None] if draw(st.booleans()) else torch.zeros(B + 1, 1, dtype=torch.int32)
+    elif special == "lens_dtype":
+        lens_t = lens_t.long()
+    elif special == "lens_shape":
+        lens_t = lens_t[:-1] if B else torch.zeros(1, dtype=torch.int32)
+    kp = noncontig(k) if special == "noncontig" else place(k, draw(st.sampled_from(("contig",) * 3 + ("offset4",))))
+    vp = kp if special == "v_is_k" else place(v, "contig")
+    knd = place(kn, draw(layouts()))
+    if special == "new_in_pages" and P >= B and ps >= N:  # k_new a [B, Hkv, N, D] view of k_pages
+        knd = kp[:B, :N].transpose(1, 2)
+    return dict(k_pages=kp, v_pages=vp, k_new=knd, v_new=place(vn, draw(layouts())),
+                block_tables=place(table, draw(st.sampled_from(("contig",) * 3 + ("offset1", "transposed")))),
+                cache_lens=place(lens_t, draw(st.sampled_from(("contig", "strided", "offset1")))), offset=offset)
+
+
+@given(paged_append_case())
+def fuzz_append_kv_paged(args):
+    def check(out, before):
+        k, v = before["k_pages"].cpu(), before["v_pages"].cpu()
+        reference_paged.append_kv_paged(k, v, before["k_new"].cpu(), before["v_new"].cpu(),
+                                        before["block_tables"].cpu(), before["cache_lens"].cpu(), before["offset"])
+        assert torch.equal(bits(args["k_pages"]), bits(k)), "k_pages differs from the reference"
+        assert torch.equal(bits(args["v_pages"]), bits(v)), "v_pages differs from the reference"
+    run_property("append_kv_paged", paged_ops.append_kv_paged, args, check,
+                 ["k_new", "v_new", "block_tables", "cache_lens"])
+
+
+@st.composite
+def paged_commit_case(draw):
+    L = draw(st.sampled_from([1, 2, 3]))
+    B = draw(st.sampled_from([0, 1, 2, 3]))
+    N = draw(st.sampled_from([1, 2, 4, 6]))
+    dims = [(draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 3, 8, 64])))]
+    dims += [dims[0] if draw(st.booleans()) else (draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 3, 8, 64])))
+             for _ in range(L - 1)]  # layers may differ in Hkv and D
+    dtype = draw(st.sampled_from(FLOATS))
+    ps = draw(st.sampled_from(PAGE_SIZES))
+    lens = paged_lens(draw, B)
+    ends = [l + N for l in lens]
+    table, P = draw(block_tables(ends, lens, ps))
+    accepted = torch.full((B, N), -1, dtype=torch.int32)
+    num = torch.zeros(B, dtype=torch.int32)
+    for b in range(B):
+        n = draw(st.integers(0, N - 1))
+        if draw(st.booleans()):  # a chain: every accepted node in place, no byte moves
+            path = list(range(1, n + 1))
+        else:
+            path = sorted(draw(st.lists(st.integers(1, N - 1), min_size=n, max_size=n, unique=True))) if N > 1 else []
+        accepted[b, 0] = 0
+        accepted[b, 1:len(path) + 1] = torch.tensor(path, dtype=torch.int32)
+        num[b] = len(path)
+    special = draw(st.sampled_from(("none",) * 36 + ("page", "page", "len", "len", "num", "acc", "root",
+                                                     "layer_pages", "layer_ps", "layer_dtype", "v_count", "empty",
+                                                     "noncontig", "tables_dtype", "lens_dtype", "acc_dtype",
+                                                     "num_shape", "acc_cols0", "k_is_v", "layer_twice",
+                                                     "lens_is_num", "lens_in_tables")))
+    if special == "page":
+        corrupt_block(draw, table, ends, lens, ps, P)
+    elif special == "len" and B:
+        cap = table.shape[1] * ps
+        lens[draw(st.integers(0, B - 1))] = draw(st.sampled_from([cap - N + 1, cap, -1, 2 ** 31 - 1]))
+    elif special == "num" and B:
+        num[draw(st.integers(0, B - 1))] = draw(st.sampled_from([-1, N, N + 3]))
+    elif special == "acc" and B and N > 1:
+        accepted[draw(st.integers(0, B - 1)), draw(st.integers(1, N - 1))] = draw(st.sampled_from([-1, N, 0]))
+    elif special == "root" and B:
+        accepted[draw(st.integers(0, B - 1)), 0] = draw(st.sampled_from([1, -1]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31 - 1)))
+    kc = [torch.randn(P, ps, h, d, generator=g).to(dtype) for h, d in dims]
+    vc = [torch.randn(P, ps, h, d, generator=g).to(dtype) for h, d in dims]
+    table = table.to(torch.int32)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    if special == "layer_pages":
+        vc[-1] = torch.cat([vc[-1], vc[-1][:1]])
+    elif special == "layer_ps" and ps > 1:
+        kc[-1] = kc[-1][:, :ps - 1].contiguous()
+    elif special == "layer_dtype":
+        kc[-1] = kc[-1].to(torch.float32 if dtype != torch.float32 else torch.bfloat16)
+    elif special == "v_count":
+        vc = vc[:-1]
+    elif special == "empty":
+        kc, vc = [], []
+    elif special == "tables_dtype":
+        table = table.long()
+    elif special == "lens_dtype":
+        lens_t = lens_t.long()
+    elif special == "acc_dtype":
+        accepted = accepted.long()
+    elif special == "num_shape":
+        num = num[None]
+    elif special == "acc_cols0":
+        accepted = accepted[:, :0]
+    kc = [noncontig(t) if special == "noncontig" and i == len(kc) - 1 else
+          place(t, draw(st.sampled_from(("contig", "contig", "offset4")))) for i, t in enumerate(kc)]
+    vc = [place(t, "contig") for t in vc]
+    table_d = place(table, draw(st.sampled_from(("contig", "contig", "offset1", "transposed"))))
+    cache_lens = place(lens_t, draw(st.sampled_from(("contig", "strided"))))
+    num_t = place(num, draw(st.sampled_from(("contig", "strided"))))
+    if special == "k_is_v":
+        vc[0] = kc[0]
+    elif special == "layer_twice" and L > 1:
+        kc[1] = kc[0]
+    elif special == "lens_is_num":
+        num_t = cache_lens
+    elif special == "lens_in_tables":  # cache_lens a view of block_tables' memory
+        cache_lens = table_d[:, 0]
+    return dict(k_pages=kc, v_pages=vc, block_tables=table_d, cache_lens=cache_lens,
+                accepted=place(accepted, draw(layouts())), num_accepted=num_t)
+
+
+@given(paged_commit_case())
+def fuzz_kv_commit_paged(args):
+    def check(out, before):
+        kc = [t.cpu() for t in before["k_pages"]]
+        vc = [t.cpu() for t in before["v_pages"]]
+        lens = before["cache_lens"].cpu()
+        reference_paged.kv_commit_paged(kc, vc, before["block_tables"].cpu(), lens, before["accepted"].cpu(),
+                                        before["num_accepted"].cpu())
+        for i, (a, b) in enumerate(zip(args["k_pages"], kc)):
+            assert torch.equal(bits(a), bits(b)), f"k_pages[{i}] differs from the reference"
+        for i, (a, b) in enumerate(zip(args["v_pages"], vc)):
+            assert torch.equal(bits(a), bits(b)), f"v_pages[{i}] differs from the reference"
+        assert torch.equal(args["cache_lens"].cpu(), lens), "cache_lens differs from the reference"
+    run_property("kv_commit_paged", paged_ops.kv_commit_paged, args, check,
+                 ["block_tables", "accepted", "num_accepted"])
+
+
 @st.composite
 def linear_case(draw):
     lead = draw(st.sampled_from([(1,), (2,), (5,), (0,), (33,), (2, 3), ()]))
@@ -844,6 +1233,9 @@ FUZZERS = {
     "rejection_sample": fuzz_rejection_sample,
     "greedy_verify": fuzz_greedy_verify,
     "kv_commit": fuzz_kv_commit,
+    "verify_attention_paged": fuzz_verify_attention_paged,
+    "append_kv_paged": fuzz_append_kv_paged,
+    "kv_commit_paged": fuzz_kv_commit_paged,
     "linear": fuzz_linear,
     "qlinear": fuzz_qlinear,
     "rms_norm": fuzz_rms_norm,
