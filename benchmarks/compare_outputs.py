@@ -3,8 +3,9 @@
 A refactor must not change outputs. This script runs a fixed set of decoding configurations
 (every drafter of the project on the bundled SmolLM2-135M-Instruct: chains, spine / dynamic /
 planned trees, prompt lookup, suffix, recycling, documents, a callable retriever, MultiDraft
-merges and escalation; greedy through ``SpeculativeDecoder`` and through the ``Engine`` with
-staggered arrivals, and seed-coupled sampling) once here and once in a temporary worktree of
+merges and escalation; greedy and seeded rejection sampling (fixed policy) through
+``SpeculativeDecoder``, and the ``Engine`` with staggered arrivals, greedy rows beside a
+seed-coupled sampled one) once here and once in a temporary worktree of
 ``--against``, and compares the tokens. The configurations use only the public API, so the
 same driver runs on both commits; the other commit runs with this checkout's compiled
 extension (the op library is shared, only the Python side is compared).
@@ -43,17 +44,12 @@ def _drafters(specdec, small, tok):
     """name -> zero-argument factory of a fresh drafter (or None for plain decoding)."""
     HF = specdec.HFCausalLM
 
-    def callable_retriever(ctx):
-        # propose the continuation of the last 2-gram's previous occurrence, per row
-        out = []
-        for seq in ctx.sequences:
-            cand = []
-            for i in range(len(seq) - 3, 0, -1):
-                if seq[i - 1:i + 1] == seq[-2:]:
-                    cand = seq[i + 1:i + 6]
-                    break
-            out.append([cand] if cand else [])
-        return out
+    def callable_retriever(seq):
+        # the continuation of the last 2-gram's previous occurrence in the request's context
+        for i in range(len(seq) - 3, 0, -1):
+            if seq[i - 1:i + 1] == seq[-2:]:
+                return [seq[i + 1:i + 6]]
+        return []
 
     return {
         "plain": lambda: None,
@@ -90,7 +86,10 @@ def emit(path: str) -> None:
         dec = specdec.SpeculativeDecoder(target, make())
         res = dec.generate(prompts[:2], max_new_tokens=NEW_TOKENS)
         out[f"{name}/greedy_b2"] = [list(map(int, t)) for t in res.tokens]
-        res = dec.generate(prompts[2:], max_new_tokens=NEW_TOKENS, temperature=0.8, top_p=0.95, seed=7)
+        # rejection-sampled tokens depend on what was drafted, and the goodput policy's depths on measured
+        # times: the sampled run uses the fixed policy so that both commits draft the same trees
+        fixed = specdec.SpeculativeDecoder(target, make(), policy="fixed")
+        res = fixed.generate(prompts[2:], max_new_tokens=NEW_TOKENS, temperature=0.8, top_p=0.95, seed=7)
         out[f"{name}/sampled_b2_seed7"] = [list(map(int, t)) for t in res.tokens]
         eng = specdec.Engine(target, make(), max_batch=3, max_len=512)
         got = {}
