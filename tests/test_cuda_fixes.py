@@ -1,4 +1,4 @@
-"""Regression tests of issue 30's CUDA review findings D1, D5 and R4.
+"""Regression tests of issue 30's CUDA review findings D1, D5, R3 and R4.
 
 D1  append_kv (dense and paged) and kv_commit with cache_lens near 2^31 - 1 and strict value checks
     OFF (the default): on the CPU the value checks always run (in int64) and refuse the call before
@@ -10,6 +10,9 @@ D5  linear with int8 weights above the CUDA kernel's 16 rows: float32 operands a
     to x's dtype (dequantizing the weight to float16 / bfloat16 first rounds twice: ~40 % of the
     outputs then differ from the correctly rounded value; one rounding leaves < 0.1 %). The float32
     GEMM of the large-M paths must not take TF32 even when torch allows it.
+R3  float16 / bfloat16 weights above 16 rows: float32 accumulation and one rounding even with torch's
+    reduced-precision reductions (and float16 accumulation) allowed -- cuBLAS with a float32 compute
+    type and a float32 output, not torch's linear.
 R4  verify_attention launched from several host threads with shared memory sizes that differ
     (tree sizes with more mask words): every launch succeeds and gives the single-thread bits.
 
@@ -312,6 +315,53 @@ def test_large_m_float32_gemm_takes_no_tf32(device, kind):
         got = call().cpu()
     rel = ((got.double() - ref).norm() / ref.norm()).item()
     assert rel <= 2e-5, f"relative error {rel:.2e}: not float32 arithmetic (TF32?)"
+
+
+@contextlib.contextmanager
+def reduced_precision_allowed() -> Iterator[None]:
+    """torch's float16 / bfloat16 GEMMs may reduce in the 16-bit type inside the block (split-K
+    partial sums rounded to float16 / bfloat16), and -- where torch has the flag -- accumulate in
+    float16 altogether."""
+    m = torch.backends.cuda.matmul
+    names = ["allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction"]
+    if hasattr(m, "allow_fp16_accumulation"):
+        names.append("allow_fp16_accumulation")
+    before = {n: getattr(m, n) for n in names}
+    try:
+        for n in names:
+            setattr(m, n, True)
+        yield
+    finally:
+        for n, v in before.items():
+            setattr(m, n, v)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")])
+@pytest.mark.parametrize("M", [17, 48, 80])
+def test_linear_16bit_above_16_rows_accumulates_in_float32(device, dtype, M):
+    """float16 / bfloat16 weights above 16 rows (CUDA: cuBLAS) with torch's reduced-precision
+    reductions (and float16 accumulation, where torch has it) allowed: the result is the float32
+    accumulated x @ w.T + bias rounded ONCE to x's dtype -- every entry within 1 ulp of x's dtype of
+    that reference (plus the share by which two float32 summation orders may differ), and at most
+    1 % of the entries not equal to it (emulated with float32 partial sums in another order: ~0.25 %
+    for float16, ~0.02 % for bfloat16; with split-K partial sums rounded to the 16-bit type ~39 %
+    differ and ~11 % are beyond the bound). M = 80 also covers the CPU's GEMM tiles (M > 64)."""
+    K, Nout = 2048, 256
+    g = gen(3007)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    w = (torch.randn(Nout, K, generator=g) * 0.05).to(dtype)
+    bias = torch.randn(Nout, generator=g).to(dtype)
+    want = (x.float() @ w.float().T + bias.float()).to(dtype)  # float32 accumulation (CPU), one rounding
+    with reduced_precision_allowed():
+        got = ops.linear(x.to(device), w.to(device), bias.to(device)).cpu()
+    assert got.dtype == dtype and got.shape == (M, Nout)
+    mismatch = (got != want).double().mean().item()
+    assert mismatch <= 0.01, f"{mismatch:.2%} of the outputs differ from the float32-accumulated value rounded once"
+    terms = x.double().abs() @ w.double().abs().T
+    err = (got.double() - want.double()).abs()
+    ulp = _ulp(want.double(), dtype)
+    assert bool((err <= ulp + 2.0 ** -20 * terms).all()), f"{float((err / ulp).max()):.1f} ulp from the reference"
 
 
 # --------------------------------------------------------------------------- R4: launches from many threads

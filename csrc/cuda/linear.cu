@@ -12,13 +12,16 @@
 // weight is read exactly once for all M rows: at M <= 16 the kernel is bound by HBM
 // bandwidth, not by FMA throughput (16 FMAs per 2-byte weight).
 // Rows whose base is not 16-byte aligned (K * es % 16 != 0) take a scalar loop.
-// Larger M (prefill) is compute-bound: cuBLAS. Float16 / bfloat16 weights go through at::linear.
-// float32 and int8 weights (and qlinear's dequantized weights) take gemm_f32: float32 operands
-// (int8 codes convert to float32 exactly; the scale multiplies the float32 dot product, as in the
-// small-M kernel), cublasGemmEx with CUBLAS_COMPUTE_32F_PEDANTIC -- float32 products and sums
-// whatever torch's matmul settings say (no TF32, no reduced-precision or emulated arithmetic) --
-// then y * scale + bias in float32 and ONE rounding to x's dtype. (Dequantizing int8 to a 16-bit
-// x dtype first would round every weight, then the output again.)
+// Larger M (prefill) is compute-bound: cuBLAS, always through gemm_f32acc: cublasGemmEx with
+// CUBLAS_COMPUTE_32F_PEDANTIC and a float32 output -- float32 products and sums whatever torch's
+// matmul settings say (no TF32, no reduced-precision or emulated arithmetic, and no reduction in
+// a 16-bit type: torch's allow_fp16 / allow_bf16_reduced_precision_reduction and
+// allow_fp16_accumulation do not reach it) -- then y * scale + bias in float32 and ONE rounding
+// to x's dtype. Float16 / bfloat16 weights are multiplied as they are (A and B in x's 16-bit
+// dtype, exact products in float32); float32 and int8 weights (and qlinear's dequantized weights)
+// as float32 operands (int8 codes convert to float32 exactly; the scale multiplies the float32
+// dot product, as in the small-M kernel). (Dequantizing int8 to a 16-bit x dtype first would
+// round every weight, then the output again.)
 //
 // Napkin math: Llama-3-8B bf16 decode, 15 GB of linear weights per forward, 4.8 TB/s
 // (H200): ~3.1 ms at M = 1..16.
@@ -145,25 +148,37 @@ __global__ void scale_bias_kernel(float* __restrict__ y, const float* __restrict
   }
 }
 
-// y [M, N] float32 = x32 [M, K] @ w32 [N, K]^T (* scale[N]) (+ bias[N]); x32, w32 float32 contiguous.
-// CUBLAS_COMPUTE_32F_PEDANTIC: float32 products and accumulation, never down-converted to TF32 /
-// BF16x9 (torch.backends.cuda.matmul.allow_tf32, set_float32_matmul_precision and the handle's math
-// mode do not apply to an explicit pedantic compute type); the output is float32, so no reduction is
-// carried out in a narrower type either.
-at::Tensor gemm_f32(const at::Tensor& x32, const at::Tensor& w32, const float* scale, const float* bias) {
-  const int64_t M = x32.size(0), K = x32.size(1), N = w32.size(0);
+// y [M, N] float32 = x2 [M, K] @ w2 [N, K]^T (* scale[N]) (+ bias[N]); x2, w2 contiguous, both float32,
+// both float16 or both bfloat16. CUBLAS_COMPUTE_32F_PEDANTIC: float32 products and accumulation,
+// never down-converted to TF32 / BF16x9 (torch.backends.cuda.matmul.allow_tf32,
+// set_float32_matmul_precision and the handle's math mode do not apply to an explicit pedantic
+// compute type); with 16-bit operands each product is exact in float32 and the sums are float32.
+// The output (C) is float32, so no partial sum is ever stored in a 16-bit type: a split-K
+// reduction, if cuBLAS picks one, runs in float32 -- the reduced-precision reductions torch allows
+// by default for float16 / bfloat16 outputs cannot happen, whatever its flags say.
+at::Tensor gemm_f32acc(const at::Tensor& x2, const at::Tensor& w2, const float* scale, const float* bias) {
+  const int64_t M = x2.size(0), K = x2.size(1), N = w2.size(0);
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();
   TORCH_CHECK(M <= kIntMax && N <= kIntMax && K <= kIntMax, "linear: sizes too large for cuBLAS (M = ", M,
               ", N = ", N, ", K = ", K, ")");
-  at::Tensor y = at::empty({M, N}, x32.options());
-  // cuBLAS is column-major: the row-major y [M, N] is the column-major y^T [N, M] = w32 x32^T, with
-  // w32 (row-major [N, K] = column-major [K, N]) transposed and x32 (column-major [K, M]) as is.
+  TORCH_CHECK(x2.scalar_type() == w2.scalar_type() && x2.is_contiguous() && w2.is_contiguous(),
+              "linear: internal error: GEMM operands must be contiguous and of one dtype, got ", x2.scalar_type(),
+              " and ", w2.scalar_type());
+  cudaDataType_t ab_type = CUDA_R_32F;
+  switch (x2.scalar_type()) {
+    case at::kFloat: ab_type = CUDA_R_32F; break;
+    case at::kHalf: ab_type = CUDA_R_16F; break;
+    case at::kBFloat16: ab_type = CUDA_R_16BF; break;
+    default: TORCH_CHECK(false, "linear: internal error: no float32-accumulated GEMM for ", x2.scalar_type());
+  }
+  at::Tensor y = at::empty({M, N}, x2.options().dtype(at::kFloat));
+  // cuBLAS is column-major: the row-major y [M, N] is the column-major y^T [N, M] = w2 x2^T, with
+  // w2 (row-major [N, K] = column-major [K, N]) transposed and x2 (column-major [K, M]) as is.
   cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();  // on the current stream
   const float one = 1.f, zero = 0.f;
-  TORCH_CUDABLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(M), int(K), &one,
-                                    w32.data_ptr<float>(), CUDA_R_32F, int(K), x32.data_ptr<float>(), CUDA_R_32F,
-                                    int(K), &zero, y.data_ptr<float>(), CUDA_R_32F, int(N),
-                                    CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT));
+  TORCH_CUDABLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(M), int(K), &one, w2.data_ptr(),
+                                    ab_type, int(K), x2.data_ptr(), ab_type, int(K), &zero, y.data_ptr<float>(),
+                                    CUDA_R_32F, int(N), CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT));
   if (scale != nullptr || bias != nullptr) {
     const int threads = 256;
     const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
@@ -281,19 +296,23 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std:
   const int64_t M = checks::linear_rows(x);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
-  const bool f16_weight = weight.scalar_type() == at::kHalf || weight.scalar_type() == at::kBFloat16;
-  if (M > cuda::kMaxM && f16_weight) return at::linear(x, weight, bias);
-  const at::Tensor x32 = x.reshape({M, K}).to(at::kFloat).contiguous();
   std::optional<at::Tensor> b32, s32;
   if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
   if (weight_scale.has_value()) s32 = weight_scale->contiguous();
   const float* bp = b32.has_value() ? b32->data_ptr<float>() : nullptr;
   const float* sp = s32.has_value() ? s32->data_ptr<float>() : nullptr;
-  if (M > cuda::kMaxM) {  // float32 or int8 weight: float32 operands (int8 -> float32 is exact)
-    at::Tensor y = cuda::gemm_f32(x32, weight.to(at::kFloat).contiguous(), sp, bp);
-    if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
+  if (M > cuda::kMaxM) {  // prefill: float32-accumulated cuBLAS GEMM, float32 output, one rounding below
+    const bool f16_weight = weight.scalar_type() == at::kHalf || weight.scalar_type() == at::kBFloat16;
+    at::Tensor y = f16_weight
+                       // x's dtype (checked): float16 / bfloat16 A and B, exact products, float32 sums
+                       ? cuda::gemm_f32acc(x.reshape({M, K}).contiguous(), weight.contiguous(), sp, bp)
+                       // float32, or int8 -> float32 (exact); the scale multiplies the float32 result
+                       : cuda::gemm_f32acc(x.reshape({M, K}).to(at::kFloat).contiguous(),
+                                           weight.to(at::kFloat).contiguous(), sp, bp);
+    if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());  // the one rounding
     return y.view(out_shape);
   }
+  const at::Tensor x32 = x.reshape({M, K}).to(at::kFloat).contiguous();
   const at::Tensor w = weight.contiguous();
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   switch (w.scalar_type()) {
@@ -322,7 +341,7 @@ at::Tensor qlinear_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   if (M > cuda::kMaxM) {  // prefill: cuBLAS on the dequantized weight
     // float32 operands and float32 (pedantic) GEMM: the contract's float32 accumulation, one rounding
     const at::Tensor w32 = checks::qlinear_dequantize(qweight, scales, mins, bits, at::kFloat).contiguous();
-    at::Tensor y = cuda::gemm_f32(x32, w32, nullptr, bp);
+    at::Tensor y = cuda::gemm_f32acc(x32, w32, nullptr, bp);
     if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
     return y.view(out_shape);
   }
