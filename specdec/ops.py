@@ -229,10 +229,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     Accumulates in float32 and rounds once. The kernels stream the weight from memory
     once for up to 32 rows of x (M = x.numel() / K): on CPU for M <= 64 (larger M with a
     float weight is compute-bound and goes to the BLAS GEMM; int8 weights always use the
-    kernel), on CUDA for M <= 16 (larger M: cuBLAS with float32 pedantic compute and a float32
-    output, then bias and one rounding: float16 / bfloat16 weights as 16-bit operands, float32
-    and int8 weights as float32 operands; no TF32, and none of torch's reduced-precision
-    reductions, whatever torch.backends.cuda.matmul says). Inside
+    kernel), on CUDA for M <= 16 (larger M: cuBLAS with float32 accumulation and a float32
+    output, then bias and one rounding: float16 / bfloat16 weights as 16-bit operands on the
+    tensor cores, float32 and int8 weights as float32 operands with pedantic compute; no TF32,
+    and none of torch's reduced-precision reductions, whatever torch.backends.cuda.matmul says). Inside
     :func:`prefill_rows` (prompt prefill) the CPU takes its GEMM tiles at every M.
     """
     return _ops.linear(x, weight, bias, weight_scale)

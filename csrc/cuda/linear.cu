@@ -12,9 +12,10 @@
 // weight is read exactly once for all M rows: at M <= 16 the kernel is bound by HBM
 // bandwidth, not by FMA throughput (16 FMAs per 2-byte weight).
 // Rows whose base is not 16-byte aligned (K * es % 16 != 0) take a scalar loop.
-// Larger M (prefill) is compute-bound: cuBLAS, always through gemm_f32acc: cublasGemmEx with
-// CUBLAS_COMPUTE_32F_PEDANTIC and a float32 output -- float32 products and sums whatever torch's
-// matmul settings say (no TF32, no reduced-precision or emulated arithmetic, and no reduction in
+// Larger M (prefill) is compute-bound: cuBLAS, always through gemm_f32acc: cublasGemmEx with a
+// float32 compute type and a float32 output -- float32 sums whatever torch's matmul settings say
+// (float32 operands: CUBLAS_COMPUTE_32F_PEDANTIC, so no TF32 or emulated arithmetic; 16-bit
+// operands: CUBLAS_COMPUTE_32F, tensor cores with float32 accumulators; and never a reduction in
 // a 16-bit type: torch's allow_fp16 / allow_bf16_reduced_precision_reduction and
 // allow_fp16_accumulation do not reach it) -- then y * scale + bias in float32 and ONE rounding
 // to x's dtype. Float16 / bfloat16 weights are multiplied as they are (A and B in x's 16-bit
@@ -149,10 +150,12 @@ __global__ void scale_bias_kernel(float* __restrict__ y, const float* __restrict
 }
 
 // y [M, N] float32 = x2 [M, K] @ w2 [N, K]^T (* scale[N]) (+ bias[N]); x2, w2 contiguous, both float32,
-// both float16 or both bfloat16. CUBLAS_COMPUTE_32F_PEDANTIC: float32 products and accumulation,
-// never down-converted to TF32 / BF16x9 (torch.backends.cuda.matmul.allow_tf32,
+// both float16 or both bfloat16. Float32 operands: CUBLAS_COMPUTE_32F_PEDANTIC, float32 products
+// and accumulation, never down-converted to TF32 / BF16x9 (torch.backends.cuda.matmul.allow_tf32,
 // set_float32_matmul_precision and the handle's math mode do not apply to an explicit pedantic
-// compute type); with 16-bit operands each product is exact in float32 and the sums are float32.
+// compute type). 16-bit operands: CUBLAS_COMPUTE_32F (pedantic would forbid the tensor cores and
+// make prefill many times slower): each product is exact in float32 and the tensor cores
+// accumulate in float32 (their adds need not round like IEEE float32 adds, a bound the tests allow).
 // The output (C) is float32, so no partial sum is ever stored in a 16-bit type: a split-K
 // reduction, if cuBLAS picks one, runs in float32 -- the reduced-precision reductions torch allows
 // by default for float16 / bfloat16 outputs cannot happen, whatever its flags say.
@@ -178,7 +181,9 @@ at::Tensor gemm_f32acc(const at::Tensor& x2, const at::Tensor& w2, const float* 
   const float one = 1.f, zero = 0.f;
   TORCH_CUDABLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(M), int(K), &one, w2.data_ptr(),
                                     ab_type, int(K), x2.data_ptr(), ab_type, int(K), &zero, y.data_ptr<float>(),
-                                    CUDA_R_32F, int(N), CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT));
+                                    CUDA_R_32F, int(N),
+                                    ab_type == CUDA_R_32F ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F,
+                                    CUBLAS_GEMM_DEFAULT));
   if (scale != nullptr || bias != nullptr) {
     const int threads = 256;
     const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
