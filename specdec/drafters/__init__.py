@@ -9,4 +9,4 @@ from specdec.drafters.suffix import DocumentDrafter, SuffixDrafter
 from specdec.drafters.validate import check_draft, draft_errors
 
 __all__ = ["Draft", "Drafter", "StepContext", "CallableDrafter", "DraftModel", "MultiDraft", "PromptLookup",
-           "SuffixDrafter", "TokenRecycling", "DocumentDrafter", "check_draft"]
+           "SuffixDrafter", "TokenRecycling", "DocumentDrafter", "check_draft", "draft_errors"]
