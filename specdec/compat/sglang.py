@@ -1,0 +1,403 @@
+"""SGLang (sgl-kernel) call conventions over specdec's tree ops.
+
+SGLang keeps a request's draft tree in first-child / next-sibling form: for local node
+``i`` of request ``b`` (node 0 is the root, the last committed token),
+``retrive_next_token[b, i]`` is its first child and ``retrive_next_sibling[b, i]`` its
+next sibling (int64, -1 = none); ``retrive_index[b, i]`` is the node's flat index into the
+batch's ``bs * num_draft_tokens`` candidate buffers (``predicts``, ``target_predict``).
+Children are tried in sibling-chain order. specdec uses parent form (``tokens`` /
+``parents`` / ``depths`` with ``parents[b, i] < i``, see docs/design.md "The tree layout").
+
+Entry points:
+
+* :func:`sglang_to_parents` / :func:`parents_to_sglang`: the tree conversion, both ways.
+* :func:`verify_tree_greedy`: sgl-kernel's greedy tree verification, outputs in place,
+  computed by :func:`specdec.ops.greedy_verify`. Integer outputs equal SGLang's exactly.
+* :func:`tree_speculative_sampling_target_only`: sgl-kernel's target-only tree sampler
+  (deterministic candidates, q one-hot), computed by :func:`specdec.ops.rejection_sample`
+  with SGLang's uniforms mapped onto per-child tests (see its docstring). Only the exact
+  form (``threshold_single == threshold_acc == 1.0``) is supported; SGLang's lossy
+  thresholds < 1 raise ``NotImplementedError``.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from specdec import ops
+
+__all__ = ["sglang_to_parents", "parents_to_sglang", "verify_tree_greedy",
+           "tree_speculative_sampling_target_only"]
+
+
+def _err(fn: str, arg: str, expected: str, got) -> ValueError:
+    return ValueError(f"{fn}: {arg}: expected {expected}, got {got}")
+
+
+def _check_2d(fn: str, name: str, t, shape: Optional[Tuple[int, int]] = None, integer: bool = True) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise _err(fn, name, "a torch.Tensor", type(t).__name__)
+    if t.dim() != 2:
+        raise _err(fn, name, "a 2-D tensor" + (f" of shape {list(shape)}" if shape else ""), f"shape {list(t.shape)}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise _err(fn, name, f"shape {list(shape)}", f"shape {list(t.shape)}")
+    if integer and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
+        raise _err(fn, name, "an integer dtype (int64 as SGLang uses)", t.dtype)
+
+
+# --------------------------------------------------------------------------- conversion
+def _convert(fn: str, next_token: torch.Tensor, next_sibling: torch.Tensor,
+             max_depth: Optional[int]) -> Tuple[List[List[int]], List[List[int]], List[List[int]]]:
+    """Per row: (order, parents, depths) in specdec index space; order[i] = local node or -1."""
+    _check_2d(fn, "retrive_next_token", next_token)
+    _check_2d(fn, "retrive_next_sibling", next_sibling, tuple(next_token.shape))
+    B, N = next_token.shape
+    if N < 1:
+        raise _err(fn, "retrive_next_token", "at least one node (the root) per request",
+                   f"shape {list(next_token.shape)}")
+    for name, t in (("retrive_next_token", next_token), ("retrive_next_sibling", next_sibling)):
+        bad = (t < -1) | (t >= N)
+        if bool(bad.any()):
+            b, i = (int(v) for v in bad.nonzero()[0])
+            raise _err(fn, f"{name}[{b}, {i}]", f"-1 or a node index in [0, {N})", int(t[b, i]))
+    nt, ns = next_token.tolist(), next_sibling.tolist()
+    orders, parents, depths = [], [], []
+    for b in range(B):
+        ftok, fsib = nt[b], ns[b]
+        par = [-1] * N
+        dep = [0] * N
+        seen = [False] * N
+        seen[0] = True
+        identity = True
+        pre = [0]          # DFS preorder (siblings in chain order)
+        stack = [0]
+        kids_of = {}
+        while stack:
+            u = stack.pop()
+            kids = []
+            c = ftok[u]
+            while c != -1:
+                if seen[c]:
+                    what = "the root" if c == 0 else f"node {c}"
+                    raise _err(fn, f"request {b}", "a tree (every node reachable once from root 0, no cycles)",
+                               f"{what} reached again as a child of node {u} (cycle or shared node)")
+                seen[c] = True
+                par[c] = u
+                dep[c] = dep[u] + 1
+                if c <= u or (kids and c <= kids[-1]):
+                    identity = False
+                kids.append(c)
+                c = fsib[c]
+            if max_depth is not None and dep[u] >= max_depth:
+                kids_trunc = []
+            else:
+                kids_trunc = kids
+            kids_of[u] = kids_trunc
+            stack.extend(reversed(kids_trunc))
+            if u != 0:
+                pre.append(u)
+        keep = [False] * N
+        for u in pre:
+            keep[u] = True
+        if identity:
+            order = [i if keep[i] else -1 for i in range(N)]
+        else:
+            order = pre + [-1] * (N - len(pre))
+        pos = {loc: i for i, loc in enumerate(order) if loc >= 0}
+        parents.append([pos[par[loc]] if loc > 0 else -1 for loc in order])
+        depths.append([dep[loc] if loc >= 0 else 0 for loc in order])
+        orders.append(order)
+    return orders, parents, depths
+
+
+def sglang_to_parents(retrive_next_token: torch.Tensor, retrive_next_sibling: torch.Tensor,
+                      candidates: Optional[torch.Tensor] = None, *, max_depth: Optional[int] = None
+                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """First-child / next-sibling form -> specdec parent form.
+
+    ``retrive_next_token`` / ``retrive_next_sibling``: [bs, N] integer, -1 = none; node 0 is
+    each request's root. ``candidates`` [bs, N]: the local nodes' tokens (optional).
+    ``max_depth``: drop nodes deeper than this (SGLang's walk stops after
+    ``num_spec_step - 1`` accepted tokens). Nodes not reachable from the root are padding.
+
+    Returns ``(tokens [bs, N] int64, parents [bs, N] int32, depths [bs, N] int32,
+    order [bs, N] int64)`` with ``order[b, i]`` the local SGLang node of specdec node i
+    (-1 for padding). When the local numbering is already topological with each sibling
+    chain in increasing index order (what SGLang's tree builder emits) ``order`` is the
+    identity on the reachable nodes; otherwise nodes are renumbered in depth-first
+    preorder, which keeps each sibling chain's order. Padding gets token -1, parent -1,
+    depth 0. Raises ``ValueError`` for out-of-range links, cycles and nodes reachable twice.
+    """
+    fn = "sglang_to_parents"
+    orders, parents, depths = _convert(fn, retrive_next_token, retrive_next_sibling, max_depth)
+    dev = retrive_next_token.device
+    order = torch.tensor(orders, dtype=torch.int64, device=dev).reshape(retrive_next_token.shape)
+    par = torch.tensor(parents, dtype=torch.int32, device=dev).reshape(retrive_next_token.shape)
+    dep = torch.tensor(depths, dtype=torch.int32, device=dev).reshape(retrive_next_token.shape)
+    if candidates is None:
+        tokens = torch.full_like(order, -1)
+        tokens[:, 0] = 0
+        tokens[order >= 0] = 0
+    else:
+        _check_2d(fn, "candidates", candidates, tuple(retrive_next_token.shape))
+        tokens = torch.gather(candidates.to(torch.int64), 1, order.clamp(min=0))
+        tokens[order < 0] = -1
+    return tokens, par, dep, order
+
+
+def parents_to_sglang(tokens: torch.Tensor, parents: torch.Tensor
+                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """specdec parent form -> SGLang's ``(candidates, retrive_index, retrive_next_token,
+    retrive_next_sibling)``, all [bs, N] int64.
+
+    ``parents[b, 0] == -1`` and ``-1 <= parents[b, i] < i``; ``parents[b, i] == -1`` for
+    i > 0 marks padding, which gets no links (and is unreachable). Children keep their
+    index order as the sibling chain. ``retrive_index[b, i] = b * N + i``; ``candidates``
+    are the tokens as given. Raises ``ValueError`` for a malformed tree (a parent out of
+    range or not before its child, or a real node hanging under a padding node).
+    """
+    fn = "parents_to_sglang"
+    _check_2d(fn, "tokens", tokens)
+    _check_2d(fn, "parents", parents, tuple(tokens.shape))
+    B, N = tokens.shape
+    pl = parents.tolist()
+    nxt = [[-1] * N for _ in range(B)]
+    sib = [[-1] * N for _ in range(B)]
+    for b in range(B):
+        row = pl[b]
+        if N and row[0] != -1:
+            raise _err(fn, f"parents[{b}, 0]", "-1 (node 0 is the root)", row[0])
+        real = [False] * N
+        if N:
+            real[0] = True
+        last_child = [-1] * N
+        for i in range(1, N):
+            p = row[i]
+            if p == -1:
+                continue
+            if not (0 <= p < i):
+                raise _err(fn, f"parents[{b}, {i}]", f"-1 or a node index in [0, {i}) (topological order)", p)
+            if not real[p]:
+                raise _err(fn, f"parents[{b}, {i}]", "a real node as parent", f"padding node {p}")
+            real[i] = True
+            if last_child[p] == -1:
+                nxt[b][p] = i
+            else:
+                sib[b][last_child[p]] = i
+            last_child[p] = i
+    dev = tokens.device
+    ri = torch.arange(B * N, dtype=torch.int64, device=dev).reshape(B, N)
+    return (tokens.to(torch.int64).clone(), ri, torch.tensor(nxt, dtype=torch.int64, device=dev).reshape(B, N),
+            torch.tensor(sib, dtype=torch.int64, device=dev).reshape(B, N))
+
+
+# --------------------------------------------------------------------------- shared checks
+def _check_common(fn, predicts, accept_index, accept_token_num, candidates, retrive_index,
+                  retrive_next_token, retrive_next_sibling):
+    _check_2d(fn, "candidates", candidates)
+    B, N = candidates.shape
+    for name, t in (("retrive_index", retrive_index), ("retrive_next_token", retrive_next_token),
+                    ("retrive_next_sibling", retrive_next_sibling)):
+        _check_2d(fn, name, t, (B, N))
+    _check_2d(fn, "accept_index", accept_index)
+    if accept_index.shape[0] != B or accept_index.shape[1] < 1:
+        raise _err(fn, "accept_index", f"shape [{B}, num_spec_step >= 1]", f"shape {list(accept_index.shape)}")
+    for name, t, shape in (("accept_token_num", accept_token_num, (B,)), ("predicts", predicts, (B * N,))):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            got = f"shape {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise _err(fn, name, f"a tensor of shape {list(shape)}", got)
+        if t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise _err(fn, name, "an integer dtype (int32 as SGLang uses)", t.dtype)
+    bad = (retrive_index < 0) | (retrive_index >= B * N)
+    if bool(bad.any()):
+        b, i = (int(v) for v in bad.nonzero()[0])
+        raise _err(fn, f"retrive_index[{b}, {i}]", f"a flat index in [0, {B * N})", int(retrive_index[b, i]))
+    return B, N, accept_index.shape[1]
+
+
+def _write_outputs(accepted, num_acc, order, retrive_index, accept_index, accept_token_num):
+    """accepted (specdec indices, -1 padded) -> flat indices; fills accept_index / accept_token_num."""
+    B, N = accepted.shape
+    S = accept_index.shape[1]
+    acc = accepted.to(torch.int64)
+    local = torch.gather(order, 1, acc.clamp(min=0))
+    flat = torch.gather(retrive_index.to(torch.int64), 1, local.clamp(min=0))
+    flat = torch.where(acc >= 0, flat, torch.full_like(flat, -1))
+    k = min(S, N)
+    accept_index.fill_(-1)
+    accept_index[:, :k] = flat[:, :k].to(accept_index.dtype)
+    accept_token_num.copy_(num_acc.to(accept_token_num.dtype))
+    return flat, local
+
+
+# --------------------------------------------------------------------------- greedy
+def verify_tree_greedy(predicts: torch.Tensor, accept_index: torch.Tensor, accept_token_num: torch.Tensor,
+                       candidates: torch.Tensor, retrive_index: torch.Tensor, retrive_next_token: torch.Tensor,
+                       retrive_next_sibling: torch.Tensor, target_predict: torch.Tensor) -> None:
+    """sgl-kernel's ``verify_tree_greedy``, outputs written in place.
+
+    Shapes (bs requests, N = num_draft_tokens, S = num_spec_step):
+    ``candidates``, ``retrive_index``, ``retrive_next_token``, ``retrive_next_sibling``
+    [bs, N] integer; ``target_predict`` [bs, N] (or [bs * N]) integer, indexed by FLAT index
+    (``retrive_index`` values): the target's argmax after that node. Outputs:
+    ``accept_index`` [bs, S] (int32): flat indices of the accepted path, root first, -1
+    padded; ``accept_token_num`` [bs]: accepted draft tokens (root and bonus excluded),
+    at most S - 1; ``predicts`` [bs * N]: at each accepted node's flat index the target's
+    token after it (the next accepted draft token, then the bonus); other entries untouched.
+
+    Walk: from the root, take the first child in sibling-chain order whose candidate equals
+    ``target_predict`` at the current node's flat index; stop when none does or S - 1
+    tokens are accepted. Computed by :func:`specdec.ops.greedy_verify` on a two-symbol
+    vocabulary (token 0 = "matches the target at the parent", logits argmax 0), which makes
+    the op's decisions exactly the ones above.
+    """
+    fn = "verify_tree_greedy"
+    B, N, S = _check_common(fn, predicts, accept_index, accept_token_num, candidates, retrive_index,
+                            retrive_next_token, retrive_next_sibling)
+    if not isinstance(target_predict, torch.Tensor) or target_predict.numel() != B * N:
+        got = (f"shape {list(target_predict.shape)}" if isinstance(target_predict, torch.Tensor)
+               else type(target_predict))
+        raise _err(fn, "target_predict", f"a tensor of shape [{B}, {N}] (or [{B * N}])", got)
+    orders, parents, _ = _convert(fn, retrive_next_token, retrive_next_sibling, S - 1)
+    dev = candidates.device
+    order = torch.tensor(orders, dtype=torch.int64, device=dev).reshape(B, N)
+    par = torch.tensor(parents, dtype=torch.int32, device=dev).reshape(B, N)
+    ri = retrive_index.to(torch.int64)
+    tp = target_predict.reshape(-1).to(torch.int64)
+    par_local = torch.gather(order, 1, par.to(torch.int64).clamp(min=0))
+    at_parent = tp[torch.gather(ri, 1, par_local.clamp(min=0))]
+    cand = torch.gather(candidates.to(torch.int64), 1, order.clamp(min=0))
+    tokens = torch.where(cand == at_parent, 0, 1)
+    tokens = torch.where(par >= 0, tokens, torch.full_like(tokens, -1))
+    tokens[:, 0] = 0
+    logits = torch.zeros(B, N, 2, dtype=torch.float32, device=dev)
+    logits[:, :, 0] = 1.0
+    accepted, num_acc, _ = ops.greedy_verify(tokens.contiguous(), par.contiguous(), logits)
+    flat, _ = _write_outputs(accepted, num_acc, order, ri, accept_index, accept_token_num)
+    on = flat >= 0
+    idx = flat[on]
+    predicts[idx] = tp[idx].to(predicts.dtype)
+
+
+# --------------------------------------------------------------------------- sampling
+def tree_speculative_sampling_target_only(
+        predicts: torch.Tensor, accept_index: torch.Tensor, accept_token_num: torch.Tensor,
+        candidates: torch.Tensor, retrive_index: torch.Tensor, retrive_next_token: torch.Tensor,
+        retrive_next_sibling: torch.Tensor, uniform_samples: torch.Tensor,
+        uniform_samples_for_final_sampling: torch.Tensor, target_probs: torch.Tensor,
+        draft_probs: Optional[torch.Tensor] = None, threshold_single: float = 1.0,
+        threshold_acc: float = 1.0, deterministic: bool = True) -> None:
+    """sgl-kernel's ``tree_speculative_sampling_target_only`` (exact form), in place.
+
+    Inputs as :func:`verify_tree_greedy`, plus ``uniform_samples`` [bs, N] (the coin of
+    each LOCAL node, used to choose among its children), ``uniform_samples_for_final_sampling``
+    [bs], ``target_probs`` [bs, N, V] (row of LOCAL node i: the target's distribution after
+    it) and ``draft_probs`` [bs, N, V] or None. Outputs as :func:`verify_tree_greedy`;
+    ``predicts`` gets the next accepted draft token at each accepted node and the final
+    draw at the last one.
+
+    SGLang's rule (thresholds 1.0): at the current node with coin ``u`` try the children
+    in chain order, accepting child c iff ``u <= P_c`` where ``P_c`` is the running sum of
+    the node's target probabilities of the children tried so far, c included; the
+    accepted child's coin takes over. When none is accepted (or at a leaf, or after
+    S - 1 accepted tokens) one token is drawn by inverse CDF from the node's target row
+    with the rejected children's tokens removed, using the final coin. This is
+    speculative sampling with deterministic candidates, so it is computed by
+    :func:`specdec.ops.rejection_sample` (``draft_probs=None``) with per-child uniforms
+    ``(u - P_prev) / (S_row - P_prev)`` (clamped to [0, 1]; ``P_prev`` the earlier
+    siblings' mass, ``S_row`` the row's sum): child c then passes specdec's test exactly
+    when it passes SGLang's, and the final draw uses the final coin. Decisions equal
+    SGLang's up to float rounding at the boundaries (specdec decides in exact
+    fixed point). Deliberate difference: a token repeated among siblings is tried once
+    (its mass counted once, as exactness requires); SGLang's kernel counts it again.
+
+    ``draft_probs``, when given, is treated as SGLang's zero-initialised scratch buffer:
+    like SGLang, the target probability of each rejected candidate is written into it at
+    the (local node, token) where it was rejected. ``deterministic`` is accepted and
+    ignored (specdec's ops are deterministic). ``threshold_single`` / ``threshold_acc``
+    < 1 (SGLang's lossy relaxation) raise ``NotImplementedError``.
+    """
+    fn = "tree_speculative_sampling_target_only"
+    if float(threshold_single) != 1.0:
+        raise NotImplementedError(f"{fn}: threshold_single={threshold_single}: only 1.0 (exact sampling) is "
+                                  "supported; SGLang's lossy thresholds < 1 are not implemented")
+    if float(threshold_acc) != 1.0:
+        raise NotImplementedError(f"{fn}: threshold_acc={threshold_acc}: only 1.0 (exact sampling) is "
+                                  "supported; SGLang's lossy thresholds < 1 are not implemented")
+    B, N, S = _check_common(fn, predicts, accept_index, accept_token_num, candidates, retrive_index,
+                            retrive_next_token, retrive_next_sibling)
+    if not isinstance(target_probs, torch.Tensor) or target_probs.dim() != 3 or tuple(target_probs.shape[:2]) != (B, N):
+        got = f"shape {list(target_probs.shape)}" if isinstance(target_probs, torch.Tensor) else type(target_probs)
+        raise _err(fn, "target_probs", f"a float tensor of shape [{B}, {N}, V]", got)
+    if not target_probs.dtype.is_floating_point:
+        raise _err(fn, "target_probs", "a floating dtype", target_probs.dtype)
+    V = target_probs.shape[2]
+    _check_2d(fn, "uniform_samples", uniform_samples, (B, N), integer=False)
+    if not isinstance(uniform_samples_for_final_sampling, torch.Tensor) or \
+            uniform_samples_for_final_sampling.numel() != B:
+        raise _err(fn, "uniform_samples_for_final_sampling", f"a tensor of shape [{B}]",
+                   getattr(uniform_samples_for_final_sampling, "shape", type(uniform_samples_for_final_sampling)))
+    if draft_probs is not None and (not isinstance(draft_probs, torch.Tensor)
+                                    or tuple(draft_probs.shape) != tuple(target_probs.shape)):
+        raise _err(fn, "draft_probs", f"None or a tensor of shape {list(target_probs.shape)}",
+                   getattr(draft_probs, "shape", type(draft_probs)))
+    bad = (candidates < 0) | (candidates >= V)
+    orders, parents, _ = _convert(fn, retrive_next_token, retrive_next_sibling, S - 1)
+    dev = candidates.device
+    order = torch.tensor(orders, dtype=torch.int64, device=dev).reshape(B, N)
+    par = torch.tensor(parents, dtype=torch.int32, device=dev).reshape(B, N)
+    par64 = par.to(torch.int64)
+    real_child = par >= 0
+    cand = torch.gather(candidates.to(torch.int64), 1, order.clamp(min=0))
+    badn = torch.gather(bad, 1, order.clamp(min=0)) & real_child
+    if bool(badn.any()):
+        b, i = (int(v) for v in badn.nonzero()[0])
+        loc = int(order[b, i])
+        raise _err(fn, f"candidates[{b}, {loc}]", f"a token in [0, {V})", int(candidates[b, loc]))
+    tokens = torch.where(real_child, cand, torch.full_like(cand, -1))
+    tokens[:, 0] = cand[:, 0].clamp(0, V - 1)
+    probs = torch.gather(target_probs.to(torch.float32), 1,
+                         order.clamp(min=0)[:, :, None].expand(B, N, V)).contiguous()
+    # mass of each child's token in its parent's row; a token repeated among siblings counts once
+    pl = par64.clamp(min=0)
+    pm = probs.to(torch.float64)
+    p_child = pm[torch.arange(B, device=dev)[:, None], pl, tokens.clamp(min=0)]
+    same = (par64[:, :, None] == par64[:, None, :]) & (tokens[:, :, None] == tokens[:, None, :])
+    earlier = torch.ones(N, N, dtype=torch.bool, device=dev).tril(-1)
+    dup = (same & earlier & real_child[:, None, :]).any(-1) & real_child
+    mass = torch.where(real_child & ~dup, p_child, torch.zeros_like(p_child))
+    # P_prev[i] = mass of the earlier siblings of i (same parent, smaller index)
+    sib_earlier = (par64[:, :, None] == par64[:, None, :]) & earlier & real_child[:, None, :]
+    p_prev = (sib_earlier.to(torch.float64) * mass[:, None, :]).sum(-1)
+    row_sum = pm.sum(-1)
+    s_par = torch.gather(row_sum, 1, pl)
+    coin = torch.gather(uniform_samples.to(torch.float64), 1, torch.gather(order, 1, pl).clamp(min=0))
+    denom = s_par - p_prev
+    u = torch.where(denom > 0, (coin - p_prev) / torch.where(denom > 0, denom, torch.ones_like(denom)),
+                    torch.ones_like(denom)).clamp(0.0, 1.0)
+    u = torch.where(real_child, u, torch.zeros_like(u))
+    u[:, 0] = uniform_samples_for_final_sampling.reshape(B).to(torch.float64).clamp(0.0, 1.0)
+    accepted, num_acc, out_tokens = ops.rejection_sample(tokens.contiguous(), par.contiguous(), probs, None,
+                                                         u.contiguous())
+    flat, local = _write_outputs(accepted, num_acc, order, retrive_index, accept_index, accept_token_num)
+    on = flat >= 0
+    predicts[flat[on]] = out_tokens[on].to(predicts.dtype)
+    if draft_probs is not None:
+        acc = accepted.to(torch.int64)
+        on_path = torch.zeros(B, N + 1, dtype=torch.bool, device=dev)  # column N: sink for padding
+        on_path.scatter_(1, torch.where(on, acc, torch.full_like(acc, N)), on)
+        on_path = on_path[:, :N]
+        # accepted child of each path node (N = none)
+        nxt = torch.full((B, N + 1), N, dtype=torch.int64, device=dev)  # column N: sink for padding
+        kids = acc[:, 1:]
+        ok = kids >= 0
+        nxt.scatter_(1, torch.where(ok, acc[:, :-1].clamp(min=0), torch.full_like(kids, N)),
+                     torch.where(ok, kids, torch.full_like(kids, N)))
+        nxt = nxt[:, :N]
+        idx = torch.arange(N, device=dev)[None, :]
+        rej = real_child & torch.gather(on_path, 1, pl) & (idx < torch.gather(nxt, 1, pl)) & ~on_path
+        b_i, n_i = rej.nonzero(as_tuple=True)
+        rows = order[b_i, par64[b_i, n_i]]
+        toks = tokens[b_i, n_i]
+        draft_probs[b_i, rows, toks] = target_probs[b_i, rows, toks].to(draft_probs.dtype)

@@ -1,0 +1,425 @@
+"""specdec.compat.sglang against an independent implementation of SGLang's documented semantics.
+
+The references below follow sgl-kernel's description of verify_tree_greedy and
+tree_speculative_sampling_target_only (first-child / next-sibling walk, in-place outputs,
+-1 padding, accept_token_num excluding the bonus), written here in plain Python.
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from specdec.compat import sglang as sg
+
+NUM_GREEDY = int(os.environ.get("SPECDEC_SGLANG_CASES", "2000"))
+
+
+# --------------------------------------------------------------------------- random SGLang trees
+def random_tree(rng: random.Random, N: int, kind: str):
+    """One request's tree: (next_token, next_sibling, order_ok) as lists of length N.
+
+    kind: chain / bushy / mixed. Some nodes stay unreachable (-1 padding); the local
+    numbering is sometimes shuffled (non-topological) and sibling chains sometimes run in
+    decreasing index order, as SGLang's builder emits them.
+    """
+    n_real = rng.randint(1, N)
+    par = [-1]
+    for i in range(1, n_real):
+        if kind == "chain":
+            par.append(i - 1)
+        elif kind == "bushy":
+            par.append(rng.randrange(0, min(i, 2)))
+        else:
+            par.append(rng.randrange(0, i))
+    perm = list(range(1, N))
+    if rng.random() < 0.3:
+        rng.shuffle(perm)
+    loc = [0] + perm[: n_real - 1]              # specdec-order node j -> local node loc[j]
+    kids = {j: [c for c in range(1, n_real) if par[c] == j] for j in range(n_real)}
+    nt, ns = [-1] * N, [-1] * N
+    for j in range(n_real):
+        ch = [loc[c] for c in kids[j]]
+        r = rng.random()
+        if r < 0.3:
+            ch.sort(reverse=True)
+        elif r < 0.5:
+            rng.shuffle(ch)
+        if ch:
+            nt[loc[j]] = ch[0]
+            for a, b in zip(ch, ch[1:]):
+                ns[a] = b
+    return nt, ns
+
+
+def random_batch(rng: random.Random, B: int, N: int, V: int, kind: str, *, match_rate=0.6):
+    nts, nss = [], []
+    for _ in range(B):
+        k = kind if kind != "any" else rng.choice(["chain", "bushy", "mixed"])
+        nt, ns = random_tree(rng, N, k)
+        nts.append(nt)
+        nss.append(ns)
+    nt = torch.tensor(nts, dtype=torch.int64)
+    ns = torch.tensor(nss, dtype=torch.int64)
+    cand = torch.tensor([[rng.randrange(V) for _ in range(N)] for _ in range(B)], dtype=torch.int64)
+    flat = list(range(B * N))
+    if rng.random() < 0.5:
+        rng.shuffle(flat)
+    ri = torch.tensor(flat, dtype=torch.int64).reshape(B, N)
+    # target_predict (flat-indexed): often equal to one of the node's children's candidates
+    tp = torch.tensor([rng.randrange(V) for _ in range(B * N)], dtype=torch.int64)
+    for b in range(B):
+        for i in range(N):
+            kids = []
+            c = nts[b][i]
+            while c != -1:
+                kids.append(c)
+                c = nss[b][c]
+            if kids and rng.random() < match_rate:
+                tp[int(ri[b, i])] = cand[b, rng.choice(kids)]
+    return cand, ri, nt, ns, tp
+
+
+# --------------------------------------------------------------------------- references
+def ref_greedy(cand, ri, nt, ns, tp, S):
+    B, N = cand.shape
+    predicts = [-7] * (B * N)
+    acc_idx = [[-1] * S for _ in range(B)]
+    acc_num = [0] * B
+    c_, r_, t_, s_, p_ = cand.tolist(), ri.tolist(), nt.tolist(), ns.tolist(), tp.tolist()
+    for b in range(B):
+        last = r_[b][0]
+        acc_idx[b][0] = last
+        n = 0
+        cur = 0
+        for _ in range(1, S):
+            cur = t_[b][cur]
+            while cur != -1:
+                if c_[b][cur] == p_[last]:
+                    predicts[last] = p_[last]
+                    n += 1
+                    acc_idx[b][n] = r_[b][cur]
+                    last = r_[b][cur]
+                    break
+                cur = s_[b][cur]
+            if cur == -1:
+                break
+        acc_num[b] = n
+        predicts[last] = p_[last]
+    return predicts, acc_idx, acc_num
+
+
+def ref_sampling(cand, ri, nt, ns, us, uf, probs, S):
+    """SGLang's exact (threshold 1) target-only sampler in float64; distinct sibling tokens assumed."""
+    B, N = cand.shape
+    predicts = [-7] * (B * N)
+    acc_idx = [[-1] * S for _ in range(B)]
+    acc_num = [0] * B
+    P = probs.to(torch.float64).tolist()
+    c_, r_, t_, s_, u_ = cand.tolist(), ri.tolist(), nt.tolist(), ns.tolist(), us.tolist()
+    for b in range(B):
+        last = r_[b][0]
+        acc_idx[b][0] = last
+        node, coin, n, cur = 0, u_[b][0], 0, 0
+        removed = set()
+        for _ in range(1, S):
+            cur = t_[b][cur]
+            acc_p = 0.0
+            removed = set()
+            while cur != -1:
+                tok = c_[b][cur]
+                acc_p += P[b][node][tok]
+                if coin <= acc_p:
+                    predicts[last] = tok
+                    n += 1
+                    acc_idx[b][n] = r_[b][cur]
+                    last = r_[b][cur]
+                    node, coin = cur, u_[b][cur]
+                    break
+                removed.add(tok)
+                cur = s_[b][cur]
+            if cur == -1:
+                break
+        if n == S - 1:
+            removed = set()
+        row = [0.0 if v in removed else max(p, 0.0) for v, p in enumerate(P[b][node])]
+        x = float(uf[b]) * sum(row)
+        run, pick = 0.0, None
+        for v, p in enumerate(row):
+            run += p
+            if p > 0 and run > x:
+                pick = v
+                break
+        if pick is None:
+            pick = max(v for v, p in enumerate(row) if p > 0)
+        acc_num[b] = n
+        predicts[last] = pick
+    return predicts, acc_idx, acc_num
+
+
+def run_greedy(cand, ri, nt, ns, tp, S):
+    B, N = cand.shape
+    predicts = torch.full((B * N,), -7, dtype=torch.int32)
+    ai = torch.full((B, S), 99, dtype=torch.int32)
+    an = torch.full((B,), 99, dtype=torch.int32)
+    sg.verify_tree_greedy(predicts, ai, an, cand, ri, nt, ns, tp)
+    return predicts, ai, an
+
+
+# --------------------------------------------------------------------------- greedy
+@pytest.mark.parametrize("kind", ["chain", "bushy", "mixed", "any"])
+def test_greedy_matches_sglang_semantics(kind):
+    rng = random.Random(sum(map(ord, kind)))
+    done = 0
+    while done < NUM_GREEDY // 4:
+        B, N = rng.randint(1, 24), rng.randint(1, 12)
+        S = rng.randint(1, N + 2)
+        V = rng.choice([2, 3, 50, 32000])
+        cand, ri, nt, ns, tp = random_batch(rng, B, N, V, kind)
+        predicts, ai, an = run_greedy(cand, ri, nt, ns, tp, S)
+        rp, rai, ran = ref_greedy(cand, ri, nt, ns, tp, S)
+        assert predicts.tolist() == rp
+        assert ai.tolist() == rai and ai.dtype == torch.int32
+        assert an.tolist() == ran
+        done += B
+
+
+def test_greedy_small_example():
+    # root 0 -> [1 -> 3, 2]; target after root = 7 (node 2's token), after node 2 = 1
+    nt = torch.tensor([[1, 3, -1, -1]])
+    ns = torch.tensor([[-1, 2, -1, -1]])
+    cand = torch.tensor([[5, 6, 7, 8]])
+    tp = torch.tensor([[7, 8, 1, 9]])
+    predicts, ai, an = run_greedy(cand, torch.arange(4)[None], nt, ns, tp, 3)
+    assert ai.tolist() == [[0, 2, -1]] and an.tolist() == [1]
+    assert predicts.tolist() == [7, -7, 1, -7]
+
+
+def test_greedy_step_limit():
+    # a full chain that the target agrees with, cut by num_spec_step
+    N = 6
+    nt = torch.tensor([[1, 2, 3, 4, 5, -1]])
+    ns = torch.full((1, N), -1)
+    cand = torch.tensor([[0, 10, 11, 12, 13, 14]])
+    tp = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    predicts, ai, an = run_greedy(cand, torch.arange(N)[None], nt, ns, tp, 3)
+    assert ai.tolist() == [[0, 1, 2]] and an.tolist() == [2]
+    assert predicts.tolist() == [10, 11, 12, -7, -7, -7]
+
+
+# --------------------------------------------------------------------------- conversion
+def test_round_trip_parents_sglang_parents():
+    rng = random.Random(5)
+    for _ in range(300):
+        B, N = rng.randint(1, 6), rng.randint(1, 10)
+        parents, tokens = [], []
+        for _ in range(B):
+            n = rng.randint(1, N)
+            row = [-1] + [rng.randrange(0, i) for i in range(1, n)] + [-1] * (N - n)
+            parents.append(row)
+            tokens.append([rng.randrange(100) for _ in range(n)] + [-1] * (N - n))
+        par = torch.tensor(parents, dtype=torch.int32)
+        tok = torch.tensor(tokens, dtype=torch.int64)
+        cand, ri, nt, ns = sg.parents_to_sglang(tok, par)
+        assert ri.tolist() == [[b * N + i for i in range(N)] for b in range(B)]
+        for t in (cand, ri, nt, ns):
+            assert t.dtype == torch.int64 and tuple(t.shape) == (B, N)
+        tok2, par2, dep2, order = sg.sglang_to_parents(nt, ns, cand)
+        assert torch.equal(tok2, tok) and torch.equal(par2, par)
+        assert par2.dtype == torch.int32 and dep2.dtype == torch.int32
+        real = par >= 0
+        real[:, 0] = True
+        assert order.tolist() == torch.where(real, torch.arange(N), -1).tolist()
+        for b in range(B):
+            for i in range(1, N):
+                p = parents[b][i]
+                assert int(dep2[b, i]) == (int(dep2[b, p]) + 1 if p >= 0 else 0)
+        # and back again
+        _, _, nt2, ns2 = sg.parents_to_sglang(tok2, par2)
+        assert torch.equal(nt2, nt) and torch.equal(ns2, ns)
+
+
+def test_sglang_to_parents_reorders_and_keeps_sibling_order():
+    rng = random.Random(9)
+    for _ in range(300):
+        N = rng.randint(1, 10)
+        nt, ns = random_tree(rng, N, "mixed")
+        cand = torch.tensor([list(range(100, 100 + N))])
+        tok, par, dep, order = sg.sglang_to_parents(torch.tensor([nt]), torch.tensor([ns]), cand)
+        p, o = par[0].tolist(), order[0].tolist()
+        for i in range(1, N):
+            assert p[i] < i
+            if p[i] >= 0:
+                assert o[i] >= 0 and int(tok[0, i]) == 100 + o[i]
+        # children of each node, in specdec index order, equal the SGLang sibling chain
+        for j in range(N):
+            if o[j] < 0:
+                continue
+            chain, c = [], nt[o[j]]
+            while c != -1:
+                chain.append(c)
+                c = ns[c]
+            assert [o[i] for i in range(N) if p[i] == j and i > 0] == chain
+
+
+@pytest.mark.parametrize("nt,ns,msg", [
+    ([[1, 2, 1]], [[-1, -1, -1]], "reached again"),          # cycle via first-child
+    ([[1, -1, -1]], [[-1, 2, 1]], "reached again"),          # cycle in a sibling chain
+    ([[1, 2, -1]], [[-1, 2, -1]], "reached again"),          # node 2 reachable twice
+    ([[1, 0, -1]], [[-1, -1, -1]], "the root"),              # root as a child
+    ([[1, 5, -1]], [[-1, -1, -1]], "retrive_next_token[0, 1]"),
+    ([[1, -1, -1]], [[-1, -2, -1]], "retrive_next_sibling[0, 1]"),
+])
+def test_malformed_sglang_trees(nt, ns, msg):
+    with pytest.raises(ValueError, match="sglang_to_parents") as e:
+        sg.sglang_to_parents(torch.tensor(nt), torch.tensor(ns))
+    assert msg in str(e.value) and "expected" in str(e.value) and "got" in str(e.value)
+    # the adapter ops reject them with their own name
+    B, N = 1, 3
+    with pytest.raises(ValueError, match="verify_tree_greedy"):
+        run_greedy(torch.zeros(B, N, dtype=torch.int64), torch.arange(N)[None], torch.tensor(nt),
+                   torch.tensor(ns), torch.zeros(B * N, dtype=torch.int64), 3)
+
+
+def test_malformed_parents_and_shapes():
+    tok = torch.zeros(1, 4, dtype=torch.int64)
+    for par, msg in [([[0, 0, 1, 2]], "parents[0, 0]"), ([[-1, 0, 2, 1]], "parents[0, 2]"),
+                     ([[-1, 0, 7, -1]], "parents[0, 2]"), ([[-1, -1, 1, -1]], "padding node 1")]:
+        with pytest.raises(ValueError, match="parents_to_sglang") as e:
+            sg.parents_to_sglang(tok, torch.tensor(par, dtype=torch.int32))
+        assert msg in str(e.value)
+    nt = torch.tensor([[1, -1]])
+    ns = torch.tensor([[-1, -1]])
+    with pytest.raises(ValueError, match="sglang_to_parents: retrive_next_sibling"):
+        sg.sglang_to_parents(nt, torch.tensor([[-1, -1, -1]]))
+    with pytest.raises(ValueError, match="verify_tree_greedy: accept_token_num"):
+        sg.verify_tree_greedy(torch.zeros(2, dtype=torch.int32), torch.zeros(1, 2, dtype=torch.int32),
+                              torch.zeros(2, dtype=torch.int32), torch.zeros(1, 2, dtype=torch.int64),
+                              torch.arange(2)[None], nt, ns, torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"verify_tree_greedy: retrive_index\[0, 1\]"):
+        run_greedy(torch.zeros(1, 2, dtype=torch.int64), torch.tensor([[0, 2]]), nt, ns,
+                   torch.zeros(2, dtype=torch.int64), 2)
+    with pytest.raises(ValueError, match="verify_tree_greedy: target_predict"):
+        run_greedy(torch.zeros(1, 2, dtype=torch.int64), torch.arange(2)[None], nt, ns,
+                   torch.zeros(3, dtype=torch.int64), 2)
+
+
+# --------------------------------------------------------------------------- sampling
+def sample_case(rng: random.Random, g: torch.Generator, B, N, V, kind):
+    cand, ri, nt, ns, _ = random_batch(rng, B, N, V, kind)
+    # distinct tokens among siblings (SGLang's kernel double-counts repeats; see the adapter's doc)
+    for b in range(B):
+        for i in range(N):
+            c, used = int(nt[b, i]), set()
+            while c != -1:
+                while int(cand[b, c]) in used:
+                    cand[b, c] = (int(cand[b, c]) + 1) % V
+                used.add(int(cand[b, c]))
+                c = int(ns[b, c])
+    z = torch.randn(B, N, V, generator=g) * 2
+    probs = torch.softmax(z, -1)
+    probs = probs * (torch.rand(B, N, V, generator=g) > 0.2)
+    probs = probs / probs.sum(-1, keepdim=True).clamp(min=1e-30)
+    probs[probs.sum(-1) == 0] = 1.0 / V
+    us = torch.rand(B, N, generator=g, dtype=torch.float64)
+    uf = torch.rand(B, generator=g, dtype=torch.float64)
+    return cand, ri, nt, ns, us, uf, probs.to(torch.float32)
+
+
+def run_sampling(cand, ri, nt, ns, us, uf, probs, S, draft_probs=None):
+    B, N = cand.shape
+    predicts = torch.full((B * N,), -7, dtype=torch.int32)
+    ai = torch.full((B, S), 99, dtype=torch.int32)
+    an = torch.full((B,), 99, dtype=torch.int32)
+    sg.tree_speculative_sampling_target_only(predicts, ai, an, cand, ri, nt, ns, us, uf, probs, draft_probs)
+    return predicts, ai, an
+
+
+@pytest.mark.parametrize("kind", ["chain", "bushy", "mixed"])
+def test_sampling_matches_sglang_semantics(kind):
+    rng = random.Random(11 + len(kind))
+    g = torch.Generator().manual_seed(3 + len(kind))
+    for _ in range(25):
+        B, N, V = rng.randint(1, 12), rng.randint(1, 9), rng.choice([10, 17, 40])
+        S = rng.randint(1, N + 1)
+        case = sample_case(rng, g, B, N, V, kind)
+        predicts, ai, an = run_sampling(*case, S)
+        rp, rai, ran = ref_sampling(*case, S)
+        assert ai.tolist() == rai and an.tolist() == ran
+        assert predicts.tolist() == rp
+
+
+def test_sampling_draft_probs_scratch_like_sglang():
+    # root -> children tokens 1, 2, 3; coin 0.95 rejects 1 and 2 under p_root = [.1,.2,.3,.4]... then 3
+    nt = torch.tensor([[1, -1, -1, -1]])
+    ns = torch.tensor([[-1, 2, 3, -1]])
+    cand = torch.tensor([[0, 1, 2, 3]])
+    probs = torch.tensor([[[0.1, 0.2, 0.3, 0.4]] * 4])
+    us = torch.tensor([[0.55, 0.5, 0.5, 0.5]], dtype=torch.float64)
+    dp = torch.zeros_like(probs)
+    predicts, ai, an = run_sampling(cand, torch.arange(4)[None], nt, ns, us, torch.tensor([0.5], dtype=torch.float64),
+                                    probs, 3, dp)
+    # 0.55 > 0.2 (reject token 1), > 0.5 (reject token 2), <= 0.9: accept node 3 (token 3)
+    assert ai.tolist() == [[0, 3, -1]] and an.tolist() == [1]
+    assert dp[0, 0].tolist() == pytest.approx([0.0, 0.2, 0.3, 0.0]) and float(dp[0, 1:].abs().sum()) == 0
+    assert predicts.tolist()[0] == 3
+
+
+def test_sampling_lossy_thresholds_raise():
+    nt = torch.tensor([[-1]])
+    args = (torch.zeros(1, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+            torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64), nt, nt,
+            torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1, 2) / 2)
+    with pytest.raises(NotImplementedError, match="threshold_single"):
+        sg.tree_speculative_sampling_target_only(*args, None, threshold_single=0.5)
+    with pytest.raises(NotImplementedError, match="threshold_acc"):
+        sg.tree_speculative_sampling_target_only(*args, None, threshold_acc=0.7)
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor):
+    n = float(counts.sum())
+    sup = probs > 0
+    assert float(counts[~sup].sum()) == 0, "mass outside the target's support"
+    exp = probs[sup] * n
+    chi2 = float(((counts[sup] - exp) ** 2 / exp).sum())
+    df = int(sup.sum()) - 1
+    p = float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
+                                      torch.tensor(chi2 / 2.0, dtype=torch.float64)))
+    tv = 0.5 * float((counts / n - probs).abs().sum())
+    return p, tv
+
+
+def test_sampled_tokens_follow_target_distribution():
+    """Small tree, many independent draws: first emitted token ~ p_root; second token after
+    the first child's token ~ that child's target row."""
+    V, M = 5, 40000
+    # root -> [1 (tok 0) -> [3 (tok 2), 4 (tok 4)], 2 (tok 3)]
+    nt = torch.tensor([[1, 3, -1, -1, -1]]).expand(M, 5).contiguous()
+    ns = torch.tensor([[-1, 2, -1, 4, -1]]).expand(M, 5).contiguous()
+    cand = torch.tensor([[1, 0, 3, 2, 4]]).expand(M, 5).contiguous()
+    rows = torch.tensor([[0.30, 0.15, 0.05, 0.20, 0.30],
+                         [0.10, 0.40, 0.25, 0.00, 0.25],
+                         [0.2, 0.2, 0.2, 0.2, 0.2],
+                         [0.5, 0.1, 0.1, 0.1, 0.2],
+                         [0.2, 0.2, 0.2, 0.2, 0.2]])
+    probs = rows[None].expand(M, 5, V).contiguous()
+    g = torch.Generator().manual_seed(1234)
+    us = torch.rand(M, 5, generator=g, dtype=torch.float64)
+    uf = torch.rand(M, generator=g, dtype=torch.float64)
+    ri = torch.arange(M * 5).reshape(M, 5)
+    predicts, ai, an = run_sampling(cand, ri, nt, ns, us, uf, probs, 4)
+    first = predicts.reshape(M, 5)[:, 0].long()
+    p1, tv1 = _chi2_pvalue(torch.bincount(first, minlength=V).double(), rows[0].double())
+    assert p1 >= 1e-4 and tv1 < 0.01, (p1, tv1)
+    # draws whose first token is node 1's token (0): the next token is emitted at node 1
+    sel = first == 0
+    assert bool((ai[sel, 1] == ri[sel, 1]).all())
+    second = predicts.reshape(M, 5)[sel, 1].long()
+    p2, tv2 = _chi2_pvalue(torch.bincount(second, minlength=V).double(), rows[1].double())
+    assert p2 >= 1e-4 and tv2 < 0.02, (p2, tv2)
+    # and the statistic has power: a wrong row is rejected
+    p_bad, _ = _chi2_pvalue(torch.bincount(second, minlength=V).double(),
+                            torch.tensor([0.15, 0.35, 0.25, 0.0, 0.25], dtype=torch.float64))
+    assert p_bad < 1e-4
