@@ -8,16 +8,10 @@
         for delta in eng.step():          # RequestOutput per request that moved this step
             print(delta.request_id, delta.new_tokens, delta.finished, delta.finish_reason)
 
-One :meth:`Engine.step`:
-
-1. admission: waiting requests take free cache rows (FIFO, up to ``max_batch`` active), are
-   prefilled together into those rows (the target's, then the drafter's ``admit``), and draw
-   their first token exactly like a plain step;
-2. one speculative step over every active row (draft -> verify -> commit, the loop of
-   :mod:`specdec.decoding`), each row accepting its own count;
-3. requests that hit a stop token or their ``max_new_tokens`` leave at once: the last active
-   row moves into the hole (target cache, drafter caches and state), so rows are reused by
-   the next admissions. :meth:`abort` does the same between steps.
+One :meth:`Engine.step` admits waiting requests into free cache rows (prefilled together, their
+first token drawn like a plain step), runs one speculative step over every active row (each row
+accepting its own count) and retires finished rows: the last active row moves into each hole
+(target cache, drafter state). :meth:`abort` does the same between steps. docs/serving.md has more.
 
 Rows of one batch may carry different sampling settings, and a request with a ``seed`` is
 seed-coupled (its tokens equal plain seeded sampling whatever the drafter and the batch):
@@ -30,7 +24,6 @@ the batch never fails for it.
 """
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from contextlib import contextmanager
@@ -51,8 +44,6 @@ from specdec.tree import TokenTree
 
 __all__ = ["Engine", "RequestParams", "RequestOutput", "QueueFull"]
 
-log = logging.getLogger("specdec.engine")
-
 
 class Engine:
     """Continuous-batching speculative decoding of ``target`` with ``drafter`` (None: plain decoding).
@@ -62,15 +53,13 @@ class Engine:
     "heuristic", "fixed" or a :class:`specdec.scheduler.Policy`). ``max_waiting`` bounds the queue
     of requests not yet admitted (None: unbounded); :meth:`add_request` raises :class:`QueueFull`
     past it. ``draft_seed`` seeds the drafter's generator (sampled draft models). ``drafter_errors``:
-    "fallback" (default: a drafter failure costs its rows one plain step, see the module docstring)
-    or "raise" (the error propagates, as :meth:`SpeculativeDecoder.generate` wants).
+    "fallback" (default: a drafter failure costs its rows one plain step) or "raise" (it propagates).
     """
 
     def __init__(self, target, drafter: Optional[Drafter] = None, max_batch: int = 8, max_len: int = 2048,
                  policy: Union[str, Policy] = "goodput", max_waiting: Optional[int] = None,
                  draft_seed: Optional[int] = None, drafter_errors: str = "fallback", _name: str = "Engine") -> None:
-        name = _name
-        self._check_args(name, target, drafter, max_batch, max_len, policy, max_waiting, drafter_errors)
+        self._check_args(name := _name, target, drafter, max_batch, max_len, policy, max_waiting, drafter_errors)
         self.name = name
         self.target = target
         self.drafter = drafter
@@ -94,9 +83,7 @@ class Engine:
         self.draft_generator = make_generator(draft_seed, self.device)
         self.recorder = MetricsRecorder(0, self.device)
         self._waiting: Deque[Request] = deque()
-        # a closed batch (see closed_batch): once nothing waits, the call ends with its slowest row
-        # and the policy plans for that
-        self._closed = False
+        self._closed = False                          # inside closed_batch()
         self._rows: List[Request] = []                # active requests in row order
         self._by_id: Dict[Hashable, Request] = {}     # waiting + active
         self._roots = torch.zeros(0, dtype=torch.int64, device=self.device)
@@ -175,10 +162,9 @@ class Engine:
 
     @contextmanager
     def closed_batch(self, recorder: MetricsRecorder, draft_generator: torch.Generator) -> Iterator["Engine"]:
-        """A static batch (``SpeculativeDecoder.generate``): the requests added inside the block are all
-        there is, so once none waits the policy plans for the slowest row; ``recorder`` collects the
-        block's metrics and ``draft_generator`` seeds the drafter. Whatever is left unfinished when the
-        block exits (an exception) is aborted, so the engine is empty afterwards."""
+        """A static batch (``SpeculativeDecoder.generate``): nothing joins after the requests added in the
+        block, so the policy plans for the slowest row; ``recorder`` collects the metrics, ``draft_generator``
+        seeds the drafter; what is unfinished when the block exits is aborted."""
         if self.has_unfinished():
             raise RuntimeError(f"{self.name}.closed_batch: the engine holds requests (step them to completion "
                                f"or abort them first)")
@@ -272,21 +258,8 @@ class Engine:
 
     def _emit(self, req: Request, toks: Sequence[int], deltas: Dict[int, RequestOutput]) -> Tuple[int, bool]:
         """Append tokens up to a stop token / max_new_tokens; returns (count appended, finished)."""
-        n = 0
-        done = False
-        limit = req.params.max_new_tokens
-        for t in toks:
-            req.new.append(t)
-            req.seq.append(t)
-            n += 1
-            if t in req.stops:
-                req.finish = "stop"
-                done = True
-                break
-            if len(req.new) >= limit:
-                req.finish = "length"
-                done = True
-                break
+        n = req.take(toks)
+        done = req.finish is not None
         if n:
             d = deltas.get(req.uid)
             if d is None:

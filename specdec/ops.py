@@ -1,8 +1,7 @@
 """Typed wrappers of the compiled ops: the ONLY Python door to ``torch.ops.specdec``.
 
-Each op is registered by ``specdec._C`` (C++ CPU kernels, and CUDA kernels when the
-build has them) and has a fake (meta) implementation here so that
-``torch.compile(fullgraph=True)`` and CUDA-graph capture can trace it. The pure-torch
+Each op is registered by ``specdec._C`` (C++ CPU kernels, CUDA kernels when built) and has a fake
+(meta) implementation here so that ``torch.compile(fullgraph=True)`` and CUDA-graph capture can trace it. The pure-torch
 oracle of every op is ``specdec.reference``.
 
 Shape letters: B requests, N tree nodes per request (node 0 = root), V vocabulary,
@@ -229,11 +228,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     Accumulates in float32 and rounds once. The kernels stream the weight from memory
     once for up to 32 rows of x (M = x.numel() / K): on CPU for M <= 64 (larger M with a
     float weight is compute-bound and goes to the BLAS GEMM; int8 weights always use the
-    kernel), on CUDA for M <= 16 (larger M: cuBLAS with float32 accumulation and a float32
-    output, then bias and one rounding: float16 / bfloat16 weights as 16-bit operands on the
-    tensor cores, float32 and int8 weights as float32 operands with pedantic compute; no TF32,
-    and none of torch's reduced-precision reductions, whatever torch.backends.cuda.matmul says). Inside
-    :func:`prefill_rows` (prompt prefill) the CPU takes its GEMM tiles at every M.
+    kernel), on CUDA for M <= 16 (larger M: cuBLAS, float32 accumulation whatever torch's TF32 /
+    reduced-precision flags say; docs/ops.md). :func:`prefill_rows` takes the CPU GEMM tiles at every M.
     """
     return _ops.linear(x, weight, bias, weight_scale)
 

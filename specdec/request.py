@@ -89,6 +89,22 @@ class Request:
     accepted: int = 0
     passes: int = 0
 
+    def take(self, toks) -> int:
+        """Append tokens up to a stop token or ``max_new_tokens`` (then ``finish`` is set); returns how many."""
+        n = 0
+        limit = self.params.max_new_tokens
+        for t in toks:
+            self.new.append(t)
+            self.seq.append(t)
+            n += 1
+            if t in self.stops:
+                self.finish = "stop"
+                break
+            if len(self.new) >= limit:
+                self.finish = "length"
+                break
+        return n
+
     @property
     def coupling(self) -> Optional[Tuple[int, int]]:
         """(seed, current length) of a seed-coupled request, else None (see sampling.verify_rows)."""
