@@ -33,6 +33,7 @@
 #include "checks.h"
 #include "cpu/raw.h"
 #include "ops.h"
+#include "paged_checks.h"
 
 namespace specdec {
 namespace {
@@ -45,6 +46,8 @@ struct Kernels {
   decltype(&verify_attention_cpu) verify_attention;
   decltype(&add_rms_norm_cpu) add_rms_norm;
   decltype(&silu_mul_cpu) silu_mul;
+  decltype(&append_kv_paged_cpu) append_kv_paged;
+  decltype(&verify_attention_paged_cpu) verify_attention_paged;
 };
 
 constexpr const char* kOp = "decoder_layer";
@@ -186,7 +189,7 @@ std::tuple<at::Tensor, at::Tensor> run_cpu_f32(const Slots& S, const Dims& d, co
                                                at::Tensor& v_cache, const at::Tensor& cache_lens,
                                                const at::Tensor& cos_in, const at::Tensor& sin_in,
                                                const std::optional<at::Tensor>& tree_mask, int64_t kv_offset,
-                                               double scale) {
+                                               double scale, const std::optional<at::Tensor>& block_tables) {
   const int64_t B = d.B, N = d.N, H = d.H, D = d.D, nq = d.nq, nkv = d.nkv, I = d.inter, M = B * N;
   const bool seven = S.n == 7;
   // workspace: projections, roped q / k, attention, o, the mid residual and norm, gate / up, act, down
@@ -225,10 +228,23 @@ std::tuple<at::Tensor, at::Tensor> run_cpu_f32(const Slots& S, const Dims& d, co
   }
   cpu::rope_f32(q, qs, cos.data_ptr<float>(), sin.data_ptr<float>(), qr, M, d.hq, D);
   cpu::rope_f32(k, ks, cos.data_ptr<float>(), sin.data_ptr<float>(), kr, M, d.hkv, D);
-  // append_kv: cache[b, h, lens[b] + kv_offset + j] = k / v of node j
-  const int64_t Sc = k_cache.size(2);
   float* kc = k_cache.data_ptr<float>();
   float* vc = v_cache.data_ptr<float>();
+  if (block_tables.has_value()) {
+    // paged: append_kv_paged / verify_attention_paged on the workspace's roped k, v and q (same kernels as
+    // the separate paged ops; the paged CPU kernels give the dense kernels' bits)
+    const auto f32 = x.options();
+    const at::Tensor k_t = at::from_blob(kr, {B, N, d.hkv, D}, f32);
+    const at::Tensor v_t = at::from_blob(const_cast<float*>(v), {B, N, d.hkv, D}, {N * vs, vs, D, 1}, f32);
+    append_kv_paged_cpu(k_cache, v_cache, k_t.transpose(1, 2), v_t.transpose(1, 2), *block_tables, cache_lens,
+                        kv_offset);
+    const at::Tensor q_t = at::from_blob(qr, {B, N, d.hq, D}, f32);
+    const at::Tensor a_t = verify_attention_paged_cpu(q_t, k_cache, v_cache, *block_tables, cache_lens, tree_mask,
+                                                      scale);
+    std::memcpy(att, a_t.contiguous().data_ptr<float>(), M * nq * sizeof(float));
+  } else {
+  // append_kv: cache[b, h, lens[b] + kv_offset + j] = k / v of node j
+  const int64_t Sc = k_cache.size(2);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t hh = 0; hh < d.hkv; ++hh)
       for (int64_t j = 0; j < N; ++j) {
@@ -254,6 +270,7 @@ std::tuple<at::Tensor, at::Tensor> run_cpu_f32(const Slots& S, const Dims& d, co
   A.scale = static_cast<float>(scale);
   A.dtype = cpu::DType::kFloat32;
   cpu::verify_attention_raw(A);
+  }
   // o, the residual and the post-attention norm
   project_raw(S, seven ? 3 : 1, att, M, nq, o, H);
   cpu::rms_norm_f32(o, h.data_ptr<float>(), post_w.data_ptr<float>(), x1, h1, M, H, static_cast<float>(post_eps));
@@ -282,7 +299,8 @@ std::tuple<at::Tensor, at::Tensor> run(const Kernels& K, const at::Tensor& x, co
                                        const at::Tensor& next_norm_weight, double next_norm_eps, at::Tensor& k_cache, at::Tensor& v_cache,
                                        const at::Tensor& cache_lens, const at::Tensor& cos, const at::Tensor& sin,
                                        const std::optional<at::Tensor>& tree_mask, int64_t kv_offset, double scale,
-                                       int64_t hq, int64_t hkv) {
+                                       int64_t hq, int64_t hkv, const std::optional<at::Tensor>& block_tables) {
+  const bool paged = block_tables.has_value();
   // ---- validation (nothing is written before it all passes)
   const size_t n = weights.size();
   TORCH_CHECK(n == 7 || n == 4, kOp, ": weights must hold 7 projections (q, k, v, o, gate, up, down) or 4 "
@@ -299,7 +317,8 @@ std::tuple<at::Tensor, at::Tensor> run(const Kernels& K, const at::Tensor& x, co
               " like x, got ", h.scalar_type(), " ", h.sizes(), " on ", h.device());
   TORCH_CHECK(hq >= 1 && hkv >= 1 && hq % hkv == 0, kOp, ": num_heads and num_kv_heads must be >= 1 with "
               "num_heads % num_kv_heads == 0, got ", hq, " and ", hkv);
-  TORCH_CHECK(k_cache.dim() == 4, kOp, ": k_cache must be [B, Hkv, S, D], got ", k_cache.sizes());
+  TORCH_CHECK(k_cache.dim() == 4, kOp, ": k_cache must be ", paged ? "[num_pages, page_size, Hkv, D]" : "[B, Hkv, S, D]",
+              ", got ", k_cache.sizes());
   const int64_t B = x.size(0), N = x.size(1), H = x.size(2), D = k_cache.size(3);
   const int64_t nq = hq * D, nkv = hkv * D;
   const Slots S{weights, scales, mins, biases, bits, n};
@@ -337,8 +356,14 @@ std::tuple<at::Tensor, at::Tensor> run(const Kernels& K, const at::Tensor& x, co
   const at::Tensor k_probe = at::empty({B, N, hkv, D}, x.options());
   try {
     checks::rope(q_probe, k_probe, cos, sin);
-    checks::append_kv(k_cache, v_cache, k_probe.transpose(1, 2), k_probe.transpose(1, 2), cache_lens, kv_offset);
-    checks::verify_attention(q_probe, k_cache, v_cache, cache_lens, tree_mask, scale);
+    if (paged) {
+      checks::append_kv_paged(k_cache, v_cache, k_probe.transpose(1, 2), k_probe.transpose(1, 2), *block_tables,
+                              cache_lens, kv_offset);
+      checks::verify_attention_paged(q_probe, k_cache, v_cache, *block_tables, cache_lens, tree_mask, scale);
+    } else {
+      checks::append_kv(k_cache, v_cache, k_probe.transpose(1, 2), k_probe.transpose(1, 2), cache_lens, kv_offset);
+      checks::verify_attention(q_probe, k_cache, v_cache, cache_lens, tree_mask, scale);
+    }
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, kOp, ": attention inputs: ", e.what_without_backtrace());
   }
@@ -347,7 +372,7 @@ std::tuple<at::Tensor, at::Tensor> run(const Kernels& K, const at::Tensor& x, co
   const Dims dims{B, N, H, hq, hkv, D, nq, nkv, inter};
   if (cpu_f32_path(S, dims, x, h, post_norm_weight, next_norm_weight, k_cache, v_cache))
     return run_cpu_f32(S, dims, x, h, post_norm_weight, post_norm_eps, next_norm_weight, next_norm_eps, k_cache,
-                       v_cache, cache_lens, cos, sin, tree_mask, kv_offset, scale);
+                       v_cache, cache_lens, cos, sin, tree_mask, kv_offset, scale, block_tables);
   at::Tensor q, k, v;
   if (n == 7) {
     q = project(K, S, 0, x);
@@ -360,8 +385,15 @@ std::tuple<at::Tensor, at::Tensor> run(const Kernels& K, const at::Tensor& x, co
     v = qkv.narrow(-1, nq + nkv, nkv);
   }
   auto [qr, kr] = K.rope(q.view({B, N, hq, D}), k.view({B, N, hkv, D}), cos, sin);
-  K.append_kv(k_cache, v_cache, kr.transpose(1, 2), v.view({B, N, hkv, D}).transpose(1, 2), cache_lens, kv_offset);
-  const at::Tensor a = K.verify_attention(qr, k_cache, v_cache, cache_lens, tree_mask, scale);
+  at::Tensor a;
+  if (paged) {
+    K.append_kv_paged(k_cache, v_cache, kr.transpose(1, 2), v.view({B, N, hkv, D}).transpose(1, 2), *block_tables,
+                      cache_lens, kv_offset);
+    a = K.verify_attention_paged(qr, k_cache, v_cache, *block_tables, cache_lens, tree_mask, scale);
+  } else {
+    K.append_kv(k_cache, v_cache, kr.transpose(1, 2), v.view({B, N, hkv, D}).transpose(1, 2), cache_lens, kv_offset);
+    a = K.verify_attention(qr, k_cache, v_cache, cache_lens, tree_mask, scale);
+  }
   auto [x1, h1] = K.add_rms_norm(project(K, S, n == 7 ? 3 : 1, a.reshape({B, N, nq})), h, post_norm_weight, post_norm_eps);
   at::Tensor g, u;
   if (n == 7) {
@@ -378,6 +410,20 @@ std::tuple<at::Tensor, at::Tensor> run(const Kernels& K, const at::Tensor& x, co
 }  // namespace
 
 
+static const Kernels& kernels_for(const at::Tensor& x) {
+  static const Kernels kCpu{&linear_cpu, &qlinear_cpu, &rope_cpu, &append_kv_cpu,
+                            &verify_attention_cpu, &add_rms_norm_cpu, &silu_mul_cpu,
+                            &append_kv_paged_cpu, &verify_attention_paged_cpu};
+#ifdef SPECDEC_WITH_CUDA
+  static const Kernels kCuda{&linear_cuda, &qlinear_cuda, &rope_cuda, &append_kv_cuda,
+                             &verify_attention_cuda, &add_rms_norm_cuda, &silu_mul_cuda,
+                             &append_kv_paged_cuda, &verify_attention_paged_cuda};
+  return x.is_cuda() ? kCuda : kCpu;
+#else
+  return kCpu;
+#endif
+}
+
 // Registered for CPU and CUDA: the inputs' device picks the kernels.
 std::tuple<at::Tensor, at::Tensor> decoder_layer(const at::Tensor& x, const at::Tensor& h, at::TensorList weights,
     const c10::List<std::optional<at::Tensor>>& scales, const c10::List<std::optional<at::Tensor>>& mins,
@@ -386,18 +432,24 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(const at::Tensor& x, const at::
     at::Tensor& v_cache, const at::Tensor& cache_lens, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& tree_mask, int64_t kv_offset, double scale, int64_t num_heads,
     int64_t num_kv_heads) {
-  static const Kernels kCpu{&linear_cpu, &qlinear_cpu, &rope_cpu, &append_kv_cpu,
-                            &verify_attention_cpu, &add_rms_norm_cpu, &silu_mul_cpu};
-#ifdef SPECDEC_WITH_CUDA
-  static const Kernels kCuda{&linear_cuda, &qlinear_cuda, &rope_cuda, &append_kv_cuda,
-                             &verify_attention_cuda, &add_rms_norm_cuda, &silu_mul_cuda};
-  const Kernels& K = x.is_cuda() ? kCuda : kCpu;
-#else
-  const Kernels& K = kCpu;
-#endif
-  return run(K, x, h, weights, scales, mins, biases, bits, post_norm_weight, post_norm_eps, next_norm_weight,
-             next_norm_eps, k_cache, v_cache, cache_lens, cos, sin, tree_mask, kv_offset, scale, num_heads,
-             num_kv_heads);
+  return run(kernels_for(x), x, h, weights, scales, mins, biases, bits, post_norm_weight, post_norm_eps,
+             next_norm_weight, next_norm_eps, k_cache, v_cache, cache_lens, cos, sin, tree_mask, kv_offset, scale,
+             num_heads, num_kv_heads, std::nullopt);
+}
+
+// The same layer on a paged cache: k_cache / v_cache are page pools [num_pages, page_size, Hkv, D] read and
+// written through block_tables [B, max_blocks] int32 (append_kv_paged / verify_attention_paged).
+std::tuple<at::Tensor, at::Tensor> decoder_layer_paged(const at::Tensor& x, const at::Tensor& h,
+    at::TensorList weights, const c10::List<std::optional<at::Tensor>>& scales,
+    const c10::List<std::optional<at::Tensor>>& mins, const c10::List<std::optional<at::Tensor>>& biases,
+    at::IntArrayRef bits, const at::Tensor& post_norm_weight, double post_norm_eps,
+    const at::Tensor& next_norm_weight, double next_norm_eps, at::Tensor& k_pages, at::Tensor& v_pages,
+    const at::Tensor& cache_lens, const at::Tensor& cos, const at::Tensor& sin,
+    const std::optional<at::Tensor>& tree_mask, int64_t kv_offset, double scale, int64_t num_heads,
+    int64_t num_kv_heads, const at::Tensor& block_tables) {
+  return run(kernels_for(x), x, h, weights, scales, mins, biases, bits, post_norm_weight, post_norm_eps,
+             next_norm_weight, next_norm_eps, k_pages, v_pages, cache_lens, cos, sin, tree_mask, kv_offset, scale,
+             num_heads, num_kv_heads, block_tables);
 }
 
 }  // namespace specdec

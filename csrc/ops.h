@@ -95,6 +95,14 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     double next_norm_eps, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& cache_lens, const at::Tensor& cos,
     const at::Tensor& sin, const std::optional<at::Tensor>& tree_mask, int64_t kv_offset, double scale,
     int64_t num_heads, int64_t num_kv_heads);
+// The same layer on a paged cache (k_pages / v_pages [num_pages, page_size, Hkv, D], block_tables).
+std::tuple<at::Tensor, at::Tensor> decoder_layer_paged(
+    const at::Tensor& x, const at::Tensor& h, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& scales,
+    const c10::List<std::optional<at::Tensor>>& mins, const c10::List<std::optional<at::Tensor>>& biases,
+    at::IntArrayRef bits, const at::Tensor& post_norm_weight, double post_norm_eps, const at::Tensor& next_norm_weight,
+    double next_norm_eps, at::Tensor& k_pages, at::Tensor& v_pages, const at::Tensor& cache_lens, const at::Tensor& cos,
+    const at::Tensor& sin, const std::optional<at::Tensor>& tree_mask, int64_t kv_offset, double scale,
+    int64_t num_heads, int64_t num_kv_heads, const at::Tensor& block_tables);
 
 }  // namespace specdec
 

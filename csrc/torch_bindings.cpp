@@ -136,12 +136,19 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
         "Tensor cache_lens, int offset=0) -> ()");
   m.def("kv_commit_paged(Tensor(a!)[] k_pages, Tensor(b!)[] v_pages, Tensor block_tables, Tensor(c!) cache_lens, "
         "Tensor accepted, Tensor num_accepted) -> ()");
+  // decoder_layer on a paged cache (k_pages / v_pages through block_tables): the paged engine's layer op
+  m.def("decoder_layer_paged(Tensor x, Tensor h, Tensor[] weights, Tensor?[] scales, Tensor?[] mins, "
+        "Tensor?[] biases, int[] bits, Tensor post_norm_weight, float post_norm_eps, Tensor next_norm_weight, "
+        "float next_norm_eps, Tensor(a!) k_pages, Tensor(b!) v_pages, Tensor cache_lens, Tensor cos, Tensor sin, "
+        "Tensor? tree_mask, int kv_offset, float scale, int num_heads, int num_kv_heads, Tensor block_tables) "
+        "-> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("verify_attention_paged", &specdec::verify_attention_paged_cpu);
   m.impl("append_kv_paged", &specdec::append_kv_paged_cpu);
   m.impl("kv_commit_paged", &specdec::kv_commit_paged_cpu);
+  m.impl("decoder_layer_paged", &specdec::decoder_layer_paged);
 }
 
 #ifdef SPECDEC_WITH_CUDA
@@ -149,5 +156,6 @@ TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
   m.impl("verify_attention_paged", &specdec::verify_attention_paged_cuda);
   m.impl("append_kv_paged", &specdec::append_kv_paged_cuda);
   m.impl("kv_commit_paged", &specdec::kv_commit_paged_cuda);
+  m.impl("decoder_layer_paged", &specdec::decoder_layer_paged);
 }
 #endif

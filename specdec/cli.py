@@ -93,6 +93,13 @@ def _build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-len", type=int, default=2048, help="most tokens per request, prompt included (default 2048)")
     v.add_argument("--max-queue", type=int, default=64,
                    help="most requests waiting for a batch row; more get HTTP 429 (default 64)")
+    v.add_argument("--kv-cache", default=None, choices=["paged", "dense"],
+                   help="KV layout (default: paged where the model supports it, see docs/serving.md)")
+    v.add_argument("--kv-memory", type=float, default=None, metavar="GB",
+                   help="paged KV pool size in GB (default: the dense footprint, max-batch x max-len)")
+    v.add_argument("--kv-blocks", type=int, default=None, help="paged KV pool size in blocks (overrides --kv-memory)")
+    v.add_argument("--block-size", type=int, default=16, help="positions per KV block (default 16)")
+    v.add_argument("--no-prefix-caching", action="store_true", help="do not share cached prompt blocks")
     v.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     b = sub.add_parser("bench", help="end-to-end benchmark grid with a JSON result and a PNG dashboard",
@@ -337,10 +344,17 @@ def _serve(args: argparse.Namespace) -> int:
     from specdec.server import serve
 
     target, drafter, tok, draft = _load(args)
-    engine = Engine(target, drafter, max_batch=args.max_batch, max_len=args.max_len, policy=args.policy)
+    engine = Engine(target, drafter, max_batch=args.max_batch, max_len=args.max_len, policy=args.policy,
+                    kv_cache=args.kv_cache, block_size=args.block_size, num_blocks=args.kv_blocks,
+                    kv_memory=None if args.kv_memory is None else args.kv_memory * 2**30,
+                    prefix_caching=not args.no_prefix_caching)
     name = args.served_model_name or (args.model if _is_bundled(args.model) else Path(args.model).name)
+    kv = engine.stats()
+    pool = (f"paged KV: {kv['kv_blocks_total']} blocks of {kv['block_size']} positions, "
+            f"{engine.kv.cache.nbytes / 2**20:.0f} MiB" if engine.kv.paged else
+            f"dense KV: {engine.cache.nbytes() / 2**20:.0f} MiB")
     print(f"[specdec] serving {name} (draft={draft}, policy={args.policy}, max_batch={args.max_batch}, "
-          f"max_len={args.max_len}) on http://{args.host}:{args.port}", flush=True)
+          f"max_len={args.max_len}, {pool}) on http://{args.host}:{args.port}", flush=True)
     serve(engine, tok, name, host=args.host, port=args.port, max_queue=args.max_queue, log_level=args.log_level)
     return 0
 

@@ -77,13 +77,16 @@ class SpeculativeDecoder:
         Goodput policy: time target forwards once (cached per model / device / dtype / threads
         in ``$SPECDEC_CACHE``, default ~/.cache/specdec) before the first call instead of
         learning every cost online. Off by default.
+    kv_cache : "paged", "dense" or None
+        The target's KV layout (:class:`~specdec.Engine`): None = paged where the target supports it.
     """
 
     def __init__(self, target, drafter: Optional[Drafter] = None, max_batch: int = 8, max_len: int = 2048,
-                 policy: Union[str, Policy] = "goodput", calibrate: bool = False) -> None:
+                 policy: Union[str, Policy] = "goodput", calibrate: bool = False,
+                 kv_cache: Optional[str] = None) -> None:
         #: the continuous-batching engine that runs every generate call (specdec.engine)
         self.engine = Engine(target, drafter, max_batch=max_batch, max_len=max_len, policy=policy,
-                             drafter_errors="raise", _name="SpeculativeDecoder")
+                             drafter_errors="raise", kv_cache=kv_cache, _name="SpeculativeDecoder")
         self._calibrate = bool(calibrate)
 
     # the engine's settings and state, read through (one source of truth)

@@ -32,12 +32,13 @@ from typing import Deque, Dict, Hashable, Iterator, List, Optional, Sequence, Tu
 import torch
 
 from specdec._check import check_token_ids, is_int
-from specdec.cache import RowViews, move_cache_rows
 from specdec.drafters.base import Draft, Drafter, StepContext
 from specdec.drafters.guard import DraftGuard
+from specdec.engine_rows import EngineRows
+from specdec.kv_rows import make_rows
 from specdec.metrics import MetricsRecorder, static_memory_bytes
 from specdec.request import QueueFull, Request, RequestOutput, RequestParams
-from specdec.sampling import SamplingParams, make_generator, verify_rows
+from specdec.sampling import make_generator
 from specdec.scheduler import POLICIES, CostModel, Policy, make_policy
 from specdec.telemetry import StepRecord, StepTimes
 from specdec.tree import TokenTree
@@ -45,7 +46,7 @@ from specdec.tree import TokenTree
 __all__ = ["Engine", "RequestParams", "RequestOutput", "QueueFull"]
 
 
-class Engine:
+class Engine(EngineRows):
     """Continuous-batching speculative decoding of ``target`` with ``drafter`` (None: plain decoding).
 
     Parameters as :class:`~specdec.SpeculativeDecoder` (``max_batch``: most active requests;
@@ -54,11 +55,19 @@ class Engine:
     of requests not yet admitted (None: unbounded); :meth:`add_request` raises :class:`QueueFull`
     past it. ``draft_seed`` seeds the drafter's generator (sampled draft models). ``drafter_errors``:
     "fallback" (default: a drafter failure costs its rows one plain step) or "raise" (it propagates).
+
+    KV memory (docs/serving.md): ``kv_cache`` "paged" (the default for targets that support it:
+    a pool of ``block_size``-position blocks, admission by free blocks, growth by blocks, automatic
+    prefix caching unless ``prefix_caching=False``, the newest request preempted and recomputed
+    later when the pool runs out) or "dense" (``max_batch`` rows of ``max_len`` positions reserved
+    up front). The pool: ``num_blocks``, or ``kv_memory`` bytes, default the dense footprint.
     """
 
     def __init__(self, target, drafter: Optional[Drafter] = None, max_batch: int = 8, max_len: int = 2048,
                  policy: Union[str, Policy] = "goodput", max_waiting: Optional[int] = None,
-                 draft_seed: Optional[int] = None, drafter_errors: str = "fallback", _name: str = "Engine") -> None:
+                 draft_seed: Optional[int] = None, drafter_errors: str = "fallback", kv_cache: Optional[str] = None,
+                 block_size: int = 16, num_blocks: Optional[int] = None, kv_memory: Optional[float] = None,
+                 prefix_caching: bool = True, _name: str = "Engine") -> None:
         self._check_args(name := _name, target, drafter, max_batch, max_len, policy, max_waiting, drafter_errors)
         self.name = name
         self.target = target
@@ -73,8 +82,11 @@ class Engine:
         if drafter is not None:
             drafter.bind(target, max_batch, max_len)  # vocabulary / device checks happen here
         self.max_nodes = drafter.max_nodes if drafter is not None else 1
-        self.cache = target.new_cache(max_batch, max_len + self.max_nodes)
-        self._view = RowViews(self.cache)
+        #: the target's KV rows (specdec.kv_rows): dense, or paged with prefix caching
+        self.kv = make_rows(target, kv_cache, max_batch, max_len + self.max_nodes, self.max_nodes, block_size,
+                            num_blocks, kv_memory, prefix_caching, name)
+        self.cache = self.kv.view(max_batch) if self.kv.paged else self.kv.cache
+        self._view = self.kv.view
         #: the step policy (specdec.scheduler); its cost model persists for the engine's life
         self.scheduler: Policy = make_policy(policy if drafter is not None else "fixed", drafter, CostModel())
         self.scheduler.begin(0, False)
@@ -91,7 +103,7 @@ class Engine:
         self._auto_recorder = True                    # a fresh MetricsRecorder per busy period
         self._t_prev: Optional[float] = None
         self.counters = dict(requests_added=0, requests_finished=0, requests_aborted=0, steps=0,
-                             generated_tokens=0, drafted_tokens=0, accepted_tokens=0, drafter_errors=0)
+                             generated_tokens=0, drafted_tokens=0, accepted_tokens=0, drafter_errors=0, preemptions=0)
         self._guard = DraftGuard(name, drafter_errors, self.vocab_size, self.max_nodes, self.counters)
 
     @staticmethod
@@ -224,6 +236,7 @@ class Engine:
         """Counters since construction plus the current queue state (for /metrics)."""
         out = dict(self.counters)
         out.update(active=len(self._rows), waiting=len(self._waiting), free_rows=self.max_batch - len(self._rows))
+        out.update(self.kv.stats())
         d = out["drafted_tokens"]
         out["acceptance_rate"] = out["accepted_tokens"] / d if d else 0.0
         return out
@@ -248,6 +261,7 @@ class Engine:
         self._admit(deltas, finished)
         if finished:
             self._retire(finished)
+        self._make_room()
         if self._rows:
             finished = self._spec_step(deltas)
             if finished:
@@ -255,71 +269,6 @@ class Engine:
         if not self._rows:
             self._t_prev = None
         return list(deltas.values())
-
-    def _emit(self, req: Request, toks: Sequence[int], deltas: Dict[int, RequestOutput]) -> Tuple[int, bool]:
-        """Append tokens up to a stop token / max_new_tokens; returns (count appended, finished)."""
-        n = req.take(toks)
-        done = req.finish is not None
-        if n:
-            d = deltas.get(req.uid)
-            if d is None:
-                d = deltas[req.uid] = RequestOutput(req.rid, [])
-            d.new_tokens.extend(req.new[len(req.new) - n:])
-            d.num_generated = len(req.new)
-            if done:
-                d.finished = True
-                d.finish_reason = req.finish
-            self.counters["generated_tokens"] += n
-        return n, done
-
-    def _verify(self, tree: TokenTree, logits: torch.Tensor, q: Optional[torch.Tensor], reqs: Sequence[Request]):
-        """Accept per row under each row's own setting (:func:`specdec.sampling.verify_rows`)."""
-        return verify_rows(tree, logits, q, [r.sampling for r in reqs], [r.coupling for r in reqs],
-                           [r.generator for r in reqs], self.max_nodes)
-
-    def _step_params(self) -> SamplingParams:
-        first = self._rows[0].sampling
-        return first if all(r.sampling == first for r in self._rows) else SamplingParams()
-
-    def _admit(self, deltas, finished: List[int]) -> None:
-        free = self.max_batch - len(self._rows)
-        if free <= 0 or not self._waiting:
-            return
-        new = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
-        b0 = len(self._rows)
-        if b0 == 0:  # a busy period starts: ids from 0 (the request index of a generate call), fresh metrics
-            self._uid = 0
-            if self._auto_recorder:
-                self.recorder = MetricsRecorder(0, self.device)
-        for req in new:
-            req.uid = self._uid
-            self._uid += 1
-        rows = list(range(b0, b0 + len(new)))
-        clock = self.recorder.clock
-        with clock.phase("prefill"):
-            try:
-                logits0 = self.target.prefill(self.cache, [r.prompt for r in new], rows=rows)   # [n, V]
-            except Exception:
-                for r in reversed(new):
-                    self._waiting.appendleft(r)
-                raise
-            root_tree = TokenTree.root_only(torch.zeros(len(new), dtype=torch.int64, device=self.device))
-            _, _, out0 = self._verify(root_tree, logits0.float().view(len(new), 1, -1), None, new)
-        first = out0[:, 0].tolist()                        # host sync: the first token of each request
-        now = time.perf_counter()
-        self._rows.extend(new)
-        self._roots = torch.cat([self._roots, out0[:, 0].contiguous()])
-        for r, req, t in zip(rows, new, first):
-            req.t_first = now
-            _, done = self._emit(req, [t], deltas)
-            if done:
-                finished.append(r)
-        if self.drafter is not None:
-            with clock.phase("draft_prefill"):
-                if b0 == 0:
-                    self.drafter.start([req.prompt for req in self._rows], self._step_params(), self.draft_generator)
-                else:
-                    self.drafter.admit(rows, [req.prompt for req in new])
 
     def _plan(self, reqs: Sequence[Request], uids: List[int]):
         """The policy's plan for this step (draft budgets per row)."""
@@ -411,39 +360,3 @@ class Engine:
         if self._auto_recorder and rec.target_passes % 4096 == 0:  # a server that never idles: bounded state
             rec.clock.totals()
             del rec.itl[:-65536]
-
-    # ------------------------------------------------------------------ rows
-    def _forget(self, req: Request) -> None:
-        self._by_id.pop(req.rid, None)
-        if req.uid >= 0:
-            self.scheduler.requests.pop(req.uid, None)
-        if req.finish != "abort":
-            self.counters["requests_finished"] += 1
-
-    def _retire(self, gone_rows: List[int]) -> None:
-        """Drop rows: the last active rows move into the holes (target cache, drafter state, roots)."""
-        b = len(self._rows)
-        gone = set(gone_rows)
-        for r in gone:
-            self._forget(self._rows[r])
-        keep = [r for r in range(b) if r not in gone]
-        b_new = len(keep)
-        holes = [r for r in range(b_new) if r in gone]
-        tail = [r for r in range(b_new, b) if r not in gone]
-        moves = [(src, dst, len(self._rows[src].seq)) for src, dst in zip(tail, holes)]
-        perm = list(range(b_new))
-        rows = list(self._rows)
-        for src, dst, _ in moves:
-            perm[dst] = src
-            rows[dst] = rows[src]
-        self._rows = rows[:b_new]
-        move_cache_rows(self.cache, moves)
-        if self.drafter is not None:
-            self.drafter.retire(moves, b_new)
-        if b_new == 0:
-            self._roots = self._roots[:0]
-        elif moves:
-            self._roots = self._roots.index_select(0, torch.tensor(perm, dtype=torch.int64, device=self.device))
-        else:
-            self._roots = self._roots[:b_new]
-

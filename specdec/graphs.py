@@ -135,7 +135,9 @@ class GraphedForward:
 
     @staticmethod
     def _key(cache, tokens: torch.Tensor, tree_mask: Optional[torch.Tensor], kv_offset: int) -> Tuple:
-        return (cache.k[0].data_ptr(), tuple(cache.k[0].shape), cache.lens.data_ptr(), tuple(tokens.shape),
+        tables = getattr(cache, "block_tables", None)  # a paged view: the graph reads its block-table rows too
+        return (cache.k[0].data_ptr(), tuple(cache.k[0].shape), cache.lens.data_ptr(),
+                None if tables is None else (tables.data_ptr(), tuple(tables.shape)), tuple(tokens.shape),
                 tokens.dtype, None if tree_mask is None else tuple(tree_mask.shape), int(kv_offset))
 
     def _on_device(self):
@@ -196,7 +198,7 @@ class GraphedForward:
         bucket.depths = torch.zeros_like(depths)
         bucket.mask = None if tree_mask is None else torch.zeros_like(tree_mask)
         # the graph holds the cache's addresses: keep its tensors alive (no other tensor can take them)
-        bucket.cache_tensors = (list(cache.k), list(cache.v), cache.lens)
+        bucket.cache_tensors = (list(cache.k), list(cache.v), cache.lens, getattr(cache, "block_tables", None))
         bucket.tokens.copy_(tokens)
         bucket.depths.copy_(depths)
         if bucket.mask is not None:
@@ -248,9 +250,11 @@ class GraphedForward:
     @staticmethod
     def _describe(key: Tuple) -> str:
         """A bucket key in words (the cache's shape, not its address)."""
-        _, cache_shape, _, shape, dtype, mask, kv_offset = key
+        _, cache_shape, _, tables, shape, dtype, mask, kv_offset = key
+        paged = "" if tables is None else f", block tables {list(tables[1])}"
         return (f"(tokens {list(shape)} {str(dtype).replace('torch.', '')}, mask "
-                f"{'none' if mask is None else list(mask)}, kv_offset {kv_offset}, cache k[0] {list(cache_shape)})")
+                f"{'none' if mask is None else list(mask)}, kv_offset {kv_offset}, cache k[0] {list(cache_shape)}"
+                f"{paged})")
 
     def buckets(self) -> Dict[Tuple, bool]:
         """{bucket key: captured?} (least recently used first)."""

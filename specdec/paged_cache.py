@@ -12,13 +12,15 @@ live request, and grows, frees and forks requests through the allocator. Its
 """
 from __future__ import annotations
 
-from typing import Dict, Hashable, List, Optional
+from collections import OrderedDict
+from typing import Dict, Hashable, List, Optional, Tuple
 
 import torch
 
+from specdec import paged_ops
 from specdec._check import check_int
 
-__all__ = ["BlockAllocator", "PagedKVCache", "OutOfBlocks"]
+__all__ = ["BlockAllocator", "PagedKVCache", "PagedKVView", "OutOfBlocks"]
 
 
 class OutOfBlocks(RuntimeError):
@@ -26,7 +28,14 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockAllocator:
-    """Blocks 0..num_blocks-1 of one pool: a free list, per-request block lists, refcounts."""
+    """Blocks 0..num_blocks-1 of one pool: a free list, per-request block lists, refcounts.
+
+    Prefix caching: a block can carry a *key* (:meth:`register`, what its K/V holds). A keyed
+    block whose last reference goes is not freed but parked, least recently used first, and a
+    later request can take it again by key (:meth:`lookup`, :meth:`share`). Allocation uses the
+    free list first and then evicts the oldest parked block (its key is forgotten). Parked blocks
+    count as free (:attr:`num_free`).
+    """
 
     def __init__(self, num_blocks: int) -> None:
         check_int("BlockAllocator", "num_blocks", num_blocks, lo=1)
@@ -35,15 +44,35 @@ class BlockAllocator:
         self._free: List[int] = list(range(num_blocks - 1, -1, -1))
         self._ref: List[int] = [0] * num_blocks
         self._blocks: Dict[Hashable, List[int]] = {}
+        self._key_of: Dict[int, Tuple[Hashable, int]] = {}   # keyed block -> (key, serial)
+        self._by_key: Dict[Hashable, int] = {}                # key -> block
+        self._parked: "OrderedDict[int, None]" = OrderedDict()  # unreferenced keyed blocks, oldest first
+        self._serial = 0
+        self.evictions = 0
 
     # ------------------------------------------------------------------ queries
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: the free list plus the parked (evictable) cached blocks."""
+        return len(self._free) + len(self._parked)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks that carry a prefix key (referenced or parked)."""
+        return len(self._key_of)
+
+    @property
+    def num_parked(self) -> int:
+        return len(self._parked)
+
+    def cached_blocks(self) -> List[int]:
+        """The blocks that carry a prefix key (referenced or parked), ascending."""
+        return sorted(self._key_of)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Blocks referenced by some request."""
+        return self.num_blocks - self.num_free
 
     def refcount(self, block: int) -> int:
         return self._ref[block]
@@ -69,10 +98,10 @@ class BlockAllocator:
         """Append ``n`` fresh blocks (refcount 1) to request ``rid``; all or nothing."""
         owned = self._owned(rid, "allocate")
         check_int("BlockAllocator.allocate", "n", n, lo=0)
-        if n > len(self._free):
+        if n > self.num_free:
             raise OutOfBlocks(f"BlockAllocator.allocate: request {rid!r} needs {n} blocks, "
-                              f"{len(self._free)} of {self.num_blocks} are free")
-        new = [self._free.pop() for _ in range(n)]
+                              f"{self.num_free} of {self.num_blocks} are free")
+        new = [self._pop_free() for _ in range(n)]
         for blk in new:
             self._ref[blk] = 1
         owned.extend(new)
@@ -100,11 +129,47 @@ class BlockAllocator:
 
     def take(self) -> int:
         """One fresh block (refcount 1) owned by no request yet (for :meth:`replace`)."""
-        if not self._free:
+        if not self.num_free:
             raise OutOfBlocks(f"BlockAllocator.take: 0 of {self.num_blocks} blocks are free")
-        blk = self._free.pop()
+        blk = self._pop_free()
         self._ref[blk] = 1
         return blk
+
+    # ------------------------------------------------------------------ prefix caching
+    def register(self, block: int, key: Hashable) -> int:
+        """Give referenced ``block`` the content key ``key``; returns the key's serial (a number
+        never reused, for chaining keys). A key already held by another block keeps that block
+        (its serial is returned); a block that already has a key keeps it."""
+        check_int("BlockAllocator.register", "block", block, lo=0, hi=self.num_blocks - 1)
+        if self._ref[block] < 1:
+            raise ValueError(f"BlockAllocator.register: block {block} is not referenced by any request")
+        held = self._by_key.get(key)
+        if held is not None:
+            return self._key_of[held][1]
+        if block in self._key_of:
+            return self._key_of[block][1]
+        self._serial += 1
+        self._key_of[block] = (key, self._serial)
+        self._by_key[key] = block
+        return self._serial
+
+    def lookup(self, key: Hashable) -> Optional[Tuple[int, int]]:
+        """(block, serial) of the block holding ``key``, or None."""
+        blk = self._by_key.get(key)
+        return None if blk is None else (blk, self._key_of[blk][1])
+
+    def share(self, rid: Hashable, blocks: List[int]) -> None:
+        """Append existing keyed ``blocks`` to request ``rid``'s list (a reference each; a parked
+        block is taken back from the eviction order)."""
+        owned = self._owned(rid, "share")
+        for blk in blocks:
+            if blk not in self._key_of:
+                raise ValueError(f"BlockAllocator.share: block {blk} carries no prefix key")
+        for blk in blocks:
+            if self._ref[blk] == 0:
+                del self._parked[blk]
+            self._ref[blk] += 1
+            owned.append(blk)
 
     def truncate(self, rid: Hashable, num_blocks: int) -> List[int]:
         """Keep the first ``num_blocks`` blocks of ``rid``; drop the references to the rest (returned)."""
@@ -133,13 +198,18 @@ class BlockAllocator:
         free = set(self._free)
         if len(free) != len(self._free):
             raise AssertionError("BlockAllocator: a block is in the free list twice")
+        if {b: k for k, b in self._by_key.items()} != {b: k for b, (k, _) in self._key_of.items()}:
+            raise AssertionError("BlockAllocator: the key -> block and block -> key maps disagree")
         for blk in range(self.num_blocks):
             if counts[blk] != self._ref[blk]:
                 raise AssertionError(f"BlockAllocator: block {blk} has refcount {self._ref[blk]} but "
                                      f"{counts[blk]} references")
-            if (blk in free) != (counts[blk] == 0):
-                raise AssertionError(f"BlockAllocator: block {blk} is {'free' if blk in free else 'not free'} "
-                                     f"with {counts[blk]} references")
+            unreferenced = counts[blk] == 0
+            keyed = blk in self._key_of
+            if (blk in free) != (unreferenced and not keyed) or (blk in self._parked) != (unreferenced and keyed):
+                raise AssertionError(f"BlockAllocator: block {blk} ({counts[blk]} references, "
+                                     f"{'keyed' if keyed else 'unkeyed'}) is {'free' if blk in free else 'not free'} "
+                                     f"and {'parked' if blk in self._parked else 'not parked'}")
 
     # ------------------------------------------------------------------ internals
     def _owned(self, rid: Hashable, what: str) -> List[int]:
@@ -151,7 +221,19 @@ class BlockAllocator:
     def _release(self, blk: int) -> None:
         self._ref[blk] -= 1
         if self._ref[blk] == 0:
-            self._free.append(blk)
+            if blk in self._key_of:
+                self._parked[blk] = None      # newest at the end: evicted last
+            else:
+                self._free.append(blk)
+
+    def _pop_free(self) -> int:
+        if self._free:
+            return self._free.pop()
+        blk, _ = self._parked.popitem(last=False)  # the least recently used cached block
+        key, _ = self._key_of.pop(blk)
+        del self._by_key[key]
+        self.evictions += 1
+        return blk
 
 
 class PagedKVCache:
@@ -166,11 +248,15 @@ class PagedKVCache:
     max_requests : rows of :attr:`block_tables` / :attr:`cache_lens`.
     max_blocks_per_request : columns of :attr:`block_tables` (a request's capacity is
         ``max_blocks_per_request * block_size`` positions); default: the whole pool.
+    scratch_page : add one page past the pool (index ``num_blocks``, never allocated) and point
+        every unused block-table entry at it instead of -1: writes past a request's blocks (the
+        padding of a ragged prefill group or of a batch's tree) land there and are never read as
+        committed positions. The engine's caches use it; :attr:`pad` is the fill value.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int = 16,
                  max_requests: int = 8, max_blocks_per_request: Optional[int] = None,
-                 dtype: torch.dtype = torch.float32, device="cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device="cpu", scratch_page: bool = False) -> None:
         owner = "PagedKVCache"
         for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                         ("num_blocks", num_blocks), ("block_size", block_size), ("max_requests", max_requests)):
@@ -182,11 +268,13 @@ class PagedKVCache:
         self.block_size, self.max_requests = block_size, max_requests
         self.max_blocks = max_blocks_per_request or num_blocks
         self.dtype, self.device = dtype, torch.device(device)
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.pad = num_blocks if scratch_page else -1
+        shape = (num_blocks + int(scratch_page), block_size, num_kv_heads, head_dim)
         self.k_pages = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v_pages = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.allocator = BlockAllocator(num_blocks)
-        self.block_tables = torch.full((max_requests, self.max_blocks), -1, dtype=torch.int32, device=self.device)
+        self.block_tables = torch.full((max_requests, self.max_blocks), self.pad, dtype=torch.int32,
+                                       device=self.device)
         self.cache_lens = torch.zeros(max_requests, dtype=torch.int32, device=self.device)
         self._row: Dict[Hashable, int] = {}
         self._free_rows: List[int] = list(range(max_requests - 1, -1, -1))
@@ -201,6 +289,10 @@ class PagedKVCache:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k_pages + self.v_pages)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
 
     @property
     def capacity(self) -> int:
@@ -223,17 +315,22 @@ class PagedKVCache:
         have = 0 if rid is None else len(self.allocator.blocks(rid))
         return max(0, -(-length // self.block_size) - have)
 
-    def add(self, rid: Hashable, length: int = 0) -> int:
-        """Admit request ``rid`` with room for ``length`` positions (cache_lens starts at 0); returns its row."""
+    def add(self, rid: Hashable, length: int = 0, row: Optional[int] = None) -> int:
+        """Admit request ``rid`` with room for ``length`` positions (cache_lens starts at 0); returns its row
+        (``row``: that free row, default any)."""
         if rid in self._row:
             raise ValueError(f"PagedKVCache.add: request {rid!r} is already in the cache")
         if not self._free_rows:
             raise OutOfBlocks(f"PagedKVCache.add: all {self.max_requests} rows are in use")
+        if row is not None and row not in self._free_rows:
+            raise ValueError(f"PagedKVCache.add: row {row} is not a free row of the cache")
         self.allocator.add(rid)
-        r = self._free_rows.pop()
+        r = self._free_rows.pop() if row is None else row
+        if row is not None:
+            self._free_rows.remove(row)
         self._row[rid] = r
         self.cache_lens[r] = 0
-        self.block_tables[r].fill_(-1)
+        self.block_tables[r].fill_(self.pad)
         try:
             self.grow(rid, length)
         except Exception:
@@ -256,9 +353,24 @@ class PagedKVCache:
         r = self.row(rid)
         self.allocator.free(rid)
         del self._row[rid]
-        self.block_tables[r].fill_(-1)
+        self.block_tables[r].fill_(self.pad)
         self.cache_lens[r] = 0
         self._free_rows.append(r)
+
+    def move_row(self, rid: Hashable, row: int) -> None:
+        """Put request ``rid`` (its block-table row and length) into free row ``row``; its old row is freed."""
+        src = self.row(rid)
+        if row == src:
+            return
+        if row not in self._free_rows:
+            raise ValueError(f"PagedKVCache.move_row: row {row} is not a free row of the cache")
+        self._free_rows.remove(row)
+        self.block_tables[row].copy_(self.block_tables[src])
+        self.cache_lens[row] = self.cache_lens[src]
+        self.block_tables[src].fill_(self.pad)
+        self.cache_lens[src] = 0
+        self._free_rows.append(src)
+        self._row[rid] = row
 
     def fork(self, parent: Hashable, child: Hashable) -> int:
         """Admit ``child`` with ``parent``'s committed positions: the full blocks are shared (refcount),
@@ -278,7 +390,7 @@ class PagedKVCache:
         shared = self.allocator.fork(parent, child, full)
         r = self._free_rows.pop()
         self._row[child] = r
-        self.block_tables[r].fill_(-1)
+        self.block_tables[r].fill_(self.pad)
         if shared:
             self.block_tables[r, :full] = torch.tensor(shared, dtype=torch.int32)
         if partial:
@@ -293,3 +405,50 @@ class PagedKVCache:
     def rows(self, rids) -> torch.Tensor:
         """Row indices of ``rids`` (int64, for indexing :attr:`block_tables` / :attr:`cache_lens`)."""
         return torch.tensor([self.row(rid) for rid in rids], dtype=torch.long, device=self.device)
+
+    def view(self, start: int = 0, stop: Optional[int] = None) -> "PagedKVView":
+        """Rows [start, stop) (default all) as the models read a cache (see :class:`PagedKVView`)."""
+        return PagedKVView(self, start, self.max_requests if stop is None else stop)
+
+
+class PagedKVView:
+    """Rows [start, stop) of a :class:`PagedKVCache` in the form the models take in place of a
+    :class:`~specdec.cache.StaticKVCache`: ``k[l]`` / ``v[l]`` are the page pools, ``lens`` and
+    ``block_tables`` the rows' slices (views: the ops update the cache's own tensors), ``commit``
+    runs :func:`~specdec.paged_ops.kv_commit_paged`. A view never allocates: the caller grows the
+    rows' blocks first (an unallocated position of a scratch-page cache is written to the scratch
+    page and reads back garbage)."""
+
+    paged = True
+
+    def __init__(self, cache: PagedKVCache, start: int, stop: int) -> None:
+        if not 0 <= start < stop <= cache.max_requests:
+            raise ValueError(f"PagedKVView: need 0 <= start < stop <= {cache.max_requests}, got [{start}, {stop})")
+        self.pages, self.start = cache, start
+        self.num_layers, self.num_kv_heads, self.head_dim = cache.num_layers, cache.num_kv_heads, cache.head_dim
+        self.dtype, self.device, self.block_size = cache.dtype, cache.device, cache.block_size
+        self.batch = stop - start
+        self.capacity = cache.capacity
+        self.k, self.v = cache.k_pages, cache.v_pages
+        self.lens = cache.cache_lens[start:stop]
+        self.block_tables = cache.block_tables[start:stop]
+
+    def rows(self, start: int, stop: int) -> "PagedKVView":
+        """Rows [start, stop) of this view."""
+        if not 0 <= start < stop <= self.batch:
+            raise ValueError(f"PagedKVView.rows: need 0 <= start < stop <= {self.batch}, got [{start}, {stop})")
+        return PagedKVView(self.pages, self.start + start, self.start + stop)
+
+    def nbytes(self) -> int:
+        return self.pages.nbytes
+
+    def commit(self, accepted: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """Keep each row's accepted tree path (root included); lens += num_accepted + 1."""
+        paged_ops.kv_commit_paged(self.k, self.v, self.block_tables, self.lens, accepted, num_accepted)
+
+    def reset(self, rows: Optional[List[int]] = None) -> None:
+        """Lengths to 0 (timing passes on rows that hold no request; blocks are untouched)."""
+        if rows is None:
+            self.lens.zero_()
+        else:
+            self.lens[torch.as_tensor(list(rows), dtype=torch.long, device=self.device)] = 0

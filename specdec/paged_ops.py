@@ -22,13 +22,13 @@ block allocator and a paged cache are in :mod:`specdec.paged_cache`.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from specdec import _C  # noqa: F401  (loads the library that registers torch.ops.specdec)
 
-__all__ = ["verify_attention_paged", "append_kv_paged", "kv_commit_paged", "commit_block_table"]
+__all__ = ["verify_attention_paged", "append_kv_paged", "kv_commit_paged", "commit_block_table", "decoder_layer_paged"]
 
 _ops = torch.ops.specdec
 
@@ -118,6 +118,35 @@ def commit_block_table(block_tables: torch.Tensor, cache_lens: torch.Tensor, acc
         freed.append([p for p in step if p not in kept])
         cache_lens[b] = L + n + 1
     return freed
+
+
+def decoder_layer_paged(x: torch.Tensor, h: torch.Tensor, weights: Sequence[torch.Tensor],
+                        scales: Sequence[Optional[torch.Tensor]], mins: Sequence[Optional[torch.Tensor]],
+                        biases: Sequence[Optional[torch.Tensor]], bits: Sequence[int], post_norm_weight: torch.Tensor,
+                        post_norm_eps: float, next_norm_weight: torch.Tensor, next_norm_eps: float,
+                        k_pages: torch.Tensor, v_pages: torch.Tensor, block_tables: torch.Tensor,
+                        cache_lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        tree_mask: Optional[torch.Tensor], kv_offset: int, scale: float, num_heads: int,
+                        num_kv_heads: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`specdec.ops.decoder_layer` on a paged cache: the layer's K/V go through ``block_tables``
+    (:func:`append_kv_paged`) and its attention reads them there (:func:`verify_attention_paged`);
+    everything else as the dense op, and the same bits as the dense op on the same keys. The pages
+    of positions ``cache_lens[b] + kv_offset .. + N`` must be the request's own (allocated by the caller)."""
+    return _decoder_layer_paged(x, h, weights, scales, mins, biases, bits, post_norm_weight, float(post_norm_eps),
+                                next_norm_weight, float(next_norm_eps), k_pages, v_pages, cache_lens, cos, sin,
+                                tree_mask, int(kv_offset), float(scale), int(num_heads), int(num_kv_heads),
+                                block_tables)
+
+
+_decoder_layer_paged = _ops.decoder_layer_paged.default
+
+
+@torch.library.register_fake("specdec::decoder_layer_paged")
+def _decoder_layer_paged_fake(x, h, weights, scales, mins, biases, bits, post_norm_weight, post_norm_eps,
+                              next_norm_weight, next_norm_eps, k_pages, v_pages, cache_lens, cos, sin, tree_mask,
+                              kv_offset, scale, num_heads, num_kv_heads, block_tables):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, memory_format=torch.contiguous_format))
 
 
 @torch.library.register_fake("specdec::verify_attention_paged")

@@ -8,6 +8,7 @@ references agree by construction.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Optional, Sequence
 
 import torch
@@ -75,3 +76,19 @@ def kv_commit_paged(k_pages: Sequence[torch.Tensor], v_pages: Sequence[torch.Ten
                     dst_slot, src_slot = slots(block_tables, b, torch.tensor([L + i, L + src]), ps).tolist()
                     flat[dst_slot] = flat[src_slot]
         cache_lens[b] = L + n + 1
+
+
+def decoder_layer_paged(x, h, weights, scales, mins, biases, bits, post_norm_weight, post_norm_eps,
+                        next_norm_weight, next_norm_eps, k_pages, v_pages, block_tables, cache_lens, cos, sin,
+                        tree_mask, kv_offset, scale, num_heads, num_kv_heads):
+    """specdec.paged_ops.decoder_layer_paged from the reference ops (the dense layer's sequence with the paged
+    append / attention)."""
+    impl = SimpleNamespace(
+        linear=reference.linear, qlinear=reference.qlinear, rope=reference.rope, add_rms_norm=reference.add_rms_norm,
+        silu_mul=reference.silu_mul,
+        append_kv=lambda kp, vp, k, v, lens, off: append_kv_paged(kp, vp, k, v, block_tables, lens, off),
+        verify_attention=lambda q, kp, vp, lens, mask, sc: verify_attention_paged(q, kp, vp, block_tables, lens,
+                                                                                  mask, sc))
+    return reference.decoder_layer_with(impl, x, h, weights, scales, mins, biases, bits, post_norm_weight,
+                                        post_norm_eps, next_norm_weight, next_norm_eps, k_pages, v_pages, cache_lens,
+                                        cos, sin, tree_mask, kv_offset, scale, num_heads, num_kv_heads)

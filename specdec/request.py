@@ -106,6 +106,12 @@ class Request:
         return n
 
     @property
+    def context(self) -> List[int]:
+        """The tokens whose K/V a cache row holds at (re)admission: the prompt, or for a preempted request
+        everything but its last token (the root of its next step)."""
+        return self.seq[:-1] if self.new else self.prompt
+
+    @property
     def coupling(self) -> Optional[Tuple[int, int]]:
         """(seed, current length) of a seed-coupled request, else None (see sampling.verify_rows)."""
         return (self.params.seed, len(self.seq)) if self.coupled else None

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_utils import slice_logits_to_keep
 
-from specdec import ops
+from specdec import ops, paged_ops
 
 __all__ = ["LlamaRunner", "build"]
 
@@ -155,6 +155,19 @@ def _spec_fn(spec: Optional[_Spec]) -> Optional[Callable[[torch.Tensor], torch.T
     return lambda x: ops.linear(x, w, b if b is None or b.dtype == x.dtype else b.to(x.dtype), s)
 
 
+def _attend(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask, kv_offset: int,
+            scale: float) -> torch.Tensor:
+    """append_kv + verify_attention of one layer (q [B, N, Hq, D], k / v [B, N, Hkv, D]) on a dense
+    StaticKVCache or, through its block tables, a PagedKVView."""
+    kc, vc = cache.k[layer], cache.v[layer]
+    if getattr(cache, "paged", False):
+        paged_ops.append_kv_paged(kc, vc, k.transpose(1, 2), v.transpose(1, 2), cache.block_tables, cache.lens,
+                                  kv_offset)
+        return paged_ops.verify_attention_paged(q, kc, vc, cache.block_tables, cache.lens, tree_mask, scale)
+    ops.append_kv(kc, vc, k.transpose(1, 2), v.transpose(1, 2), cache.lens, kv_offset)
+    return ops.verify_attention(q, kc, vc, cache.lens, tree_mask, scale)
+
+
 class LlamaRunner:
     """Callable ``(cache, ids [B, N], positions [B, N], tree_mask, logits_to_keep) -> logits``."""
 
@@ -201,8 +214,7 @@ class LlamaRunner:
             q = self._rope(L.q(x).view(B, N, self.hq, D), cos, sin)
             k = self._rope(L.k(x).view(B, N, self.hkv, D), cos, sin)
             v = L.v(x).view(B, N, self.hkv, D)
-            ops.append_kv(cache.k[l], cache.v[l], k.transpose(1, 2), v.transpose(1, 2), cache.lens, kv_offset)
-            a = ops.verify_attention(q, cache.k[l], cache.v[l], cache.lens, tree_mask, L.scale)
+            a = _attend(cache, l, q, k, v, tree_mask, kv_offset, L.scale)
             h = h + L.o(a.reshape(B, N, self.hq * D))
             x = self._rms(h, L.ln2_w, L.ln2_eps)
             h = h + L.down(F.silu(L.gate(x)) * L.up(x))
@@ -219,23 +231,27 @@ class LlamaRunner:
         if cos.shape[0] != B:
             cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
         layers = self.layers
+        paged = getattr(cache, "paged", False)  # a PagedKVView: the paged layer op / paged attention
         x = ops.rms_norm(h, layers[0].ln1_w, layers[0].ln1_eps)
         nq, nkv = hq * D, hkv * D
         for l, L in enumerate(layers):
             nw, ne = (layers[l + 1].ln1_w, layers[l + 1].ln1_eps) if l + 1 < len(layers) else (
                 self.norm_w, self.norm_eps)
             if L.fused is not None:
-                x, h = ops.decoder_layer(x, h, *L.fused, L.ln2_w, L.ln2_eps, nw, ne, cache.k[l], cache.v[l],
-                                         cache.lens, cos, sin, tree_mask, kv_offset, L.scale, hq, hkv)
+                if paged:
+                    x, h = paged_ops.decoder_layer_paged(x, h, *L.fused, L.ln2_w, L.ln2_eps, nw, ne, cache.k[l],
+                                                         cache.v[l], cache.block_tables, cache.lens, cos, sin,
+                                                         tree_mask, kv_offset, L.scale, hq, hkv)
+                else:
+                    x, h = ops.decoder_layer(x, h, *L.fused, L.ln2_w, L.ln2_eps, nw, ne, cache.k[l], cache.v[l],
+                                             cache.lens, cos, sin, tree_mask, kv_offset, L.scale, hq, hkv)
                 continue
             if L.qkv is not None:
                 q, k, v = L.qkv(x).split([nq, nkv, nkv], dim=-1)
             else:
                 q, k, v = L.q(x), L.k(x), L.v(x)
             q, k = ops.rope(q.view(B, N, hq, D), k.view(B, N, hkv, D), cos, sin)
-            v = v.view(B, N, hkv, D)
-            ops.append_kv(cache.k[l], cache.v[l], k.transpose(1, 2), v.transpose(1, 2), cache.lens, kv_offset)
-            a = ops.verify_attention(q, cache.k[l], cache.v[l], cache.lens, tree_mask, L.scale)
+            a = _attend(cache, l, q, k, v.view(B, N, hkv, D), tree_mask, kv_offset, L.scale)
             x, h = ops.add_rms_norm(L.o(a.reshape(B, N, hq * D)), h, L.ln2_w, L.ln2_eps)
             if L.gate_up is not None:
                 g, u = L.gate_up(x).chunk(2, dim=-1)

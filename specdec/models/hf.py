@@ -30,6 +30,7 @@ import torch
 from specdec import ops
 from specdec._check import check_int, out_of_vocab
 from specdec.cache import StaticKVCache
+from specdec.paged_cache import PagedKVCache, PagedKVView
 from specdec.models.hf_attention import (
     ACTIVE_CALL,
     ATTN_NAME,
@@ -191,6 +192,22 @@ class HFCausalLM:
         return StaticKVCache(self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity,
                              dtype=self.dtype, device=self.device)
 
+    @property
+    def supports_paged(self) -> bool:
+        """Whether forward / prefill take a :class:`~specdec.paged_cache.PagedKVView` (the lean forward, and
+        the hooked path without sliding-window layers; the generic path reads the cache densely)."""
+        return self._runner is not None or (self.hooked and self._min_window is None)
+
+    def new_paged_cache(self, num_blocks: int, block_size: int = 16, max_requests: int = 8,
+                        max_blocks_per_request: Optional[int] = None) -> PagedKVCache:
+        """A PagedKVCache sized for this model (its dtype / device) with a scratch page (see PagedKVCache)."""
+        if not self.supports_paged:
+            raise ValueError(f"HFCausalLM.new_paged_cache: {type(self.model).__name__} runs on a path that reads "
+                             f"the cache densely (generic fallback or sliding-window layers); use new_cache()")
+        return PagedKVCache(self.num_layers, self.num_kv_heads, self.head_dim, num_blocks, block_size,
+                            max_requests, max_blocks_per_request, dtype=self.dtype, device=self.device,
+                            scratch_page=True)
+
     @torch.no_grad()
     def forward(self, cache: StaticKVCache, tokens: torch.Tensor, depths: torch.Tensor,
                 tree_mask: Optional[torch.Tensor] = None, kv_offset: int = 0) -> torch.Tensor:
@@ -231,7 +248,7 @@ class HFCausalLM:
 
     @torch.no_grad()
     def prefill(self, cache: StaticKVCache, prompts: Sequence[Sequence[int]],
-                rows: Optional[Sequence[int]] = None) -> torch.Tensor:
+                rows: Optional[Sequence[int]] = None, starts: Optional[Sequence[int]] = None) -> torch.Tensor:
         """Write each prompt's K/V into its cache row and return float32 logits [len(prompts), V] after its last token.
 
         rows[i] is the cache row of prompts[i] (default 0..len-1); each row is reset first and
@@ -241,20 +258,33 @@ class HFCausalLM:
         while padding stays <= 25 % of the tokens, else one request at a time; each group in
         chunks of ``prefill_chunk`` positions. Logits are computed only at each prompt's last
         position. Prompt lengths are host values: no device sync.
+
+        ``starts[i] > 0``: row ``rows[i]`` already holds the K/V of ``starts[i]`` earlier tokens (a
+        cached prefix); ``prompts[i]`` continues it at positions ``starts[i]..`` and the row ends
+        with ``cache.lens[row] = starts[i] + len(prompts[i])``.
         """
         prompts = [list(p) for p in prompts]
         rows = list(range(len(prompts))) if rows is None else [int(r) for r in rows]
-        self._check_prefill(cache, prompts, rows)
+        starts = [0] * len(prompts) if starts is None else [int(s) for s in starts]
+        self._check_prefill(cache, prompts, rows, starts)
         out = torch.empty(len(prompts), self.vocab_size, dtype=torch.float32, device=self.device)
         with ops.prefill_rows():  # the CPU GEMM tiles at every row count (see ops.prefill_rows)
             for group in self._prefill_groups(prompts, rows):
-                self._prefill_group(cache, prompts, rows, group, out)
+                self._prefill_group(cache, prompts, rows, starts, group, out)
         return out
 
     # ------------------------------------------------------------------ internals
+    def _check_cache(self, cache, what: str) -> None:
+        if isinstance(cache, PagedKVView):
+            if not self.supports_paged:
+                raise TypeError(f"HFCausalLM.{what}: {type(self.model).__name__} cannot run on a paged cache "
+                                f"(generic fallback or sliding-window layers); use new_cache()")
+        elif not isinstance(cache, StaticKVCache):
+            raise TypeError(f"HFCausalLM.{what}: cache must be a StaticKVCache or a PagedKVView, "
+                            f"got {type(cache).__name__}")
+
     def _check_call(self, cache, tokens, depths, tree_mask, kv_offset: int = 0) -> int:
-        if not isinstance(cache, StaticKVCache):
-            raise TypeError(f"HFCausalLM.forward: cache must be a StaticKVCache, got {type(cache).__name__}")
+        self._check_cache(cache, "forward")
         if cache.num_layers != self.num_layers or cache.num_kv_heads != self.num_kv_heads or \
                 cache.head_dim != self.head_dim or cache.dtype != self.dtype:
             raise ValueError(f"HFCausalLM.forward: cache (layers {cache.num_layers}, KV heads {cache.num_kv_heads}, "
@@ -373,11 +403,11 @@ class HFCausalLM:
                          use_cache=True, **{self._cache_kwarg: bridge}, **kwargs)
         return self._select_logits(out.logits, logits_to_keep).float()
 
-    def _check_prefill(self, cache, prompts, rows) -> None:
-        if not isinstance(cache, StaticKVCache):
-            raise TypeError(f"HFCausalLM.prefill: cache must be a StaticKVCache, got {type(cache).__name__}")
-        if len(rows) != len(prompts):
-            raise ValueError(f"HFCausalLM.prefill: {len(prompts)} prompts but {len(rows)} rows")
+    def _check_prefill(self, cache, prompts, rows, starts) -> None:
+        self._check_cache(cache, "prefill")
+        if len(rows) != len(prompts) or len(starts) != len(prompts):
+            raise ValueError(f"HFCausalLM.prefill: {len(prompts)} prompts but {len(rows)} rows and "
+                             f"{len(starts)} starts")
         if len(set(rows)) != len(rows):
             raise ValueError(f"HFCausalLM.prefill: rows must be distinct, got {rows}")
         for i, (p, r) in enumerate(zip(prompts, rows)):
@@ -385,9 +415,9 @@ class HFCausalLM:
                 raise ValueError(f"HFCausalLM.prefill: row {r} of prompt {i} is outside the cache's {cache.batch} rows")
             if len(p) == 0:
                 raise ValueError(f"HFCausalLM.prefill: prompt {i} is empty")
-            if len(p) > cache.capacity:
-                raise ValueError(f"HFCausalLM.prefill: prompt {i} has {len(p)} tokens, more than the cache capacity "
-                                 f"{cache.capacity}")
+            if starts[i] < 0 or starts[i] + len(p) > cache.capacity:
+                raise ValueError(f"HFCausalLM.prefill: prompt {i} has {len(p)} tokens after a start of {starts[i]}, "
+                                 f"outside the cache capacity {cache.capacity}")
             bad = out_of_vocab(p, self.vocab_size)
             if bad is not None:
                 raise ValueError(f"HFCausalLM.prefill: prompt {i} holds token {bad}, outside [0, {self.vocab_size})")
@@ -407,7 +437,7 @@ class HFCausalLM:
             groups.append([i])
         return groups
 
-    def _prefill_group(self, cache, prompts, rows, group, out) -> None:
+    def _prefill_group(self, cache, prompts, rows, starts, group, out) -> None:
         view = cache.rows(rows[group[0]], rows[group[-1]] + 1)
         lengths = [len(prompts[i]) for i in group]
         T = max(lengths)
@@ -415,7 +445,8 @@ class HFCausalLM:
         for k, i in enumerate(group):
             ids[k, :lengths[k]] = torch.tensor(prompts[i], dtype=torch.long)
         ids = ids.to(self.device)
-        view.lens.zero_()
+        first = torch.tensor([starts[i] for i in group], dtype=torch.int32)
+        view.lens.copy_(first)
         depths_all = torch.arange(T, device=self.device).expand(len(group), T)
         for c0 in range(0, T, self.prefill_chunk):
             c1 = min(T, c0 + self.prefill_chunk)
@@ -429,7 +460,7 @@ class HFCausalLM:
             else:
                 self._forward(view, ids[:, c0:c1], depths_all[:, : c1 - c0], None, logits_to_keep=1)
             view.lens.add_(c1 - c0)
-        view.lens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        view.lens.copy_(first + torch.tensor(lengths, dtype=torch.int32))
 
     def __repr__(self) -> str:
         path = "hooked" if self.hooked else "generic fallback"

@@ -49,7 +49,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from specdec import ops
+from specdec import ops, paged_ops
 from specdec.cache import StaticKVCache
 
 try:
@@ -141,6 +141,10 @@ def specdec_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     cache = call.cache
     layer = module.layer_idx
     k_cache, v_cache = cache.k[layer], cache.v[layer]
+    if getattr(cache, "paged", False):  # a PagedKVView (HFCausalLM sends no window-masked call here)
+        paged_ops.append_kv_paged(k_cache, v_cache, key, value, cache.block_tables, cache.lens, call.kv_offset)
+        return paged_ops.verify_attention_paged(query.transpose(1, 2), k_cache, v_cache, cache.block_tables,
+                                                cache.lens, call.tree_mask, scaling), None
     ops.append_kv(k_cache, v_cache, key, value, cache.lens, call.kv_offset)
     if sliding_window is not None and not call.window_ok:
         return masked_attention(call, query, k_cache, v_cache, scaling, int(sliding_window)), None

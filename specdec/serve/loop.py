@@ -63,6 +63,13 @@ class Metrics:
         self.drafter_errors = Counter("specdec_drafter_errors", "drafter failures isolated to a plain step",
                                       registry=r)
         self.engine_errors = Counter("specdec_engine_errors", "exceptions inside an engine step", registry=r)
+        self.preemptions = Counter("specdec_preemptions", "requests preempted (KV pool full) and recomputed later",
+                                   registry=r)
+        self.kv_blocks = Gauge("specdec_kv_blocks", "paged KV blocks by state (used: held by requests; free: "
+                               "allocatable, cached ones included; cached: holding a reusable prompt prefix)",
+                               ["state"], registry=r)
+        self.prefix_hit_rate = Gauge("specdec_prefix_cache_hit_rate", "prompt tokens served from cached prefix "
+                                     "blocks / prompt tokens admitted", registry=r)
         self.requests = Counter("specdec_requests", "finished requests by outcome", ["outcome"], registry=r)
         self.rejected = Counter("specdec_rejected_requests", "requests refused before admission", ["reason"],
                                 registry=r)
@@ -221,6 +228,12 @@ class EngineLoop:
         m.accepted.inc(c["accepted_tokens"] - last["accepted_tokens"])
         m.steps.inc(c["steps"] - last["steps"])
         m.drafter_errors.inc(c["drafter_errors"] - last["drafter_errors"])
+        m.preemptions.inc(c["preemptions"] - last["preemptions"])
+        if eng.kv.paged:
+            kv = eng.kv.stats()
+            for state in ("used", "free", "cached"):
+                m.kv_blocks.labels(state).set(kv[f"kv_blocks_{state}"])
+            m.prefix_hit_rate.set(kv["prefix_cache_hit_rate"])
         self._last_counters = dict(c)
         m.queue_depth.set(eng.num_waiting + self._cmds.qsize())
         m.active.set(eng.num_active)
