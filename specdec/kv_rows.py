@@ -207,7 +207,7 @@ def make_rows(target, kv_cache: Optional[str], max_batch: int, capacity: int, re
         if kv_memory is not None:
             per = PagedKVCache.bytes_per_block(target.num_layers, target.num_kv_heads, target.head_dim, block_size,
                                                target.dtype)
-            num_blocks = int(kv_memory // per)
+            num_blocks = int(kv_memory // per) - 1   # the scratch page is one more block of the same size
         else:
             num_blocks = max_batch * _ceil_div(capacity, block_size)
     return PagedRows(target, max_batch, capacity, int(num_blocks), block_size, reserve, prefix_caching)

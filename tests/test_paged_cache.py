@@ -143,3 +143,70 @@ def test_paged_cache_runs_the_ops():
         want = ops.verify_attention(q1, dk[layer], dv[layer], dlens - 1)
         got = paged_ops.verify_attention_paged(q1, c.k_pages[layer], c.v_pages[layer], tables, lens - 1)
         assert torch.equal(got, want)
+
+
+def test_allocator_prefix_keys_park_share_and_evict():
+    a = BlockAllocator(4)
+    a.add("x")
+    b0, b1 = a.allocate("x", 2)
+    s0 = a.register(b0, (0, (1, 2)))
+    s1 = a.register(b1, (s0, (3, 4)))
+    assert a.register(b1, "other") == s1          # a keyed block keeps its key
+    assert a.lookup((0, (1, 2))) == (b0, s0) and a.lookup((s0, (3, 4))) == (b1, s1)
+    a.free("x")                                   # keyed blocks are parked, not freed, and count as free
+    assert a.num_free == 4 and a.num_parked == 2 and a.num_used == 0 and a.cached_blocks() == sorted([b0, b1])
+    a.check()
+    a.add("y")
+    a.share("y", [b0])                            # taken back from the parked set
+    assert a.refcount(b0) == 1 and a.num_parked == 1
+    a.allocate("y", 2)                            # the two never-used blocks first: nothing evicted
+    assert a.evictions == 0 and a.lookup((s0, (3, 4))) is not None
+    a.allocate("y", 1)                            # then the least recently parked block is evicted
+    assert a.evictions == 1 and a.lookup((s0, (3, 4))) is None and a.blocks("y")[-1] == b1
+    with pytest.raises(OutOfBlocks):
+        a.allocate("y", 1)
+    with pytest.raises(ValueError, match="carries no prefix key"):
+        a.share("y", [a.blocks("y")[1]])
+    a.check()
+    a.free("y")
+    assert a.num_free == 4 and a.num_cached == 1
+    a.check()
+
+
+def test_allocator_prefix_random_sequences_keep_invariants():
+    """Random allocate / register / share / free sequences: invariants after every change; at the end every
+    block is free or parked, and a key always names a block that holds it."""
+    rng = random.Random(1)
+    for seq in range(300):
+        a = BlockAllocator(rng.randint(2, 12))
+        live, next_id, keys = [], 0, []
+        for _ in range(rng.randint(1, 40)):
+            op = rng.random()
+            if op < 0.3 or not live:
+                a.add(next_id)
+                live.append(next_id)
+                next_id += 1
+                hits = [a.lookup(k)[0] for k in rng.sample(keys, min(len(keys), 2)) if a.lookup(k) is not None]
+                a.share(live[-1], list(dict.fromkeys(hits)))
+            elif op < 0.55:
+                try:
+                    a.allocate(rng.choice(live), rng.randint(0, 3))
+                except OutOfBlocks:
+                    pass
+            elif op < 0.75:
+                rid = rng.choice(live)
+                if a.blocks(rid):
+                    key = (rng.randint(0, 3), rng.randint(0, 3))
+                    blk = rng.choice(a.blocks(rid))
+                    a.register(blk, key)
+                    keys.append(key)
+            else:
+                a.free(live.pop(rng.randrange(len(live))))
+            a.check()
+            for k in keys:
+                found = a.lookup(k)
+                assert found is None or found[0] in a.cached_blocks()
+        for rid in live:
+            a.free(rid)
+        a.check()
+        assert a.num_used == 0 and a.num_free == a.num_blocks, seq

@@ -1,0 +1,199 @@
+"""The Engine on a paged KV cache vs the dense one (bundled SmolLM2-135M, CPU).
+
+    python benchmarks/bench_paged_engine.py                  # all three parts, Q4_1
+    python benchmarks/bench_paged_engine.py --parts prefix --rounds 3
+
+Parts (each interleaves its configurations round by round; medians and per-round ratios):
+
+* ``capacity``: the same KV memory as a dense engine of ``max_batch = 4, max_len = 2048``
+  (positions x bytes per position); the paged engine gets that many bytes (``kv_memory``) and
+  ``max_batch = 32``. The serving benchmark's prompt mix (specdec.bench.PROMPT_SETS, grounded +
+  open, chat template), ``--requests`` of them submitted at once, ``--max-new`` tokens each,
+  greedy, plain decoding: most requests held at once, output tokens/s over the run, outputs
+  identical between the two.
+* ``prefix``: a shared system prompt of ~1,000 tokens (the text of Python's ``this``, ``json``
+  and ``textwrap`` module docs, tokenized and cut) + a short question: time to first token of a
+  request whose prefix blocks are cached (a first request with the same system prompt ran
+  before) vs the same request on a cold engine; outputs identical.
+* ``step``: one decode step of the target (forward + commit) at batch 1 and 8 on the dense
+  cache vs the paged view (block size 16, shuffled blocks), 512 committed positions.
+
+Writes benchmarks/results/paged_engine_<date>.json (or --out).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import specdec
+from specdec import Engine, HFCausalLM, RequestParams
+from specdec.bench.record import cpu_name, git_commit, loadavg
+from specdec.bench.workloads import PROMPT_SETS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def chat_ids(tok, text: str):
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def drive(eng: Engine, jobs):
+    """Submit every job at once, step to the end; (outputs, seconds, most active, tokens)."""
+    for rid, ids, params in jobs:
+        eng.add_request(rid, ids, params)
+    out = {rid: [] for rid, _, _ in jobs}
+    most, t0 = 0, time.perf_counter()
+    while eng.has_unfinished():
+        for d in eng.step():
+            out[d.request_id].extend(d.new_tokens)
+        most = max(most, eng.num_active)
+    dt = time.perf_counter() - t0
+    return out, dt, most, sum(len(v) for v in out.values())
+
+
+def part_capacity(lm, tok, args) -> dict:
+    texts = PROMPT_SETS["grounded"] + PROMPT_SETS["open"]
+    jobs = [(i, chat_ids(tok, texts[i % len(texts)]), RequestParams(max_new_tokens=args.max_new))
+            for i in range(args.requests)]
+    dense_positions = 4 * (2048 + 1)
+    per_position = 2 * lm.num_layers * lm.num_kv_heads * lm.head_dim * torch.empty((), dtype=lm.dtype).element_size()
+    budget = dense_positions * per_position
+    make = dict(dense=lambda: Engine(lm, None, max_batch=4, max_len=2048, kv_cache="dense", policy="fixed"),
+                paged=lambda: Engine(lm, None, max_batch=32, max_len=2048, kv_memory=budget, policy="fixed"))
+    rounds = {k: [] for k in make}
+    outs = {}
+    for r in range(args.rounds):
+        for name in (list(make) if r % 2 == 0 else list(make)[::-1]):
+            eng = make[name]()
+            out, dt, most, ntok = drive(eng, jobs)
+            outs[name] = out
+            rounds[name].append(dict(seconds=dt, most_active=most, tokens=ntok, tokens_per_second=ntok / dt,
+                                     preemptions=eng.stats()["preemptions"], kv_bytes=eng.kv.cache.nbytes
+                                     if eng.kv.paged else eng.cache.nbytes()))
+            print(f"capacity round {r} {name}: {rounds[name][-1]}", flush=True)
+    med = {k: statistics.median(x["tokens_per_second"] for x in v) for k, v in rounds.items()}
+    ratios = [p["tokens_per_second"] / d["tokens_per_second"] for d, p in zip(rounds["dense"], rounds["paged"])]
+    return dict(kv_budget_bytes=budget, prompt_tokens=[len(j[1]) for j in jobs], rounds=rounds,
+                median_tokens_per_second=med, median_round_ratio=statistics.median(ratios),
+                most_active=dict(dense=max(x["most_active"] for x in rounds["dense"]),
+                                 paged=max(x["most_active"] for x in rounds["paged"])),
+                outputs_identical=outs["dense"] == outs["paged"])
+
+
+def system_prompt(tok, n: int):
+    import json as _json
+    import textwrap
+    import this  # noqa: F401  (prints the Zen once; its text is the rot13 source)
+    text = "".join(this.d.get(c, c) for c in this.s) + "\n" + (_json.__doc__ or "") + "\n" + (textwrap.__doc__ or "")
+    while len(tok.encode(text)) < n:
+        text += "\n" + (_json.dumps.__doc__ or "") + (textwrap.wrap.__doc__ or "")
+    return tok.encode(text)[:n]
+
+
+def part_prefix(lm, tok, args) -> dict:
+    sys_ids = system_prompt(tok, args.prefix_tokens)
+    q1, q2 = tok.encode("\nQuestion: what is this text about?"), tok.encode("\nQuestion: summarise it in one line.")
+    params = RequestParams(max_new_tokens=16)
+
+    def ttft(eng, rid, ids):
+        eng.add_request(rid, ids, params)
+        t0 = time.perf_counter()
+        first = eng.admit()
+        dt = time.perf_counter() - t0
+        out = list(first[0].new_tokens)
+        while eng.has_unfinished():
+            for d in eng.step():
+                out.extend(d.new_tokens)
+        return dt, out
+
+    rounds = dict(cold=[], cached=[])
+    outs = {}
+    for r in range(args.rounds):
+        for name in (("cold", "cached") if r % 2 == 0 else ("cached", "cold")):
+            eng = Engine(lm, None, max_batch=2, max_len=2048, policy="fixed")
+            if name == "cached":
+                ttft(eng, "warm-up", sys_ids + q1)
+            dt, out = ttft(eng, "q", sys_ids + q2)
+            outs[name] = out
+            rounds[name].append(dict(ttft_seconds=dt, prefix_hit_tokens=eng.stats()["prefix_hit_tokens"]))
+            print(f"prefix round {r} {name}: {rounds[name][-1]}", flush=True)
+    med = {k: statistics.median(x["ttft_seconds"] for x in v) for k, v in rounds.items()}
+    ratios = [c["ttft_seconds"] / d["ttft_seconds"] for d, c in zip(rounds["cold"], rounds["cached"])]
+    return dict(prefix_tokens=len(sys_ids), prompt_tokens=len(sys_ids + q2), rounds=rounds, median_ttft=med,
+                median_round_ratio=statistics.median(ratios), outputs_identical=outs["cold"] == outs["cached"])
+
+
+def part_step(lm, args) -> dict:
+    g = torch.Generator().manual_seed(0)
+    res = {}
+    for B in (1, 8):
+        dense = lm.new_cache(B, 1024)
+        bs, per_row = 16, 1024 // 16
+        pc = lm.new_paged_cache(B * per_row, bs, max_requests=B, max_blocks_per_request=per_row)
+        perm = torch.randperm(B * per_row, generator=g)
+        for b in range(B):
+            pc.add(b, 0, row=b)
+        pc.block_tables.copy_(perm.view(B, per_row).to(torch.int32))
+        paged = pc.view(0, B)
+        prompt = torch.randint(0, lm.vocab_size, (B, 512), generator=g).tolist()
+        lm.prefill(dense, prompt)
+        lm.prefill(paged, prompt)
+        tokens = torch.randint(0, lm.vocab_size, (B, 1), generator=g)
+        depths = torch.zeros(B, 1, dtype=torch.long)
+        acc = torch.zeros(B, 1, dtype=torch.int32)
+        num = torch.zeros(B, dtype=torch.int32)
+        times = dict(dense=[], paged=[])
+        for r in range(args.step_rounds):
+            for name, cache in ((("dense", dense), ("paged", paged)) if r % 2 == 0 else
+                                (("paged", paged), ("dense", dense))):
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    lm.forward(cache, tokens, depths)
+                    cache.commit(acc, num)
+                times[name].append((time.perf_counter() - t0) / 5)
+                cache.lens.sub_(5)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        ratios = [p / d for d, p in zip(times["dense"], times["paged"])]
+        res[f"batch{B}"] = dict(seconds=times, median_seconds=med, median_round_ratio=statistics.median(ratios))
+        print(f"step batch {B}: {med} ratio {statistics.median(ratios):.3f}", flush=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--precision", default="q4_1")
+    ap.add_argument("--parts", default="capacity,prefix,step")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--step-rounds", type=int, default=7)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--max-new", type=int, default=48)
+    ap.add_argument("--prefix-tokens", type=int, default=1000)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    model, tok = specdec.load_bundled("smollm2-135m", precision=args.precision)
+    lm = HFCausalLM(model)
+    rec = dict(benchmark="paged_engine", date=_dt.date.today().isoformat(), commit=git_commit(), cpu=cpu_name(),
+               torch_threads=torch.get_num_threads(), precision=args.precision, args=vars(args),
+               loadavg_before=loadavg())
+    parts = args.parts.split(",")
+    if "step" in parts:
+        rec["step"] = part_step(lm, args)
+    if "prefix" in parts:
+        rec["prefix"] = part_prefix(lm, tok, args)
+    if "capacity" in parts:
+        rec["capacity"] = part_capacity(lm, tok, args)
+    rec["loadavg_after"] = loadavg()
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"paged_engine_{rec['date']}.json"
+    out.write_text(json.dumps(rec, indent=1))
+    print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out.name}")
+
+
+if __name__ == "__main__":
+    main()
