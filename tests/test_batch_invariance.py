@@ -190,3 +190,44 @@ def test_cuda_verify_attention_chain_equals_decode_steps(dtype, D, G, S):
         if N >= 4:  # the first nodes as a shorter verify (the same prefix of the chain)
             part = ops.verify_attention(q[:, :N // 2].contiguous(), k, v, lens, None, scale)
             assert torch.equal(part, got[:, :N // 2]), f"N = {N}: the first {N // 2} nodes differ as a shorter pass"
+
+
+# --------------------------------------------------------------------------- a model (CPU and GPU)
+_CPU_MODEL_CASES = (("fp32", "decoder_layer", 1000), ("bf16", "separate_ops", 64))  # the CPU has its own tests
+MODEL_CASES = [pytest.param(dev, dt, layers, cap, id=f"{dev}-{name}-{layers}-{cap}",
+                            marks=[needs_cuda] if dev == "cuda" else [])
+               for dev in ("cpu", "cuda") for dt, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))
+               for layers in ("decoder_layer", "separate_ops") for cap in (64, 1000)
+               if dev == "cuda" or (name, layers, cap) in _CPU_MODEL_CASES]
+
+
+@pytest.mark.parametrize("device,dtype,layers,capacity", MODEL_CASES)
+def test_model_verify_equals_decode_steps(device, dtype, layers, capacity):
+    """The whole forward on the device (linears, norms, RoPE, append_kv, verify_attention; each layer
+    as one ops.decoder_layer call or as separate ops): the logits of a 16-node chain verify of 3
+    requests (48 rows) are the bits of 16 one-token decode steps, and a request's logits are the
+    same alone. capacity 1000: 8 splits of 128 keys, prompts that cross them."""
+    from specdec import HFCausalLM
+    from test_models import _tiny
+
+    lm = HFCausalLM(_tiny("llama").to(dtype).to(device), fused_layers=layers == "decoder_layer")
+    g = gen(7500 + capacity)
+    lens = (5, 9, 2) if capacity == 64 else (130, 300, 5)
+    prompts = [torch.randint(0, 151, (n,), generator=g).tolist() for n in lens]
+    B, N = len(prompts), 16
+    toks = torch.randint(0, 151, (B, N), generator=g).to(device)
+    depths = torch.arange(N, device=device).expand(B, N)
+    batch = lm.new_cache(B, capacity)
+    lm.prefill(batch, prompts)
+    verify = lm.forward(batch, toks, depths)
+    cache = lm.new_cache(B, capacity)
+    lm.prefill(cache, prompts)
+    for i in range(N):
+        step = lm.forward(cache, toks[:, i:i + 1], torch.zeros(B, 1, dtype=torch.long, device=device))
+        assert torch.equal(step[:, 0], verify[:, i]), f"node {i}: verify logits differ from the decode step"
+        cache.lens += 1
+    alone = lm.new_cache(1, capacity)  # request 1's prefix as the batch prefilled it (prefill rows > 64
+    for src, dst in zip(batch.k + batch.v, alone.k + alone.v):  # are cuBLAS's: not batch-invariant)
+        dst.copy_(src[1:2])
+    alone.lens.copy_(batch.lens[1:2])
+    assert torch.equal(lm.forward(alone, toks[1:2], depths[:1]), verify[1:2]), "request 1 differs alone"
