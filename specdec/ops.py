@@ -228,8 +228,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     Accumulates in float32 and rounds once. The kernels stream the weight from memory
     once for up to 32 rows of x (M = x.numel() / K): on CPU for M <= 64 (larger M with a
     float weight is compute-bound and goes to the BLAS GEMM; int8 weights always use the
-    kernel), on CUDA for M <= 16 (larger M: cuBLAS, float32 accumulation whatever torch's TF32 /
-    reduced-precision flags say; docs/ops.md). :func:`prefill_rows` takes the CPU GEMM tiles at every M.
+    kernel), on CUDA for M <= 64 (larger M: cuBLAS, float32 accumulation whatever torch's TF32 /
+    reduced-precision flags say; docs/ops.md). Up to 64 rows on both a row's bits do not depend
+    on M (batch invariance, docs/gpu.md); cuBLAS above 64 rows on CUDA does not promise that.
+    :func:`prefill_rows` takes the CPU GEMM tiles at every M.
     """
     return _ops.linear(x, weight, bias, weight_scale)
 
@@ -246,7 +248,8 @@ def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: 
     scales, mins : float16 [N, K / 32] (d, m per output row and group); bias : [N], x's dtype.
     Returns [..., N] in x's dtype; float32 accumulation, one rounding. The weight is streamed
     once for all M = x.numel() / K rows (CPU: the kernel for every M, 32 rows per pass over the
-    weight; CUDA: the kernel for M <= 16, cuBLAS on the dequantized float32 weight above).
+    weight; CUDA: the kernel for M <= 64, batch-invariant like linear's, cuBLAS on the
+    dequantized float32 weight above).
     See :func:`quantize_weight_groups`.
     """
     return _ops.qlinear(x, qweight, scales, mins, bias, int(bits))

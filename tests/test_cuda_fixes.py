@@ -6,11 +6,11 @@ D1  append_kv (dense and paged) and kv_commit with cache_lens near 2^31 - 1 and 
     every byte outside the rows the valid requests write, guard bands around the cache included,
     stays bit-identical -- and kv_commit's length update must not wrap negative. With strict checks
     on, CUDA refuses like the CPU.
-D5  linear with int8 weights above the CUDA kernel's 16 rows: float32 operands and ONE rounding
+D5  linear with int8 weights above the CUDA kernel's 64 rows (cuBLAS): float32 operands and ONE rounding
     to x's dtype (dequantizing the weight to float16 / bfloat16 first rounds twice: ~40 % of the
     outputs then differ from the correctly rounded value; one rounding leaves < 0.1 %). The float32
     GEMM of the large-M paths must not take TF32 even when torch allows it.
-R3  float16 / bfloat16 weights above 16 rows: float32 accumulation and one rounding even with torch's
+R3  float16 / bfloat16 weights above 64 rows: float32 accumulation and one rounding even with torch's
     reduced-precision reductions (and float16 accumulation) allowed -- cuBLAS with a float32 compute
     type and a float32 output, not torch's linear.
 R4  verify_attention launched from several host threads with shared memory sizes that differ
@@ -230,7 +230,7 @@ def test_kv_commit_paged_length_near_int32_max(device, bad_len):
     assert lens.tolist() == [8, min(bad_len + 3, INT32_MAX)]
 
 
-# --------------------------------------------------------------------------- D5: one rounding above 16 rows
+# --------------------------------------------------------------------------- D5: one rounding above 64 rows
 @contextlib.contextmanager
 def tf32_allowed() -> Iterator[None]:
     """torch's float32 matmuls may use TF32 inside the block (the setting a user may have on)."""
@@ -261,12 +261,13 @@ def _ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")])
-@pytest.mark.parametrize("M", [17, 48])
+@pytest.mark.parametrize("M", [48, 80])
 def test_linear_int8_above_16_rows_rounds_once(device, dtype, M):
-    """Above 16 rows CUDA used to dequantize int8 weights to x's dtype before cuBLAS: every weight
-    rounded, then the output. With float32 operands the result is the float64 value rounded once
-    except where float32 accumulation straddles a rounding boundary (emulated: ~0.01 %, vs ~42 %
-    for the double rounding)."""
+    """Above its kernel's rows (16 then, 64 now: M = 80 is cuBLAS, 48 the kernel) CUDA used to
+    dequantize int8 weights to x's dtype before cuBLAS: every weight rounded, then the output.
+    With float32 operands the result is the float64 value rounded once except where float32
+    accumulation straddles a rounding boundary (emulated: ~0.01 %, vs ~42 % for the double
+    rounding)."""
     K, Nout = 1024, 384
     g = gen(3005)
     x = torch.randn(M, K, generator=g).to(dtype)
@@ -289,10 +290,10 @@ def test_linear_int8_above_16_rows_rounds_once(device, dtype, M):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["fp32", "int8", "q8_0", "q4_1"])
 def test_large_m_float32_gemm_takes_no_tf32(device, kind):
-    """float32 x above 16 rows: float32 weights, int8 weights and qlinear's dequantized weights go
+    """float32 x above 64 rows (CUDA: cuBLAS): float32 weights, int8 weights and qlinear's dequantized weights go
     through a float32 GEMM that stays float32 even when torch allows TF32 (TF32 keeps 10 mantissa
     bits: a relative error ~4e-4 here; float32 at most ~1e-6)."""
-    M, K, Nout = 40, 1024, 256
+    M, K, Nout = 80, 1024, 256
     g = gen(3006)
     x = torch.randn(M, K, generator=g)
     wf = torch.randn(Nout, K, generator=g) * 0.05
@@ -340,7 +341,7 @@ def reduced_precision_allowed() -> Iterator[None]:
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")])
 @pytest.mark.parametrize("M", [17, 48, 80])
 def test_linear_16bit_above_16_rows_accumulates_in_float32(device, dtype, M):
-    """float16 / bfloat16 weights above 16 rows (CUDA: cuBLAS) with torch's reduced-precision
+    """float16 / bfloat16 weights above 16 rows (CUDA: the kernel up to 64, cuBLAS at 80) with torch's reduced-precision
     reductions (and float16 accumulation, where torch has it) allowed: the result is the float32
     accumulated x @ w.T + bias rounded ONCE to x's dtype -- every entry within 1 ulp of x's dtype of
     that reference (plus the share by which two float32 summation orders may differ), and at most

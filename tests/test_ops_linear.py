@@ -6,7 +6,7 @@ most ~K * 2^-24 of sum|x_k w_k| (far less in practice, errors are random); we al
 2e-5 * sqrt(K) * sum|x w| + one rounding of the output dtype (2^-8 relative for bf16,
 2^-11 for fp16, 2^-24 for fp32). Shapes are odd on purpose: K not a multiple of 8 (the
 vector tail), N not a multiple of 4 (the weight-row tile), M across the 3-row tiles and
-the M > 64 (CPU) / M > 16 (CUDA) switch to the BLAS path.
+the M > 64 switch to the BLAS path (CPU and CUDA).
 """
 from __future__ import annotations
 
@@ -166,8 +166,8 @@ def test_linear_empty_reduction(device, dtype, M, wkind, with_bias):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("wkind", ["fp16", "bf16", "int8"])
 def test_review_kernel_blas_switch_long_k(device, wkind):
-    """M = 16 (the CUDA kernel) and M = 17 (cuBLAS; on the CPU both are the kernel) with
-    K = 11008, the Llama MLP down-projection width."""
+    """M = 16, 17 (the kernel's 16- and 64-row forms), 64 (the kernel) and 65 (cuBLAS on CUDA, the
+    CPU's prefill path) with K = 11008, the Llama MLP down-projection width."""
     K, N = 11008, 40
     dtype = torch.bfloat16 if wkind == "bf16" else torch.float16
     g = gen(70)
@@ -178,7 +178,7 @@ def test_review_kernel_blas_switch_long_k(device, wkind):
     else:
         w = w.to(dtype)
     bias = torch.randn(N, generator=g).to(dtype)
-    for M in (16, 17):
+    for M in (16, 17, 64, 65):
         x = torch.randn(M, K, generator=g).to(dtype)
         y = ops.linear(x.to(device), w.to(device), bias.to(device), None if scale is None else scale.to(device))
         check_close(y, x, w, bias, scale, dtype)
@@ -187,10 +187,11 @@ def test_review_kernel_blas_switch_long_k(device, wkind):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
 def test_linear_batch_invariant(device, kind):
-    """The kernel's rows (M <= 16) do not depend on M: a verify pass equals decode steps bit for bit
-    (on the CPU, float32 weights take a row-sequential loop for 1-4 rows, 2 x 4 tiles for 6-8 rows
-    and the 4 x 3 tile otherwise: K with an 8-wide and a scalar tail, and a bias, check that all
-    three keep the same arithmetic)."""
+    """The kernel's rows do not depend on M (here M <= 16; CUDA up to 64 rows in
+    tests/test_batch_invariance.py): a verify pass equals decode steps bit for bit (on the CPU,
+    float32 weights take a row-sequential loop for 1-4 rows, 2 x 4 tiles for 6-8 rows and the
+    4 x 3 tile otherwise: K with an 8-wide and a scalar tail, and a bias, check that all three
+    keep the same arithmetic)."""
     g = gen(12)
     for K, with_bias in ((576, False), (584, True), (43, True)):
         w = torch.randn(70, K, generator=g) / 24

@@ -14,11 +14,18 @@
 //  * one CTA = (request b, KV head h, KV split s, row tile). The G query heads that
 //    share KV head h and the N nodes form R = G * N query rows (row r = i * G + g) that
 //    read each K/V row once per CTA (GQA packing);
-//  * the keys [0, cache_lens[b] + N) are cut into `splits` contiguous chunks (a multiple
-//    of the key block each, computed on the device from cache_lens, so no host sync);
-//    each CTA writes its rows' partial output normalised by its own softmax sum plus
-//    the log2-sum-exp, and a small combine kernel merges the splits. With one split the
-//    main kernel writes the output directly;
+//  * the keys [0, cache_lens[b] + N) are cut into splits: up to 64 rows (B * N, the verify
+//    and decode sizes) chunks of `chunk` keys at fixed absolute positions (split s:
+//    [s * chunk, (s + 1) * chunk); chunk = 128 keys, doubled while the capacity S needs more
+//    than 64 splits: specdec/cuda_plan.h); above (prefill) as many splits as fill the GPU
+//    once, each request's keys cut evenly on the device. Each CTA writes its rows' partial
+//    output normalised by its own softmax sum plus the log2-sum-exp, and a small combine
+//    kernel merges the splits in split order, skipping those a row sees nothing of. With one
+//    split the main kernel writes the output directly;
+//  * batch invariance (up to 64 rows): nothing in a row's arithmetic depends on B, N, G or the
+//    occupancy (the chunks, the key warps wk and their merge order are fixed per dtype, head
+//    dim and S; rows are only partitioned over warps and tiles), and keys a row does not see
+//    add exact zeros, so a chain verify gives each node the bits of its decode step;
 //  * K/V blocks are streamed into shared memory with 16-byte cp.async, double
 //    buffered; keys past the chunk (and everything past cache_lens + N, which may hold
 //    NaN/inf junk) are zero-filled, never read;
@@ -26,9 +33,11 @@
 //    the input dtype for P @ V, as flash-attention does). Warp = 16 query rows. fp32:
 //    CUDA cores (tf32 would miss the fp32 tolerance); warp = 8 (D = 256: 4) query rows,
 //    lane = key for Q K^T, lane = 4 head dims for P V;
-//  * small R (e.g. N = 1 decode, or N = 13 without GQA): the CTA's warps split the
-//    key block instead of idling (wm warps over rows x wk warps over keys), and the wk
-//    partial states are merged through shared memory at the end;
+//  * the CTA's warps split the key block (wk warps over keys, each taking fixed key steps of
+//    every stage; up to 64 rows always 4 for 16-bit D <= 128, 2 for D = 256, 1 for fp32,
+//    above as many as the row warps leave of 4) and cover the rows with the rest (wm warps
+//    over rows); the wk partial states are merged through shared memory at the end, in
+//    warp order;
 //  * the tree mask is bit-packed in shared memory by the CTA prologue (warp ballots over
 //    the [B, N, N] bool tensor; ceil(N / 64) words per node row, any N);
 //  * online softmax in the log2 domain (scores pre-multiplied by scale * log2(e)).
@@ -36,11 +45,11 @@
 // Napkin math (H200, ~4.3 TB/s): the kernel must read K and V of prefix + N once per
 // (request, KV head): B * Hkv * (len + N) * D * 2 * sizeof(dtype) bytes. Llama-3-8B
 // layer, B = 1, len = 4096, N = 16, Hkv = 8, D = 128, bf16: 16.8 MB -> ~3.9 us at the
-// roofline (R = G * N = 64 rows, 17 splits of 256 keys); the split partials add
-// splits * B * N * Hq * D * 4 bytes written and read back, mostly from L2 (4.5 MB here;
-// a split covers at least 8 * rows / sizeof(dtype) keys to keep this <= half the K/V).
-// Row tiles of the same (b, h, split) are adjacent in the grid so that repeated K/V
-// reads of large R (G * N > 64) hit L2. Q K^T + P V cost 4 * R * D FLOP per key:
+// roofline (R = G * N = 64 rows: 4 row tiles of 16, 33 splits of 128 keys); the split
+// partials add splits * B * N * Hq * D * 4 bytes written and read back, mostly from L2
+// (8.6 MB here). Row tiles of the same (b, h, split) are adjacent in the grid so that the
+// repeated K/V reads of R > 16 (16-bit; the fixed 4 key warps leave one row warp per CTA)
+// hit L2. Q K^T + P V cost 4 * R * D FLOP per key:
 // at R = 64 that is 64 FLOP / byte of bf16 K/V, well under the tensor-core ridge.
 //
 // append_kv: a strided 16-byte (or element-wise when unaligned) copy of
@@ -59,6 +68,7 @@
 #include "checks.h"
 #include "common.cuh"
 #include "ops.h"
+#include "specdec/cuda_plan.h"
 
 namespace specdec {
 namespace cuda {
@@ -67,13 +77,15 @@ namespace {
 // ---------------------------------------------------------------- compile-time knobs
 template <typename T, int D>
 struct AttnPolicy {
+  // the numbers that fix a row's summation order come from specdec/cuda_plan.h (shared with the tests)
   static constexpr bool kMma = !std::is_same_v<T, float>;         // tensor cores for 16-bit inputs
-  static constexpr int kRowsPerWarp = kMma ? 16 : (D == 256 ? 4 : 8);
-  static constexpr int kBK = kMma ? (D <= 128 ? 64 : 32) : 32;    // keys per pipeline stage
-  static constexpr int kSub = kMma ? 16 : 32;                      // keys per warp step
+  static constexpr int kRowsPerWarp = plan::attn_rows_per_warp(kMma, D);
+  static constexpr int kBK = plan::attn_key_block(kMma, D);       // keys per pipeline stage
+  static constexpr int kSub = plan::attn_key_step(kMma);          // keys per warp step
   static constexpr int kSubs = kBK / kSub;                         // warp steps per stage
+  static constexpr int kKeyWarps = plan::attn_key_warps(kMma, D);  // warps over keys (fixed: batch invariance)
   static constexpr int kLd = D + (kMma ? 8 : 4);                   // smem row stride (elements): conflict-free
-  static constexpr int kMaxWarps = 4;
+  static constexpr int kMaxWarps = plan::attn_max_warps;
   static constexpr int kChunks = D * int(sizeof(T)) / 16;          // 16-byte chunks per K/V/Q row
   static constexpr int kElemsPerChunk = 16 / int(sizeof(T));
   static constexpr size_t kKvBytes = size_t(2) * 2 * kBK * kLd * sizeof(T);  // 2 stages x (K, V)
@@ -81,6 +93,8 @@ struct AttnPolicy {
   static constexpr size_t kRegionBytes = kKvBytes > kDumpBytes ? kKvBytes : kDumpBytes;
   static_assert(D % 16 == 0, "head dim must be a multiple of 16");
   static_assert(kBK % kSub == 0, "stage must hold whole warp steps");
+  static_assert(kSubs % kKeyWarps == 0, "every key warp takes the same steps of a stage");
+  static_assert(plan::kAttnChunk % kBK == 0, "a split holds whole stages");
 };
 
 __host__ __device__ constexpr size_t round16(size_t x) { return (x + 15) / 16 * 16; }
@@ -122,8 +136,11 @@ struct AttnParams {
   int Nkv;                // new nodes in the cache (>= N): the queries are the last N of them
   int W;                  // mask words per node row = ceil(Nkv / 64)
   int splits, row_tiles;  // grid = B * Hkv * splits * row_tiles
-  int min_chunk;          // fewest keys per split (multiple of the key block), see launch_verify_attention
-  int wm, wk;             // warps over rows x warps over keys (wm * wk <= 4)
+  int chunk;              // > 0: keys per split at fixed positions [s * chunk, (s + 1) * chunk) (batch-
+                          // invariant plan, cuda_plan.h); 0: each request's keys cut into `splits` even
+                          // chunks of at least min_chunk keys (the occupancy plan, above 64 rows)
+  int min_chunk;          // occupancy plan: fewest keys per split (multiple of the key block)
+  int wm, wk;             // warps over rows x warps over keys (wm * wk <= 4; wk fixed per T, D)
   float scale_log2;       // scale * log2(e)
 };
 
@@ -460,8 +477,11 @@ __global__ void __launch_bounds__(128) verify_attention_kernel(const AttnParams 
   const int Nkv = p.Nkv, qoff = Nkv - N;  // query i is new node qoff + i
   const int len = max(0, min(p.lens[b], p.S - Nkv));
   const int total = len + Nkv;  // keys [0, total): prefix then the Nkv new nodes
+  // Batch invariance: the split's keys sit at fixed absolute positions (p.chunk depends on the
+  // dtype, the head dim and the capacity S only), so a row's partials do not depend on B, N or G.
+  // The occupancy plan (p.chunk == 0, more than 64 rows) cuts this request's keys evenly instead.
   const int64_t even = ceil_div(ceil_div(total, p.splits), BK) * BK;
-  const int64_t chunk = even > p.min_chunk ? even : int64_t(p.min_chunk);
+  const int64_t chunk = p.chunk > 0 ? int64_t(p.chunk) : (even > p.min_chunk ? even : int64_t(p.min_chunk));
   const int64_t kbeg64 = int64_t(split) * chunk;
   if (kbeg64 >= total) {  // empty split (short request): contributes nothing to the combine
     for (int lr = tid; lr < RT; lr += nthreads) {
@@ -687,33 +707,43 @@ size_t verify_attention_smem_limit() {
 template <typename T, int D>
 void launch_verify_attention(AttnParams p, const at::Tensor& out, cudaStream_t stream) {
   using Pol = AttnPolicy<T, D>;
-  constexpr int RPW = Pol::kRowsPerWarp;
-  p.wm = int(std::min<int64_t>(4, ceil_div(p.R, RPW)));
-  p.wk = std::max(1, std::min(Pol::kSubs, 4 / p.wm));
-  const int nwarps = p.wm * p.wk, threads = nwarps * 32;
-  const int rows_per_tile = p.wm * RPW;
-  p.row_tiles = int(ceil_div(p.R, rows_per_tile));
-  const AttnSmem lay = attn_smem<T, D>(nwarps, rows_per_tile, p.mask != nullptr ? p.W : 0);
-  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  // The plan (specdec/cuda_plan.h). Up to 64 rows (B * N, the verify and decode sizes): key warps
+  // fixed per (T, D), splits of a fixed chunk of keys at fixed positions, chunk from the capacity S
+  // only -- never from B, N, G or the occupancy, so each row gets the same bits whatever else the
+  // launch holds (the cost: more than 16 query rows per (request, KV head) take more row tiles,
+  // re-reading K / V from L2, instead of more row warps per CTA). Above: the occupancy plan.
+  const plan::AttnPlan pl = plan::attention_plan(Pol::kMma, D, p.S, p.R, int64_t(p.B) * p.N);
+  TORCH_CHECK(pl.wm >= 1 && pl.wk >= 1 && pl.wm * pl.wk <= Pol::kMaxWarps && Pol::kSubs % pl.wk == 0 &&
+                  (!pl.invariant || (pl.wk == Pol::kKeyWarps && pl.chunk % Pol::kBK == 0 &&
+                                     pl.chunk <= std::numeric_limits<int>::max())),
+              "verify_attention: internal error: bad launch plan");
+  p.wm = pl.wm;
+  p.wk = pl.wk;
+  p.row_tiles = pl.row_tiles;
+  p.chunk = pl.invariant ? int(pl.chunk) : 0;
+  p.min_chunk = int(pl.min_chunk);
+  const int threads = p.wm * p.wk * 32;
+  const AttnSmem lay = attn_smem<T, D>(p.wm * p.wk, pl.rows_per_tile, p.mask != nullptr ? p.W : 0);
   const size_t smem_limit = verify_attention_smem_limit<T, D>();
   TORCH_CHECK(lay.total <= smem_limit, "verify_attention: N = ", p.N, " tree nodes need ", lay.total,
               " bytes of shared memory per block on CUDA (the bit-packed mask rows), more than the device's ",
               smem_limit);
   auto kernel = verify_attention_kernel<T, D>;
-
-  // Split the keys until the grid fills the GPU once (one wave at the achievable occupancy).
-  // Each split writes rows_per_tile * D fp32 partials that the combine reads back (mostly
-  // from L2): a split covers at least 8 * rows_per_tile / sizeof(T) keys, so that this traffic
-  // stays at most half of the K/V bytes it reads. Splits past a short request's keys exit at once.
-  int per_sm = 1;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, lay.total));
-  p.min_chunk = int(ceil_div(std::max<int64_t>(Pol::kBK, 8 * rows_per_tile / int64_t(sizeof(T))), Pol::kBK) *
-                    Pol::kBK);
   const int64_t base = int64_t(p.B) * p.Hkv * p.row_tiles;
-  const int64_t target = int64_t(std::max(per_sm, 1)) * prop->multiProcessorCount;
-  int64_t splits = base >= target ? 1 : ceil_div(target, base);
-  splits = std::min<int64_t>({splits, ceil_div(p.S, p.min_chunk), 64});
-  p.splits = int(std::max<int64_t>(splits, 1));
+  if (pl.invariant) {
+    p.splits = int(pl.splits);
+  } else {
+    // Split the keys until the grid fills the GPU once (one wave at the achievable occupancy). Each
+    // split writes rows_per_tile * D fp32 partials that the combine reads back (mostly from L2):
+    // min_chunk keeps this traffic at most half of the K/V bytes it reads.
+    int per_sm = 1;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, lay.total));
+    const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    const int64_t target = int64_t(std::max(per_sm, 1)) * sms;
+    int64_t splits = base >= target ? 1 : ceil_div(target, base);
+    splits = std::min<int64_t>({splits, ceil_div(p.S, p.min_chunk), 64});
+    p.splits = int(std::max<int64_t>(splits, 1));
+  }
 
   const int64_t rows = int64_t(p.B) * p.N * p.Hq;
   at::Tensor part_o, part_lse;

@@ -4,7 +4,7 @@
 // float32 / float16 / bfloat16 (x's dtype) or int8 with a float32 scale per output row,
 // float32 accumulation, one rounding to x's dtype.
 //
-// Design (decode / tree verification, M <= kMaxM = 16): a weight-streaming GEMV. One warp
+// Design (decode / tree verification, M <= kMaxM = 64): a weight-streaming GEMV. One warp
 // owns one output row n at a time and reads W[n, :] once with 16-byte loads (4 fp32, 8
 // half / bf16, 16 int8 values per lane per step), multiplying each loaded value into the
 // M accumulators of its lane (x rows, converted to fp32 once on the host side, are small
@@ -12,7 +12,16 @@
 // weight is read exactly once for all M rows: at M <= 16 the kernel is bound by HBM
 // bandwidth, not by FMA throughput (16 FMAs per 2-byte weight).
 // Rows whose base is not 16-byte aligned (K * es % 16 != 0) take a scalar loop.
-// Larger M (prefill) is compute-bound: cuBLAS, always through gemm_f32acc: cublasGemmEx with a
+// Batch invariance (docs/gpu.md): up to kMaxM rows, y[m, n] is formed by the same operations in
+// the same order whatever M is -- lane l's explicit fmaf chain over its k positions (l * kVec + 32
+// * kVec * j, then the scalar tail), the fixed butterfly warp sum, one fmaf for scale and bias. M
+// only picks how many accumulators a lane holds (1, 4, 16 or 64: specdec/cuda_plan.h), and the
+// vector / scalar choice depends on the weight alone (x is copied to an aligned buffer when it is
+// not 16-byte aligned). So a verify pass over N nodes of B requests gives each row the bits of a
+// one-row decode step. Past 16 rows a lane's 64 accumulators make the kernel FMA-bound (64 FMAs
+// per weight): slower than cuBLAS's tensor cores at M = 17..64, the price of the invariance.
+// Larger M (prefill, M > 64) is compute-bound: cuBLAS, always through gemm_f32acc (NOT batch-
+// invariant: cuBLAS picks its tiling and split-K by shape): cublasGemmEx with a
 // float32 compute type and a float32 output -- float32 sums whatever torch's matmul settings say
 // (float32 operands: CUBLAS_COMPUTE_32F_PEDANTIC, so no TF32 or emulated arithmetic; 16-bit
 // operands: CUBLAS_COMPUTE_32F, tensor cores with float32 accumulators; and never a reduction in
@@ -37,12 +46,13 @@
 #include "checks.h"
 #include "common.cuh"
 #include "ops.h"
+#include "specdec/cuda_plan.h"
 
 namespace specdec {
 namespace cuda {
 namespace {
 
-constexpr int kMaxM = 16;
+constexpr int kMaxM = int(plan::kLinearInvariantRows);
 constexpr int kWarps = 8;  // output rows in flight per block
 
 // 16 bytes of weights -> fp32 values (kVec of them).
@@ -91,7 +101,11 @@ linear_small_m_kernel(const float* __restrict__ x, const W* __restrict__ w, cons
 #pragma unroll
             for (int i = 0; i < kVec; i += 4) {
               const float4 xv = *reinterpret_cast<const float4*>(xr + i);
-              acc[m] += wf[i] * xv.x + wf[i + 1] * xv.y + wf[i + 2] * xv.z + wf[i + 3] * xv.w;
+              // explicit fmaf chain: no contraction choice is left to the compiler (batch invariance)
+              acc[m] = fmaf(wf[i], xv.x, acc[m]);
+              acc[m] = fmaf(wf[i + 1], xv.y, acc[m]);
+              acc[m] = fmaf(wf[i + 2], xv.z, acc[m]);
+              acc[m] = fmaf(wf[i + 3], xv.w, acc[m]);
             }
           }
         }
@@ -102,7 +116,7 @@ linear_small_m_kernel(const float* __restrict__ x, const W* __restrict__ w, cons
       const float wv = WVec<W>::one(wr[k]);
 #pragma unroll
       for (int m = 0; m < MB; ++m)
-        if (m < M) acc[m] += wv * x[int64_t(m) * K + k];
+        if (m < M) acc[m] = fmaf(wv, x[int64_t(m) * K + k], acc[m]);
     }
     const float s = scale ? scale[n] : 1.f;
     const float b = bias ? bias[n] : 0.f;
@@ -110,7 +124,7 @@ linear_small_m_kernel(const float* __restrict__ x, const W* __restrict__ w, cons
     for (int m = 0; m < MB; ++m) {
       if (m < M) {
         const float v = warp_sum(acc[m]);
-        if (lane == 0) y[int64_t(m) * N + n] = v * s + b;
+        if (lane == 0) y[int64_t(m) * N + n] = fmaf(v, s, b);
       }
     }
   }
@@ -131,9 +145,13 @@ void launch(const at::Tensor& x32, const at::Tensor& w, const float* scale, cons
     constexpr int MB = decltype(mb)::value;
     linear_small_m_kernel<W, MB><<<blocks, kWarps * 32, 0, stream>>>(xp, wp, scale, bias, yp, M, N, K, vec_ok);
   };
-  if (M <= 1) go(std::integral_constant<int, 1>{});
-  else if (M <= 4) go(std::integral_constant<int, 4>{});
-  else go(std::integral_constant<int, 16>{});
+  switch (plan::linear_row_block(M)) {
+    case 1: go(std::integral_constant<int, 1>{}); break;
+    case 4: go(std::integral_constant<int, 4>{}); break;
+    case 16: go(std::integral_constant<int, 16>{}); break;
+    case 64: go(std::integral_constant<int, 64>{}); break;
+    default: TORCH_CHECK(false, "linear: internal error: ", M, " rows for the small-M kernel");
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -249,10 +267,14 @@ qlinear_small_m_kernel(const float* __restrict__ x, const uint8_t* __restrict__ 
 #pragma unroll
           for (int i = 0; i < 32; i += 4) {
             const float4 xv = vec_ok ? *reinterpret_cast<const float4*>(xr + i) : make_float4(xr[i], xr[i + 1], xr[i + 2], xr[i + 3]);
-            dot += w[i] * xv.x + w[i + 1] * xv.y + w[i + 2] * xv.z + w[i + 3] * xv.w;
+            // explicit fmaf chain (batch invariance: no contraction choice left to the compiler)
+            dot = fmaf(w[i], xv.x, dot);
+            dot = fmaf(w[i + 1], xv.y, dot);
+            dot = fmaf(w[i + 2], xv.z, dot);
+            dot = fmaf(w[i + 3], xv.w, dot);
             if (MINS) xs += (xv.x + xv.y) + (xv.z + xv.w);
           }
-          acc[m] += d * dot + mn * xs;
+          acc[m] += fmaf(d, dot, mn * xs);
         }
       }
     }
@@ -283,10 +305,22 @@ void launch_q(const at::Tensor& x32, const at::Tensor& qw, const at::Tensor& sca
     qlinear_small_m_kernel<BITS, MINS, MB><<<blocks, kWarps * 32, 0, stream>>>(xp, wp, sp, mins, bias, yp, M, N, K,
                                                                                vec_ok);
   };
-  if (M <= 1) go(std::integral_constant<int, 1>{});
-  else if (M <= 4) go(std::integral_constant<int, 4>{});
-  else go(std::integral_constant<int, 16>{});
+  switch (plan::linear_row_block(M)) {
+    case 1: go(std::integral_constant<int, 1>{}); break;
+    case 4: go(std::integral_constant<int, 4>{}); break;
+    case 16: go(std::integral_constant<int, 16>{}); break;
+    case 64: go(std::integral_constant<int, 64>{}); break;
+    default: TORCH_CHECK(false, "qlinear: internal error: ", M, " rows for the small-M kernel");
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// x as the small-M kernels read it: [M, K] float32, contiguous, 16-byte aligned (a copy when x is not:
+// the vector / scalar choice, and with it the summation order, then depends on the weight alone).
+at::Tensor rows_f32(const at::Tensor& x, int64_t M, int64_t K) {
+  at::Tensor x32 = x.reshape({M, K}).to(at::kFloat).contiguous();
+  if (!aligned16(x32.data_ptr())) x32 = x32.clone();
+  return x32;
 }
 
 }  // namespace
@@ -317,7 +351,7 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std:
     if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());  // the one rounding
     return y.view(out_shape);
   }
-  const at::Tensor x32 = x.reshape({M, K}).to(at::kFloat).contiguous();
+  const at::Tensor x32 = cuda::rows_f32(x, M, K);
   const at::Tensor w = weight.contiguous();
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   switch (w.scalar_type()) {
@@ -339,7 +373,7 @@ at::Tensor qlinear_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   const int64_t M = checks::linear_rows(x);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
-  const at::Tensor x32 = x.reshape({M, K}).to(at::kFloat).contiguous();
+  const at::Tensor x32 = cuda::rows_f32(x, M, K);
   std::optional<at::Tensor> b32;
   if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
   const float* bp = b32.has_value() ? b32->data_ptr<float>() : nullptr;
