@@ -34,7 +34,9 @@ import torch
 from specdec import ops
 from specdec.sampling import mix_seed
 
-__all__ = ["chain_speculative_sampling", "chain_speculative_sampling_uniform"]
+__all__ = ["chain_speculative_sampling", "chain_speculative_sampling_uniform", "PagedMetadata", "dense_as_paged",
+           "to_block_table", "kv_lens_to_metadata", "tree_mask_from_custom", "verify_attention_paged",
+           "append_paged_kv_cache", "commit_paged_kv"]
 
 _FN = "specdec.compat.flashinfer.chain_speculative_sampling"
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -164,3 +166,8 @@ def chain_speculative_sampling_uniform(draft_probs: torch.Tensor, draft_token_id
               f"values in [{float(uniform_samples.min())}, {float(uniform_samples.max())}]")
     return _run(fn, draft_probs, draft_token_ids, target_probs, uniform_samples,
                 maybe_output_accepted_token_num, maybe_output_emitted_draft_token_num)
+
+
+from specdec.compat.flashinfer_paged import (PagedMetadata, append_paged_kv_cache,  # noqa: E402  (re-exported)
+                                             commit_paged_kv, dense_as_paged, kv_lens_to_metadata,
+                                             to_block_table, tree_mask_from_custom, verify_attention_paged)

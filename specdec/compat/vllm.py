@@ -30,38 +30,20 @@ Semantics (vLLM v1, per request with drafts d_0 .. d_{n-1}):
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from specdec import ops
+from specdec.compat.common import (FLOATS, INTS, check_tensor, draw_uniforms, fail, ragged_counts,
+                                   resolve_sampling)
 
-__all__ = ["PLACEHOLDER_TOKEN_ID", "rejection_sample", "pad_chains"]
+__all__ = ["PLACEHOLDER_TOKEN_ID", "rejection_sample", "pad_chains", "tree_rejection_sample",
+           "TreeSampleOutput", "commit_accepted_kv", "commit_accepted_kv_slots"]
 
 PLACEHOLDER_TOKEN_ID = -1
 
 _FN = "specdec.compat.vllm.rejection_sample"
-
-
-def _fail(arg: str, expected: str, got: str, exc=ValueError):
-    raise exc(f"{_FN}: {arg} must be {expected}, got {got}")
-
-
-def _check_tensor(arg, t, ndim, dtypes, shape=None):
-    if not isinstance(t, torch.Tensor):
-        _fail(arg, "a torch.Tensor", type(t).__name__, TypeError)
-    if t.dim() != ndim:
-        _fail(arg, f"{ndim}-D", f"shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        _fail(arg, " or ".join(str(d) for d in dtypes), str(t.dtype), TypeError)
-    if shape is not None:
-        for i, (want, have) in enumerate(zip(shape, t.shape)):
-            if want is not None and want != have:
-                exp = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-                _fail(arg, f"of shape {exp}", f"{tuple(t.shape)} (dim {i})")
-
-
-_INT = (torch.int32, torch.int64)
 
 
 def pad_chains(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[int], target_probs: torch.Tensor,
@@ -97,76 +79,64 @@ def pad_chains(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[int], t
     return tokens, parents, p, q
 
 
-def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[int],
+def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[int], max_spec_len: int,
                      cu_num_draft_tokens: torch.Tensor, draft_probs: Optional[torch.Tensor],
-                     target_probs: torch.Tensor, bonus_token_ids: torch.Tensor, temperature: torch.Tensor,
-                     generator: Optional[torch.Generator] = None,
-                     generators: Optional[Dict[int, torch.Generator]] = None,
+                     target_probs: torch.Tensor, bonus_token_ids: torch.Tensor, sampling_metadata,
+                     *, generator: Optional[torch.Generator] = None,
                      uniforms: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """vLLM v1 rejection sampling of ragged draft chains -> ``[B, max_spec_len + 1]`` int32.
+    """vLLM v1 ``rejection_sample`` (same positional arguments) -> ``[B, max_spec_len + 1]`` int32.
 
     Parameters
     ----------
     draft_token_ids : Tensor [num_tokens], int32 / int64 — all requests' drafts, back to back.
     num_draft_tokens : list[int] [B] — drafts per request (0 allowed).
+    max_spec_len : int — the output has ``max_spec_len + 1`` columns; at least max(num_draft_tokens).
     cu_num_draft_tokens : Tensor [B], int32 / int64 — inclusive cumsum of ``num_draft_tokens``.
     draft_probs : Tensor [num_tokens, V] float or None — the distribution each draft was drawn from;
         None = one-hot proposals (n-gram, EAGLE greedy drafts).
     target_probs : Tensor [num_tokens, V] float — the target's (warped) distribution at each draft.
     bonus_token_ids : Tensor [B, 1] int — the target's sample after the last draft; emitted when
         every draft of the request is accepted.
-    temperature : Tensor [B] float — 0 (or negative, vLLM's greedy sentinel) marks a greedy row.
-    generator : torch.Generator, optional — draws the uniforms of the sampled rows (on its device).
-    generators : dict[int, torch.Generator], optional — per-request generators (vLLM's seeded
-        requests): row b draws its own ``max_spec_len + 1`` uniforms from ``generators[b]``.
+    sampling_metadata : vLLM's ``SamplingMetadata`` (read: ``temperature``, ``all_greedy``,
+        ``all_random``, ``generators``) or a [B] temperature tensor. Temperature <= 0 = greedy row
+        (vLLM's ``GREEDY_TEMPERATURE`` is -1 in older v1 releases, 0 in newer ones).
+    generator : torch.Generator, optional — draws the uniforms of the sampled rows without their own
+        generator (vLLM uses torch's default generator there).
     uniforms : Tensor [B, max_spec_len + 1] float64 in [0, 1], optional — the randomness given
         explicitly, in specdec's layout: ``uniforms[b, j + 1]`` decides draft j, ``uniforms[b, 0]``
-        drives the recovered-token draw. Overrides ``generator`` / ``generators``.
+        drives the recovered-token draw. Overrides ``generator`` and the per-request generators.
 
     Returns
     -------
     Tensor [B, max_spec_len + 1] int32: accepted drafts, then the recovered or bonus token, then -1.
     """
-    _check_tensor("draft_token_ids", draft_token_ids, 1, _INT)
+    check_tensor(_FN, "draft_token_ids", draft_token_ids, 1, INTS)
     T = draft_token_ids.shape[0]
-    if isinstance(num_draft_tokens, torch.Tensor):
-        num_draft_tokens = num_draft_tokens.tolist()
-    if not isinstance(num_draft_tokens, (list, tuple)):
-        _fail("num_draft_tokens", "a list of ints", type(num_draft_tokens).__name__, TypeError)
-    if any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in num_draft_tokens):
-        _fail("num_draft_tokens", "non-negative ints", repr(list(num_draft_tokens)))
-    B = len(num_draft_tokens)
-    if sum(num_draft_tokens) != T:
-        _fail("num_draft_tokens", f"summing to num_tokens = {T} (draft_token_ids' length)",
-              f"sum {sum(num_draft_tokens)}")
-    _check_tensor("cu_num_draft_tokens", cu_num_draft_tokens, 1, _INT, (B,))
-    want_cu = torch.tensor(num_draft_tokens, dtype=torch.int64).cumsum(0)
-    if not torch.equal(cu_num_draft_tokens.cpu().to(torch.int64), want_cu):
-        _fail("cu_num_draft_tokens", f"the inclusive cumsum of num_draft_tokens {want_cu.tolist()}",
-              str(cu_num_draft_tokens.tolist()))
-    floats = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-    _check_tensor("target_probs", target_probs, 2, floats, (T, None))
+    n = ragged_counts(_FN, num_draft_tokens, cu_num_draft_tokens, T)
+    B = len(n)
+    S = max(n) if B else 0
+    if isinstance(max_spec_len, bool) or not isinstance(max_spec_len, int) or max_spec_len < S:
+        fail(_FN, "max_spec_len", f"an int >= max(num_draft_tokens) = {S}", repr(max_spec_len))
+    W = max_spec_len + 1
+    check_tensor(_FN, "target_probs", target_probs, 2, FLOATS, (T, None))
     V = target_probs.shape[1]
     if V < 1:
-        _fail("target_probs", "of vocabulary size >= 1", f"shape {tuple(target_probs.shape)}")
+        fail(_FN, "target_probs", "of vocabulary size >= 1", f"shape {tuple(target_probs.shape)}")
     if draft_probs is not None:
-        _check_tensor("draft_probs", draft_probs, 2, floats, (T, V))
-    _check_tensor("bonus_token_ids", bonus_token_ids, 2, _INT, (B, 1))
-    _check_tensor("temperature", temperature, 1, floats, (B,))
+        check_tensor(_FN, "draft_probs", draft_probs, 2, FLOATS, (T, V))
+    check_tensor(_FN, "bonus_token_ids", bonus_token_ids, 2, INTS, (B, 1))
     for name, t in (("draft_token_ids", draft_token_ids), ("bonus_token_ids", bonus_token_ids)):
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= V):
-            _fail(name, f"token ids in [0, {V})", f"values in [{int(t.min())}, {int(t.max())}]")
-    S = max(num_draft_tokens) if B else 0
-    N = S + 1
-    if uniforms is not None:
-        _check_tensor("uniforms", uniforms, 2, (torch.float64,), (B, N))
-    if B == 0:
-        return torch.empty(0, N, dtype=torch.int32, device=target_probs.device)
-
+            fail(_FN, name, f"token ids in [0, {V})", f"values in [{int(t.min())}, {int(t.max())}]")
     dev = target_probs.device
-    tokens, parents, p, q = pad_chains(draft_token_ids, num_draft_tokens, target_probs, bonus_token_ids, draft_probs)
-    out = torch.full((B, N), PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=dev)
-    greedy = (temperature <= 0).to(dev)
+    greedy, generators = resolve_sampling(_FN, sampling_metadata, B, dev)
+    if uniforms is not None:
+        check_tensor(_FN, "uniforms", uniforms, 2, (torch.float64,), (B, W))
+    out = torch.full((B, W), PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=dev)
+    if B == 0:
+        return out
+    N = S + 1
+    tokens, parents, p, q = pad_chains(draft_token_ids, n, target_probs, bonus_token_ids, draft_probs)
     g_idx = greedy.nonzero().flatten()
     r_idx = (~greedy).nonzero().flatten()
     if g_idx.numel():
@@ -174,27 +144,19 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[i
             _, _, o = ops.greedy_verify(tokens, parents, p)
         else:
             _, _, o = ops.greedy_verify(tokens[g_idx], parents[g_idx], p[g_idx])
-        out[g_idx] = o.to(torch.int32)
+        out[g_idx, :N] = o.to(torch.int32)
     if r_idx.numel():
-        if uniforms is None:
-            uniforms = _draw(B, N, dev, generator, generators)
-        u = uniforms.to(dev)
+        u = (draw_uniforms(B, N, n, dev, generator, generators) if uniforms is None
+             else uniforms[:, :N].to(dev))
         if r_idx.numel() == B:
             _, _, o = ops.rejection_sample(tokens, parents, p, q, u.contiguous())
         else:
             _, _, o = ops.rejection_sample(tokens[r_idx], parents[r_idx], p[r_idx],
                                            None if q is None else q[r_idx], u[r_idx].contiguous())
-        out[r_idx] = o.to(torch.int32)
+        out[r_idx, :N] = o.to(torch.int32)
     return out
 
 
-def _draw(B: int, N: int, dev: torch.device, generator: Optional[torch.Generator],
-          generators: Optional[Dict[int, torch.Generator]]) -> torch.Tensor:
-    gdev = generator.device if generator is not None else dev
-    u = torch.rand(B, N, dtype=torch.float64, device=gdev, generator=generator).to(dev)
-    for b, g in (generators or {}).items():
-        if not 0 <= int(b) < B:
-            _fail("generators", f"keyed by request indices in [0, {B})", f"key {b}")
-        u[int(b)] = torch.rand(N, dtype=torch.float64, device=g.device, generator=g).to(dev)
-    return u
 
+from specdec.compat.vllm_tree import (TreeSampleOutput, commit_accepted_kv,  # noqa: E402  (re-exported)
+                                      commit_accepted_kv_slots, tree_rejection_sample)
