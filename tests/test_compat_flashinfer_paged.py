@@ -50,7 +50,8 @@ def test_append_verify_commit_match_references(ps, layout):
     back = fi.kv_lens_to_metadata(table, kv_lens, ps)
     assert all(torch.equal(a, b) for a, b in zip(back[:3], meta[:3]))
     kn, vn = torch.randn(B * N, H, D, generator=g), torch.randn(B * N, H, D, generator=g)
-    cache = (k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()) if layout == "HND" else (k.clone(), v.clone())
+    hnd = layout == "HND"
+    cache = (k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()) if hnd else (k.clone(), v.clone())
     fi.append_paged_kv_cache(kn, vn, cache, meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len, num_new=N,
                              kv_layout=layout)
     rk, rv = k.clone(), v.clone()
@@ -87,7 +88,8 @@ def test_dense_cache_as_paged():
     cache.v[0].normal_(generator=g)
     cache.lens.copy_(torch.tensor([6, 0, 13], dtype=torch.int32))
     meta, layers = fi.dense_as_paged(cache, num_new=N)
-    assert meta.page_size == S and meta.kv_indptr.tolist() == [0, 1, 2, 3] and meta.kv_last_page_len.tolist() == [10, 4, 17]
+    assert meta.page_size == S and meta.kv_indptr.tolist() == [0, 1, 2, 3]
+    assert meta.kv_last_page_len.tolist() == [10, 4, 17]
     q = torch.randn(B, N, 4, D, generator=g)
     got = fi.verify_attention_paged(q.reshape(B * N, 4, D), layers[0], meta.kv_indptr, meta.kv_indices,
                                     meta.kv_last_page_len, qo_len=N, kv_layout="HND")

@@ -203,8 +203,8 @@ def test_tree_errors():
         vllm.commit_accepted_kv_slots(kv, torch.tensor([0, 9]), torch.tensor([0, 2]), torch.tensor([[0, 1]]),
                                       torch.tensor([1]))
     with pytest.raises(ValueError, match="accepted must be node indices below"):
-        vllm.commit_accepted_kv_slots(kv, torch.tensor([0, 1]), torch.tensor([0, 2]), torch.tensor([[0, 1, 3]]),
-                                      torch.tensor([1]))
+        vllm.commit_accepted_kv_slots(kv, torch.tensor([0, 1, 2]), torch.tensor([0, 3]), torch.tensor([[0, 1, 3]]),
+                                      torch.tensor([2]))
     with pytest.raises(ValueError, match=r"kv_caches\[0\] must be \[2, num_blocks"):
         vllm.commit_accepted_kv([torch.zeros(3, 4, 1, 1, 2)], torch.zeros(1, 2, dtype=torch.int32),
                                 torch.tensor([0]), torch.tensor([0]), torch.tensor([[0]]), torch.tensor([0]))

@@ -145,7 +145,8 @@ def _nhd(fn, paged_kv_cache, kv_layout):
         fail(fn, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
     if isinstance(paged_kv_cache, torch.Tensor):
         if paged_kv_cache.dim() != 5 or paged_kv_cache.shape[1] != 2:
-            fail(fn, "paged_kv_cache", "a (k, v) pair or [num_pages, 2, ...] tensor", f"shape {tuple(paged_kv_cache.shape)}")
+            fail(fn, "paged_kv_cache", "a (k, v) pair or [num_pages, 2, ...] tensor",
+                 f"shape {tuple(paged_kv_cache.shape)}")
         k, v = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
     else:
         k, v = paged_kv_cache
@@ -176,7 +177,8 @@ def verify_attention_paged(q: torch.Tensor, paged_kv_cache, kv_indptr: torch.Ten
     table, kv_lens = to_block_table(kv_indptr, kv_indices, kv_last_page_len, ps)
     B = kv_lens.shape[0]
     if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[0] != B * qo_len:
-        fail(fn, "q", f"[B * qo_len = {B * qo_len}, Hq, D]", f"shape {tuple(q.shape) if isinstance(q, torch.Tensor) else q}")
+        got = f"shape {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
+        fail(fn, "q", f"[B * qo_len = {B * qo_len}, Hq, D]", got)
     if bool((kv_lens < qo_len).any()):
         fail(fn, "kv_last_page_len", f"giving kv_len >= qo_len = {qo_len} (the step's tokens appended)",
              str(kv_lens.tolist()))
