@@ -238,8 +238,8 @@ def vllm_reference(draft_ids, num_draft, draft_probs, target_probs, bonus, tempe
     return out
 
 
-def vllm_case(B, S, V, g, with_draft, greedy_frac):
-    n = torch.randint(0, S + 1, (B,), generator=g).tolist()
+def vllm_case(B, S, V, g, with_draft, greedy_frac, uniform=False):
+    n = [S] * B if uniform else torch.randint(0, S + 1, (B,), generator=g).tolist()
     T = sum(n)
     q = _dist((T, V), g) if with_draft else None
     p = _dist((T, V), g)
@@ -267,7 +267,8 @@ def test_vllm_matches_reference(with_draft):
     while done < CASES:
         S, V = [(1, 3), (3, 5), (4, 11), (6, 4), (2, 32)][i % 5]
         B = 48
-        d, n, cu, q, p, bonus, temp, u = vllm_case(B, S, V, g, with_draft, greedy_frac=[0.0, 0.5, 1.0][i % 3])
+        d, n, cu, q, p, bonus, temp, u = vllm_case(B, S, V, g, with_draft, greedy_frac=[0.0, 0.5, 1.0][i % 3],
+                                                   uniform=i % 4 == 3)  # every request at S drafts: no staging
         got = vllm.rejection_sample(d, n, max(n), cu, q, p, bonus, temp, uniforms=u)
         assert got.dtype == torch.int32 and got.shape == (B, max(n) + 1)
         want = vllm_reference(d, n, q, p, bonus, temp, u)

@@ -8,7 +8,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["fail", "check_tensor", "FLOATS", "INTS", "resolve_sampling", "ragged_counts", "draw_uniforms"]
+__all__ = ["fail", "check_tensor", "FLOATS", "INTS", "resolve_sampling", "ragged_counts", "draw_uniforms", "workspace"]
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INTS = (torch.int32, torch.int64)
@@ -95,3 +95,24 @@ def draw_uniforms(B: int, N: int, counts: Sequence[int], device: torch.device,
         if counts[b] > 0:
             u[b] = torch.rand(N, dtype=torch.float64, device=g.device, generator=g).to(device)
     return u
+
+
+_WORKSPACES: Dict[Tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def workspace(name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reusable scratch tensor of ``shape`` (contents undefined), kept per (name, device, dtype).
+
+    The adapters stage padded copies of a stack's tensors here instead of allocating them per call:
+    a fresh multi-megabyte allocation costs its page faults on every call, a kept one does not
+    (FlashInfer keeps its workspaces the same way). Not for concurrent calls from several threads.
+    """
+    numel = 1
+    for s in shape:
+        numel *= int(s)
+    key = (name, torch.device(device), dtype)
+    buf = _WORKSPACES.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
+        _WORKSPACES[key] = buf
+    return buf[:numel].view(*shape)

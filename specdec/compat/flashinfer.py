@@ -32,6 +32,7 @@ from typing import Optional, Tuple
 import torch
 
 from specdec import ops
+from specdec.compat.common import workspace
 from specdec.sampling import mix_seed
 
 __all__ = ["chain_speculative_sampling", "chain_speculative_sampling_uniform", "PagedMetadata", "dense_as_paged",
@@ -104,7 +105,9 @@ def _run(fn, draft_probs, draft_token_ids, target_probs, uniform_samples, acc_bu
     tokens = torch.cat([torch.zeros(B, 1, dtype=torch.int64, device=dev), d], 1)
     parents = (torch.arange(N + 1, dtype=torch.int32, device=dev) - 1).expand(B, N + 1).contiguous()
     p = target_probs.to(torch.float32).contiguous()
-    q = torch.cat([torch.zeros(B, 1, V, dtype=torch.float32, device=dev), draft_probs.to(torch.float32)], 1)
+    q = workspace("flashinfer.draft", (B, N + 1, V), torch.float32, dev)  # row 0 (the root) is unused
+    q[:, 0] = 0.0
+    q[:, 1:].copy_(draft_probs)
     u = torch.cat([final_u, u_fi[:, :N]], 1).contiguous()
     _, num, out = ops.rejection_sample(tokens, parents, p, q, u)
 

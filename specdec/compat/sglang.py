@@ -367,12 +367,15 @@ def tree_speculative_sampling_target_only(
         raise _err(fn, f"candidates[{b}, {loc}]", f"a token in [0, {V})", int(candidates[b, loc]))
     tokens = torch.where(real_child, cand, torch.full_like(cand, -1))
     tokens[:, 0] = cand[:, 0].clamp(0, V - 1)
-    probs = torch.gather(target_probs.to(torch.float32), 1,
-                         order.clamp(min=0)[:, :, None].expand(B, N, V)).contiguous()
+    ident = (order == torch.arange(N, device=dev)[None, :]) | (order < 0)
+    if bool(ident.all()):  # padding rows are never read: the rows are the stack's own
+        probs = target_probs.to(torch.float32).contiguous()
+    else:
+        probs = torch.gather(target_probs.to(torch.float32), 1,
+                             order.clamp(min=0)[:, :, None].expand(B, N, V)).contiguous()
     # mass of each child's token in its parent's row; a token repeated among siblings counts once
     pl = par64.clamp(min=0)
-    pm = probs.to(torch.float64)
-    p_child = pm[torch.arange(B, device=dev)[:, None], pl, tokens.clamp(min=0)]
+    p_child = probs[torch.arange(B, device=dev)[:, None], pl, tokens.clamp(min=0)].to(torch.float64)
     same = (par64[:, :, None] == par64[:, None, :]) & (tokens[:, :, None] == tokens[:, None, :])
     earlier = torch.ones(N, N, dtype=torch.bool, device=dev).tril(-1)
     dup = (same & earlier & real_child[:, None, :]).any(-1) & real_child
@@ -380,7 +383,7 @@ def tree_speculative_sampling_target_only(
     # P_prev[i] = mass of the earlier siblings of i (same parent, smaller index)
     sib_earlier = (par64[:, :, None] == par64[:, None, :]) & earlier & real_child[:, None, :]
     p_prev = (sib_earlier.to(torch.float64) * mass[:, None, :]).sum(-1)
-    row_sum = pm.sum(-1)
+    row_sum = probs.sum(-1).to(torch.float64)  # float32 sums, as SGLang's kernel accumulates
     s_par = torch.gather(row_sum, 1, pl)
     coin = torch.gather(uniform_samples.to(torch.float64), 1, torch.gather(order, 1, pl).clamp(min=0))
     denom = s_par - p_prev

@@ -36,7 +36,7 @@ import torch
 
 from specdec import ops
 from specdec.compat.common import (FLOATS, INTS, check_tensor, draw_uniforms, fail, ragged_counts,
-                                   resolve_sampling)
+                                   resolve_sampling, workspace)
 
 __all__ = ["PLACEHOLDER_TOKEN_ID", "rejection_sample", "pad_chains", "tree_rejection_sample",
            "TreeSampleOutput", "commit_accepted_kv", "commit_accepted_kv_slots"]
@@ -136,16 +136,12 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[i
     if B == 0:
         return out
     N = S + 1
-    tokens, parents, p, q = pad_chains(draft_token_ids, n, target_probs, bonus_token_ids, draft_probs)
     g_idx = greedy.nonzero().flatten()
     r_idx = (~greedy).nonzero().flatten()
     if g_idx.numel():
-        if g_idx.numel() == B:
-            _, _, o = ops.greedy_verify(tokens, parents, p)
-        else:
-            _, _, o = ops.greedy_verify(tokens[g_idx], parents[g_idx], p[g_idx])
-        out[g_idx, :N] = o.to(torch.int32)
+        out[g_idx, :N] = _greedy_rows(draft_token_ids, n, target_probs, bonus_token_ids)[g_idx]
     if r_idx.numel():
+        tokens, parents, p, q = _stage_chains(draft_token_ids, n, target_probs, bonus_token_ids, draft_probs)
         u = (draw_uniforms(B, N, n, dev, generator, generators) if uniforms is None
              else uniforms[:, :N].to(dev))
         if r_idx.numel() == B:
@@ -156,6 +152,107 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[i
         out[r_idx, :N] = o.to(torch.int32)
     return out
 
+
+
+def _layout(n: Sequence[int], dev: torch.device):
+    nt = torch.tensor(list(n), dtype=torch.int64, device=dev)
+    S = max(n)
+    N = S + 1
+    valid = torch.arange(S, device=dev)[None, :] < nt[:, None]
+    node = torch.arange(N, dtype=torch.int32, device=dev)
+    parents = torch.where(node[None, :] <= nt[:, None].to(torch.int32), node - 1,
+                          torch.full_like(node, -1)[None, :]).to(torch.int32).contiguous()
+    return nt, valid, parents
+
+
+def _greedy_rows(draft_token_ids, n, target_probs, bonus_token_ids) -> torch.Tensor:
+    """Greedy decisions without staging the probabilities: each draft becomes symbol 0 ("equals the
+    argmax of its row") or 1, and :func:`specdec.ops.greedy_verify` walks the chains on that
+    two-symbol vocabulary; the emitted tokens are then the accepted drafts, then the row's argmax at
+    the first mismatch or the bonus token. [B, max(n) + 1] int32."""
+    dev = target_probs.device
+    B, S = len(n), max(n)
+    N = S + 1
+    nt, valid, parents = _layout(n, dev)
+    if S > 0 and bool(valid.all()) and target_probs.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return _greedy_uniform(draft_token_ids, B, S, target_probs, bonus_token_ids)
+    T = target_probs.shape[0]
+    am = torch.zeros(0, dtype=torch.int64, device=dev)
+    if T:  # each row's argmax by the op itself: T one-node trees over the stack's rows, no copy
+        rows_in = target_probs if target_probs.dtype in (torch.float32, torch.float16, torch.bfloat16) \
+            else target_probs.to(torch.float32)
+        root = torch.zeros(T, 1, dtype=torch.int64, device=dev)
+        _, _, first = ops.greedy_verify(root, torch.full((T, 1), -1, dtype=torch.int32, device=dev),
+                                        rows_in.contiguous().view(T, 1, -1))
+        am = first[:, 0].to(torch.int64)
+    d = draft_token_ids.to(dev, torch.int64)
+    sym = torch.ones(B, N, dtype=torch.int64, device=dev)
+    sym[:, 0] = 0
+    sym[:, 1:][valid] = (d != am).to(torch.int64)
+    tok = torch.zeros(B, N, dtype=torch.int64, device=dev)   # the drafts, then the bonus at column n_b
+    tok[:, :S][valid] = d
+    arg = torch.zeros(B, N, dtype=torch.int64, device=dev)   # the argmax of each draft's row
+    arg[:, :S][valid] = am
+    rows = torch.arange(B, device=dev)
+    two = torch.zeros(B, N, 2, dtype=torch.float32, device=dev)
+    two[:, :, 0] = 1.0
+    _, num, _ = ops.greedy_verify(sym, parents, two)
+    k = num.to(torch.int64)
+    out = torch.where(torch.arange(N, device=dev)[None, :] < k[:, None], tok,
+                      torch.full_like(tok, PLACEHOLDER_TOKEN_ID))
+    last = torch.where(k < nt, arg[rows, k.clamp(max=S)], bonus_token_ids.reshape(B).to(dev, torch.int64))
+    out[rows, k] = last
+    return out.to(torch.int32)
+
+
+def _greedy_uniform(draft_token_ids, B, S, target_probs, bonus_token_ids) -> torch.Tensor:
+    """Every request at S drafts: the stack's rows are already [B, S, V] (row j checks draft j), so
+    :func:`specdec.ops.greedy_verify` walks them in place (reading only the rows on the path) as the
+    tree root -> d_0 -> ... -> d_{S-2}; its final token is the argmax of the row that checks d_{S-1},
+    so d_{S-1} is accepted, and the bonus token follows, exactly when that token equals it."""
+    dev = target_probs.device
+    d = draft_token_ids.to(dev, torch.int64).view(B, S)
+    tokens = torch.cat([torch.zeros(B, 1, dtype=torch.int64, device=dev), d[:, :S - 1]], 1)
+    parents = (torch.arange(S, dtype=torch.int32, device=dev) - 1).expand(B, S).contiguous()
+    _, num, o = ops.greedy_verify(tokens, parents, target_probs.contiguous().view(B, S, -1))
+    k = num.to(torch.int64)
+    rows = torch.arange(B, device=dev)
+    last = o[rows, k]
+    full = (k == S - 1) & (last == d[:, S - 1])
+    out = torch.full((B, S + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=dev)
+    out[:, :S] = o
+    out[rows[full], S] = bonus_token_ids.reshape(B).to(dev, torch.int64)[full]
+    return out.to(torch.int32)
+
+
+def _stage_chains(draft_token_ids, n, target_probs, bonus_token_ids, draft_probs):
+    """:func:`pad_chains` into kept workspaces (no per-call allocation of the [B, N, V] rows)."""
+    dev = target_probs.device
+    B, S, V = len(n), max(n), target_probs.shape[1]
+    N = S + 1
+    nt, valid, parents = _layout(n, dev)
+    tokens = torch.zeros(B, N, dtype=torch.int64, device=dev)
+    tokens[:, 1:][valid] = draft_token_ids.to(dev, torch.int64)
+    rows = torch.arange(B, device=dev)
+    pad = torch.arange(N, device=dev)[None, :] > nt[:, None]
+    p = workspace("vllm.target", (B, N, V), torch.float32, dev)
+    if bool(valid.all()):
+        p[:, :S].copy_(target_probs.view(B, S, V))
+    else:
+        p[:, :S][valid] = target_probs.to(torch.float32)
+    p[pad] = 0.0
+    p[rows, nt] = 0.0
+    p[rows, nt, bonus_token_ids.reshape(B).to(dev, torch.int64)] = 1.0
+    q = None
+    if draft_probs is not None:
+        q = workspace("vllm.draft", (B, N, V), torch.float32, dev)
+        q[:, 0] = 0.0
+        if bool(valid.all()):
+            q[:, 1:].copy_(draft_probs.view(B, S, V))
+        else:
+            q[:, 1:][valid] = draft_probs.to(torch.float32)
+            q[:, 1:][~valid] = 0.0
+    return tokens, parents, p, q
 
 
 from specdec.compat.vllm_tree import (TreeSampleOutput, commit_accepted_kv,  # noqa: E402  (re-exported)

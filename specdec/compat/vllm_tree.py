@@ -28,7 +28,8 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from specdec import ops, paged_ops
-from specdec.compat.common import FLOATS, INTS, check_tensor, draw_uniforms, fail, ragged_counts, resolve_sampling
+from specdec.compat.common import (FLOATS, INTS, check_tensor, draw_uniforms, fail, ragged_counts,
+                                   resolve_sampling, workspace)
 
 __all__ = ["TreeSampleOutput", "tree_rejection_sample", "commit_accepted_kv", "commit_accepted_kv_slots"]
 
@@ -56,12 +57,22 @@ def _pad_tree(draft_token_ids, draft_parents, n, target_probs, draft_probs):
     parents = torch.full((B, N), -1, dtype=torch.int32, device=dev)
     parents[:, 1:][valid] = (draft_parents.to(torch.int32) + 1)
     rows = torch.arange(N, device=dev)[None, :] <= nt[:, None]
-    p = torch.zeros(B, N, V, dtype=torch.float32, device=dev)
-    p[rows] = target_probs.to(torch.float32)
+    full = bool(valid.all())
+    if full and target_probs.dtype == torch.float32 and target_probs.is_contiguous():
+        p = target_probs.view(B, N, V)  # every request at S drafts: the rows are already [B, N, V]
+    else:
+        p = workspace("vllm_tree.target", (B, N, V), torch.float32, dev)
+        p[rows] = target_probs.to(torch.float32)
+        p[~rows] = 0.0
     q = None
     if draft_probs is not None:
-        q = torch.zeros(B, N, V, dtype=torch.float32, device=dev)
-        q[:, 1:][valid] = draft_probs.to(torch.float32)
+        q = workspace("vllm_tree.draft", (B, N, V), torch.float32, dev)
+        q[:, 0] = 0.0
+        if full:
+            q[:, 1:].copy_(draft_probs.view(B, S, V))
+        else:
+            q[:, 1:][valid] = draft_probs.to(torch.float32)
+            q[:, 1:][~valid] = 0.0
     return tokens, parents.contiguous(), p, q
 
 
