@@ -110,8 +110,8 @@ def vllm_tree_greedy(cases, g):
 def _rows_equal(B, N, got, want):
     (gp, gai, gan), (wp, wai, wan) = got, want
     gp = gp.tolist()
-    return sum(not (gai[b].tolist() == wai[b] and int(gan[b]) == wan[b] and gp[b * N:(b + 1) * N] == wp[b * N:(b + 1) * N])
-               for b in range(B))
+    return sum(not (gai[b].tolist() == wai[b] and int(gan[b]) == wan[b]
+                    and gp[b * N:(b + 1) * N] == wp[b * N:(b + 1) * N]) for b in range(B))
 
 
 def sglang_forms(cases, rng, g, form):
