@@ -122,6 +122,10 @@ def test_flashinfer_buffers_accumulate_in_place():
     n_out = (out != -1).sum(1)
     assert torch.equal(n_out - 1, we.to(n_out.dtype))
     assert bool(((out == -1) == (torch.arange(5)[None, :] >= n_out[:, None])).all())
+    # the newer counter name, as a keyword, accumulates the same way
+    newer = torch.zeros(16, dtype=torch.int32)
+    fi.chain_speculative_sampling_uniform(q, d, u, p, maybe_output_emitted_draft_token_num=newer)
+    assert torch.equal(newer, we)
 
 
 def test_flashinfer_seed_form_structure_and_reproducibility():

@@ -141,9 +141,12 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[i
     if g_idx.numel():
         out[g_idx, :N] = _greedy_rows(draft_token_ids, n, target_probs, bonus_token_ids)[g_idx]
     if r_idx.numel():
-        tokens, parents, p, q = _stage_chains(draft_token_ids, n, target_probs, bonus_token_ids, draft_probs)
         u = (draw_uniforms(B, N, n, dev, generator, generators) if uniforms is None
              else uniforms[:, :N].to(dev))
+        if r_idx.numel() == B and S > 0 and min(n) == S and target_probs.dtype == torch.float32:
+            out[:, :N] = _sampled_uniform(draft_token_ids, B, S, target_probs, draft_probs, bonus_token_ids, u)
+            return out
+        tokens, parents, p, q = _stage_chains(draft_token_ids, n, target_probs, bonus_token_ids, draft_probs)
         if r_idx.numel() == B:
             _, _, o = ops.rejection_sample(tokens, parents, p, q, u.contiguous())
         else:
@@ -222,6 +225,46 @@ def _greedy_uniform(draft_token_ids, B, S, target_probs, bonus_token_ids) -> tor
     out = torch.full((B, S + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=dev)
     out[:, :S] = o
     out[rows[full], S] = bonus_token_ids.reshape(B).to(dev, torch.int64)[full]
+    return out.to(torch.int32)
+
+
+def _sampled_uniform(draft_token_ids, B, S, target_probs, draft_probs, bonus_token_ids, u) -> torch.Tensor:
+    """Every request sampled at S drafts, without staging the target rows: the op decides d_0 ..
+    d_{S-2} on the stack's own [B, S, V] rows (tree root -> d_0 -> ... -> d_{S-2}); the requests
+    that accepted all of them then decide d_{S-1} in a second call on two rows each (row S-1 and the
+    one-hot bonus row), where a full acceptance emits the bonus token. ``u[:, 0]`` drives exactly one
+    emitted draw per request (the first call's final draw is kept only where it ended early)."""
+    dev = target_probs.device
+    V = target_probs.shape[1]
+    d = draft_token_ids.to(dev, torch.int64).view(B, S)
+    rows_p = target_probs.contiguous().view(B, S, V)
+    tokens = torch.cat([torch.zeros(B, 1, dtype=torch.int64, device=dev), d[:, :S - 1]], 1)
+    parents = (torch.arange(S, dtype=torch.int32, device=dev) - 1).expand(B, S).contiguous()
+    q = None
+    if draft_probs is not None:
+        q = workspace("vllm.draft", (B, S, V), torch.float32, dev)
+        q[:, 0] = 0.0
+        q[:, 1:].copy_(draft_probs.view(B, S, V)[:, :S - 1])
+    _, num, o = ops.rejection_sample(tokens, parents, rows_p, q, u[:, :S].contiguous())
+    out = torch.full((B, S + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=dev)
+    out[:, :S] = o
+    full = (num.to(torch.int64) == S - 1).nonzero().flatten()
+    if full.numel():
+        F = full.numel()
+        p2 = workspace("vllm.last", (F, 2, V), torch.float32, dev)
+        p2[:, 0].copy_(rows_p[full, S - 1])
+        p2[:, 1] = 0.0
+        p2[torch.arange(F, device=dev), 1, bonus_token_ids.reshape(B)[full].to(dev, torch.int64)] = 1.0
+        q2 = None
+        if draft_probs is not None:
+            q2 = workspace("vllm.last_draft", (F, 2, V), torch.float32, dev)
+            q2[:, 0] = 0.0
+            q2[:, 1].copy_(draft_probs.view(B, S, V)[full, S - 1])
+        t2 = torch.stack([torch.zeros_like(full), d[full, S - 1]], 1)
+        par2 = torch.tensor([[-1, 0]], dtype=torch.int32, device=dev).expand(F, 2).contiguous()
+        u2 = torch.stack([u[full, 0], u[full, S]], 1).contiguous()
+        _, _, o2 = ops.rejection_sample(t2, par2, p2, q2, u2)
+        out[full, S - 1:] = o2
     return out.to(torch.int32)
 
 
