@@ -1,6 +1,8 @@
 #include "paged_checks.h"
 
 #include <cmath>
+#include <cstdint>
+#include <utility>
 #include <string>
 
 #include "checks.h"
@@ -28,10 +30,29 @@ void check_pages(const char* op, const std::string& name, const at::Tensor& p) {
               p.sizes());
 }
 
+// Whether two tensors touch a common byte: views of one buffer that are byte-disjoint (vLLM's
+// per-layer [2, num_blocks, block_size, Hkv, D] cache, K = [0], V = [1]) do not.
+bool bytes_overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0 || a.device() != b.device() || !a.is_alias_of(b)) return false;
+  auto range = [](const at::Tensor& t) {
+    int64_t lo = 0, hi = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      const int64_t span = (t.size(d) - 1) * t.stride(d);
+      if (span < 0) lo += span;
+      else hi += span;
+    }
+    const uintptr_t base = reinterpret_cast<uintptr_t>(t.data_ptr());
+    const int64_t es = t.element_size();
+    return std::make_pair(base + lo * es, base + (hi + 1) * es);
+  };
+  const auto ra = range(a), rb = range(b);
+  return ra.first < rb.second && rb.first < ra.second;
+}
+
 void check_distinct(const char* op, const std::string& a_name, const at::Tensor& a, const std::string& b_name,
                     const at::Tensor& b) {
-  TORCH_CHECK(!a.is_alias_of(b), op, ": ", a_name, " and ", b_name,
-              " share memory (the same tensor passed twice, or views of one buffer); every tensor this op writes "
+  TORCH_CHECK(!bytes_overlap(a, b), op, ": ", a_name, " and ", b_name,
+              " share memory (the same tensor passed twice, or overlapping views of one buffer); every tensor this op writes "
               "must be memory of its own");
 }
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -121,6 +122,10 @@ def test_flashinfer_buffers_accumulate_in_place():
     n_out = (out != -1).sum(1)
     assert torch.equal(n_out - 1, we.to(n_out.dtype))
     assert bool(((out == -1) == (torch.arange(5)[None, :] >= n_out[:, None])).all())
+    # the newer counter name, as a keyword, accumulates the same way
+    newer = torch.zeros(16, dtype=torch.int32)
+    fi.chain_speculative_sampling_uniform(q, d, u, p, maybe_output_emitted_draft_token_num=newer)
+    assert torch.equal(newer, we)
 
 
 def test_flashinfer_seed_form_structure_and_reproducibility():
@@ -237,8 +242,8 @@ def vllm_reference(draft_ids, num_draft, draft_probs, target_probs, bonus, tempe
     return out
 
 
-def vllm_case(B, S, V, g, with_draft, greedy_frac):
-    n = torch.randint(0, S + 1, (B,), generator=g).tolist()
+def vllm_case(B, S, V, g, with_draft, greedy_frac, uniform=False):
+    n = [S] * B if uniform else torch.randint(0, S + 1, (B,), generator=g).tolist()
     T = sum(n)
     q = _dist((T, V), g) if with_draft else None
     p = _dist((T, V), g)
@@ -266,8 +271,9 @@ def test_vllm_matches_reference(with_draft):
     while done < CASES:
         S, V = [(1, 3), (3, 5), (4, 11), (6, 4), (2, 32)][i % 5]
         B = 48
-        d, n, cu, q, p, bonus, temp, u = vllm_case(B, S, V, g, with_draft, greedy_frac=[0.0, 0.5, 1.0][i % 3])
-        got = vllm.rejection_sample(d, n, cu, q, p, bonus, temp, uniforms=u)
+        d, n, cu, q, p, bonus, temp, u = vllm_case(B, S, V, g, with_draft, greedy_frac=[0.0, 0.5, 1.0][i % 3],
+                                                   uniform=i % 4 == 3)  # every request at S drafts: no staging
+        got = vllm.rejection_sample(d, n, max(n), cu, q, p, bonus, temp, uniforms=u)
         assert got.dtype == torch.int32 and got.shape == (B, max(n) + 1)
         want = vllm_reference(d, n, q, p, bonus, temp, u)
         start = 0
@@ -293,20 +299,24 @@ def test_vllm_generators_and_structure():
     g = _gen(20)
     d, n, cu, q, p, bonus, temp, _ = vllm_case(40, 4, 6, g, True, 0.3)
     gens = {3: torch.Generator().manual_seed(1), 7: torch.Generator().manual_seed(2)}
-    a = vllm.rejection_sample(d, n, cu, q, p, bonus, temp, generator=torch.Generator().manual_seed(9),
-                              generators=gens)
+    meta = SimpleNamespace(temperature=temp, all_greedy=False, all_random=False, generators=gens)
+    a = vllm.rejection_sample(d, n, max(n), cu, q, p, bonus, meta, generator=torch.Generator().manual_seed(9))
     gens = {3: torch.Generator().manual_seed(1), 7: torch.Generator().manual_seed(2)}
-    b = vllm.rejection_sample(d, n, cu, q, p, bonus, temp, generator=torch.Generator().manual_seed(9),
-                              generators=gens)
+    meta = SimpleNamespace(temperature=temp, all_greedy=False, all_random=False, generators=gens)
+    b = vllm.rejection_sample(d, n, max(n), cu, q, p, bonus, meta, generator=torch.Generator().manual_seed(9))
     assert torch.equal(a, b)
     L = (a != -1).sum(1)
     pos = torch.arange(a.shape[1])[None, :]
     assert bool(((a == -1) == (pos >= L[:, None])).all())
     assert bool((L >= 1).all()) and bool((L <= torch.tensor(n) + 1).all())
     # zero drafts everywhere: the bonus token alone
-    z = vllm.rejection_sample(torch.zeros(0, dtype=torch.int32), [0, 0], torch.zeros(2, dtype=torch.int32), None,
+    z = vllm.rejection_sample(torch.zeros(0, dtype=torch.int32), [0, 0], 0, torch.zeros(2, dtype=torch.int32), None,
                               torch.zeros(0, 6), torch.tensor([[4], [1]]), torch.tensor([0.0, 1.0]))
     assert z.tolist() == [[4], [1]] and z.dtype == torch.int32
+    # a wider max_spec_len pads with -1; all_greedy metadata needs no temperature
+    meta = SimpleNamespace(temperature=None, all_greedy=True, all_random=False, generators={})
+    w = vllm.rejection_sample(d, n, max(n) + 2, cu, q, p, bonus, meta)
+    assert w.shape == (40, max(n) + 3) and bool((w[:, max(n) + 1:] == -1).all())
 
 
 @pytest.mark.parametrize("with_draft", [False, True])
@@ -321,7 +331,7 @@ def test_vllm_sampled_rows_are_exact(with_draft):
     d = torch.multinomial(src, 1, generator=g).flatten().to(torch.int32)
     cu = torch.arange(1, B + 1, dtype=torch.int32) * S
     bonus = torch.full((B, 1), 3, dtype=torch.int32)
-    out = vllm.rejection_sample(d, n, cu, src if with_draft else None, p, bonus, torch.ones(B), generator=g).long()
+    out = vllm.rejection_sample(d, n, S, cu, src if with_draft else None, p, bonus, torch.ones(B), generator=g).long()
     dd = d.reshape(B, S).long()
     _chi2_ok(torch.bincount(out[:, 0], minlength=V).double(), p1[0].double(), B)
     a1 = out[:, 0] == dd[:, 0]
@@ -339,20 +349,24 @@ def test_vllm_errors():
     t = torch.zeros(2)
     f = vllm.rejection_sample
     with pytest.raises(ValueError, match=r"vllm.rejection_sample: cu_num_draft_tokens must be the inclusive cumsum"):
-        f(d, n, torch.tensor([1, 3], dtype=torch.int32), None, p, bonus, t)
+        f(d, n, 2, torch.tensor([1, 3], dtype=torch.int32), None, p, bonus, t)
     with pytest.raises(ValueError, match="num_draft_tokens must be summing to num_tokens = 3"):
-        f(d, [2, 2], cu, None, p, bonus, t)
+        f(d, [2, 2], 2, cu, None, p, bonus, t)
     with pytest.raises(ValueError, match=r"target_probs must be of shape \[3, \*\], got \(4, 4\)"):
-        f(d, n, cu, None, torch.full((4, 4), 0.25), bonus, t)
+        f(d, n, 2, cu, None, torch.full((4, 4), 0.25), bonus, t)
     with pytest.raises(ValueError, match=r"draft_probs must be of shape \[3, 4\]"):
-        f(d, n, cu, torch.full((3, 5), 0.2), p, bonus, t)
+        f(d, n, 2, cu, torch.full((3, 5), 0.2), p, bonus, t)
     with pytest.raises(ValueError, match=r"bonus_token_ids must be 2-D"):
-        f(d, n, cu, None, p, bonus.flatten(), t)
+        f(d, n, 2, cu, None, p, bonus.flatten(), t)
     with pytest.raises(TypeError, match="draft_token_ids must be torch.int32 or torch.int64"):
-        f(d.float(), n, cu, None, p, bonus, t)
+        f(d.float(), n, 2, cu, None, p, bonus, t)
     with pytest.raises(ValueError, match=r"bonus_token_ids must be token ids in \[0, 4\)"):
-        f(d, n, cu, None, p, bonus + 5, t)
+        f(d, n, 2, cu, None, p, bonus + 5, t)
     with pytest.raises(ValueError, match=r"uniforms must be of shape \[2, 3\]"):
-        f(d, n, cu, None, p, bonus, t, uniforms=torch.rand(2, 2, dtype=torch.float64))
+        f(d, n, 2, cu, None, p, bonus, t, uniforms=torch.rand(2, 2, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"temperature must be of shape \[2\]"):
-        f(d, n, cu, None, p, bonus, torch.zeros(3))
+        f(d, n, 2, cu, None, p, bonus, torch.zeros(3))
+    with pytest.raises(ValueError, match=r"max_spec_len must be an int >= max\(num_draft_tokens\) = 2"):
+        f(d, n, 1, cu, None, p, bonus, t)
+    with pytest.raises(TypeError, match="sampling_metadata must be a temperature tensor or an object"):
+        f(d, n, 2, cu, None, p, bonus, object())

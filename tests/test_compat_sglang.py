@@ -367,15 +367,74 @@ def test_sampling_draft_probs_scratch_like_sglang():
     assert predicts.tolist()[0] == 3
 
 
-def test_sampling_lossy_thresholds_raise():
-    nt = torch.tensor([[-1]])
-    args = (torch.zeros(1, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
-            torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64), nt, nt,
-            torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1, 2) / 2)
-    with pytest.raises(NotImplementedError, match="threshold_single"):
-        sg.tree_speculative_sampling_target_only(*args, None, threshold_single=0.5)
-    with pytest.raises(NotImplementedError, match="threshold_acc"):
-        sg.tree_speculative_sampling_target_only(*args, None, threshold_acc=0.7)
+def ref_lossy(cand, ri, nt, ns, us, uf, probs, S, t_single, t_acc):
+    """SGLang's walk with thresholds (lossy), read from sgl-kernel: repeated sibling tokens count again."""
+    B, N = cand.shape
+    predicts = [-7] * (B * N)
+    acc_idx = [[-1] * S for _ in range(B)]
+    acc_num = [0] * B
+    P = probs.to(torch.float64).tolist()
+    c_, r_, t_, s_, u_ = cand.tolist(), ri.tolist(), nt.tolist(), ns.tolist(), us.tolist()
+    for b in range(B):
+        last = r_[b][0]
+        acc_idx[b][0] = last
+        node, coin, n, cur = 0, u_[b][0], 0, 0
+        removed = set()
+        for _ in range(1, S):
+            cur = t_[b][cur]
+            acc_p = 0.0
+            while cur != -1:
+                tok = c_[b][cur]
+                acc_p += P[b][node][tok]
+                if coin <= acc_p / max(t_acc, 1e-9) or P[b][node][tok] >= t_single:
+                    predicts[last] = tok
+                    n += 1
+                    acc_idx[b][n] = r_[b][cur]
+                    last = r_[b][cur]
+                    node, coin = cur, u_[b][cur]
+                    removed = set()
+                    break
+                removed.add(tok)
+                cur = s_[b][cur]
+            if cur == -1:
+                break
+        if n == S - 1:
+            removed = set()
+        row = [0.0 if v in removed else max(p, 0.0) for v, p in enumerate(P[b][node])]
+        x = float(uf[b]) * sum(row)
+        run, pick = 0.0, None
+        for v, p in enumerate(row):
+            run += p
+            if p > 0 and run > x:
+                pick = v
+                break
+        if pick is None:
+            pick = max((v for v, p in enumerate(row) if p > 0), default=len(row) - 1)
+        acc_num[b] = n
+        predicts[last] = pick
+    return predicts, acc_idx, acc_num
+
+
+@pytest.mark.parametrize("t_single,t_acc", [(0.5, 1.0), (1.0, 0.6), (0.3, 0.4)])
+def test_sampling_lossy_thresholds_match_reference(t_single, t_acc):
+    rng = random.Random(int(t_single * 10 + t_acc * 100))
+    g = torch.Generator().manual_seed(int(t_acc * 100))
+    for _ in range(25):
+        B, N, V = rng.randint(1, 12), rng.randint(1, 9), rng.choice([10, 17, 40])
+        S = rng.randint(1, N + 1)
+        cand, ri, nt, ns, _ = random_batch(rng, B, N, V, "any")  # repeated sibling tokens allowed
+        probs = torch.softmax(torch.randn(B, N, V, generator=g) * 2, -1)
+        us = torch.rand(B, N, generator=g)
+        uf = torch.rand(B, generator=g)
+        predicts = torch.full((B * N,), -7, dtype=torch.int32)
+        ai = torch.full((B, S), 99, dtype=torch.int32)
+        an = torch.full((B,), 99, dtype=torch.int32)
+        sg.tree_speculative_sampling_target_only(predicts, ai, an, cand, ri, nt, ns, us, uf, probs, None,
+                                                 threshold_single=t_single, threshold_acc=t_acc)
+        rp, rai, ran = ref_lossy(cand, ri, nt, ns, us, uf, probs, S, t_single, t_acc)
+        assert ai.tolist() == rai and an.tolist() == ran
+        assert predicts.tolist() == rp
+
 
 
 def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor):

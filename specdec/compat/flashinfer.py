@@ -32,9 +32,12 @@ from typing import Optional, Tuple
 import torch
 
 from specdec import ops
+from specdec.compat.common import workspace
 from specdec.sampling import mix_seed
 
-__all__ = ["chain_speculative_sampling", "chain_speculative_sampling_uniform"]
+__all__ = ["chain_speculative_sampling", "chain_speculative_sampling_uniform", "PagedMetadata", "dense_as_paged",
+           "to_block_table", "kv_lens_to_metadata", "tree_mask_from_custom", "verify_attention_paged",
+           "append_paged_kv_cache", "commit_paged_kv"]
 
 _FN = "specdec.compat.flashinfer.chain_speculative_sampling"
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -102,7 +105,9 @@ def _run(fn, draft_probs, draft_token_ids, target_probs, uniform_samples, acc_bu
     tokens = torch.cat([torch.zeros(B, 1, dtype=torch.int64, device=dev), d], 1)
     parents = (torch.arange(N + 1, dtype=torch.int32, device=dev) - 1).expand(B, N + 1).contiguous()
     p = target_probs.to(torch.float32).contiguous()
-    q = torch.cat([torch.zeros(B, 1, V, dtype=torch.float32, device=dev), draft_probs.to(torch.float32)], 1)
+    q = workspace("flashinfer.draft", (B, N + 1, V), torch.float32, dev)  # row 0 (the root) is unused
+    q[:, 0] = 0.0
+    q[:, 1:].copy_(draft_probs)
     u = torch.cat([final_u, u_fi[:, :N]], 1).contiguous()
     _, num, out = ops.rejection_sample(tokens, parents, p, q, u)
 
@@ -146,15 +151,18 @@ def chain_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch
 def chain_speculative_sampling_uniform(draft_probs: torch.Tensor, draft_token_ids: torch.Tensor,
                                        uniform_samples: torch.Tensor, target_probs: torch.Tensor,
                                        maybe_output_accepted_token_num: Optional[torch.Tensor] = None,
-                                       maybe_output_emitted_draft_token_num: Optional[torch.Tensor] = None,
-                                       deterministic: bool = True
+                                       maybe_output_emitted_token_num: Optional[torch.Tensor] = None,
+                                       deterministic: bool = True, *,
+                                       maybe_output_emitted_draft_token_num: Optional[torch.Tensor] = None
                                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashInfer's older ``chain_speculative_sampling(draft_probs, draft_token_ids, uniform_samples,
     target_probs, ...)`` (argument order as there): the randomness is given as
     ``uniform_samples [B, N + 1]`` float in [0, 1]. ``uniform_samples[b, j]`` decides draft j
     (``u * q < p``); ``uniform_samples[b, min(pos + 1, N)]`` drives the final draw (inverse CDF of
     the residual, or of ``target_probs[b, N]`` when every draft passed). Same outputs and counter
-    semantics as :func:`chain_speculative_sampling`.
+    semantics as :func:`chain_speculative_sampling`. The older API named the emitted counter
+    ``maybe_output_emitted_token_num`` (same meaning: drafts emitted, the final token excluded); the
+    newer name is accepted as a keyword too.
     """
     fn = "specdec.compat.flashinfer.chain_speculative_sampling_uniform"
     B, N, _ = _validate(fn, draft_probs, draft_token_ids, target_probs)
@@ -162,5 +170,15 @@ def chain_speculative_sampling_uniform(draft_probs: torch.Tensor, draft_token_id
     if uniform_samples.numel() and not bool(((uniform_samples >= 0) & (uniform_samples <= 1)).all()):
         _fail(fn, "uniform_samples", "values in [0, 1]",
               f"values in [{float(uniform_samples.min())}, {float(uniform_samples.max())}]")
+    if maybe_output_emitted_token_num is not None and maybe_output_emitted_draft_token_num is not None:
+        _fail(fn, "maybe_output_emitted_token_num / maybe_output_emitted_draft_token_num", "at most one of the two",
+              "both")
+    emitted = maybe_output_emitted_token_num if maybe_output_emitted_token_num is not None \
+        else maybe_output_emitted_draft_token_num
     return _run(fn, draft_probs, draft_token_ids, target_probs, uniform_samples,
-                maybe_output_accepted_token_num, maybe_output_emitted_draft_token_num)
+                maybe_output_accepted_token_num, emitted)
+
+
+from specdec.compat.flashinfer_paged import (PagedMetadata, append_paged_kv_cache,  # noqa: E402  (re-exported)
+                                             commit_paged_kv, dense_as_paged, kv_lens_to_metadata,
+                                             to_block_table, tree_mask_from_custom, verify_attention_paged)

@@ -16,8 +16,8 @@ Entry points:
 * :func:`tree_speculative_sampling_target_only`: sgl-kernel's target-only tree sampler
   (deterministic candidates, q one-hot), computed by :func:`specdec.ops.rejection_sample`
   with SGLang's uniforms mapped onto per-child tests (see its docstring). Only the exact
-  form (``threshold_single == threshold_acc == 1.0``) is supported; SGLang's lossy
-  thresholds < 1 raise ``NotImplementedError``.
+  form (``threshold_single == threshold_acc == 1.0``) maps onto the exact op; SGLang's lossy
+  thresholds < 1 follow SGLang's own walk (:mod:`specdec.compat.sglang_lossy`).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from specdec import ops
+from specdec.compat.sglang_lossy import lossy_sample
 
 __all__ = ["sglang_to_parents", "parents_to_sglang", "verify_tree_greedy",
            "tree_speculative_sampling_target_only"]
@@ -316,15 +317,11 @@ def tree_speculative_sampling_target_only(
     like SGLang, the target probability of each rejected candidate is written into it at
     the (local node, token) where it was rejected. ``deterministic`` is accepted and
     ignored (specdec's ops are deterministic). ``threshold_single`` / ``threshold_acc``
-    < 1 (SGLang's lossy relaxation) raise ``NotImplementedError``.
+    < 1 (SGLang's lossy relaxation, NOT the target's distribution) run SGLang's own walk
+    (:mod:`specdec.compat.sglang_lossy`, float32 like the kernel, repeated sibling tokens
+    counted again as there).
     """
     fn = "tree_speculative_sampling_target_only"
-    if float(threshold_single) != 1.0:
-        raise NotImplementedError(f"{fn}: threshold_single={threshold_single}: only 1.0 (exact sampling) is "
-                                  "supported; SGLang's lossy thresholds < 1 are not implemented")
-    if float(threshold_acc) != 1.0:
-        raise NotImplementedError(f"{fn}: threshold_acc={threshold_acc}: only 1.0 (exact sampling) is "
-                                  "supported; SGLang's lossy thresholds < 1 are not implemented")
     B, N, S = _check_common(fn, predicts, accept_index, accept_token_num, candidates, retrive_index,
                             retrive_next_token, retrive_next_sibling)
     if not isinstance(target_probs, torch.Tensor) or target_probs.dim() != 3 or tuple(target_probs.shape[:2]) != (B, N):
@@ -343,6 +340,19 @@ def tree_speculative_sampling_target_only(
         raise _err(fn, "draft_probs", f"None or a tensor of shape {list(target_probs.shape)}",
                    getattr(draft_probs, "shape", type(draft_probs)))
     bad = (candidates < 0) | (candidates >= V)
+    if float(threshold_single) != 1.0 or float(threshold_acc) != 1.0:
+        _convert(fn, retrive_next_token, retrive_next_sibling, None)  # the tree checks
+        reach = torch.zeros_like(bad)
+        for t in (retrive_next_token, retrive_next_sibling):
+            hit = t >= 0
+            reach[hit.nonzero()[:, 0], t[hit].to(torch.int64)] = True
+        if bool((bad & reach).any()):
+            b, i = (int(v) for v in (bad & reach).nonzero()[0])
+            raise _err(fn, f"candidates[{b}, {i}]", f"a token in [0, {V})", int(candidates[b, i]))
+        lossy_sample(predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
+                     retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_probs,
+                     draft_probs, threshold_single, threshold_acc)
+        return
     orders, parents, _ = _convert(fn, retrive_next_token, retrive_next_sibling, S - 1)
     dev = candidates.device
     order = torch.tensor(orders, dtype=torch.int64, device=dev).reshape(B, N)
@@ -357,12 +367,15 @@ def tree_speculative_sampling_target_only(
         raise _err(fn, f"candidates[{b}, {loc}]", f"a token in [0, {V})", int(candidates[b, loc]))
     tokens = torch.where(real_child, cand, torch.full_like(cand, -1))
     tokens[:, 0] = cand[:, 0].clamp(0, V - 1)
-    probs = torch.gather(target_probs.to(torch.float32), 1,
-                         order.clamp(min=0)[:, :, None].expand(B, N, V)).contiguous()
+    ident = (order == torch.arange(N, device=dev)[None, :]) | (order < 0)
+    if bool(ident.all()):  # padding rows are never read: the rows are the stack's own
+        probs = target_probs.to(torch.float32).contiguous()
+    else:
+        probs = torch.gather(target_probs.to(torch.float32), 1,
+                             order.clamp(min=0)[:, :, None].expand(B, N, V)).contiguous()
     # mass of each child's token in its parent's row; a token repeated among siblings counts once
     pl = par64.clamp(min=0)
-    pm = probs.to(torch.float64)
-    p_child = pm[torch.arange(B, device=dev)[:, None], pl, tokens.clamp(min=0)]
+    p_child = probs[torch.arange(B, device=dev)[:, None], pl, tokens.clamp(min=0)].to(torch.float64)
     same = (par64[:, :, None] == par64[:, None, :]) & (tokens[:, :, None] == tokens[:, None, :])
     earlier = torch.ones(N, N, dtype=torch.bool, device=dev).tril(-1)
     dup = (same & earlier & real_child[:, None, :]).any(-1) & real_child
@@ -370,7 +383,7 @@ def tree_speculative_sampling_target_only(
     # P_prev[i] = mass of the earlier siblings of i (same parent, smaller index)
     sib_earlier = (par64[:, :, None] == par64[:, None, :]) & earlier & real_child[:, None, :]
     p_prev = (sib_earlier.to(torch.float64) * mass[:, None, :]).sum(-1)
-    row_sum = pm.sum(-1)
+    row_sum = probs.sum(-1).to(torch.float64)  # float32 sums, as SGLang's kernel accumulates
     s_par = torch.gather(row_sum, 1, pl)
     coin = torch.gather(uniform_samples.to(torch.float64), 1, torch.gather(order, 1, pl).clamp(min=0))
     denom = s_par - p_prev

@@ -30,38 +30,20 @@ Semantics (vLLM v1, per request with drafts d_0 .. d_{n-1}):
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from specdec import ops
+from specdec.compat.common import (FLOATS, INTS, check_tensor, draw_uniforms, fail, ragged_counts,
+                                   resolve_sampling, workspace)
 
-__all__ = ["PLACEHOLDER_TOKEN_ID", "rejection_sample", "pad_chains"]
+__all__ = ["PLACEHOLDER_TOKEN_ID", "rejection_sample", "pad_chains", "tree_rejection_sample",
+           "TreeSampleOutput", "commit_accepted_kv", "commit_accepted_kv_slots"]
 
 PLACEHOLDER_TOKEN_ID = -1
 
 _FN = "specdec.compat.vllm.rejection_sample"
-
-
-def _fail(arg: str, expected: str, got: str, exc=ValueError):
-    raise exc(f"{_FN}: {arg} must be {expected}, got {got}")
-
-
-def _check_tensor(arg, t, ndim, dtypes, shape=None):
-    if not isinstance(t, torch.Tensor):
-        _fail(arg, "a torch.Tensor", type(t).__name__, TypeError)
-    if t.dim() != ndim:
-        _fail(arg, f"{ndim}-D", f"shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        _fail(arg, " or ".join(str(d) for d in dtypes), str(t.dtype), TypeError)
-    if shape is not None:
-        for i, (want, have) in enumerate(zip(shape, t.shape)):
-            if want is not None and want != have:
-                exp = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-                _fail(arg, f"of shape {exp}", f"{tuple(t.shape)} (dim {i})")
-
-
-_INT = (torch.int32, torch.int64)
 
 
 def pad_chains(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[int], target_probs: torch.Tensor,
@@ -97,104 +79,224 @@ def pad_chains(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[int], t
     return tokens, parents, p, q
 
 
-def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[int],
+def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[int], max_spec_len: int,
                      cu_num_draft_tokens: torch.Tensor, draft_probs: Optional[torch.Tensor],
-                     target_probs: torch.Tensor, bonus_token_ids: torch.Tensor, temperature: torch.Tensor,
-                     generator: Optional[torch.Generator] = None,
-                     generators: Optional[Dict[int, torch.Generator]] = None,
+                     target_probs: torch.Tensor, bonus_token_ids: torch.Tensor, sampling_metadata,
+                     *, generator: Optional[torch.Generator] = None,
                      uniforms: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """vLLM v1 rejection sampling of ragged draft chains -> ``[B, max_spec_len + 1]`` int32.
+    """vLLM v1 ``rejection_sample`` (same positional arguments) -> ``[B, max_spec_len + 1]`` int32.
 
     Parameters
     ----------
     draft_token_ids : Tensor [num_tokens], int32 / int64 — all requests' drafts, back to back.
     num_draft_tokens : list[int] [B] — drafts per request (0 allowed).
+    max_spec_len : int — the output has ``max_spec_len + 1`` columns; at least max(num_draft_tokens).
     cu_num_draft_tokens : Tensor [B], int32 / int64 — inclusive cumsum of ``num_draft_tokens``.
     draft_probs : Tensor [num_tokens, V] float or None — the distribution each draft was drawn from;
         None = one-hot proposals (n-gram, EAGLE greedy drafts).
     target_probs : Tensor [num_tokens, V] float — the target's (warped) distribution at each draft.
     bonus_token_ids : Tensor [B, 1] int — the target's sample after the last draft; emitted when
         every draft of the request is accepted.
-    temperature : Tensor [B] float — 0 (or negative, vLLM's greedy sentinel) marks a greedy row.
-    generator : torch.Generator, optional — draws the uniforms of the sampled rows (on its device).
-    generators : dict[int, torch.Generator], optional — per-request generators (vLLM's seeded
-        requests): row b draws its own ``max_spec_len + 1`` uniforms from ``generators[b]``.
+    sampling_metadata : vLLM's ``SamplingMetadata`` (read: ``temperature``, ``all_greedy``,
+        ``all_random``, ``generators``) or a [B] temperature tensor. Temperature <= 0 = greedy row
+        (vLLM's ``GREEDY_TEMPERATURE`` is -1 in older v1 releases, 0 in newer ones).
+    generator : torch.Generator, optional — draws the uniforms of the sampled rows without their own
+        generator (vLLM uses torch's default generator there).
     uniforms : Tensor [B, max_spec_len + 1] float64 in [0, 1], optional — the randomness given
         explicitly, in specdec's layout: ``uniforms[b, j + 1]`` decides draft j, ``uniforms[b, 0]``
-        drives the recovered-token draw. Overrides ``generator`` / ``generators``.
+        drives the recovered-token draw. Overrides ``generator`` and the per-request generators.
 
     Returns
     -------
     Tensor [B, max_spec_len + 1] int32: accepted drafts, then the recovered or bonus token, then -1.
     """
-    _check_tensor("draft_token_ids", draft_token_ids, 1, _INT)
+    check_tensor(_FN, "draft_token_ids", draft_token_ids, 1, INTS)
     T = draft_token_ids.shape[0]
-    if isinstance(num_draft_tokens, torch.Tensor):
-        num_draft_tokens = num_draft_tokens.tolist()
-    if not isinstance(num_draft_tokens, (list, tuple)):
-        _fail("num_draft_tokens", "a list of ints", type(num_draft_tokens).__name__, TypeError)
-    if any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in num_draft_tokens):
-        _fail("num_draft_tokens", "non-negative ints", repr(list(num_draft_tokens)))
-    B = len(num_draft_tokens)
-    if sum(num_draft_tokens) != T:
-        _fail("num_draft_tokens", f"summing to num_tokens = {T} (draft_token_ids' length)",
-              f"sum {sum(num_draft_tokens)}")
-    _check_tensor("cu_num_draft_tokens", cu_num_draft_tokens, 1, _INT, (B,))
-    want_cu = torch.tensor(num_draft_tokens, dtype=torch.int64).cumsum(0)
-    if not torch.equal(cu_num_draft_tokens.cpu().to(torch.int64), want_cu):
-        _fail("cu_num_draft_tokens", f"the inclusive cumsum of num_draft_tokens {want_cu.tolist()}",
-              str(cu_num_draft_tokens.tolist()))
-    floats = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-    _check_tensor("target_probs", target_probs, 2, floats, (T, None))
+    n = ragged_counts(_FN, num_draft_tokens, cu_num_draft_tokens, T)
+    B = len(n)
+    S = max(n) if B else 0
+    if isinstance(max_spec_len, bool) or not isinstance(max_spec_len, int) or max_spec_len < S:
+        fail(_FN, "max_spec_len", f"an int >= max(num_draft_tokens) = {S}", repr(max_spec_len))
+    W = max_spec_len + 1
+    check_tensor(_FN, "target_probs", target_probs, 2, FLOATS, (T, None))
     V = target_probs.shape[1]
     if V < 1:
-        _fail("target_probs", "of vocabulary size >= 1", f"shape {tuple(target_probs.shape)}")
+        fail(_FN, "target_probs", "of vocabulary size >= 1", f"shape {tuple(target_probs.shape)}")
     if draft_probs is not None:
-        _check_tensor("draft_probs", draft_probs, 2, floats, (T, V))
-    _check_tensor("bonus_token_ids", bonus_token_ids, 2, _INT, (B, 1))
-    _check_tensor("temperature", temperature, 1, floats, (B,))
+        check_tensor(_FN, "draft_probs", draft_probs, 2, FLOATS, (T, V))
+    check_tensor(_FN, "bonus_token_ids", bonus_token_ids, 2, INTS, (B, 1))
     for name, t in (("draft_token_ids", draft_token_ids), ("bonus_token_ids", bonus_token_ids)):
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= V):
-            _fail(name, f"token ids in [0, {V})", f"values in [{int(t.min())}, {int(t.max())}]")
-    S = max(num_draft_tokens) if B else 0
-    N = S + 1
-    if uniforms is not None:
-        _check_tensor("uniforms", uniforms, 2, (torch.float64,), (B, N))
-    if B == 0:
-        return torch.empty(0, N, dtype=torch.int32, device=target_probs.device)
-
+            fail(_FN, name, f"token ids in [0, {V})", f"values in [{int(t.min())}, {int(t.max())}]")
     dev = target_probs.device
-    tokens, parents, p, q = pad_chains(draft_token_ids, num_draft_tokens, target_probs, bonus_token_ids, draft_probs)
-    out = torch.full((B, N), PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=dev)
-    greedy = (temperature <= 0).to(dev)
+    greedy, generators = resolve_sampling(_FN, sampling_metadata, B, dev)
+    if uniforms is not None:
+        check_tensor(_FN, "uniforms", uniforms, 2, (torch.float64,), (B, W))
+    out = torch.full((B, W), PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=dev)
+    if B == 0:
+        return out
+    N = S + 1
     g_idx = greedy.nonzero().flatten()
     r_idx = (~greedy).nonzero().flatten()
     if g_idx.numel():
-        if g_idx.numel() == B:
-            _, _, o = ops.greedy_verify(tokens, parents, p)
-        else:
-            _, _, o = ops.greedy_verify(tokens[g_idx], parents[g_idx], p[g_idx])
-        out[g_idx] = o.to(torch.int32)
+        out[g_idx, :N] = _greedy_rows(draft_token_ids, n, target_probs, bonus_token_ids)[g_idx]
     if r_idx.numel():
-        if uniforms is None:
-            uniforms = _draw(B, N, dev, generator, generators)
-        u = uniforms.to(dev)
+        u = (draw_uniforms(B, N, n, dev, generator, generators) if uniforms is None
+             else uniforms[:, :N].to(dev))
+        if r_idx.numel() == B and S > 0 and min(n) == S and target_probs.dtype == torch.float32:
+            out[:, :N] = _sampled_uniform(draft_token_ids, B, S, target_probs, draft_probs, bonus_token_ids, u)
+            return out
+        tokens, parents, p, q = _stage_chains(draft_token_ids, n, target_probs, bonus_token_ids, draft_probs)
         if r_idx.numel() == B:
             _, _, o = ops.rejection_sample(tokens, parents, p, q, u.contiguous())
         else:
             _, _, o = ops.rejection_sample(tokens[r_idx], parents[r_idx], p[r_idx],
                                            None if q is None else q[r_idx], u[r_idx].contiguous())
-        out[r_idx] = o.to(torch.int32)
+        out[r_idx, :N] = o.to(torch.int32)
     return out
 
 
-def _draw(B: int, N: int, dev: torch.device, generator: Optional[torch.Generator],
-          generators: Optional[Dict[int, torch.Generator]]) -> torch.Tensor:
-    gdev = generator.device if generator is not None else dev
-    u = torch.rand(B, N, dtype=torch.float64, device=gdev, generator=generator).to(dev)
-    for b, g in (generators or {}).items():
-        if not 0 <= int(b) < B:
-            _fail("generators", f"keyed by request indices in [0, {B})", f"key {b}")
-        u[int(b)] = torch.rand(N, dtype=torch.float64, device=g.device, generator=g).to(dev)
-    return u
 
+def _layout(n: Sequence[int], dev: torch.device):
+    nt = torch.tensor(list(n), dtype=torch.int64, device=dev)
+    S = max(n)
+    N = S + 1
+    valid = torch.arange(S, device=dev)[None, :] < nt[:, None]
+    node = torch.arange(N, dtype=torch.int32, device=dev)
+    parents = torch.where(node[None, :] <= nt[:, None].to(torch.int32), node - 1,
+                          torch.full_like(node, -1)[None, :]).to(torch.int32).contiguous()
+    return nt, valid, parents
+
+
+def _greedy_rows(draft_token_ids, n, target_probs, bonus_token_ids) -> torch.Tensor:
+    """Greedy decisions without staging the probabilities: each draft becomes symbol 0 ("equals the
+    argmax of its row") or 1, and :func:`specdec.ops.greedy_verify` walks the chains on that
+    two-symbol vocabulary; the emitted tokens are then the accepted drafts, then the row's argmax at
+    the first mismatch or the bonus token. [B, max(n) + 1] int32."""
+    dev = target_probs.device
+    B, S = len(n), max(n)
+    N = S + 1
+    nt, valid, parents = _layout(n, dev)
+    if S > 0 and bool(valid.all()) and target_probs.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return _greedy_uniform(draft_token_ids, B, S, target_probs, bonus_token_ids)
+    T = target_probs.shape[0]
+    am = torch.zeros(0, dtype=torch.int64, device=dev)
+    if T:  # each row's argmax by the op itself: T one-node trees over the stack's rows, no copy
+        rows_in = target_probs if target_probs.dtype in (torch.float32, torch.float16, torch.bfloat16) \
+            else target_probs.to(torch.float32)
+        root = torch.zeros(T, 1, dtype=torch.int64, device=dev)
+        _, _, first = ops.greedy_verify(root, torch.full((T, 1), -1, dtype=torch.int32, device=dev),
+                                        rows_in.contiguous().view(T, 1, -1))
+        am = first[:, 0].to(torch.int64)
+    d = draft_token_ids.to(dev, torch.int64)
+    sym = torch.ones(B, N, dtype=torch.int64, device=dev)
+    sym[:, 0] = 0
+    sym[:, 1:][valid] = (d != am).to(torch.int64)
+    tok = torch.zeros(B, N, dtype=torch.int64, device=dev)   # the drafts, then the bonus at column n_b
+    tok[:, :S][valid] = d
+    arg = torch.zeros(B, N, dtype=torch.int64, device=dev)   # the argmax of each draft's row
+    arg[:, :S][valid] = am
+    rows = torch.arange(B, device=dev)
+    two = torch.zeros(B, N, 2, dtype=torch.float32, device=dev)
+    two[:, :, 0] = 1.0
+    _, num, _ = ops.greedy_verify(sym, parents, two)
+    k = num.to(torch.int64)
+    out = torch.where(torch.arange(N, device=dev)[None, :] < k[:, None], tok,
+                      torch.full_like(tok, PLACEHOLDER_TOKEN_ID))
+    last = torch.where(k < nt, arg[rows, k.clamp(max=S)], bonus_token_ids.reshape(B).to(dev, torch.int64))
+    out[rows, k] = last
+    return out.to(torch.int32)
+
+
+def _greedy_uniform(draft_token_ids, B, S, target_probs, bonus_token_ids) -> torch.Tensor:
+    """Every request at S drafts: the stack's rows are already [B, S, V] (row j checks draft j), so
+    :func:`specdec.ops.greedy_verify` walks them in place (reading only the rows on the path) as the
+    tree root -> d_0 -> ... -> d_{S-2}; its final token is the argmax of the row that checks d_{S-1},
+    so d_{S-1} is accepted, and the bonus token follows, exactly when that token equals it."""
+    dev = target_probs.device
+    d = draft_token_ids.to(dev, torch.int64).view(B, S)
+    tokens = torch.cat([torch.zeros(B, 1, dtype=torch.int64, device=dev), d[:, :S - 1]], 1)
+    parents = (torch.arange(S, dtype=torch.int32, device=dev) - 1).expand(B, S).contiguous()
+    _, num, o = ops.greedy_verify(tokens, parents, target_probs.contiguous().view(B, S, -1))
+    k = num.to(torch.int64)
+    rows = torch.arange(B, device=dev)
+    last = o[rows, k]
+    full = (k == S - 1) & (last == d[:, S - 1])
+    out = torch.full((B, S + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=dev)
+    out[:, :S] = o
+    out[rows[full], S] = bonus_token_ids.reshape(B).to(dev, torch.int64)[full]
+    return out.to(torch.int32)
+
+
+def _sampled_uniform(draft_token_ids, B, S, target_probs, draft_probs, bonus_token_ids, u) -> torch.Tensor:
+    """Every request sampled at S drafts, without staging the target rows: the op decides d_0 ..
+    d_{S-2} on the stack's own [B, S, V] rows (tree root -> d_0 -> ... -> d_{S-2}); the requests
+    that accepted all of them then decide d_{S-1} in a second call on two rows each (row S-1 and the
+    one-hot bonus row), where a full acceptance emits the bonus token. ``u[:, 0]`` drives exactly one
+    emitted draw per request (the first call's final draw is kept only where it ended early)."""
+    dev = target_probs.device
+    V = target_probs.shape[1]
+    d = draft_token_ids.to(dev, torch.int64).view(B, S)
+    rows_p = target_probs.contiguous().view(B, S, V)
+    tokens = torch.cat([torch.zeros(B, 1, dtype=torch.int64, device=dev), d[:, :S - 1]], 1)
+    parents = (torch.arange(S, dtype=torch.int32, device=dev) - 1).expand(B, S).contiguous()
+    q = None
+    if draft_probs is not None:
+        q = workspace("vllm.draft", (B, S, V), torch.float32, dev)
+        q[:, 0] = 0.0
+        q[:, 1:].copy_(draft_probs.view(B, S, V)[:, :S - 1])
+    _, num, o = ops.rejection_sample(tokens, parents, rows_p, q, u[:, :S].contiguous())
+    out = torch.full((B, S + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=dev)
+    out[:, :S] = o
+    full = (num.to(torch.int64) == S - 1).nonzero().flatten()
+    if full.numel():
+        F = full.numel()
+        p2 = workspace("vllm.last", (F, 2, V), torch.float32, dev)
+        p2[:, 0].copy_(rows_p[full, S - 1])
+        p2[:, 1] = 0.0
+        p2[torch.arange(F, device=dev), 1, bonus_token_ids.reshape(B)[full].to(dev, torch.int64)] = 1.0
+        q2 = None
+        if draft_probs is not None:
+            q2 = workspace("vllm.last_draft", (F, 2, V), torch.float32, dev)
+            q2[:, 0] = 0.0
+            q2[:, 1].copy_(draft_probs.view(B, S, V)[full, S - 1])
+        t2 = torch.stack([torch.zeros_like(full), d[full, S - 1]], 1)
+        par2 = torch.tensor([[-1, 0]], dtype=torch.int32, device=dev).expand(F, 2).contiguous()
+        u2 = torch.stack([u[full, 0], u[full, S]], 1).contiguous()
+        _, _, o2 = ops.rejection_sample(t2, par2, p2, q2, u2)
+        out[full, S - 1:] = o2
+    return out.to(torch.int32)
+
+
+def _stage_chains(draft_token_ids, n, target_probs, bonus_token_ids, draft_probs):
+    """:func:`pad_chains` into kept workspaces (no per-call allocation of the [B, N, V] rows)."""
+    dev = target_probs.device
+    B, S, V = len(n), max(n), target_probs.shape[1]
+    N = S + 1
+    nt, valid, parents = _layout(n, dev)
+    tokens = torch.zeros(B, N, dtype=torch.int64, device=dev)
+    tokens[:, 1:][valid] = draft_token_ids.to(dev, torch.int64)
+    rows = torch.arange(B, device=dev)
+    pad = torch.arange(N, device=dev)[None, :] > nt[:, None]
+    p = workspace("vllm.target", (B, N, V), torch.float32, dev)
+    if bool(valid.all()):
+        p[:, :S].copy_(target_probs.view(B, S, V))
+    else:
+        p[:, :S][valid] = target_probs.to(torch.float32)
+    p[pad] = 0.0
+    p[rows, nt] = 0.0
+    p[rows, nt, bonus_token_ids.reshape(B).to(dev, torch.int64)] = 1.0
+    q = None
+    if draft_probs is not None:
+        q = workspace("vllm.draft", (B, N, V), torch.float32, dev)
+        q[:, 0] = 0.0
+        if bool(valid.all()):
+            q[:, 1:].copy_(draft_probs.view(B, S, V))
+        else:
+            q[:, 1:][valid] = draft_probs.to(torch.float32)
+            q[:, 1:][~valid] = 0.0
+    return tokens, parents, p, q
+
+
+from specdec.compat.vllm_tree import (TreeSampleOutput, commit_accepted_kv,  # noqa: E402  (re-exported)
+                                      commit_accepted_kv_slots, tree_rejection_sample)

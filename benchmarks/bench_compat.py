@@ -1,0 +1,183 @@
+"""Overhead of specdec.compat's adapters over calling specdec's ops directly (CPU).
+
+    python benchmarks/bench_compat.py                    # batch 1, 8 and 64
+    python benchmarks/bench_compat.py --batches 8 --rounds 5
+
+For each convention the adapter is called with the stack's own tensors and the native op with the
+same work already in specdec's padded tree layout (what a caller that keeps specdec's layout
+would pass). Vocabulary 49,152 (the bundled SmolLM2's), float32, 4 drafts per request (chains) or
+an 8-node tree (SGLang, vLLM tree); the paged attention row is FlashInfer's metadata vs a block
+table, 9 / 3 heads, D = 64, prefix 512, page size 16. Adapter and native calls are interleaved
+round by round (the order alternates); the record keeps per-round medians, their median, and
+overhead = adapter / native - 1 (ratio of medians and median of per-round ratios), with the load
+average before and after (other processes share these cores: noisy). One torch thread by default.
+
+Writes benchmarks/results/compat_cpu_<date>.json (or --out).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from specdec import ops, paged_ops
+from specdec.compat import flashinfer as fi
+from specdec.compat import sglang as sg
+from specdec.compat import vllm
+
+ROOT = Path(__file__).resolve().parent.parent
+V, K = 49152, 4
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def time_calls(fn, calls: int) -> float:
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t) / calls * 1e6
+
+
+def _probs(shape, g):
+    return torch.softmax(torch.randn(*shape, generator=g) * 3, -1)
+
+
+def chain_cases(B, g):
+    N = K + 1
+    q = _probs((B, K, V), g)
+    p = _probs((B, N, V), g)
+    d = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(B, K).to(torch.int32)
+    u = torch.rand(B, N, generator=g, dtype=torch.float64)
+    tokens = torch.cat([torch.zeros(B, 1, dtype=torch.int64), d.long()], 1)
+    parents = (torch.arange(N, dtype=torch.int32) - 1).expand(B, N).contiguous()
+    qn = torch.cat([torch.zeros(B, 1, V), q], 1)
+    cases = {"flashinfer.chain_speculative_sampling_uniform": (
+        lambda: fi.chain_speculative_sampling_uniform(q, d, u, p),
+        lambda: ops.rejection_sample(tokens, parents, p, qn, u))}
+    # vLLM ragged: same chains; one-hot proposals (draft_probs None) and sampled rows
+    n = [K] * B
+    cu = torch.arange(1, B + 1, dtype=torch.int32) * K
+    flat_d = d.flatten()
+    tp = p[:, :K].reshape(B * K, V).contiguous()
+    bonus = torch.zeros(B, 1, dtype=torch.int32)
+    temp = torch.ones(B)
+    tokens_v, parents_v, p_v, _ = vllm.pad_chains(flat_d, n, tp, bonus, None)
+    cases["vllm.rejection_sample (draft_probs None)"] = (
+        lambda: vllm.rejection_sample(flat_d, n, K, cu, None, tp, bonus, temp, uniforms=u),
+        lambda: ops.rejection_sample(tokens_v, parents_v, p_v, None, u))
+    greedy = torch.zeros(B)
+    cases["vllm.rejection_sample (greedy)"] = (
+        lambda: vllm.rejection_sample(flat_d, n, K, cu, None, tp, bonus, greedy),
+        lambda: ops.greedy_verify(tokens_v, parents_v, p_v))
+    return cases
+
+
+def tree_cases(B, g):
+    N = 8
+    par = [-1, 0, 0, 1, 1, 2, 3, 3]  # specdec parents (node 0 = root)
+    parents = torch.tensor(par, dtype=torch.int32).expand(B, N).contiguous()
+    tokens = torch.randint(0, V, (B, N), generator=g)
+    tokens[:, 0] = 0
+    p = _probs((B, N, V), g)
+    u = torch.rand(B, N, generator=g, dtype=torch.float64)
+    cand, ri, nt, ns = sg.parents_to_sglang(tokens, parents)
+    predicts = torch.zeros(B * N, dtype=torch.int32)
+    ai = torch.zeros(B, 5, dtype=torch.int32)
+    an = torch.zeros(B, dtype=torch.int32)
+    tpred = p.argmax(-1)
+    uf = torch.rand(B, generator=g)
+    us = torch.rand(B, N, generator=g)
+    cases = {
+        "sglang.verify_tree_greedy": (
+            lambda: sg.verify_tree_greedy(predicts, ai, an, cand, ri, nt, ns, tpred),
+            lambda: ops.greedy_verify(tokens, parents, p)),
+        "sglang.tree_speculative_sampling_target_only": (
+            lambda: sg.tree_speculative_sampling_target_only(predicts, ai, an, cand, ri, nt, ns, us, uf, p),
+            lambda: ops.rejection_sample(tokens, parents, p, None, u)),
+    }
+    # vLLM-style ragged tree: drafts = nodes 1..7, local parents = specdec parent - 1
+    d = tokens[:, 1:].reshape(-1).to(torch.int32)
+    dpar = (parents[:, 1:] - 1).reshape(-1)
+    cu = torch.arange(1, B + 1, dtype=torch.int32) * (N - 1)
+    rows = p.reshape(B * N, V)
+    temp = torch.ones(B)
+    cases["vllm.tree_rejection_sample"] = (
+        lambda: vllm.tree_rejection_sample(d, dpar, [N - 1] * B, N - 1, cu, None, rows, temp, uniforms=u),
+        lambda: ops.rejection_sample(tokens, parents, p, None, u))
+    return cases
+
+
+def attention_cases(B, g, prefix=512, ps=16, hq=9, hkv=3, D=64, N=8):
+    M = (prefix + N + ps - 1) // ps
+    P = B * M
+    k = torch.randn(P, ps, hkv, D, generator=g)
+    v = torch.randn(P, ps, hkv, D, generator=g)
+    table = torch.randperm(P, generator=g).view(B, M).to(torch.int32)
+    lens = torch.full((B,), prefix, dtype=torch.int32)
+    meta = fi.kv_lens_to_metadata(table, lens + N, ps)
+    q = torch.randn(B, N, hq, D, generator=g)
+    qf = q.reshape(B * N, hq, D)
+    return {"flashinfer.verify_attention_paged (NHD, causal)": (
+        lambda: fi.verify_attention_paged(qf, (k, v), meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
+                                          qo_len=N),
+        lambda: paged_ops.verify_attention_paged(q, k, v, table, lens))}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=5, help="calls per timing")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: on a shared machine torch's "
+                    "thread pool turns every small op into a scheduling wait)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    now = _dt.datetime.now()
+    meta = dict(date=now.isoformat(timespec="seconds"), git_commit=git_commit(), torch=torch.__version__,
+                threads=torch.get_num_threads(), cpu=platform.processor() or platform.machine(), vocab=V,
+                drafts=K, rounds=args.rounds, calls=args.calls, loadavg_before=os.getloadavg())
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for B in args.batches:
+        cases = {**chain_cases(B, g), **tree_cases(B, g), **attention_cases(B, g)}
+        for name, (adapter, native) in cases.items():
+            for fn in (adapter, native):
+                time_calls(fn, 2)
+            a_us, n_us = [], []
+            for r in range(args.rounds):
+                order = [(adapter, a_us), (native, n_us)]
+                for fn, out in (order if r % 2 == 0 else order[::-1]):
+                    out.append(time_calls(fn, args.calls))
+            ratios = [a / n for a, n in zip(a_us, n_us)]
+            row = dict(case=name, batch=B, adapter_us=statistics.median(a_us), native_us=statistics.median(n_us),
+                       overhead=statistics.median(a_us) / statistics.median(n_us) - 1,
+                       overhead_median_round=statistics.median(ratios) - 1, adapter_rounds_us=a_us,
+                       native_rounds_us=n_us)
+            rows.append(row)
+            print(f"B={B:3d} {name:48s} adapter {row['adapter_us']:10.1f} us  native {row['native_us']:10.1f} us  "
+                  f"overhead {100 * row['overhead']:+6.1f}% (per round {100 * row['overhead_median_round']:+6.1f}%)",
+                  flush=True)
+    meta["loadavg_after"] = os.getloadavg()
+    out = args.out or ROOT / "benchmarks" / "results" / f"compat_cpu_{now.strftime('%Y-%m-%d')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
+    print(f"load average before {meta['loadavg_before'][0]:.1f}, after {meta['loadavg_after'][0]:.1f}; wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

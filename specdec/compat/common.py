@@ -1,0 +1,118 @@
+"""Argument checks and sampling-metadata handling shared by the compat modules.
+
+Every error names the calling function, the argument, what was expected and what came.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["fail", "check_tensor", "FLOATS", "INTS", "resolve_sampling", "ragged_counts", "draw_uniforms", "workspace"]
+
+FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+INTS = (torch.int32, torch.int64)
+
+
+def fail(fn: str, arg: str, expected: str, got: str, exc=ValueError):
+    raise exc(f"{fn}: {arg} must be {expected}, got {got}")
+
+
+def check_tensor(fn: str, arg: str, t, ndim: int, dtypes, shape: Optional[Sequence[Optional[int]]] = None) -> None:
+    """``t`` is a tensor of ``ndim`` dims, one of ``dtypes``, and matches ``shape`` (None = any size)."""
+    if not isinstance(t, torch.Tensor):
+        fail(fn, arg, "a torch.Tensor", type(t).__name__, TypeError)
+    if t.dim() != ndim:
+        fail(fn, arg, f"{ndim}-D", f"shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        fail(fn, arg, " or ".join(str(d) for d in dtypes), str(t.dtype), TypeError)
+    if shape is not None:
+        for i, (want, have) in enumerate(zip(shape, t.shape)):
+            if want is not None and want != have:
+                exp = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+                fail(fn, arg, f"of shape {exp}", f"{tuple(t.shape)} (dim {i})")
+
+
+def ragged_counts(fn: str, num_draft_tokens, cu_num_draft_tokens: torch.Tensor, num_tokens: int) -> list:
+    """Validate vLLM's ragged bookkeeping; returns ``num_draft_tokens`` as a list of ints."""
+    if isinstance(num_draft_tokens, torch.Tensor):
+        num_draft_tokens = num_draft_tokens.tolist()
+    if not isinstance(num_draft_tokens, (list, tuple)):
+        fail(fn, "num_draft_tokens", "a list of ints", type(num_draft_tokens).__name__, TypeError)
+    if any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in num_draft_tokens):
+        fail(fn, "num_draft_tokens", "non-negative ints", repr(list(num_draft_tokens)))
+    n = list(num_draft_tokens)
+    if sum(n) != num_tokens:
+        fail(fn, "num_draft_tokens", f"summing to num_tokens = {num_tokens} (draft_token_ids' length)",
+             f"sum {sum(n)}")
+    check_tensor(fn, "cu_num_draft_tokens", cu_num_draft_tokens, 1, INTS, (len(n),))
+    want = torch.tensor(n, dtype=torch.int64).cumsum(0)
+    if not torch.equal(cu_num_draft_tokens.cpu().to(torch.int64), want):
+        fail(fn, "cu_num_draft_tokens", f"the inclusive cumsum of num_draft_tokens {want.tolist()}",
+             str(cu_num_draft_tokens.tolist()))
+    return n
+
+
+def resolve_sampling(fn: str, sampling_metadata, B: int, device: torch.device
+                     ) -> Tuple[torch.Tensor, Dict[int, torch.Generator]]:
+    """vLLM's ``SamplingMetadata`` (or a bare temperature tensor) -> (greedy mask [B] bool, generators).
+
+    Accepts an object with vLLM's attributes ``temperature`` ([B] float or None), ``all_greedy``,
+    ``all_random`` and ``generators`` (dict: batch index -> torch.Generator), or a [B] float
+    temperature tensor. A row is greedy when its temperature is <= 0: vLLM marks greedy rows with
+    ``GREEDY_TEMPERATURE``, -1 in older v1 releases and 0 in newer ones; both are <= 0.
+    """
+    if isinstance(sampling_metadata, torch.Tensor):
+        temperature, generators, all_greedy, all_random = sampling_metadata, {}, False, False
+    else:
+        for attr in ("temperature", "all_greedy", "all_random"):
+            if not hasattr(sampling_metadata, attr):
+                fail(fn, "sampling_metadata", "a temperature tensor or an object with vLLM's temperature / "
+                     "all_greedy / all_random / generators attributes", f"{type(sampling_metadata).__name__} "
+                     f"without {attr!r}", TypeError)
+        temperature = sampling_metadata.temperature
+        generators = dict(getattr(sampling_metadata, "generators", None) or {})
+        all_greedy, all_random = bool(sampling_metadata.all_greedy), bool(sampling_metadata.all_random)
+    if all_greedy:
+        return torch.ones(B, dtype=torch.bool, device=device), generators
+    if all_random and temperature is None:
+        return torch.zeros(B, dtype=torch.bool, device=device), generators
+    check_tensor(fn, "temperature", temperature, 1, FLOATS, (B,))
+    for b in generators:
+        if not isinstance(b, int) or not 0 <= b < B:
+            fail(fn, "generators", f"keyed by batch indices in [0, {B})", f"key {b!r}")
+    return (temperature <= 0).to(device), generators
+
+
+def draw_uniforms(B: int, N: int, counts: Sequence[int], device: torch.device,
+                  generator: Optional[torch.Generator], generators: Dict[int, torch.Generator]) -> torch.Tensor:
+    """[B, N] float64 uniforms: from ``generator`` (or torch's default); a row with its own
+    generator draws its N values from it, and only when it has drafts (``counts[b] > 0``), so a
+    seeded request's stream does not move on steps without drafts (as in vLLM)."""
+    gdev = generator.device if generator is not None else device
+    u = torch.rand(B, N, dtype=torch.float64, device=gdev, generator=generator).to(device)
+    for b, g in generators.items():
+        if counts[b] > 0:
+            u[b] = torch.rand(N, dtype=torch.float64, device=g.device, generator=g).to(device)
+    return u
+
+
+_WORKSPACES: Dict[Tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def workspace(name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reusable scratch tensor of ``shape`` (contents undefined), kept per (name, device, dtype).
+
+    The adapters stage padded copies of a stack's tensors here instead of allocating them per call:
+    a fresh multi-megabyte allocation costs its page faults on every call, a kept one does not
+    (FlashInfer keeps its workspaces the same way). Not for concurrent calls from several threads.
+    """
+    numel = 1
+    for s in shape:
+        numel *= int(s)
+    key = (name, torch.device(device), dtype)
+    buf = _WORKSPACES.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
+        _WORKSPACES[key] = buf
+    return buf[:numel].view(*shape)

@@ -1,0 +1,246 @@
+"""FlashInfer's paged-KV metadata onto specdec's paged ops (re-exported by
+:mod:`specdec.compat.flashinfer`).
+
+FlashInfer describes a batch's KV by ``kv_indptr [B + 1]``, ``kv_indices [kv_indptr[-1]]`` and
+``kv_last_page_len [B]`` (int32): request b owns pages ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]``
+in position order and holds ``kv_len[b] = (num_pages_b - 1) * page_size + kv_last_page_len[b]``
+tokens (0 when it owns no page). Pages are NHD ``[num_pages, page_size, Hkv, D]`` or HND
+``[num_pages, Hkv, page_size, D]``, one (k, v) pair per layer. Attention runs AFTER the step's
+tokens are appended, so ``kv_len`` counts them. A tree mask is FlashInfer's ``custom_mask``: per
+request a bool ``[qo_len, kv_len]`` matrix, flattened and concatenated, request b starting at
+``mask_indptr[b]``.
+
+specdec's paged ops take NHD pages, a block table and the committed length; this module converts:
+row b of the block table is request b's page list (padded with -1), ``cache_lens = kv_len -
+num_new``. NHD pages are used in place; HND pages are transposed to NHD for the call (a copy of
+the pools, and back for the writes: correct, but a cost the NHD layout avoids). A dense
+:class:`specdec.cache.StaticKVCache` ``[B, Hkv, S, D]`` is exactly HND with one page of S slots per
+row (:func:`dense_as_paged`).
+"""
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from specdec import paged_ops
+from specdec.compat.common import INTS, check_tensor, fail
+
+__all__ = ["PagedMetadata", "dense_as_paged", "to_block_table", "kv_lens_to_metadata", "tree_mask_from_custom",
+           "verify_attention_paged", "append_paged_kv_cache", "commit_paged_kv"]
+
+
+class PagedMetadata(NamedTuple):
+    """FlashInfer's page metadata: ``kv_indptr [B + 1]``, ``kv_indices``, ``kv_last_page_len [B]``
+    (int32) and the page size."""
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    page_size: int
+
+
+def dense_as_paged(cache, num_new: int = 0) -> Tuple[PagedMetadata, List[Tuple[torch.Tensor, torch.Tensor]]]:
+    """A dense ``StaticKVCache`` as FlashInfer paged metadata (HND, page size = capacity S).
+
+    Row b is page b; ``kv_len[b] = cache.lens[b] + num_new`` (the step's appended tokens counted,
+    as FlashInfer's attention expects). Returns ``(metadata, [(k[l], v[l]) per layer])``: the
+    pools are the cache's own tensors (``[B, Hkv, S, D]`` = HND pages), no copy.
+    """
+    fn = "specdec.compat.flashinfer.dense_as_paged"
+    lens = cache.lens.to(torch.int64) + int(num_new)
+    S = int(cache.capacity)
+    if bool((lens > S).any()):
+        fail(fn, "num_new", f"such that cache.lens + num_new <= capacity {S}", str(int(num_new)))
+    has = lens > 0
+    indptr = torch.zeros(cache.batch + 1, dtype=torch.int32, device=lens.device)
+    indptr[1:] = has.to(torch.int32).cumsum(0)
+    indices = torch.arange(cache.batch, dtype=torch.int32, device=lens.device)[has]
+    meta = PagedMetadata(indptr, indices, lens.to(torch.int32), S)
+    return meta, list(zip(cache.k, cache.v))
+
+
+def _kv_lens(fn, kv_indptr, kv_indices, kv_last_page_len, page_size):
+    check_tensor(fn, "kv_indptr", kv_indptr, 1, INTS)
+    B = kv_indptr.shape[0] - 1
+    if B < 0:
+        fail(fn, "kv_indptr", "[B + 1] with B >= 0", "an empty tensor")
+    check_tensor(fn, "kv_indices", kv_indices, 1, INTS)
+    check_tensor(fn, "kv_last_page_len", kv_last_page_len, 1, INTS, (B,))
+    ip = kv_indptr.to(torch.int64).cpu()
+    npages = ip[1:] - ip[:-1]
+    if B and (int(ip[0]) != 0 or bool((npages < 0).any()) or int(ip[-1]) > kv_indices.shape[0]):
+        fail(fn, "kv_indptr", f"0-based and non-decreasing, ending <= len(kv_indices) = {kv_indices.shape[0]}",
+             str(ip.tolist()))
+    last = kv_last_page_len.to(torch.int64).cpu()
+    bad = ((npages > 0) & ((last < 1) | (last > page_size))) | ((npages == 0) & (last != 0))
+    if bool(bad.any()):
+        b = int(bad.nonzero()[0])
+        fail(fn, f"kv_last_page_len[{b}]", f"in [1, {page_size}] (0 for a request without pages)", str(int(last[b])))
+    return ip, npages, torch.where(npages > 0, (npages - 1) * page_size + last, torch.zeros_like(last))
+
+
+def to_block_table(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
+                   page_size: int, min_blocks: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer metadata -> ``(block_tables [B, max(pages, min_blocks)] int32 padded with -1,
+    kv_lens [B] int32)`` on kv_indices' device."""
+    fn = "specdec.compat.flashinfer.to_block_table"
+    ip, npages, kv_lens = _kv_lens(fn, kv_indptr, kv_indices, kv_last_page_len, page_size)
+    B = npages.shape[0]
+    W = max(int(npages.max()) if B else 0, int(min_blocks), 1)
+    col = torch.arange(W)[None, :]
+    src = (ip[:-1, None] + col).clamp(max=max(kv_indices.shape[0] - 1, 0))
+    idx = kv_indices.to(torch.int64).cpu()
+    vals = idx[src] if idx.numel() else torch.zeros(B, W, dtype=torch.int64)
+    table = torch.where(col < npages[:, None], vals, torch.full_like(vals, -1)).to(torch.int32)
+    return table.to(kv_indices.device), kv_lens.to(torch.int32).to(kv_indices.device)
+
+
+def kv_lens_to_metadata(block_tables: torch.Tensor, kv_lens: torch.Tensor, page_size: int) -> PagedMetadata:
+    """The reverse: a block table and token counts -> FlashInfer metadata (pages in use only)."""
+    lens = kv_lens.to(torch.int64).cpu()
+    npages = (lens + page_size - 1) // page_size
+    if lens.numel() and int(npages.max()) > block_tables.shape[1]:
+        fail("specdec.compat.flashinfer.kv_lens_to_metadata", "kv_lens", f"at most {block_tables.shape[1]} pages "
+             f"of {page_size} per row (the block table's width)", str(lens.tolist()))
+    indptr = torch.zeros(lens.shape[0] + 1, dtype=torch.int32)
+    indptr[1:] = npages.cumsum(0).to(torch.int32)
+    used = torch.arange(block_tables.shape[1])[None, :] < npages[:, None]
+    indices = block_tables.cpu()[used].to(torch.int32)
+    last = torch.where(npages > 0, lens - (npages - 1) * page_size, torch.zeros_like(lens)).to(torch.int32)
+    dev = block_tables.device
+    return PagedMetadata(indptr.to(dev), indices.to(dev), last.to(dev), int(page_size))
+
+
+def tree_mask_from_custom(custom_mask: torch.Tensor, mask_indptr: torch.Tensor, qo_len: int,
+                          kv_lens: torch.Tensor) -> torch.Tensor:
+    """FlashInfer's flattened ``custom_mask`` -> specdec's tree mask ``[B, qo_len, qo_len]`` bool.
+
+    Request b's block ``custom_mask[mask_indptr[b]:mask_indptr[b + 1]]`` is ``[qo_len, kv_len[b]]``
+    row-major. Its last qo_len columns (the step's nodes) are the tree mask; every earlier column
+    (the committed prefix) must be True, since specdec's verify attention always sees the prefix.
+    """
+    fn = "specdec.compat.flashinfer.tree_mask_from_custom"
+    check_tensor(fn, "custom_mask", custom_mask, 1, (torch.bool,))
+    check_tensor(fn, "mask_indptr", mask_indptr, 1, INTS, (kv_lens.shape[0] + 1,))
+    ip = mask_indptr.to(torch.int64).cpu()
+    out = []
+    for b, L in enumerate(kv_lens.to(torch.int64).cpu().tolist()):
+        size = int(ip[b + 1] - ip[b])
+        if size != qo_len * L or L < qo_len:
+            fail(fn, f"mask_indptr[{b}:{b + 2}]", f"a block of qo_len * kv_len = {qo_len} * {L} entries "
+                 f"(kv_len >= qo_len)", f"{size} entries")
+        blk = custom_mask[int(ip[b]):int(ip[b + 1])].view(qo_len, L)
+        if not bool(blk[:, :L - qo_len].all()):
+            fail(fn, f"custom_mask (request {b})", "True on every committed-prefix column",
+                 "a masked prefix position (specdec's verify attention always sees the prefix)")
+        out.append(blk[:, L - qo_len:])
+    if not out:
+        return torch.zeros(0, qo_len, qo_len, dtype=torch.bool, device=custom_mask.device)
+    return torch.stack(out).contiguous()
+
+
+def _nhd(fn, paged_kv_cache, kv_layout):
+    """Per-layer (k, v) -> NHD page tensors, and whether they are copies (HND)."""
+    if kv_layout not in ("NHD", "HND"):
+        fail(fn, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
+    if isinstance(paged_kv_cache, torch.Tensor):
+        if paged_kv_cache.dim() != 5 or paged_kv_cache.shape[1] != 2:
+            fail(fn, "paged_kv_cache", "a (k, v) pair or [num_pages, 2, ...] tensor",
+                 f"shape {tuple(paged_kv_cache.shape)}")
+        k, v = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
+    else:
+        k, v = paged_kv_cache
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            fail(fn, f"paged_kv_cache ({name})", f"a 4-D {kv_layout} page tensor", got)
+    if kv_layout == "HND":
+        return k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(), True
+    copy = not (k.is_contiguous() and v.is_contiguous())
+    return k.contiguous(), v.contiguous(), copy
+
+
+def verify_attention_paged(q: torch.Tensor, paged_kv_cache, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                           kv_last_page_len: torch.Tensor, *, qo_len: int, kv_layout: str = "NHD",
+                           custom_mask: Optional[torch.Tensor] = None, mask_indptr: Optional[torch.Tensor] = None,
+                           sm_scale: Optional[float] = None) -> torch.Tensor:
+    """Tree / chain verification attention with FlashInfer's inputs, by
+    :func:`specdec.paged_ops.verify_attention_paged`.
+
+    q [B * qo_len, Hq, D] (FlashInfer's ragged layout with every request at ``qo_len`` queries: the
+    step's nodes, already appended, so ``kv_len >= qo_len``); ``custom_mask`` / ``mask_indptr`` as
+    FlashInfer's (None = causal). Returns [B * qo_len, Hq, D].
+    """
+    fn = "specdec.compat.flashinfer.verify_attention_paged"
+    k, v, _ = _nhd(fn, paged_kv_cache, kv_layout)
+    ps = k.shape[1]
+    table, kv_lens = to_block_table(kv_indptr, kv_indices, kv_last_page_len, ps)
+    B = kv_lens.shape[0]
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[0] != B * qo_len:
+        got = f"shape {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
+        fail(fn, "q", f"[B * qo_len = {B * qo_len}, Hq, D]", got)
+    if bool((kv_lens < qo_len).any()):
+        fail(fn, "kv_last_page_len", f"giving kv_len >= qo_len = {qo_len} (the step's tokens appended)",
+             str(kv_lens.tolist()))
+    mask = None
+    if custom_mask is not None:
+        if mask_indptr is None:
+            fail(fn, "mask_indptr", "given with custom_mask", "None")
+        mask = tree_mask_from_custom(custom_mask, mask_indptr, qo_len, kv_lens).to(q.device)
+    cache_lens = (kv_lens - qo_len).to(torch.int32)
+    out = paged_ops.verify_attention_paged(q.view(B, qo_len, q.shape[1], q.shape[2]), k, v, table, cache_lens,
+                                           mask, sm_scale)
+    return out.reshape(B * qo_len, q.shape[1], q.shape[2])
+
+
+def _write_back(paged_kv_cache, kv_layout, k, v):
+    dst = (paged_kv_cache[:, 0], paged_kv_cache[:, 1]) if isinstance(paged_kv_cache, torch.Tensor) else paged_kv_cache
+    for d, s in zip(dst, (k, v)):
+        d.copy_(s.transpose(1, 2) if kv_layout == "HND" else s)
+
+
+def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, paged_kv_cache,
+                          kv_indices: torch.Tensor, kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor,
+                          *, num_new: int, kv_layout: str = "NHD") -> None:
+    """Write the step's ``num_new`` tokens per request (``append_key`` / ``append_value``
+    [B * num_new, Hkv, D], request-major) at positions ``kv_len[b] - num_new + j``, by
+    :func:`specdec.paged_ops.append_kv_paged`. The metadata already counts the new tokens (their
+    pages allocated), as FlashInfer's ``append_paged_kv_cache`` expects.
+    """
+    fn = "specdec.compat.flashinfer.append_paged_kv_cache"
+    k, v, copied = _nhd(fn, paged_kv_cache, kv_layout)
+    table, kv_lens = to_block_table(kv_indptr, kv_indices, kv_last_page_len, k.shape[1])
+    B = kv_lens.shape[0]
+    for name, t in (("append_key", append_key), ("append_value", append_value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.shape[0] != B * num_new:
+            fail(fn, name, f"[B * num_new = {B * num_new}, Hkv, D]", f"shape {tuple(t.shape)}")
+    if bool((kv_lens < num_new).any()):
+        fail(fn, "kv_last_page_len", f"giving kv_len >= num_new = {num_new}", str(kv_lens.tolist()))
+    kn = append_key.view(B, num_new, *append_key.shape[1:]).transpose(1, 2).to(k.dtype)
+    vn = append_value.view(B, num_new, *append_value.shape[1:]).transpose(1, 2).to(v.dtype)
+    paged_ops.append_kv_paged(k, v, kn, vn, table, (kv_lens - num_new).to(torch.int32))
+    if copied:
+        _write_back(paged_kv_cache, kv_layout, k, v)
+
+
+def commit_paged_kv(paged_kv_caches: Sequence, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                    kv_last_page_len: torch.Tensor, accepted: torch.Tensor, num_accepted: torch.Tensor,
+                    *, num_new: int, kv_layout: str = "NHD") -> torch.Tensor:
+    """Compact every layer's accepted path (:func:`specdec.paged_ops.kv_commit_paged`): position
+    ``kv_len[b] - num_new + i`` takes the K/V of node ``accepted[b, i]``. Returns the committed
+    lengths ``kv_len - num_new + num_accepted + 1`` (int32); rebuild the metadata from them
+    (:func:`kv_lens_to_metadata`) and free the pages past them."""
+    fn = "specdec.compat.flashinfer.commit_paged_kv"
+    pairs = [_nhd(fn, c, kv_layout) for c in paged_kv_caches]
+    if not pairs:
+        fail(fn, "paged_kv_caches", "at least one layer", "none")
+    table, kv_lens = to_block_table(kv_indptr, kv_indices, kv_last_page_len, pairs[0][0].shape[1])
+    check_tensor(fn, "accepted", accepted, 2, INTS, (kv_lens.shape[0], num_new))
+    check_tensor(fn, "num_accepted", num_accepted, 1, INTS, (kv_lens.shape[0],))
+    lens = (kv_lens - num_new).to(torch.int32)
+    paged_ops.kv_commit_paged([p[0] for p in pairs], [p[1] for p in pairs], table, lens,
+                              accepted.to(torch.int32).contiguous(), num_accepted.to(torch.int32).contiguous())
+    for c, (k, v, copied) in zip(paged_kv_caches, pairs):
+        if copied:
+            _write_back(c, kv_layout, k, v)
+    return lens
