@@ -245,8 +245,11 @@ def test_bad_requests_and_full_queue(tiny):
             for name in ("specdec_queue_depth", "specdec_active_requests", "specdec_tokens_per_second",
                          "specdec_acceptance_rate", "specdec_time_to_first_token_seconds",
                          "specdec_inter_token_latency_seconds", "specdec_rejected_requests",
-                         "specdec_drafter_errors"):
+                         "specdec_drafter_errors", "specdec_kv_blocks", "specdec_prefix_cache_hit_rate",
+                         "specdec_preemptions"):
                 assert name in fams, name
+            blocks = {s.labels["state"]: s.value for s in fams["specdec_kv_blocks"].samples}
+            assert eng.kv.paged and blocks["used"] + blocks["free"] == eng.kv.allocator.num_blocks
             rej = {s.labels["reason"]: s.value for s in fams["specdec_rejected_requests"].samples
                    if s.name.endswith("_total")}
             assert rej["queue_full"] == 1 and rej["bad_request"] == len(cases) + 3
