@@ -50,7 +50,8 @@ struct Kernels {
   decltype(&verify_attention_paged_cpu) verify_attention_paged;
 };
 
-constexpr const char* kOp = "decoder_layer";
+// The op name errors carry: "decoder_layer", or "decoder_layer_paged" for the duration of a paged call.
+thread_local const char* kOp = "decoder_layer";
 constexpr std::array<const char*, 7> kSlots7 = {"q", "k", "v", "o", "gate", "up", "down"};
 constexpr std::array<const char*, 4> kSlots4 = {"qkv", "o", "gate_up", "down"};
 
@@ -301,6 +302,7 @@ std::tuple<at::Tensor, at::Tensor> run(const Kernels& K, const at::Tensor& x, co
                                        const std::optional<at::Tensor>& tree_mask, int64_t kv_offset, double scale,
                                        int64_t hq, int64_t hkv, const std::optional<at::Tensor>& block_tables) {
   const bool paged = block_tables.has_value();
+  kOp = paged ? "decoder_layer_paged" : "decoder_layer";
   // ---- validation (nothing is written before it all passes)
   const size_t n = weights.size();
   TORCH_CHECK(n == 7 || n == 4, kOp, ": weights must hold 7 projections (q, k, v, o, gate, up, down) or 4 "

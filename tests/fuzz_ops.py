@@ -85,6 +85,9 @@ ARGS: Dict[str, Sequence[str]] = {
     "decoder_layer": ("x", "h", "weights", "scales", "mins", "biases", "bits", "norm_weight", "k_cache",
                       "v_cache", "cache_lens", "cos", "sin", "tree_mask", "kv_offset", "num_heads", "projection",
                       "attention inputs"),
+    "decoder_layer_paged": ("x", "h", "weights", "scales", "mins", "biases", "bits", "norm_weight", "k_pages",
+                            "v_pages", "k_cache", "block_tables", "cache_lens", "cos", "sin", "tree_mask", "kv_offset",
+                            "num_heads", "projection", "attention inputs"),
 }
 STATS = {"examples": 0, "raised": 0, "matched": 0, "unchecked": 0}
 ERRORS: "collections.Counter[str]" = collections.Counter()  # error kinds seen (message up to the first digit)
@@ -1227,6 +1230,53 @@ def fuzz_decoder_layer(args):
     run_property("decoder_layer", ops.decoder_layer, args, check, read_only)
 
 
+@st.composite
+def decoder_layer_paged_case(draw):
+    """A valid layer case paged through a shuffled table (page sizes 1 / 4 / 8 / 14), sometimes with a
+    corrupted table or pool; returns (args, the uncorrupted table)."""
+    from test_ops_decoder_layer import LAYOUTS, _case
+    from test_ops_decoder_layer_paged import _paged
+
+    args = _case(DEVICE, draw(st.sampled_from(FLOATS)), draw(st.sampled_from(LAYOUTS)), B=draw(st.integers(1, 3)),
+                 N=draw(st.integers(1, 6)), frontier=draw(st.booleans()), bias=draw(st.booleans()),
+                 seed=draw(st.integers(0, 2 ** 31 - 1)))
+    args = _paged(args, draw(st.sampled_from([1, 4, 8, 14])), seed=draw(st.integers(0, 1000)))
+    table = args["block_tables"].clone()
+    bad = draw(st.sampled_from(["none"] * 4 + ["int64", "entry", "rows", "pages"]))
+    if bad == "int64":
+        args["block_tables"] = table.long()
+    elif bad == "entry":
+        t = table.clone()
+        t.view(-1)[draw(st.integers(0, t.numel() - 1))] = draw(st.sampled_from([-1, args["k_pages"].shape[0], 1 << 30]))
+        args["block_tables"] = t
+    elif bad == "rows":
+        args["block_tables"] = table[:, :1]
+    elif bad == "pages":
+        args["v_pages"] = args["v_pages"][:-1]
+    return args, table
+
+
+@given(decoder_layer_paged_case())
+def fuzz_decoder_layer_paged(case):
+    from test_ops_decoder_layer_paged import _dense_of
+
+    args, table = case
+
+    def check(out, before):
+        B = before["x"].shape[0]
+        dense = {k: v for k, v in before.items() if k not in ("k_pages", "v_pages", "block_tables")}
+        dense["k_cache"] = _dense_of(before["k_pages"], table, B)
+        dense["v_cache"] = _dense_of(before["v_pages"], table, B)
+        want = ops.decoder_layer(**dense)
+        for got, w in zip(out, want):
+            assert _equal_nan(got, w), "decoder_layer_paged differs from decoder_layer on the same keys"
+        assert _equal_nan(_dense_of(args["k_pages"], table, B), dense["k_cache"]) and \
+            _equal_nan(_dense_of(args["v_pages"], table, B), dense["v_cache"]), \
+            "decoder_layer_paged wrote other K/V than decoder_layer"
+    read_only = [k for k in args if k not in ("k_pages", "v_pages")]
+    run_property("decoder_layer_paged", paged_ops.decoder_layer_paged, args, check, read_only)
+
+
 FUZZERS = {
     "verify_attention": fuzz_verify_attention,
     "append_kv": fuzz_append_kv,
@@ -1243,6 +1293,7 @@ FUZZERS = {
     "rope": fuzz_rope,
     "silu_mul": fuzz_silu_mul,
     "decoder_layer": fuzz_decoder_layer,
+    "decoder_layer_paged": fuzz_decoder_layer_paged,
 }
 
 
