@@ -13,6 +13,7 @@ from specdec.distributed import (ModelSource, TensorParallelError, launch_tensor
                                  local_tensor_parallel)
 from specdec.distributed.shard import split_sizes
 from specdec.models.hf import HFCausalLM
+from specdec.scheduler import CostModel, calibrate, make_policy
 
 bundled = pytest.importorskip("specdec.models.bundled")
 
@@ -100,25 +101,25 @@ def test_engine_rows_move_on_every_rank(models):
 
 
 def test_slow_collective_shrinks_the_goodput_budget(models):
-    """The verify cost the goodput scheduler learns includes the collectives: a link whose all-reduces
-    cost 2 ms per row (bandwidth-bound, as a large model's activations over a slow link) makes it
-    draft fewer tokens per step than the same run with the real loopback collective."""
+    """The verify cost the goodput scheduler plans with is the TP forward's wall time on rank 0,
+    collectives included: with a link whose collectives cost about 120 ms per verified row
+    (bandwidth-bound, as a large model's activations over a slow link) the plan drafts fewer tokens
+    than with the real loopback collective. The verify table is measured with timed TP forwards
+    (specdec.scheduler.calibrate); the plan is the policy's first for a new request."""
     _, _, _, tp2 = models
-    prompt = [1] + [504, 3458, 282, 4649, 314] * 6
+    cache = tp2.new_cache(1, 32)
 
-    def drafted_per_step(delay):
+    def first_budget(delay):
         tp2.comm.delay = delay
         try:
-            dec = SpeculativeDecoder(tp2, PromptLookup(ngram=2, k=8, min_ngram=1), max_batch=1, max_len=96,
-                                     policy="goodput")
-            dec.generate([prompt], max_new_tokens=40)
-            c = dec.engine.counters
-            return c["drafted_tokens"] / c["steps"]
+            policy = make_policy("goodput", PromptLookup(ngram=2, k=8, min_ngram=1), CostModel())
+            calibrate(tp2, cache, policy.cost, [1], [1, 3, 5, 9], repeats=1, use_cache=False)
+            policy.begin(1)
+            return policy.plan([0], [64]).budgets[0]
         finally:
             tp2.comm.delay = None
 
-    fast = drafted_per_step(None)
-    slow = drafted_per_step((0.0, 2e-3 / (576 * 4)))
+    fast, slow = first_budget(None), first_budget((0.0, 5e-7))
     assert slow < fast, (slow, fast)
 
 

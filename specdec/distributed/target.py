@@ -117,6 +117,11 @@ class TensorParallelLM:
         self.last_seconds = 0.0        # the last forward's wall time on rank 0
         self.totals = dict(forwards=0, seconds=0.0, comm_seconds=0.0, comm_bytes=0, messages=0)
 
+    @property
+    def calibration_tag(self) -> str:
+        """Keeps calibrations (specdec.scheduler.calibrate) apart per tensor-parallel size and link model."""
+        return f"tp{self.world_size}|delay={getattr(self.comm, 'delay', None)}"
+
     def __repr__(self) -> str:
         return f"TensorParallelLM(world_size={self.world_size}, layers={self.num_layers}, vocab={self.vocab_size})"
 
