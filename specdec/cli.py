@@ -65,6 +65,9 @@ def _model_options(g: argparse.ArgumentParser) -> None:
                    help="how much to draft per step: goodput (default: measured tokens/s, falls back to plain "
                         "decoding when drafting does not pay), heuristic (+2/-1), fixed (always --k)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the target over N ranks (torch.distributed: gloo on CPU, NCCL on GPUs; the ranks "
+                        "are spawned here, or joined under torchrun); docs/distributed.md")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -255,9 +258,19 @@ def _load(args: argparse.Namespace):
         model, tok = load_hf_folder(args.model)
         if tok is None:
             raise ValueError(f"{args.model}: the folder holds no tokenizer (tokenizer.json / tokenizer_config.json)")
-    target = HFCausalLM(model)
+    if args.tensor_parallel > 1:
+        from specdec.distributed.cli import tensor_parallel_target
+
+        target = tensor_parallel_target(args.model, args.tensor_parallel, model, threads=args.threads)
+    else:
+        target = HFCausalLM(model)
     src = _DraftSource(args, draft, tok, bundled_draft, args.docs_opt or [])
     return target, DRAFTER_PRESETS[draft](src), tok, draft
+
+
+def load_target(args: argparse.Namespace):
+    """(target, drafter, tokenizer, draft name) for parsed ``generate`` / ``serve`` options (other launchers)."""
+    return _load(args)
 
 
 class _Streamer:
