@@ -97,6 +97,11 @@ def _build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-queue", type=int, default=64,
                    help="most requests waiting for a batch row; more get HTTP 429 (default 64)")
     v.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
+    v.add_argument("--replicas", type=int, default=1, metavar="N",
+                   help="with --ray: N replicas (each its own engine) behind one Ray Serve endpoint")
+    v.add_argument("--ray", action="store_true", help="serve through Ray Serve (the ray extra; docs/distributed.md)")
+    v.add_argument("--ray-address", default=None, metavar="HOST:PORT",
+                   help="with --ray: join a running cluster (ray start --head) instead of starting one")
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     b = sub.add_parser("bench", help="end-to-end benchmark grid with a JSON result and a PNG dashboard",
                        add_help=False)
@@ -349,6 +354,12 @@ def _serve(args: argparse.Namespace) -> int:
     from specdec.engine import Engine
     from specdec.server import serve
 
+    if args.ray:
+        from specdec.distributed.ray_serve import serve_replicas
+
+        return serve_replicas(args)
+    if args.replicas != 1:
+        raise ValueError("--replicas needs --ray (replicas run on Ray Serve)")
     target, drafter, tok, draft = _load(args)
     engine = Engine(target, drafter, max_batch=args.max_batch, max_len=args.max_len, policy=args.policy)
     name = args.served_model_name or (args.model if _is_bundled(args.model) else Path(args.model).name)
