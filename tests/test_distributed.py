@@ -135,3 +135,11 @@ def test_dying_rank_is_reported(models):
     with pytest.raises(TensorParallelError, match="unusable"):
         tp2.forward(cache, torch.tensor([[5]]), torch.tensor([[0]]))
     assert time.perf_counter() - t0 < 5
+
+
+def test_cli_replicas_need_ray(capsys):
+    pytest.importorskip("fastapi")
+    from specdec.cli import main
+
+    assert main(["serve", "--replicas", "2"]) == 2
+    assert "--replicas needs --ray" in capsys.readouterr().err
