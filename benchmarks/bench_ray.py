@@ -73,9 +73,12 @@ def main() -> None:
     questions = [texts[i % len(texts)] for i in range(a.requests)]
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False)
     rows, replies = [], {}
+    port = _port()  # Serve's proxy keeps its first port
     for replicas in (1, 2):
         t_start = time.perf_counter()
-        url = start_replicas(serve_args(replicas, a.max_batch), replicas, timeout=600)
+        args = serve_args(replicas, a.max_batch)
+        args.port = port
+        url = start_replicas(args, replicas, timeout=600)
         started = time.perf_counter() - t_start
         load(url, questions[:2], 2, 4)  # warm-up
         out, wall = load(url, questions, a.concurrency, a.max_tokens)

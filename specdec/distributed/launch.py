@@ -82,7 +82,7 @@ def _handshake(comm: Comm, shard: ShardedLlama) -> None:
 
 
 def _worker_main(rank: int, world_size: int, init_method: str, backend: str, timeout: float, source: ModelSource,
-                 device: str, threads: Optional[int], errors) -> None:
+                 device: str, threads: Optional[int], errors, shared: Optional[torch.nn.Module] = None) -> None:
     try:
         if threads:
             torch.set_num_threads(threads)
@@ -90,7 +90,9 @@ def _worker_main(rank: int, world_size: int, init_method: str, backend: str, tim
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         comm = _join(rank, world_size, init_method, backend, timeout, None, dev)
-        shard = ShardedLlama(source.load(dev), rank, world_size, comm)
+        model = shared if shared is not None else source.load(dev)
+        shard = ShardedLlama(model, rank, world_size, comm)
+        del model, shared  # the shard holds copies of its slices (and the shared embedding / norms)
         _handshake(comm, shard)
         worker_loop(shard, comm)
     except BaseException:  # noqa: BLE001 - reported to rank 0, then this rank exits non-zero
@@ -109,7 +111,9 @@ def launch_tensor_parallel(source: ModelSource, world_size: int, device: str = "
     ``timeout``: seconds any collective may wait (a lost rank is reported after at most this);
     ``threads``: torch threads of each spawned rank; ``collective_delay``: (fixed seconds, seconds per
     byte) added to each all-reduce on rank 0 (a slower link, for what-if runs); ``model``: rank 0's
-    already loaded copy of ``source`` (else it is loaded here)."""
+    already loaded copy of ``source`` (else it is loaded here). On CPU the spawned ranks read their
+    slices from rank 0's copy through shared memory (``model.share_memory()``) instead of loading the
+    checkpoint again; on GPUs every rank loads ``source`` onto its own device."""
     import torch.multiprocessing as mp
 
     if int(world_size) < 1:
@@ -129,10 +133,18 @@ def launch_tensor_parallel(source: ModelSource, world_size: int, device: str = "
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_worker_main, daemon=True,
-                         args=(r, world_size, init_method, backend, timeout, source, device, threads, errors))
-             for r in range(1, world_size)]
-    for p in procs:
+    def make(shared):
+        return [ctx.Process(target=_worker_main, daemon=True, args=(r, world_size, init_method, backend, timeout,
+                                                                    source, device, threads, errors, shared))
+                for r in range(1, world_size)]
+
+    procs = make(model.share_memory() if device == "cpu" else None)
+    try:
+        procs[0].start()
+    except Exception:  # noqa: BLE001 - a model that does not pickle: the ranks load the source themselves
+        procs = make(None)
+        procs[0].start()
+    for p in procs[1:]:
         p.start()
 
     def stop() -> None:

@@ -79,13 +79,15 @@ def replica_app(args: argparse.Namespace, replicas: int):
 def start_replicas(args: argparse.Namespace, replicas: int, address: Optional[str] = None,
                    num_cpus: Optional[int] = None, timeout: float = 300.0) -> str:
     """Start Ray (or join ``address``), deploy the replicas on ``args.host:args.port``; returns the URL
-    once every replica answers (bounded by ``timeout``)."""
+    once the endpoint answers and ``replicas`` replicas run (bounded by ``timeout``). Serve's HTTP proxy
+    keeps the host / port of its first start: redeploying in the same cluster must use the same port."""
     ray, serve = _require_ray()
     if not ray.is_initialized():
         if address:
             ray.init(address=address)
         else:
             ray.init(num_cpus=num_cpus, include_dashboard=False)
+    # Serve keeps the HTTP options of its first start in this cluster: a second deployment reuses its port
     serve.start(http_options={"host": args.host, "port": args.port})
     t0 = time.time()
     serve.run(replica_app(args, replicas), name="specdec", route_prefix="/", blocking=False)
@@ -94,9 +96,10 @@ def start_replicas(args: argparse.Namespace, replicas: int, address: Optional[st
 
     while True:
         try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
+            running = serve.status().applications["specdec"].deployments["specdec"].replica_states.get("RUNNING", 0)
+            if running == replicas and httpx.get(url + "/health", timeout=5).status_code == 200:
                 return url
-        except httpx.HTTPError:
+        except (httpx.HTTPError, KeyError):
             pass
         if time.time() - t0 > timeout:
             serve.shutdown()
