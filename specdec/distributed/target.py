@@ -40,7 +40,8 @@ class TensorParallelError(RuntimeError):
 
 class ShardCache(StaticKVCache):
     """Rank 0's shard of a tensor-parallel KV cache: its own KV heads, plus a journal of the changes
-    the other ranks replay on theirs (sent with the next call)."""
+    the other ranks replay on theirs (sent with the next call): commits and row moves. Changes of the
+    lengths alone (``lens += 1``, ``rewind``, ``reset``) need no entry: every message carries them."""
 
     def _journal(self, op: str, *args) -> None:
         self._tp._journal.append((op, self._cid, self._row0, self.batch, self._base_lens.clone(), args))
@@ -55,12 +56,6 @@ class ShardCache(StaticKVCache):
     def commit(self, accepted: torch.Tensor, num_accepted: torch.Tensor) -> None:
         self._journal("commit", accepted.cpu(), num_accepted.cpu())
         super().commit(accepted, num_accepted)
-
-    def rewind(self, lens) -> None:
-        super().rewind(lens)  # lens travel with the next message
-
-    def reset(self, rows: Optional[Sequence[int]] = None) -> None:
-        super().reset(rows)   # lens travel with the next message
 
     def move_rows(self, moves) -> None:
         """Row moves (``specdec.cache.move_cache_rows``) on every rank's shard."""
