@@ -102,7 +102,12 @@ class StaticKVCache:
 
 
 def move_cache_rows(cache, moves: Sequence[Tuple[int, int, int]]) -> None:
-    """Copy the first ``length`` positions and the length of row ``src`` into row ``dst`` of a StaticKVCache."""
+    """Copy the first ``length`` positions and the length of row ``src`` into row ``dst`` of a StaticKVCache.
+    A cache with its own ``move_rows`` (a tensor-parallel shard: every rank moves its rows) does it itself."""
+    own = getattr(cache, "move_rows", None)
+    if own is not None:
+        own(moves)
+        return
     for src, dst, length in moves:
         if src == dst:
             continue

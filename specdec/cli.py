@@ -65,6 +65,9 @@ def _model_options(g: argparse.ArgumentParser) -> None:
                    help="how much to draft per step: goodput (default: measured tokens/s, falls back to plain "
                         "decoding when drafting does not pay), heuristic (+2/-1), fixed (always --k)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the target over N ranks (torch.distributed: gloo on CPU, NCCL on GPUs; the ranks "
+                        "are spawned here, or joined under torchrun); docs/distributed.md")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -101,6 +104,11 @@ def _build_parser() -> argparse.ArgumentParser:
     v.add_argument("--block-size", type=int, default=16, help="positions per KV block (default 16)")
     v.add_argument("--no-prefix-caching", action="store_true", help="do not share cached prompt blocks")
     v.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
+    v.add_argument("--replicas", type=int, default=1, metavar="N",
+                   help="with --ray: N replicas (each its own engine) behind one Ray Serve endpoint")
+    v.add_argument("--ray", action="store_true", help="serve through Ray Serve (the ray extra; docs/distributed.md)")
+    v.add_argument("--ray-address", default=None, metavar="HOST:PORT",
+                   help="with --ray: join a running cluster (ray start --head) instead of starting one")
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     b = sub.add_parser("bench", help="end-to-end benchmark grid with a JSON result and a PNG dashboard",
                        add_help=False)
@@ -262,9 +270,19 @@ def _load(args: argparse.Namespace):
         model, tok = load_hf_folder(args.model)
         if tok is None:
             raise ValueError(f"{args.model}: the folder holds no tokenizer (tokenizer.json / tokenizer_config.json)")
-    target = HFCausalLM(model)
+    if args.tensor_parallel > 1:
+        from specdec.distributed.cli import tensor_parallel_target
+
+        target = tensor_parallel_target(args.model, args.tensor_parallel, model, threads=args.threads)
+    else:
+        target = HFCausalLM(model)
     src = _DraftSource(args, draft, tok, bundled_draft, args.docs_opt or [])
     return target, DRAFTER_PRESETS[draft](src), tok, draft
+
+
+def load_target(args: argparse.Namespace):
+    """(target, drafter, tokenizer, draft name) for parsed ``generate`` / ``serve`` options (other launchers)."""
+    return _load(args)
 
 
 class _Streamer:
@@ -343,6 +361,12 @@ def _serve(args: argparse.Namespace) -> int:
     from specdec.engine import Engine
     from specdec.server import serve
 
+    if args.ray:
+        from specdec.distributed.ray_serve import serve_replicas
+
+        return serve_replicas(args)
+    if args.replicas != 1:
+        raise ValueError("--replicas needs --ray (replicas run on Ray Serve)")
     target, drafter, tok, draft = _load(args)
     engine = Engine(target, drafter, max_batch=args.max_batch, max_len=args.max_len, policy=args.policy,
                     kv_cache=args.kv_cache, block_size=args.block_size, num_blocks=args.kv_blocks,
