@@ -17,6 +17,11 @@ Parts (each interleaves its configurations round by round; medians and per-round
   before) vs the same request on a cold engine; outputs identical.
 * ``step``: one decode step of the target (forward + commit) at batch 1 and 8 on the dense
   cache vs the paged view (block size 16, shuffled blocks), 512 committed positions.
+* ``soak``: ``--soak`` requests (random prompts sharing prefixes, 1-32 new tokens, greedy and
+  seed-coupled sampling, prompt lookup) arriving over time into a pool of 14 blocks of 16
+  positions with ``max_batch = 8``, a quarter of them aborted at random moments (waiting,
+  running or preempted): lost requests, leaked blocks (allocator invariants after every step),
+  preemptions, and the outputs of every finished request compared with its solo run.
 
 Writes benchmarks/results/paged_engine_<date>.json (or --out).
 """
@@ -166,15 +171,81 @@ def part_step(lm, args) -> dict:
     return res
 
 
+def part_soak(lm, args) -> dict:
+    import random
+
+    from specdec import PromptLookup
+
+    rng = random.Random(0)
+    V = lm.vocab_size
+    prefixes = [[rng.randrange(V) for _ in range(rng.randint(16, 48))] for _ in range(6)]
+    jobs = []
+    for i in range(args.soak):
+        prompt = rng.choice(prefixes) + [rng.randrange(V) for _ in range(rng.randint(1, 24))]
+        params = RequestParams(max_new_tokens=rng.randint(1, 32), **(dict(temperature=0.8, seed=i) if i % 3 == 0
+                                                                      else {}))
+        jobs.append((i, prompt, params))
+    eng = Engine(lm, PromptLookup(ngram=2, k=4, min_ngram=1), max_batch=8, max_len=160, num_blocks=14,
+                 block_size=16, policy="fixed")
+    out = {i: [] for i, _, _ in jobs}
+    done, aborted, live = {}, set(), set()
+    t0 = time.perf_counter()
+    pending = list(jobs)
+    steps = 0
+    while pending or eng.has_unfinished():
+        for _ in range(rng.randint(0, 2)):
+            if pending:
+                rid, prompt, params = pending.pop(0)
+                eng.add_request(rid, prompt, params)
+                live.add(rid)
+        for d in eng.step():
+            out[d.request_id].extend(d.new_tokens)
+            if d.finished:
+                done[d.request_id] = d.finish_reason
+                live.discard(d.request_id)
+        steps += 1
+        eng.kv.allocator.check()
+        if live and rng.random() < 0.12:
+            victim = rng.choice(sorted(live))
+            if eng.abort(victim):
+                aborted.add(victim)
+                live.discard(victim)
+    dt = time.perf_counter() - t0
+    st = eng.stats()
+    finished = sorted(done)
+    check = finished[:: max(1, len(finished) // args.soak_check)]
+    mismatched = []
+    for rid in check:
+        _, prompt, params = jobs[rid]
+        solo = Engine(lm, None, max_batch=1, max_len=160, kv_cache="dense", policy="fixed")
+        solo.add_request(rid, prompt, params)
+        toks = []
+        while solo.has_unfinished():
+            for d in solo.step():
+                toks.extend(d.new_tokens)
+        if toks != out[rid]:
+            mismatched.append(rid)
+    res = dict(requests=args.soak, finished=len(done), aborted=len(aborted),
+               lost=args.soak - len(done) - len(aborted), steps=steps, seconds=dt,
+               preemptions=st["preemptions"], kv_blocks_used_at_end=st["kv_blocks_used"],
+               kv_blocks_free_at_end=st["kv_blocks_free"], kv_blocks_total=st["kv_blocks_total"],
+               prefix_cache_hit_rate=st["prefix_cache_hit_rate"], evictions=st["prefix_cache_evictions"],
+               checked_against_solo=len(check), mismatched=mismatched)
+    print(f"soak: {res}", flush=True)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--precision", default="q4_1")
-    ap.add_argument("--parts", default="capacity,prefix,step")
+    ap.add_argument("--parts", default="capacity,prefix,step,soak")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--step-rounds", type=int, default=7)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-new", type=int, default=48)
     ap.add_argument("--prefix-tokens", type=int, default=1000)
+    ap.add_argument("--soak", type=int, default=500)
+    ap.add_argument("--soak-check", type=int, default=60, help="finished soak requests compared with solo runs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     model, tok = specdec.load_bundled("smollm2-135m", precision=args.precision)
@@ -187,6 +258,8 @@ def main() -> None:
         rec["step"] = part_step(lm, args)
     if "prefix" in parts:
         rec["prefix"] = part_prefix(lm, tok, args)
+    if "soak" in parts:
+        rec["soak"] = part_soak(lm, args)
     if "capacity" in parts:
         rec["capacity"] = part_capacity(lm, tok, args)
     rec["loadavg_after"] = loadavg()
