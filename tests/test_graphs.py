@@ -73,7 +73,7 @@ def test_buckets_are_evicted_least_recently_used(caplog):
         for n in (1, 2, 1, 3, 4, 2):
             g.forward(cache, torch.zeros(1, n, dtype=torch.long), torch.arange(n)[None])
             if n == 3:
-                shapes = [k[3] for k in g.buckets()]
+                shapes = [k[4] for k in g.buckets()]
                 assert shapes == [(1, 1), (1, 3)], shapes  # (1, 2) was the least recently used
     assert g.evictions == 3 and len(g.buckets()) == 2
     warned = [r for r in caplog.records if r.name == "specdec.graphs"]
