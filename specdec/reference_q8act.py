@@ -16,6 +16,7 @@ device are computed on the CPU and the result moved back.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -37,10 +38,10 @@ def quantize_q8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def weight_codes(qweight: torch.Tensor, mins: Optional[torch.Tensor], bits: int) -> torch.Tensor:
     """The weight codes c [N, K / 32, 32] as int64 (Q8_0 q, Q4_0 q - 8, Q4_1 q), element order."""
-    N = qweight.shape[0]
+    N, G = qweight.shape[0], qweight.shape[1] * (8 // bits) // 32
     if bits == 8:
-        return qweight.cpu().to(torch.int64).reshape(N, -1, 32)
-    q = qweight.cpu().to(torch.int64).reshape(N, -1, 16)
+        return qweight.cpu().to(torch.int64).reshape(N, G, 32)
+    q = qweight.cpu().to(torch.int64).reshape(N, G, 16)
     c = torch.cat((q & 15, q >> 4), dim=-1)
     return c if mins is not None else c - 8
 
@@ -49,9 +50,11 @@ def qlinear_q8act(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
                   bias: Optional[torch.Tensor], bits: int) -> torch.Tensor:
     """The op's output [..., N] in x's dtype (float32 inside), bit-exact with the kernels."""
     K, N = x.shape[-1], qweight.shape[0]
-    G = K // 32
-    a, d = quantize_q8(x.reshape(-1, K).cpu())
-    M = a.shape[0]
+    G, M = K // 32, math.prod(x.shape[:-1])
+    b = bias.cpu().float() if bias is not None else torch.zeros(N)
+    if M == 0 or N == 0 or K == 0:  # nothing to sum: the bias (0 without one)
+        return b.expand(*x.shape[:-1], N).to(device=x.device, dtype=x.dtype).clone()
+    a, d = quantize_q8(x.reshape(M, K).cpu())
     a4 = a.to(torch.float64).reshape(M, 1, G, 8, 4)
     c4 = weight_codes(qweight, mins, bits).to(torch.float64).reshape(1, N, G, 8, 4)
     p = (a4 * c4).sum(-1).float()  # [M, N, G, 8]: exact integers (|p| < 2^17)
@@ -67,6 +70,5 @@ def qlinear_q8act(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     h = h[..., :4] + h[..., 4:]
     h = h[..., :2] + h[..., 2:]
     y = h[..., 0] + h[..., 1]
-    b = bias.cpu().float() if bias is not None else torch.zeros(N)
     y = y + b
     return y.reshape(*x.shape[:-1], N).to(device=x.device, dtype=x.dtype)
