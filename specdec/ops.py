@@ -261,11 +261,6 @@ def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: 
     return _ops.qlinear_q8act(x, qweight, scales, mins, bias, int(bits))
 
 
-def quantize_q8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``qlinear(..., act="q8")``'s activations: (codes int8 [..., K], d float32 [..., K / 32]), x ~ d * codes."""
-    return _ops.quantize_q8(x)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim as transformers' LlamaRMSNorm computes it:
     ``weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)`` with x32 = x in float32.
@@ -462,3 +457,6 @@ def _decoder_layer_fake(x, h, weights, scales, mins, biases, bits, post_norm_wei
                         kv_offset, scale, num_heads, num_kv_heads):
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
+from specdec.ops_q8act import quantize_q8  # noqa: E402  (the act="q8" helpers and their fake impls)
