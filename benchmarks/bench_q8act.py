@@ -56,10 +56,13 @@ def weight_bytes(model) -> int:
     return total
 
 
-def bandwidth_gbs(buf: torch.Tensor) -> float:
-    t0 = time.perf_counter()
+def bandwidth_gbs(buf: torch.Tensor):
+    """(wall-clock GB/s, CPU-time GB/s) of one read of buf."""
+    t0, c0 = time.perf_counter(), time.process_time()
     buf.sum()
-    return buf.numel() * buf.element_size() / (time.perf_counter() - t0) / 1e9
+    nbytes = buf.numel() * buf.element_size()
+    return nbytes / (time.perf_counter() - t0) / 1e9, nbytes / max(time.process_time() - c0, 1e-9) / 1e9 * (
+        torch.get_num_threads())
 
 
 def main() -> int:
@@ -94,27 +97,42 @@ def main() -> int:
     for c, lm in configs.items():
         lm.prefill(caches[c], [prefix])
     buf = torch.ones(64 << 20)
+    # wall-clock and CPU time (process_time: what the step computed while it was scheduled; on an
+    # oversubscribed machine the wall clock mostly measures the other processes)
     times = {(c, n): [] for c in configs for n in NODES}
-    bws = []
+    cpu = {(c, n): [] for c in configs for n in NODES}
+    bws, bws_cpu = [], []
     for r in range(a.rounds + 1):  # round 0 warms up
         bw = [bandwidth_gbs(buf) for _ in range(3)]
         for n in NODES:
             tk, dep = torch.zeros(1, n, dtype=torch.long), torch.arange(n)[None]
             for c, lm in configs.items():
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 for _ in range(a.reps):
                     lm.forward(caches[c], tk, dep)
                 if r:
                     times[(c, n)].append((time.perf_counter() - t0) / a.reps)
+                    cpu[(c, n)].append((time.process_time() - c0) / a.reps)
         if r:
-            bws.append(max(bw))
-        print(f"round {r}: " + ", ".join(f"{c} {times[(c, 1)][-1] * 1e3:.2f} ms" for c in configs if r), flush=True)
-    bandwidth = statistics.median(bws)
-    step_ms = {c: {n: round(statistics.median(times[(c, n)]) * 1e3, 3) for n in NODES} for c in configs}
-    ratio = {c: {n: round(statistics.median(x / y for x, y in zip(times[(c, n)], times[(c, 1)])), 3) for n in NODES}
-             for c in configs}
+            bws.append(max(b[0] for b in bw))
+            bws_cpu.append(max(b[1] for b in bw))
+        print(f"round {r}: " + ", ".join(f"{c} {cpu[(c, 1)][-1] * 1e3:.2f} ms cpu" for c in configs if r), flush=True)
+    bandwidth, bandwidth_cpu = statistics.median(bws), statistics.median(bws_cpu)
+
+    def med_ms(d):
+        return {c: {n: round(statistics.median(d[(c, n)]) * 1e3, 3) for n in NODES} for c in configs}
+
+    def ratios(d):
+        return {c: {n: round(statistics.median(x / y for x, y in zip(d[(c, n)], d[(c, 1)])), 3) for n in NODES}
+                for c in configs}
+
+    step_ms, step_cpu_ms, ratio, ratio_cpu = med_ms(times), med_ms(cpu), ratios(times), ratios(cpu)
+    threads = torch.get_num_threads()
     roofline = {c: {"bytes_per_step": step_bytes[c], "roofline_ms": round(step_bytes[c] / bandwidth / 1e6, 3),
-                    "fraction_of_roofline": round(step_bytes[c] / bandwidth / 1e6 / step_ms[c][1], 3)}
+                    "fraction_of_roofline": round(step_bytes[c] / bandwidth / 1e6 / step_ms[c][1], 3),
+                    "roofline_cpu_ms": round(step_bytes[c] / bandwidth_cpu / 1e6, 3),
+                    "fraction_of_roofline_cpu_time": round(
+                        step_bytes[c] / bandwidth_cpu / 1e6 / (step_cpu_ms[c][1] / threads), 3)}
                 for c in configs}
 
     # ---------------------------------------------------------------- greedy generation, plain decoding
@@ -133,26 +151,35 @@ def main() -> int:
     tokens_per_s = {c: round(statistics.median(v), 2) for c, v in tps.items()}
     q = "q4_1+q8act"
     targets = {
-        "q4_1+q8act step <= 5 ms": {"value_ms": step_ms[q][1], "met": step_ms[q][1] <= 5.0},
-        "q4_1+q8act >= 65 % of the read roofline": {"value": roofline[q]["fraction_of_roofline"],
-                                                    "met": roofline[q]["fraction_of_roofline"] >= 0.65},
-        "q4_1+q8act 8-node verify <= 1.15x a 1-node pass": {"value": ratio[q][8], "met": ratio[q][8] <= 1.15},
+        "q4_1+q8act step <= 5 ms": {"wall_ms": step_ms[q][1], "cpu_ms_per_thread": step_cpu_ms[q][1] / threads,
+                                    "met": step_ms[q][1] <= 5.0},
+        "q4_1+q8act >= 65 % of the read roofline": {
+            "wall": roofline[q]["fraction_of_roofline"], "cpu_time": roofline[q]["fraction_of_roofline_cpu_time"],
+            "met": roofline[q]["fraction_of_roofline"] >= 0.65},
+        "q4_1+q8act 8-node verify <= 1.15x a 1-node pass": {"wall": ratio[q][8], "cpu_time": ratio_cpu[q][8],
+                                                            "met": ratio[q][8] <= 1.15},
     }
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
     res = {"date": _dt.date.today().isoformat(), "commit": commit, "threads": torch.get_num_threads(),
            "loadavg": os.getloadavg(), "rounds": a.rounds, "reps": a.reps, "prefix": PREFIX,
            "q8act_tier": _C.q8act_tier(), "read_bandwidth_gbs": round(bandwidth, 2),
+           "read_bandwidth_cpu_time_gbs": round(bandwidth_cpu, 2),
            "read_bandwidth_rounds_gbs": [round(b, 2) for b in bws], "step_ms_median": step_ms,
-           "verify_ratio_vs_1_node": ratio, "roofline": roofline, "tokens_per_s_plain": tokens_per_s,
+           "step_cpu_ms_median": step_cpu_ms, "verify_ratio_vs_1_node": ratio,
+           "verify_ratio_vs_1_node_cpu_time": ratio_cpu, "roofline": roofline, "tokens_per_s_plain": tokens_per_s,
            "tokens_per_s_per_prompt": tps, "targets": targets,
            "step_ms_rounds": {f"{c} N={n}": [round(t * 1e3, 3) for t in v] for (c, n), v in times.items()},
-           "notes": "2 shared CPU cores: other processes ran during the measurement (see loadavg); "
+           "step_cpu_ms_rounds": {f"{c} N={n}": [round(t * 1e3, 3) for t in v] for (c, n), v in cpu.items()},
+           "notes": "2 shared CPU cores: other processes ran during the measurement (see loadavg); the CPU-time "
+                    "columns (process_time, per thread) are what the steps computed while scheduled; "
                     "llama.cpp not run in this record"}
     out = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / f"q8act_cpu_{res['date']}.json"
     out.write_text(json.dumps(res, indent=1))
-    print(json.dumps({k: res[k] for k in ("loadavg", "read_bandwidth_gbs", "step_ms_median", "verify_ratio_vs_1_node",
-                                          "roofline", "tokens_per_s_plain", "targets")}, indent=1))
+    print(json.dumps({k: res[k] for k in ("loadavg", "read_bandwidth_gbs", "read_bandwidth_cpu_time_gbs",
+                                          "step_ms_median", "step_cpu_ms_median", "verify_ratio_vs_1_node",
+                                          "verify_ratio_vs_1_node_cpu_time", "roofline", "tokens_per_s_plain",
+                                          "targets")}, indent=1))
     print("wrote", out)
     return 0
 

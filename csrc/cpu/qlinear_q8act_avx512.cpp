@@ -103,8 +103,10 @@ inline void tile(const Q8ActParams& P, int64_t n0, int64_t m0) {
   // the float16 scales (mins) of 16 blocks widened at once; each pair's [d_g x 8 | d_g+1 x 8] by a permute
   __m512 ds[NR], ms[NR];
   const __m512i idx0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  Q8Prefetch prefetch(P, n0, NR, m0, (G + 1) / 2);
   int64_t g = 0;
   for (; g + 2 <= G; g += 2) {
+    prefetch.step();
     if ((g & 15) == 0) {
       const int64_t cnt = std::min<int64_t>(16, G - g);
       const __mmask16 k = cnt == 16 ? __mmask16(0xFFFF) : __mmask16((1u << cnt) - 1);

@@ -108,8 +108,10 @@ inline void tile(const Q8ActParams& P, int64_t n0, int64_t m0) {
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MR; ++m) even[r][m] = odd[r][m] = _mm256_setzero_ps();
   alignas(32) float ds[NR][8], ms[NR][8];
+  Q8Prefetch prefetch(P, n0, NR, m0, (G + 1) / 2);
   int64_t g = 0;
   for (; g < G; g += 2) {
+    prefetch.step();
     if ((g & 7) == 0) load_scales<MINS, NR>(P, n0, g, ds, ms);
     block<BITS, MINS, NR, MR>(P, n0, m0, g, ds, ms, even);
     if (g + 1 < G) block<BITS, MINS, NR, MR>(P, n0, m0, g + 1, ds, ms, odd);

@@ -65,6 +65,25 @@ void q8act_rows_avx2(const Q8ActParams& P, int64_t n_begin, int64_t n_end);
 void q8act_rows_avxvnni(const Q8ActParams& P, int64_t n_begin, int64_t n_end);
 void q8act_rows_avx512vnni(const Q8ActParams& P, int64_t n_begin, int64_t n_end);
 
+// Software prefetch for a tile of weight rows [n0, n0 + nr): the codes of the rows max(8, 2 nr) ahead
+// (DRAM latency is longer than one tile's compute), spread evenly over the tile's `steps` loop steps;
+// only the first activation tile of a row block issues them (m0 == 0). No effect on the results.
+struct Q8Prefetch {
+  const char* p = nullptr;
+  int64_t lines = 0, per_step = 0, issued = 0;
+  Q8Prefetch(const Q8ActParams& P, int64_t n0, int64_t nr, int64_t m0, int64_t steps) {
+    const int64_t row_bytes = P.bits == 8 ? P.K : P.K / 2, ahead = n0 + (nr * 2 > 8 ? nr * 2 : 8);
+    const int64_t rows = m0 == 0 && ahead < P.N ? (P.N - ahead < nr ? P.N - ahead : nr) : 0;
+    if (rows <= 0) return;
+    p = static_cast<const char*>(P.qw) + ahead * row_bytes;
+    lines = (rows * row_bytes + 63) / 64;
+    per_step = steps > 0 ? (lines + steps - 1) / steps : 0;
+  }
+  inline void step() {
+    for (int64_t j = 0; j < per_step && issued < lines; ++j, ++issued) __builtin_prefetch(p + issued * 64, 0, 2);
+  }
+};
+
 // The 16 canonical accumulators summed in the definition's order (step 3).
 inline float q8_fold16(const float* acc) {
   float h[8];
