@@ -109,3 +109,15 @@ def test_act_errors():
         load_bundled("smollm2-135m", precision="q4_1", act="q4")
     with pytest.raises(ValueError, match=r"set_activation_quant: act must be None or 'q8', got 'int8'"):
         set_activation_quant(torch.nn.Linear(2, 2), "int8")
+
+
+
+def test_cli_switches(tmp_path, capsys):
+    from specdec.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["generate", "hi", "--act", "q4"])
+    assert "invalid choice: 'q4'" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["generate", "hi", "--model", str(tmp_path), "--precision", "q4_1", "--act", "q8"]) == 2
+    assert "--precision / --act apply to the bundled model only" in capsys.readouterr().err
