@@ -17,7 +17,7 @@
 // Projection slots: 7 (q, k, v, o, gate, up, down) or 4 (qkv, o, gate_up, down). Slot i is
 // linear(x, weights[i], biases[i], scales[i]) when bits[i] == 0 (float weight, or int8 with a
 // per-row scale) and qlinear(x, weights[i], scales[i], mins[i], biases[i], bits[i]) for
-// bits 4 / 8. Every argument is validated before the caches are written; an error names the
+// bits 4 / 8; bits 4 | 32 / 8 | 32 (kQ8ActFlag) = qlinear_q8act (activations quantized per block). Every argument is validated before the caches are written; an error names the
 // slot. The backend of the inputs picks the kernels (CPU, or CUDA when built with it).
 // The CPU q / k / v and gate / up float linears share one parallel region on the float32 path.
 //
@@ -34,6 +34,7 @@
 #include "cpu/raw.h"
 #include "ops.h"
 #include "paged_checks.h"
+#include "q8act.h"
 
 namespace specdec {
 namespace {
@@ -48,7 +49,10 @@ struct Kernels {
   decltype(&silu_mul_cpu) silu_mul;
   decltype(&append_kv_paged_cpu) append_kv_paged;
   decltype(&verify_attention_paged_cpu) verify_attention_paged;
+  decltype(&qlinear_q8act_cpu) qlinear_q8act;
 };
+
+constexpr int64_t kQ8ActFlag = 32;  // bits | kQ8ActFlag: the slot's activations are quantized (qlinear_q8act)
 
 // The op name errors carry: "decoder_layer", or "decoder_layer_paged" for the duration of a paged call.
 thread_local const char* kOp = "decoder_layer";
@@ -66,7 +70,7 @@ struct Slots {
   // The weight's (out, in) features.
   std::pair<int64_t, int64_t> shape(size_t i) const {
     const at::Tensor& w = weights[i];
-    return {w.size(0), bits[i] == 4 ? w.size(1) * 2 : w.size(1)};
+    return {w.size(0), (bits[i] & ~kQ8ActFlag) == 4 ? w.size(1) * 2 : w.size(1)};
   }
 };
 
@@ -77,13 +81,13 @@ void check_slot(const Slots& S, size_t i, const at::Tensor& probe, int64_t out) 
   TORCH_CHECK(w.dim() == 2, kOp, ": weights[", i, "] (", S.name(i), ") must be a 2-D weight, got ", w.sizes());
   const auto [n, k] = S.shape(i);
   TORCH_CHECK(n == out && k == in, kOp, ": weights[", i, "] (", S.name(i), ") must map ", in, " to ", out,
-              " features, got a weight of ", w.sizes(), (S.bits[i] == 4 ? " (4-bit: [out, in / 2])" : ""));
+              " features, got a weight of ", w.sizes(), ((S.bits[i] & ~kQ8ActFlag) == 4 ? " (4-bit: [out, in / 2])" : ""));
   try {
     if (S.bits[i] == 0) {
       checks::linear(probe, w, S.biases[i], S.scales[i]);
     } else {
       TORCH_CHECK(S.scales[i].has_value(), "the group scales are missing (bits ", S.bits[i], ")");
-      checks::qlinear(probe, w, *S.scales[i], S.mins[i], S.biases[i], S.bits[i]);
+      checks::qlinear(probe, w, *S.scales[i], S.mins[i], S.biases[i], S.bits[i] & ~kQ8ActFlag);
     }
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, kOp, ": projection ", S.name(i), " (slot ", i, "): ", e.what_without_backtrace());
@@ -92,6 +96,8 @@ void check_slot(const Slots& S, size_t i, const at::Tensor& probe, int64_t out) 
 
 at::Tensor project(const Kernels& K, const Slots& S, size_t i, const at::Tensor& x) {
   if (S.bits[i] == 0) return K.linear(x, S.weights[i], S.biases[i], S.scales[i]);
+  if (S.bits[i] & kQ8ActFlag)
+    return K.qlinear_q8act(x, S.weights[i], *S.scales[i], S.mins[i], S.biases[i], S.bits[i] & ~kQ8ActFlag);
   return K.qlinear(x, S.weights[i], *S.scales[i], S.mins[i], S.biases[i], S.bits[i]);
 }
 
@@ -163,7 +169,8 @@ void project_raw(const Slots& S, size_t i, const float* x, int64_t M, int64_t K,
   P.M = M;
   P.N = w.size(0);
   P.K = K;
-  P.bits = int(S.bits[i]);
+  P.bits = int(S.bits[i] & ~kQ8ActFlag);
+  if (S.bits[i] & kQ8ActFlag) return cpu::qlinear_q8act_raw(x, K, P);
   cpu::qlinear_raw(P);
 }
 
@@ -311,8 +318,9 @@ std::tuple<at::Tensor, at::Tensor> run(const Kernels& K, const at::Tensor& x, co
               ": scales, mins, biases and bits must have one entry per projection (", n, "), got ", scales.size(),
               ", ", mins.size(), ", ", biases.size(), ", ", bits.size());
   for (size_t i = 0; i < n; ++i)
-    TORCH_CHECK(bits[i] == 0 || bits[i] == 4 || bits[i] == 8, kOp, ": bits[", i, "] must be 0 (linear), 4 or 8 "
-                "(qlinear), got ", bits[i]);
+    TORCH_CHECK(bits[i] == 0 || bits[i] == 4 || bits[i] == 8 || bits[i] == (4 | kQ8ActFlag) ||
+                bits[i] == (8 | kQ8ActFlag), kOp, ": bits[", i, "] must be 0 (linear), 4 or 8 (qlinear), or 36 / 40 "
+                "(qlinear_q8act: 4 / 8 | 32), got ", bits[i]);
   TORCH_CHECK(x.dim() == 3, kOp, ": x must be [B, N, H] (the normed layer input), got ", x.sizes());
   TORCH_CHECK(h.sizes() == x.sizes() && h.scalar_type() == x.scalar_type() && h.device() == x.device(), kOp,
               ": h (the residual stream) must be ", x.scalar_type(), " ", x.sizes(), " on ", x.device(),
@@ -415,11 +423,11 @@ std::tuple<at::Tensor, at::Tensor> run(const Kernels& K, const at::Tensor& x, co
 static const Kernels& kernels_for(const at::Tensor& x) {
   static const Kernels kCpu{&linear_cpu, &qlinear_cpu, &rope_cpu, &append_kv_cpu,
                             &verify_attention_cpu, &add_rms_norm_cpu, &silu_mul_cpu,
-                            &append_kv_paged_cpu, &verify_attention_paged_cpu};
+                            &append_kv_paged_cpu, &verify_attention_paged_cpu, &qlinear_q8act_cpu};
 #ifdef SPECDEC_WITH_CUDA
   static const Kernels kCuda{&linear_cuda, &qlinear_cuda, &rope_cuda, &append_kv_cuda,
                              &verify_attention_cuda, &add_rms_norm_cuda, &silu_mul_cuda,
-                             &append_kv_paged_cuda, &verify_attention_paged_cuda};
+                             &append_kv_paged_cuda, &verify_attention_paged_cuda, &qlinear_q8act_cuda};
   return x.is_cuda() ? kCuda : kCpu;
 #else
   return kCpu;

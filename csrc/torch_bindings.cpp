@@ -5,6 +5,7 @@
 
 #include "checks.h"
 #include "ops.h"
+#include "q8act.h"
 #include "specdec/cpu_isa.h"
 #include "specdec/cuda_plan.h"
 
@@ -42,6 +43,9 @@ TORCH_LIBRARY(specdec, m) {
   // y = x W^T (* weight_scale per output row for int8 W) (+ bias), float32 accumulation; few-row x.
   m.def("linear(Tensor x, Tensor weight, Tensor? bias, Tensor? weight_scale) -> Tensor");
   m.def("qlinear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int bits) -> Tensor");
+  // qlinear with activations quantized per row and block of 32 to int8 (csrc/include/specdec/cpu_q8act.h)
+  m.def("qlinear_q8act(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int bits) -> Tensor");
+  m.def("quantize_q8(Tensor x) -> (Tensor, Tensor)");
   // The fused small ops of a Llama-style layer (transformers' rounding steps, one call each).
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   // (rms_norm(x + residual), x + residual)
@@ -66,6 +70,8 @@ TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("kv_commit", &specdec::kv_commit_cpu);
   m.impl("linear", &specdec::linear_cpu);
   m.impl("qlinear", &specdec::qlinear_cpu);
+  m.impl("qlinear_q8act", &specdec::qlinear_q8act_cpu);
+  m.impl("quantize_q8", &specdec::quantize_q8_cpu);
   m.impl("rms_norm", &specdec::rms_norm_cpu);
   m.impl("add_rms_norm", &specdec::add_rms_norm_cpu);
   m.impl("rope", &specdec::rope_cpu);
@@ -82,6 +88,8 @@ TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
   m.impl("kv_commit", &specdec::kv_commit_cuda);
   m.impl("linear", &specdec::linear_cuda);
   m.impl("qlinear", &specdec::qlinear_cuda);
+  m.impl("qlinear_q8act", &specdec::qlinear_q8act_cuda);
+  m.impl("quantize_q8", &specdec::quantize_q8_cuda);
   m.impl("rms_norm", &specdec::rms_norm_cuda);
   m.impl("add_rms_norm", &specdec::add_rms_norm_cuda);
   m.impl("rope", &specdec::rope_cuda);
@@ -151,6 +159,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_cpu_avx512", &specdec::cpu::set_avx512, pybind11::arg("on"),
         "The AVX-512 few-row linear / qlinear kernels at verify sizes, 4 or 5 to 32 rows (True, the default, where the "
         "CPU has AVX-512) or the AVX2 ones (False): the same bits either way. Returns the previous value. For A/Bs and tests.");
+  m.def("set_q8act_tier", &specdec::cpu::set_q8act_tier, pybind11::arg("name"),
+        "The CPU tier of qlinear_q8act: auto (the default: the best this CPU runs), avx512_vnni, avx_vnni, avx2 "
+        "or scalar; the same bits in every tier. Returns the previous setting. For A/Bs and tests.");
+  m.def("q8act_tier", &specdec::cpu::q8act_tier, "The CPU tier qlinear_q8act calls take now.");
+  m.def("q8act_tiers", &specdec::cpu::q8act_tiers, "The qlinear_q8act tiers this CPU runs, best first.");
   m.def("cpu_avx512", &specdec::cpu::avx512_active, "Whether verify-size CPU linears take the AVX-512 kernels.");
   specdec::bind_suffix_index(m);
   specdec::bind_recycling(m);

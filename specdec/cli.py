@@ -68,6 +68,11 @@ def _model_options(g: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the target over N ranks (torch.distributed: gloo on CPU, NCCL on GPUs; the ranks "
                         "are spawned here, or joined under torchrun); docs/distributed.md")
+    g.add_argument("--precision", default="fp32", choices=["fp32", "q8_0", "q4_1"],
+                   help="the bundled model's linear weights: fp32 (default), q8_0, or q4_1 (the GGUF's own blocks)")
+    g.add_argument("--act", default="none", choices=["none", "q8"],
+                   help="with --precision q8_0 / q4_1: q8 quantizes the activations per block of 32 (integer dot "
+                        "products; a different target model, speculation exact against it); none (default)")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -264,9 +269,12 @@ def _load(args: argparse.Namespace):
     bundled_draft = None   # the bundled model's draft copy, loaded with it for int8 / w8 / bf16 / auto
     if bundled:
         model, tok, *rest = load_bundled(args.model, draft="w8" if draft == "auto" else
-                                         draft if draft in ("int8", "w8", "bf16") else None)
+                                         draft if draft in ("int8", "w8", "bf16") else None,
+                                         precision=args.precision, act=None if args.act == "none" else args.act)
         bundled_draft = rest[0] if rest else None
     else:
+        if args.precision != "fp32" or args.act != "none":
+            raise ValueError("--precision / --act apply to the bundled model only")
         model, tok = load_hf_folder(args.model)
         if tok is None:
             raise ValueError(f"{args.model}: the folder holds no tokenizer (tokenizer.json / tokenizer_config.json)")

@@ -24,6 +24,7 @@ __all__ = [
     "kv_commit",
     "linear",
     "qlinear",
+    "quantize_q8",
     "rms_norm",
     "add_rms_norm",
     "rope",
@@ -237,7 +238,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
 
 def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor] = None,
-            bias: Optional[torch.Tensor] = None, bits: int = 4) -> torch.Tensor:
+            bias: Optional[torch.Tensor] = None, bits: int = 4, act: Optional[str] = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` with W group-quantized in groups of 32 inputs (the GGUF formats).
 
     x : [..., K] float32 / float16 / bfloat16, K % 32 == 0.
@@ -251,8 +252,16 @@ def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: 
     weight; CUDA: the kernel for M <= 64, batch-invariant like linear's, cuBLAS on the
     dequantized float32 weight above).
     See :func:`quantize_weight_groups`.
+
+    act = "q8" (opt-in, a different model): x quantized per row and block of 32 to int8 (:func:`quantize_q8`),
+    integer dots with the weight codes (llama.cpp's Q8 scheme); exact definition in docs/ops.md: every form
+    and CPU tier gives the same bits, a row's result independent of M.
     """
-    return _ops.qlinear(x, qweight, scales, mins, bias, int(bits))
+    if act is None:
+        return _ops.qlinear(x, qweight, scales, mins, bias, int(bits))
+    if act != "q8":
+        raise ValueError(f"qlinear: act must be None (float activations) or 'q8' (quantized activations), got {act!r}")
+    return _ops.qlinear_q8act(x, qweight, scales, mins, bias, int(bits))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -302,7 +311,7 @@ def decoder_layer(x: torch.Tensor, h: torch.Tensor, weights: Sequence[torch.Tens
     (qkv, o, gate_up, down: q / k / v and gate / up concatenated along the output features,
     in that order). Slot i is ``linear(x, weights[i], biases[i], scales[i])`` when
     ``bits[i] == 0`` (float weight, or int8 with a per-row scale) and
-    ``qlinear(x, weights[i], scales[i], mins[i], biases[i], bits[i])`` for bits 4 / 8.
+    ``qlinear(x, weights[i], scales[i], mins[i], biases[i], bits[i])`` for bits 4 / 8 (36 / 40: act="q8").
     The layer::
 
         q, k, v = proj(x);  q, k = rope(q, k, cos, sin)          (heads of D = k_cache.shape[-1])
@@ -451,3 +460,6 @@ def _decoder_layer_fake(x, h, weights, scales, mins, biases, bits, post_norm_wei
                         kv_offset, scale, num_heads, num_kv_heads):
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
+from specdec.ops_q8act import quantize_q8  # noqa: E402  (the act="q8" helpers and their fake impls)

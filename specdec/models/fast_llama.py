@@ -44,8 +44,16 @@ _SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
 # A projection as ops.decoder_layer takes it: (weight, scale(s), mins, bias, bits); bits 0 = ops.linear
-# (float weight, or int8 with a per-row scale), 4 / 8 = ops.qlinear.
+# (float weight, or int8 with a per-row scale), 4 / 8 = ops.qlinear; | 32: act="q8" (quantized activations).
 _Spec = Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor], int]
+
+
+_Q8ACT = 32  # the bits flag of a quantized-activation projection (ops.decoder_layer's convention)
+
+
+def _bits(module) -> int:
+    """A GroupQuantLinear's bits as ops.decoder_layer takes them (| 32 with act="q8")."""
+    return module.bits | (_Q8ACT if getattr(module, "act", None) == "q8" else 0)
 
 
 def _as_dtype(b: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -62,7 +70,7 @@ def _linear_spec(module: torch.nn.Module, fast_linear: bool, dtype: torch.dtype)
             return None
         return (w, None, None, b, 0)
     if type(module) is GroupQuantLinear:
-        return (module.qweight, module.scales, module.mins, _as_dtype(module.bias, dtype), module.bits)
+        return (module.qweight, module.scales, module.mins, _as_dtype(module.bias, dtype), _bits(module))
     if type(module) is Int8Linear:
         return (module.qweight, module.scale, None, _as_dtype(module.bias, dtype), 0)
     return None
@@ -79,8 +87,9 @@ def _linear_fn(module: torch.nn.Module, fast_linear: bool) -> Callable[[torch.Te
             return lambda x: F.linear(x, w, b)
         return lambda x: ops.linear(x, w, b)
     if type(module) is GroupQuantLinear:  # its tensors bound once, not read from the module on every call
-        qw, d, m, b, bits = module.qweight, module.scales, module.mins, module.bias, module.bits
-        return lambda x: ops.qlinear(x, qw, d, m, b if b is None or b.dtype == x.dtype else b.to(x.dtype), bits)
+        qw, d, m, b, bits, act = module.qweight, module.scales, module.mins, module.bias, module.bits, module.act
+        return lambda x: ops.qlinear(x, qw, d, m, b if b is None or b.dtype == x.dtype else b.to(x.dtype), bits,
+                                     act=act)
     if type(module) is Int8Linear:
         qw, sc, b = module.qweight, module.scale, module.bias
         return lambda x: ops.linear(x, qw, b if b is None or b.dtype == x.dtype else b.to(x.dtype), sc)
@@ -118,7 +127,7 @@ def _merged_spec(modules) -> Optional[_Spec]:
         return None
     if kind is GroupQuantLinear:
         names = ("qweight", "scales", "mins", "bias")
-        if len({(m.bits, m.in_features, m.mins is None, m.bias is None) for m in modules}) != 1:
+        if len({(_bits(m), m.in_features, m.mins is None, m.bias is None) for m in modules}) != 1:
             return None
     else:
         names = ("qweight", "scale", "bias")
@@ -141,7 +150,7 @@ def _merged_spec(modules) -> Optional[_Spec]:
             setattr(m, name, whole[start:start + t.shape[0]])  # a view: the model keeps working unchanged
             start += t.shape[0]
     if kind is GroupQuantLinear:
-        return (merged["qweight"], merged["scales"], merged["mins"], merged["bias"], modules[0].bits)
+        return (merged["qweight"], merged["scales"], merged["mins"], merged["bias"], _bits(modules[0]))
     return (merged["qweight"], merged["scale"], None, merged["bias"], 0)
 
 
@@ -151,7 +160,9 @@ def _spec_fn(spec: Optional[_Spec]) -> Optional[Callable[[torch.Tensor], torch.T
         return None
     w, s, m, b, bits = spec
     if bits:
-        return lambda x: ops.qlinear(x, w, s, m, b if b is None or b.dtype == x.dtype else b.to(x.dtype), bits)
+        act = "q8" if bits & _Q8ACT else None
+        return lambda x: ops.qlinear(x, w, s, m, b if b is None or b.dtype == x.dtype else b.to(x.dtype),
+                                     bits & ~_Q8ACT, act=act)
     return lambda x: ops.linear(x, w, b if b is None or b.dtype == x.dtype else b.to(x.dtype), s)
 
 

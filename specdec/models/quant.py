@@ -15,7 +15,7 @@ import torch
 from specdec import ops
 
 __all__ = ["Int8Linear", "quantize_linear_int8", "GroupQuantLinear", "quantize_linear_groups", "replace_module",
-           "untie"]
+           "untie", "set_activation_quant"]
 
 
 class Int8Linear(torch.nn.Module):
@@ -62,7 +62,8 @@ def quantize_linear_int8(model: torch.nn.Module, skip: Iterable[str] = ()) -> to
 class GroupQuantLinear(torch.nn.Module):
     """``y = x @ W.T + bias`` with W group-quantized (GGUF Q8_0 / Q4_0 / Q4_1 layout), run by
     :func:`specdec.ops.qlinear`. Buffers: ``qweight`` (int8 [N, K] or uint8 [N, K / 2]),
-    ``scales`` / ``mins`` (float16 [N, K / 32]), ``bias``; ``bits`` 8 or 4."""
+    ``scales`` / ``mins`` (float16 [N, K / 32]), ``bias``; ``bits`` 8 or 4. ``act``: None (float
+    activations) or "q8" (activations quantized per block of 32, ``ops.qlinear(..., act="q8")``)."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor],
                  bias: Optional[torch.Tensor], bits: int) -> None:
@@ -74,6 +75,7 @@ class GroupQuantLinear(torch.nn.Module):
         self.register_buffer("scales", scales)
         self.register_buffer("mins", mins)
         self.register_buffer("bias", bias)
+        self.act: Optional[str] = None
 
     @property
     def fmt(self) -> str:
@@ -87,11 +89,11 @@ class GroupQuantLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.bias is None or self.bias.dtype == x.dtype else self.bias.to(x.dtype)
-        return ops.qlinear(x, self.qweight, self.scales, self.mins, bias, self.bits)
+        return ops.qlinear(x, self.qweight, self.scales, self.mins, bias, self.bits, act=self.act)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "
-                f"bias={self.bias is not None}")
+                f"bias={self.bias is not None}" + (f", act={self.act}" if self.act else ""))
 
 
 def quantize_linear_groups(model: torch.nn.Module, fmt: str, skip: Iterable[str] = ()) -> torch.nn.Module:
@@ -103,6 +105,18 @@ def quantize_linear_groups(model: torch.nn.Module, fmt: str, skip: Iterable[str]
     for name, linear in targets:
         replace_module(model, name, GroupQuantLinear.from_linear(linear, fmt))
     untie(model)
+    return model
+
+
+def set_activation_quant(model: torch.nn.Module, act: Optional[str]) -> torch.nn.Module:
+    """Set every :class:`GroupQuantLinear` of ``model`` to ``act`` (None: float activations; "q8":
+    activations quantized per block of 32, a different model with its own logits). Build the
+    :class:`specdec.HFCausalLM` adapter after this call. Returns the model."""
+    if act not in (None, "q8"):
+        raise ValueError(f"set_activation_quant: act must be None or 'q8', got {act!r}")
+    for m in model.modules():
+        if isinstance(m, GroupQuantLinear):
+            m.act = act
     return model
 
 

@@ -1,0 +1,74 @@
+"""Pure-torch reference of ``qlinear_q8act`` (qlinear with quantized activations) and ``quantize_q8``.
+
+The definition, step by step (the kernels compute exactly this; csrc/include/specdec/cpu_q8act.h):
+
+1. Activations per row and block of 32 inputs: ``amax = max|x|``, ``d = amax / 127``,
+   ``id = 127 / amax`` (0 where not finite: amax 0 or tiny), codes ``a = clamp(round_half_even(x * id), -127, 127)``;
+   every division and product one float32 rounding; ``d`` stays float32.
+2. Integer dots per block g and lane l (elements 4l..4l+3): ``p = sum c * a`` with the weight codes
+   ``c`` (Q8_0 ``q``, Q4_0 ``q - 8``, Q4_1 ``q``) and ``r = sum a``; exact integers.
+3. ``v = float(p) * (dw * d)`` (+ ``float(r) * (mw * d)`` for Q4_1), added to accumulator
+   ``(g % 2) * 8 + l`` in block order; the 16 accumulators fold in halves (8, 4, 2, 1) and the bias
+   (0 without one) is added last. Every step one float32 rounding, no fused multiply-add.
+
+Run on the CPU (torch's CUDA division by a scalar multiplies by a reciprocal): inputs on another
+device are computed on the CPU and the result moved back.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = ["quantize_q8", "qlinear_q8act", "weight_codes"]
+
+
+def quantize_q8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(codes int8 [..., K], d float32 [..., K / 32]) of step 1."""
+    K = x.shape[-1]
+    xb = x.detach().cpu().float().reshape(*x.shape[:-1], K // 32, 32)
+    amax = xb.abs().amax(-1)
+    d = amax / torch.full_like(amax, 127.0)  # tensor / tensor: a correctly rounded float32 division
+    inv = torch.full_like(amax, 127.0) / amax
+    inv = torch.where(torch.isfinite(inv), inv, torch.zeros_like(inv))  # amax 0 or below 127 / FLT_MAX
+    a = torch.round(xb * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    return a.reshape(x.shape).to(x.device), d.to(x.device)
+
+
+def weight_codes(qweight: torch.Tensor, mins: Optional[torch.Tensor], bits: int) -> torch.Tensor:
+    """The weight codes c [N, K / 32, 32] as int64 (Q8_0 q, Q4_0 q - 8, Q4_1 q), element order."""
+    N, G = qweight.shape[0], qweight.shape[1] * (8 // bits) // 32
+    if bits == 8:
+        return qweight.cpu().to(torch.int64).reshape(N, G, 32)
+    q = qweight.cpu().to(torch.int64).reshape(N, G, 16)
+    c = torch.cat((q & 15, q >> 4), dim=-1)
+    return c if mins is not None else c - 8
+
+
+def qlinear_q8act(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor],
+                  bias: Optional[torch.Tensor], bits: int) -> torch.Tensor:
+    """The op's output [..., N] in x's dtype (float32 inside), bit-exact with the kernels."""
+    K, N = x.shape[-1], qweight.shape[0]
+    G, M = K // 32, math.prod(x.shape[:-1])
+    b = bias.cpu().float() if bias is not None else torch.zeros(N)
+    if M == 0 or N == 0 or K == 0:  # nothing to sum: the bias (0 without one)
+        return b.expand(*x.shape[:-1], N).to(device=x.device, dtype=x.dtype).clone()
+    a, d = quantize_q8(x.reshape(M, K).cpu())
+    a4 = a.to(torch.float64).reshape(M, 1, G, 8, 4)
+    c4 = weight_codes(qweight, mins, bits).to(torch.float64).reshape(1, N, G, 8, 4)
+    p = (a4 * c4).sum(-1).float()  # [M, N, G, 8]: exact integers (|p| < 2^17)
+    dw = scales.cpu().float()  # [N, G], exact widening
+    v = p * (dw.unsqueeze(0) * d.unsqueeze(1)).unsqueeze(-1)
+    if mins is not None:
+        r = a4.sum(-1).float()  # [M, 1, G, 8]
+        v = v + r * (mins.cpu().float().unsqueeze(0) * d.unsqueeze(1)).unsqueeze(-1)
+    acc = torch.zeros(M, N, 2, 8, dtype=torch.float32)
+    for g in range(G):
+        acc[:, :, g % 2] = acc[:, :, g % 2] + v[:, :, g]
+    h = acc[:, :, 0] + acc[:, :, 1]
+    h = h[..., :4] + h[..., 4:]
+    h = h[..., :2] + h[..., 2:]
+    y = h[..., 0] + h[..., 1]
+    y = y + b
+    return y.reshape(*x.shape[:-1], N).to(device=x.device, dtype=x.dtype)

@@ -1,0 +1,151 @@
+"""qlinear(..., act="q8") (quantized activations) and quantize_q8 against specdec.reference_q8act.
+
+The op has an exact definition (docs/ops.md), so every form must give the same BITS: the torch
+reference, every CPU tier this machine runs (avx512_vnni / avx_vnni / avx2 / scalar) and CUDA;
+a row's result must not depend on M. A bound against the float-activation qlinear checks that the
+definition is the intended approximation (not only self-consistent).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specdec import _C, ops, reference, reference_q8act
+
+from conftest import DEVICES, gen
+
+FMTS = {"q8_0": 8, "q4_0": 4, "q4_1": 4}
+TIERS = _C.q8act_tiers().split(",")
+
+
+@pytest.fixture(params=TIERS)
+def tier(request):
+    was = _C.set_q8act_tier(request.param)
+    yield request.param
+    _C.set_q8act_tier(was)
+
+
+def case(N, K, fmt, seed):
+    g = gen(seed)
+    w = torch.randn(N, K, generator=g) / math.sqrt(K)
+    return ops.quantize_weight_groups(w, fmt)
+
+
+def activations(M, K, seed):
+    """Gaussian rows with an outlier per row, an all-zero block and exact ties (x * id = k + 0.5)."""
+    g = gen(seed)
+    x = torch.randn(M, K, generator=g)
+    x[:, 0] *= 20
+    if K >= 64:
+        x[0, 32:64] = 0
+    if M > 1:
+        x[1, :32] = torch.arange(32) - 15.5  # amax 15.5: id = 127 / 15.5, a few products land on .5
+        x[1, 0] = 127.0  # amax 127: id = 1, x = k + 0.5 rounds half to even
+        x[1, 1:8] = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5])
+    if M > 2 and K >= 64:
+        x[2, 32:64] *= 1e-38  # amax below 127 / FLT_MAX: id is 0, the codes 0
+    return x
+
+
+def put(t, device):
+    return None if t is None else t.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_q8_matches_reference(device, dtype, tier):
+    x = activations(5, 96, seed=1).to(dtype)
+    a, d = ops.quantize_q8(x.to(device))
+    ra, rd = reference_q8act.quantize_q8(x)
+    assert a.dtype == torch.int8 and d.dtype == torch.float32 and a.shape == x.shape and d.shape == (5, 3)
+    assert torch.equal(a.cpu(), ra) and torch.equal(d.cpu(), rd)
+    if dtype == torch.float32:  # the ties of row 1 (id = 1): half to even
+        assert ra[1, :8].tolist() == [127, 0, 2, 2, 0, -2, -2, 126]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", list(FMTS))
+@pytest.mark.parametrize("M", [1, 3, 8, 9])
+@pytest.mark.parametrize("K,N", [(32, 5), (96, 13), (576, 70)])
+def test_qlinear_q8act_bit_exact(device, fmt, M, K, N, tier):
+    qw, d, m = case(N, K, fmt, seed=M * 7 + K + N)
+    x = activations(M, K, seed=M + K)
+    bias = torch.randn(N, generator=gen(M)) if M % 2 else None
+    y = ops.qlinear(x.to(device), qw.to(device), d.to(device), put(m, device), put(bias, device), FMTS[fmt],
+                    act="q8")
+    want = reference_q8act.qlinear_q8act(x, qw, d, m, bias, FMTS[fmt])
+    assert y.device.type == device and y.dtype == torch.float32 and y.shape == (M, N)
+    assert torch.equal(y.cpu(), want), f"max diff {(y.cpu() - want).abs().max().item():.3e}"
+
+
+@pytest.mark.parametrize("fmt", list(FMTS))
+def test_rows_do_not_depend_on_M_nor_on_the_tier(fmt):
+    """Row i of an M-row call equals the same row alone (a verify row = a decode step), in every tier."""
+    qw, d, m = case(100, 1536, fmt, seed=5)
+    x = activations(20, 1536, seed=6)
+    outs = []
+    was = _C.set_q8act_tier("auto")
+    try:
+        for t in TIERS:
+            _C.set_q8act_tier(t)
+            full = ops.qlinear(x, qw, d, m, None, FMTS[fmt], act="q8")
+            for M in (1, 2, 4, 7, 8, 16):
+                assert torch.equal(ops.qlinear(x[:M], qw, d, m, None, FMTS[fmt], act="q8"), full[:M]), (t, M)
+            assert torch.equal(ops.qlinear(x[13:14], qw, d, m, None, FMTS[fmt], act="q8"), full[13:14]), t
+            outs.append(full)
+    finally:
+        _C.set_q8act_tier(was)
+    for t, o in zip(TIERS, outs):
+        assert torch.equal(o, outs[0]), f"tier {t} differs from {TIERS[0]}"
+
+
+@pytest.mark.parametrize("fmt", list(FMTS))
+def test_close_to_float_activations(fmt):
+    """|y_q8 - y| <= sum_g amax_g / 254 * sum_j |w_gj| (+ float rounding): each code is within d / 2."""
+    qw, d, m = case(64, 256, fmt, seed=8)
+    x = activations(6, 256, seed=9)
+    y8 = ops.qlinear(x, qw, d, m, None, FMTS[fmt], act="q8").double()
+    y = ops.qlinear(x, qw, d, m, None, FMTS[fmt]).double()
+    w = reference.dequantize_groups(qw, d, m, FMTS[fmt]).double()  # [N, K]
+    amax = x.double().abs().reshape(6, -1, 32).amax(-1)  # [M, G]
+    bound = (amax / 254) @ w.abs().reshape(64, -1, 32).sum(-1).T  # [M, N]
+    assert bool(((y8 - y).abs() <= bound * (1 + 1e-4) + 1e-5).all())
+    assert (y8 - y).abs().max() > 0  # the variant does round the activations
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layouts_and_dtypes(device):
+    """Leading dims, half inputs (converted to float32, output rounded once), qweight at an odd offset."""
+    qw, d, m = case(40, 64, "q4_1", seed=3)
+    x = activations(6, 64, seed=4).reshape(2, 3, 64)
+    y = ops.qlinear(x.to(device), qw.to(device), d.to(device), m.to(device), None, 4, act="q8")
+    assert y.shape == (2, 3, 40)
+    assert torch.equal(y.cpu(), reference_q8act.qlinear_q8act(x, qw, d, m, None, 4))
+    xh = x.half()
+    yh = ops.qlinear(xh.to(device), qw.to(device), d.to(device), m.to(device), None, 4, act="q8")
+    assert yh.dtype == torch.float16 and torch.equal(yh.cpu(), reference_q8act.qlinear_q8act(xh, qw, d, m, None, 4))
+    q8, d8, _ = case(40, 64, "q8_0", seed=5)
+    buf = torch.empty(q8.numel() + 1, dtype=torch.int8)
+    odd = buf[1:].view(40, 64)
+    odd.copy_(q8)
+    y = ops.qlinear(x.to(device), odd.to(device), d8.to(device), None, None, 8, act="q8")
+    assert torch.equal(y.cpu(), reference_q8act.qlinear_q8act(x, q8, d8, None, None, 8))
+
+
+def test_errors():
+    qw, d, m = case(8, 64, "q4_1", seed=1)
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match=r"qlinear: act must be None \(float activations\) or 'q8'"):
+        ops.qlinear(x, qw, d, m, None, 4, act="q4")
+    with pytest.raises(RuntimeError, match=r"qlinear_q8act: bits must be 8"):
+        ops.qlinear(x, qw, d, m, None, 5, act="q8")
+    with pytest.raises(RuntimeError, match=r"qlinear_q8act: x's K = 48 must be"):
+        ops.qlinear(torch.randn(2, 48), qw, d, m, None, 4, act="q8")
+    with pytest.raises(RuntimeError, match=r"quantize_q8: x's K = 40 must be a multiple of the block size 32"):
+        ops.quantize_q8(torch.randn(3, 40))
+    with pytest.raises(RuntimeError, match=r"set_q8act_tier: tier must be one of auto, avx512_vnni"):
+        _C.set_q8act_tier("sse")
+    empty = ops.qlinear(torch.randn(0, 64), qw, d, m, None, 4, act="q8")
+    assert empty.shape == (0, 8)

