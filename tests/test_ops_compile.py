@@ -163,6 +163,17 @@ def _decoder_layer_args(device, layout):
             a["num_kv_heads"]]
 
 
+def _decoder_layer_paged_args(device, layout):
+    from test_ops_decoder_layer import _case
+    from test_ops_decoder_layer_paged import _paged
+
+    a = _paged(_case(device, torch.float32, layout, B=2, N=3, bias=layout == "float7", seed=12), 8, seed=3)
+    return [a["x"], a["h"], a["weights"], a["scales"], a["mins"], a["biases"], a["bits"], a["post_norm_weight"],
+            a["post_norm_eps"], a["next_norm_weight"], a["next_norm_eps"], a["k_pages"], a["v_pages"],
+            a["cache_lens"], a["cos"], a["sin"], a["tree_mask"], a["kv_offset"], a["scale"], a["num_heads"],
+            a["num_kv_heads"], a["block_tables"]]
+
+
 OPCHECK_CASES = {
     "verify_attention-fp32-mask": lambda d: (SD.verify_attention.default, _attention_args(d, torch.float32, True)),
     "verify_attention-fp16-causal": lambda d: (SD.verify_attention.default, _attention_args(d, torch.float16, False)),
@@ -198,6 +209,8 @@ OPCHECK_CASES = {
     "silu_mul-fp32": lambda d: (SD.silu_mul.default, _fused_args(d, "silu_mul", torch.float32)),
     "decoder_layer-float7": lambda d: (SD.decoder_layer.default, _decoder_layer_args(d, "float7")),
     "decoder_layer-q4_1": lambda d: (SD.decoder_layer.default, _decoder_layer_args(d, "q4_1")),
+    "decoder_layer_paged-float7": lambda d: (SD.decoder_layer_paged.default, _decoder_layer_paged_args(d, "float7")),
+    "decoder_layer_paged-q4_1": lambda d: (SD.decoder_layer_paged.default, _decoder_layer_paged_args(d, "q4_1")),
 }
 
 
