@@ -246,8 +246,12 @@ def main() -> None:
     ap.add_argument("--prefix-tokens", type=int, default=1000)
     ap.add_argument("--soak", type=int, default=500)
     ap.add_argument("--soak-check", type=int, default=60, help="finished soak requests compared with solo runs")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (1 keeps OpenMP barriers out of the timings on a shared, loaded machine)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tok = specdec.load_bundled("smollm2-135m", precision=args.precision)
     lm = HFCausalLM(model)
     rec = dict(benchmark="paged_engine", date=_dt.date.today().isoformat(), commit=git_commit(), cpu=cpu_name(),
