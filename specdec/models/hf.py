@@ -197,9 +197,10 @@ class HFCausalLM:
     def new_cache(self, batch: int, capacity: int) -> StaticKVCache:
         """A StaticKVCache sized for this model: [batch, Hkv, capacity, D] per layer, the model's dtype / device
         (a HiddenKVCache with :meth:`capture_hidden` on)."""
-        if self.hidden_spec is not None:
-            return HiddenKVCache(self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity,
-                                 self.hidden_width, dtype=self.dtype, device=self.device)
+        if self.hidden_spec is not None:  # the newest one is ``feature_cache`` (a feature drafter reads it)
+            self.feature_cache = HiddenKVCache(self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity,
+                                               self.hidden_width, dtype=self.dtype, device=self.device)
+            return self.feature_cache
         return StaticKVCache(self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity,
                              dtype=self.dtype, device=self.device)
 
