@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-__all__ = ["stdlib_prompts", "generate_sequences", "sequence_features", "frequent_tokens"]
+__all__ = ["stdlib_prompts", "generate_sequences", "generate_with_features", "sequence_features", "frequent_tokens"]
 
 STDLIB_MODULES = (
     "abc", "argparse", "ast", "asyncio", "base64", "bisect", "calendar", "collections", "contextlib", "copy",
@@ -38,7 +38,7 @@ TEMPLATES = (
 )
 
 
-def _docs(modules: Sequence[str]) -> List[tuple]:
+def _docs(modules: Sequence[str], max_chars: int = 900) -> List[tuple]:
     """(qualified name, first paragraph of its docstring) for each module and its public callables."""
     out = []
     for mod_name in modules:
@@ -53,14 +53,16 @@ def _docs(modules: Sequence[str]) -> List[tuple]:
                 continue
             doc = inspect.getdoc(obj) or ""
             para = doc.strip().split("\n\n")[0].strip()
-            if 60 <= len(para) <= 900:
+            if 60 <= len(para) <= max_chars:
                 out.append((name, para))
     return out
 
 
-def stdlib_prompts(n: int, seed: int = 0, modules: Sequence[str] = STDLIB_MODULES) -> List[str]:
-    """``n`` instruction prompts built from standard-library docstrings (seeded choice of docs and templates)."""
-    docs = _docs(modules)
+def stdlib_prompts(n: int, seed: int = 0, modules: Sequence[str] = STDLIB_MODULES, max_chars: int = 900
+                   ) -> List[str]:
+    """``n`` instruction prompts built from standard-library docstrings (first paragraphs of 60 to
+    ``max_chars`` characters; seeded choice of docs and templates)."""
+    docs = _docs(modules, max_chars)
     if not docs:
         raise RuntimeError("stdlib_prompts: no docstrings found (Python without its docstrings, -OO?)")
     rng = random.Random(seed)
@@ -84,6 +86,35 @@ def generate_sequences(target, prompts: Sequence[Sequence[int]], max_new_tokens:
         if progress is not None:
             progress(len(chunk))
     return out
+
+
+def generate_with_features(target, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch: int = 8,
+                           eos_token_id=None, layers: Sequence[int] = (-1,), dtype: torch.dtype = torch.float16,
+                           progress: Optional[Callable[[int], None]] = None):
+    """The target's greedy answers and its features at every position, at no extra pass: with
+    :meth:`~specdec.HFCausalLM.capture_hidden` on, the decoding cache keeps the states of every
+    token the target scored. Each batch decodes ``max_new_tokens`` for every request (no early stop,
+    so no row moves), then each sequence is cut after its first ``eos_token_id`` in the answer (the
+    last generated token, never scored, is dropped). Returns (sequences, features [T, F] each)."""
+    from specdec.decoding import SpeculativeDecoder
+
+    target.capture_hidden(layers)
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    dec = SpeculativeDecoder(target, None, max_batch=batch, max_len=longest)
+    seqs, feats = [], []
+    for i in range(0, len(prompts), batch):
+        chunk = [list(p) for p in prompts[i:i + batch]]
+        got = dec.generate(chunk, max_new_tokens=max_new_tokens)
+        hidden = dec.cache.features()
+        for r, (p, t) in enumerate(zip(chunk, got.tokens)):
+            cut = len(p) + len(t) - 1
+            if eos_token_id is not None and eos_token_id in t:
+                cut = min(cut, len(p) + t.index(eos_token_id) + 1)
+            seqs.append((p + t)[:cut])
+            feats.append(hidden[r, :cut].to(dtype).clone())
+        if progress is not None:
+            progress(len(chunk))
+    return seqs, feats
 
 
 def sequence_features(target, sequences: Sequence[Sequence[int]], layers: Sequence[int] = (-1,),

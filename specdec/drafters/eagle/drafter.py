@@ -27,11 +27,20 @@ class EagleHead(DraftModel):
     ``sampled_children``, ``calibrate``, ``learn_plan``.
     """
 
-    def __init__(self, net: HeadNet, k: int = 4, top_k: int = 1, **kwargs) -> None:
+    def __init__(self, net: HeadNet, k: int = 4, top_k: int = 1, precision: str = "fp32", **kwargs) -> None:
         if not isinstance(net, HeadNet):
             raise TypeError(f"EagleHead: net must be a HeadNet, got {type(net).__name__}")
+        if precision not in ("fp32", "q8_0"):
+            raise ValueError(f"EagleHead: precision must be 'fp32' or 'q8_0', got {precision!r}")
         super().__init__(None, k=k, top_k=top_k, **kwargs)
+        if precision == "q8_0":  # the head's linear layers group-quantized (a copy: ``net`` stays trainable)
+            import copy
+
+            from specdec.models.quant import quantize_linear_groups
+
+            net = quantize_linear_groups(copy.deepcopy(net), "q8_0")
         self.net = net
+        self.precision = precision
         self.target = None
 
     def __repr__(self) -> str:
@@ -46,7 +55,12 @@ class EagleHead(DraftModel):
         if not hasattr(target, "capture_hidden"):
             raise TypeError(f"EagleHead: the target must be an HFCausalLM (capture_hidden), got "
                             f"{type(target).__name__}")
-        width = target.capture_hidden(self.net.cfg.feature_layers)
+        cfg = self.net.cfg
+        if not cfg.feature_layers:  # an EAGLE-3 checkpoint: its low / mid / high layers of this target
+            from specdec.drafters.eagle.checkpoint import eagle3_layers
+
+            cfg.feature_layers = eagle3_layers(int(target.num_layers))
+        width = target.capture_hidden(cfg.feature_layers)
         if width != self.net.cfg.feature_size:
             raise ValueError(f"EagleHead: the head reads features of width {self.net.cfg.feature_size} from layers "
                              f"{list(self.net.cfg.feature_layers)}, the target gives {width}")
