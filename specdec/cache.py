@@ -112,7 +112,7 @@ def move_cache_rows(cache, moves: Sequence[Tuple[int, int, int]]) -> None:
         if src == dst:
             continue
         n = min(int(length), cache.capacity)
-        for t in cache.k + cache.v:
+        for t in cache.k + cache.v + list(getattr(cache, "extra", ())):  # extra: e.g. HiddenKVCache's states
             t[dst, :, :n].copy_(t[src, :, :n])
         cache.lens[dst] = cache.lens[src]
 

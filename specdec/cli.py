@@ -118,6 +118,11 @@ def _build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="end-to-end benchmark grid with a JSON result and a PNG dashboard",
                        add_help=False)
     b.add_argument("args", nargs=argparse.REMAINDER)
+    from specdec.drafters.eagle.recipe import add_arguments as train_head_arguments
+
+    train_head_arguments(sub.add_parser("train-head", help="train a feature draft head for a model (self-distillation)",
+                                        description="Train an EAGLE-style feature head on the model's own answers "
+                                                    "to standard-library docstring prompts (docs/drafters.md)."))
     return parser
 
 
@@ -421,6 +426,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         except (ValueError, TypeError, ModuleNotFoundError, FileNotFoundError) as e:
             print(f"specdec {args.command}: error: {e}", file=sys.stderr)
             return 2
+    if args.command == "train-head":
+        from specdec.drafters.eagle.recipe import run
+
+        return run(args, ["specdec"] + list(argv))
     return 0
 
 

@@ -199,6 +199,10 @@ class LlamaRunner:
             for L in layers:
                 L.fused = None
         self.fused_layers = sum(L.fused is not None for L in layers)  # layers run as one ops.decoder_layer call
+        #: hidden states to keep from each call (see HFCausalLM.capture_hidden): indices i < L = the
+        #: residual stream entering layer i, -1 = the final normed state; the call leaves them in ``captured``
+        self.capture: Optional[Tuple[int, ...]] = None
+        self.captured: Optional[List[torch.Tensor]] = None
 
     @staticmethod
     def _rms(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -220,7 +224,10 @@ class LlamaRunner:
         cos, sin = self.rotary(h, positions)            # [B, N, D] in h's dtype
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, N, 1, D]: broadcast over heads
         D = self.head_dim
+        keep = self._keep_start()
         for l, L in enumerate(self.layers):
+            if keep is not None and l in keep:
+                keep[l] = h.clone()
             x = self._rms(h, L.ln1_w, L.ln1_eps)
             q = self._rope(L.q(x).view(B, N, self.hq, D), cos, sin)
             k = self._rope(L.k(x).view(B, N, self.hkv, D), cos, sin)
@@ -229,9 +236,19 @@ class LlamaRunner:
             h = h + L.o(a.reshape(B, N, self.hq * D))
             x = self._rms(h, L.ln2_w, L.ln2_eps)
             h = h + L.down(F.silu(L.gate(x)) * L.up(x))
+        x = self._rms(h, self.norm_w, self.norm_eps)
+        self._keep_end(keep, x)
         if isinstance(logits_to_keep, torch.Tensor) or logits_to_keep != 0:
-            h = slice_logits_to_keep(h, logits_to_keep)
-        return self.lm_head(self._rms(h, self.norm_w, self.norm_eps))
+            x = slice_logits_to_keep(x, logits_to_keep)  # the norm is per row: slicing after it is the same
+        return self.lm_head(x)
+
+    def _keep_start(self) -> Optional[dict]:
+        self.captured = None
+        return None if self.capture is None else {i: None for i in self.capture}
+
+    def _keep_end(self, keep: Optional[dict], final: torch.Tensor) -> None:
+        if keep is not None:  # clones: the fused ops may reuse their buffers on the next call
+            self.captured = [final.clone() if i == -1 else keep[i] for i in self.capture]
 
 
     def _fused(self, cache, ids, positions, tree_mask, logits_to_keep, kv_offset):
@@ -245,7 +262,10 @@ class LlamaRunner:
         paged = getattr(cache, "paged", False)  # a PagedKVView: the paged layer op / paged attention
         x = ops.rms_norm(h, layers[0].ln1_w, layers[0].ln1_eps)
         nq, nkv = hq * D, hkv * D
+        keep = self._keep_start()
         for l, L in enumerate(layers):
+            if keep is not None and l in keep:
+                keep[l] = h.clone()
             nw, ne = (layers[l + 1].ln1_w, layers[l + 1].ln1_eps) if l + 1 < len(layers) else (
                 self.norm_w, self.norm_eps)
             if L.fused is not None:
@@ -269,6 +289,7 @@ class LlamaRunner:
             else:
                 g, u = L.gate(x), L.up(x)
             x, h = ops.add_rms_norm(L.down(ops.silu_mul(g, u)), h, nw, ne)
+        self._keep_end(keep, x)
         if isinstance(logits_to_keep, torch.Tensor) or logits_to_keep != 0:
             x = slice_logits_to_keep(x, logits_to_keep)  # the norm is per row: slicing after it is the same
         return self.lm_head(x)

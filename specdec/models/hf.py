@@ -31,6 +31,7 @@ from specdec import ops
 from specdec._check import check_int, out_of_vocab
 from specdec.cache import StaticKVCache
 from specdec.paged_cache import PagedKVCache, PagedKVView
+from specdec.models.hidden import HiddenKVCache, enable_capture, write_hidden
 from specdec.models.hf_attention import (
     ACTIVE_CALL,
     ATTN_NAME,
@@ -137,6 +138,8 @@ class HFCausalLM:
             self._runner, _ = build(model, fast_linear=self.fast_linear, fused_ops=fused_ops,
                                     fused_layers=fused_layers)
         self.fast_path = self._runner is not None
+        self.hidden_spec = None  # capture_hidden(): which hidden states every forward keeps in the cache
+        self._capture = None
 
     # ------------------------------------------------------------------ construction
     def _probe_hooked(self):
@@ -187,15 +190,28 @@ class HFCausalLM:
         self._min_window = min(windows) if windows else None
 
     # ------------------------------------------------------------------ public
+    def capture_hidden(self, layers: Sequence[int] = (-1,)) -> int:
+        """Later forwards also keep the hidden states ``layers`` of every node they score in the cache
+        (:mod:`specdec.models.hidden`), which :meth:`new_cache` builds as a HiddenKVCache. Returns the width."""
+        return enable_capture(self, layers)
+
     def new_cache(self, batch: int, capacity: int) -> StaticKVCache:
-        """A StaticKVCache sized for this model: [batch, Hkv, capacity, D] per layer, the model's dtype / device."""
+        """A StaticKVCache sized for this model: [batch, Hkv, capacity, D] per layer, the model's dtype / device
+        (a HiddenKVCache with :meth:`capture_hidden` on)."""
+        if self.hidden_spec is not None:  # the newest one is ``feature_cache`` (a feature drafter reads it)
+            self.feature_cache = HiddenKVCache(self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity,
+                                               self.hidden_width, dtype=self.dtype, device=self.device)
+            return self.feature_cache
         return StaticKVCache(self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity,
                              dtype=self.dtype, device=self.device)
 
     @property
     def supports_paged(self) -> bool:
         """Whether forward / prefill take a :class:`~specdec.paged_cache.PagedKVView` (the lean forward, and
-        the hooked path without sliding-window layers; the generic path reads the cache densely)."""
+        the hooked path without sliding-window layers; the generic path reads the cache densely). Not while
+        :meth:`capture_hidden` is on (feature drafters read the states from the dense cache)."""
+        if self.hidden_spec is not None:  # capture_hidden keeps its states in a dense HiddenKVCache
+            return False
         return self._runner is not None or (self.hooked and self._min_window is None)
 
     def new_paged_cache(self, num_blocks: int, block_size: int = 16, max_requests: int = 8,
@@ -311,10 +327,18 @@ class HFCausalLM:
     def _forward(self, cache, tokens, depths, tree_mask, logits_to_keep, kv_offset: int = 0) -> torch.Tensor:
         """Shared by forward and prefill; logits_to_keep as transformers' slice_logits_to_keep."""
         token = FAST_LINEAR.set(self.fast_linear)
+        hooks = self._capture  # capture_hidden() on the hooked / generic paths
+        if hooks is not None:
+            hooks.active = True
         try:
-            return self._forward_impl(cache, tokens, depths, tree_mask, logits_to_keep, kv_offset)
+            logits = self._forward_impl(cache, tokens, depths, tree_mask, logits_to_keep, kv_offset)
         finally:
             FAST_LINEAR.reset(token)
+            if hooks is not None:
+                hooks.active = False
+        if self.hidden_spec is not None and hasattr(cache, "hidden"):
+            write_hidden(cache, self._runner.captured if hooks is None else hooks.take(), kv_offset)
+        return logits
 
     def _forward_impl(self, cache, tokens, depths, tree_mask, logits_to_keep, kv_offset: int = 0) -> torch.Tensor:
         if self._runner is not None:

@@ -1,0 +1,146 @@
+"""Feature head (EagleHead) vs plain decoding, prompt lookup and the w8 draft on the bundled model.
+
+Greedy, batch 1, the target at ``--precision`` (default q4_1, the checkpoint's own). Methods run
+interleaved per prompt (every method on prompt 1, then on prompt 2, ...), ``--rounds`` times; each
+run is checked token-identical to plain decoding. Recorded per method: tokens/s (median over runs
+and the ratio to plain on the same prompt and round), mean accepted length (tokens per target pass),
+and the draft cost: the median seconds of one head / w8 draft forward of one token against one
+target forward of one token at the same cache length (a micro-timing in the same process).
+
+    python benchmarks/bench_eagle.py --head DIR [--precision q4_1] [--set open] [--max-new-tokens 96]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+from datetime import date
+
+import torch
+
+from specdec import SpeculativeDecoder
+from specdec.bench.workloads import PROMPT_SETS
+from specdec.drafters import DraftModel, EagleHead, PromptLookup
+from specdec.drafters.eagle import load_head
+from specdec.drafters.eagle.lm import HeadLM
+from specdec.models import HFCausalLM
+from specdec.models.bundled import load_bundled
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def _methods(target_model, draft_model, head_net, head_precision):
+    return {
+        "plain": lambda: None,
+        "lookup": lambda: PromptLookup(ngram=3, k=10),
+        "w8": lambda: DraftModel(HFCausalLM(draft_model), k=6),
+        "head_chain": lambda: EagleHead(head_net, k=5, precision=head_precision),
+        "head_tree": lambda: EagleHead(head_net, k=5, top_k=4, tree="dynamic", node_budget=12,
+                                       precision=head_precision),
+    }
+
+
+def _step_cost(target_model, draft_model, head_net, head_precision, ctx_len=200, reps=30):
+    """Median seconds of one 1-token forward of the target, the w8 draft and the head (at ctx_len cached)."""
+    out = {}
+    seq = list(range(1000, 1000 + ctx_len))
+    target = HFCausalLM(target_model)
+    target.capture_hidden((-1,))
+    tc = target.new_cache(1, ctx_len + 8)
+    target.prefill(tc, [seq])
+    one = torch.tensor([[5]])
+    d0 = torch.zeros(1, 1, dtype=torch.int32)
+
+    def timed(fn):
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    out["target"] = timed(lambda: target.forward(tc, one, d0))
+    w8 = HFCausalLM(draft_model)
+    wc = w8.new_cache(1, ctx_len + 8)
+    w8.prefill(wc, [seq])
+    out["w8"] = timed(lambda: w8.forward(wc, one, d0))
+    head = EagleHead(head_net, k=1, precision=head_precision).net
+    lm = HeadLM(head, target)
+    lm.attach(tc)
+    hc = lm.new_cache(1, ctx_len + 8)
+    lm.prefill(hc, [seq])
+    out["head"] = timed(lambda: lm.forward(hc, one, d0))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--head", required=True, help="head folder (specdec train-head --out DIR: DIR/head)")
+    ap.add_argument("--precision", default="q4_1", choices=["fp32", "q8_0", "q4_1"])
+    ap.add_argument("--head-precision", default="q8_0", choices=["fp32", "q8_0"])
+    ap.add_argument("--set", default="open", choices=sorted(PROMPT_SETS))
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--methods", default="plain,lookup,w8,head_chain,head_tree")
+    ap.add_argument("--name", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tok, draft = load_bundled(precision=args.precision, draft="w8")
+    net = load_head(args.head)
+    makers = _methods(model, draft, net, args.head_precision)
+    names = args.methods.split(",")
+    texts = PROMPT_SETS[args.set][:args.prompts]
+    prompts = [list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)) for t in texts]
+    prompts = [list(p["input_ids"]) if isinstance(p, dict) else p for p in prompts]
+    decoders = {n: SpeculativeDecoder(HFCausalLM(model), makers[n](), max_batch=1, max_len=1024,
+                                      policy="fixed" if n.startswith("head") else "goodput") for n in names}
+    runs = []
+    load = [os.getloadavg()]
+    for rnd in range(args.rounds):
+        for i, p in enumerate(prompts):
+            ref = None
+            for n in names:
+                out = decoders[n].generate([p], max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id)
+                m = out.metrics
+                if n == "plain":
+                    ref = out.tokens
+                runs.append(dict(method=n, prompt=i, round=rnd, tokens_per_second=m["tokens_per_second"],
+                                 mean_accepted_length=m["mean_accepted_length"], new_tokens=m["new_tokens"],
+                                 draft_seconds=m["draft_seconds"], verify_seconds=m["verify_seconds"],
+                                 total_seconds=m["total_seconds"], identical=ref is None or out.tokens == ref))
+                print(f"round {rnd} prompt {i} {n:10s} {m['tokens_per_second']:7.2f} tok/s  "
+                      f"accepted length {m['mean_accepted_length']:.2f}", flush=True)
+        load.append(os.getloadavg())
+    cost = _step_cost(model, draft, net, args.head_precision)
+    summary = {}
+    for n in names:
+        rs = [r for r in runs if r["method"] == n]
+        ratios = [r["tokens_per_second"] / q["tokens_per_second"] for r in rs for q in runs
+                  if q["method"] == "plain" and q["prompt"] == r["prompt"] and q["round"] == r["round"]]
+        summary[n] = dict(median_tokens_per_second=statistics.median(r["tokens_per_second"] for r in rs),
+                          median_ratio_to_plain=statistics.median(ratios) if ratios else None,
+                          mean_accepted_length=statistics.mean(r["mean_accepted_length"] for r in rs),
+                          all_identical=all(r["identical"] for r in rs))
+    summary["draft_cost_fraction"] = dict(head=cost["head"] / cost["target"], w8=cost["w8"] / cost["target"],
+                                          seconds=cost)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    rec = dict(benchmark="eagle", args=vars(args), commit=commit, loadavg=load, torch_threads=args.threads,
+               head_config=json.load(open(os.path.join(args.head, "config.json"))), summary=summary, runs=runs,
+               notes="2 shared CPU cores (load average recorded); greedy, batch 1; head methods run the fixed "
+                     "policy (their k every step), lookup and w8 the goodput policy")
+    name = args.name or f"eagle_{args.set}_{args.precision}_{date.today().isoformat()}"
+    path = os.path.join(RESULTS, name + ".json")
+    with open(path, "w") as f:
+        json.dump(rec, f, indent=1)
+    print(json.dumps(summary, indent=1))
+    print("written", path)
+
+
+if __name__ == "__main__":
+    main()

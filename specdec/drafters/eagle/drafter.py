@@ -1,0 +1,103 @@
+"""EagleHead: a feature draft head (EAGLE-style) as a drafter: chains, spine / dynamic / planned trees
+through DraftModel's builders, over the target's own hidden states (docs/drafters.md, "Feature heads")."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from specdec.drafters.draft_model.model import DraftModel
+from specdec.drafters.eagle.lm import HeadLM
+from specdec.drafters.eagle.net import HeadNet
+
+__all__ = ["EagleHead"]
+
+
+class EagleHead(DraftModel):
+    """Draft with a feature head (:class:`~specdec.drafters.eagle.net.HeadNet`) over the target's hidden states.
+
+    The target must be an :class:`~specdec.HFCausalLM` (any precision): binding turns on its
+    :meth:`~specdec.HFCausalLM.capture_hidden` with the head's ``feature_layers``, so every verified
+    node's hidden state is kept in the target's cache at no extra pass. The head keeps its own
+    one-layer K/V cache; after each verification the accepted path is fed to the head again with
+    the target's states (as EAGLE does), not kept with the head's own predicted ones.
+
+    Parameters: ``net`` (a HeadNet, trained here or loaded by :func:`~specdec.drafters.eagle.load_head`),
+    then DraftModel's ``k``, ``top_k``, ``node_budget``, ``stop_threshold``, ``tree``,
+    ``sampled_children``, ``calibrate``, ``learn_plan``.
+    """
+
+    def __init__(self, net: HeadNet, k: int = 4, top_k: int = 1, precision: str = "fp32", **kwargs) -> None:
+        if not isinstance(net, HeadNet):
+            raise TypeError(f"EagleHead: net must be a HeadNet, got {type(net).__name__}")
+        if precision not in ("fp32", "q8_0"):
+            raise ValueError(f"EagleHead: precision must be 'fp32' or 'q8_0', got {precision!r}")
+        super().__init__(None, k=k, top_k=top_k, **kwargs)
+        if precision == "q8_0":  # the head's linear layers group-quantized (a copy: ``net`` stays trainable)
+            import copy
+
+            from specdec.models.quant import quantize_linear_groups
+
+            net = quantize_linear_groups(copy.deepcopy(net), "q8_0")
+        self.net = net
+        self.precision = precision
+        self.target = None
+
+    def __repr__(self) -> str:
+        return "EagleHead" + super().__repr__()[len("DraftModel"):]
+
+    def reserve_foreign(self, n: int) -> None:
+        if n > 0:
+            raise ValueError("EagleHead: tokens from other drafters are not supported (a MultiDraft member needs "
+                             "the target's states of every accepted token; use EagleHead on its own)")
+
+    def bind(self, target, max_batch: int, max_len: int) -> None:
+        if not hasattr(target, "capture_hidden"):
+            raise TypeError(f"EagleHead: the target must be an HFCausalLM (capture_hidden), got "
+                            f"{type(target).__name__}")
+        cfg = self.net.cfg
+        if not cfg.feature_layers:  # an EAGLE-3 checkpoint: its low / mid / high layers of this target
+            from specdec.drafters.eagle.checkpoint import eagle3_layers
+
+            cfg.feature_layers = eagle3_layers(int(target.num_layers))
+        width = target.capture_hidden(cfg.feature_layers)
+        if width != self.net.cfg.feature_size:
+            raise ValueError(f"EagleHead: the head reads features of width {self.net.cfg.feature_size} from layers "
+                             f"{list(self.net.cfg.feature_layers)}, the target gives {width}")
+        self.target = target
+        self.net.to(target.device)
+        self.lm = HeadLM(self.net, target)
+        self._foreign = self.k  # pending-token room: the accepted path is fed again after each step
+        super().bind(target, max_batch, max_len)
+
+    def start(self, prompts, params, generator) -> None:
+        self._attach()
+        super().start(prompts, params, generator)
+
+    def admit(self, rows, prompts) -> None:
+        self._attach()
+        super().admit(rows, prompts)
+
+    def _attach(self) -> None:
+        cache = getattr(self.target, "feature_cache", None) if self.target is not None else None
+        if cache is None:
+            raise RuntimeError("EagleHead: not bound to a decoder (SpeculativeDecoder(target, drafter) binds it)")
+        self.lm.attach(cache)
+
+    def accept(self, accepted: torch.Tensor, num_accepted: torch.Tensor, num_host: Sequence[int],
+               foreign: Optional[Sequence[Sequence[int]]] = None) -> None:
+        rec = self._last
+        if rec is None or rec.k <= 0 or rec.base is None:
+            super().accept(accepted, num_accepted, num_host, foreign)
+            return
+        b = rec.b
+        root_end = rec.base + self._pend_n[:b].to(torch.int32) + 1     # the head cache up to and with the root
+        super().accept(accepted, num_accepted, num_host, foreign)       # learners, counts
+        self._view(b).lens.copy_(root_end)                              # drop the drafted nodes' K/V
+        num = num_accepted.to(torch.int64)
+        width = max((int(a) for a in num_host), default=0)
+        if width:
+            path = accepted[:, 1:1 + width].to(torch.int64).clamp(min=0)
+            self._pend_tok[:b, :width] = rec.tokens.gather(1, path)
+        self._pend_n[:b] = num
+        self._pend_width = width

@@ -1,0 +1,144 @@
+"""HeadLM: a feature head driven like a draft LM (the ``HFCausalLM`` protocol DraftModel's tree
+builders call: ``vocab_size``, ``device``, ``new_cache``, ``forward``, ``forward_last``, ``prefill``).
+
+The head's input at a node of position ``p`` is its token and the feature of position ``p - 1``:
+
+* the TARGET's hidden state there when the target has scored and committed that position (the
+  target's :class:`~specdec.models.hidden.HiddenKVCache` holds it: positions below its ``lens``);
+  every committed token the head is fed (a step's root, pending tokens, a catch-up, a prompt) sees
+  such a parent;
+* else the head's own output at the parent node (a drafted node's parent is the root or a node
+  drafted earlier in the step). The head's cache is a HiddenKVCache too: each slot keeps the head's
+  output and the slot's absolute position (last column), so a node finds its parent among the
+  step's visible slots by position.
+
+Position 0 (no parent) gets a zero feature. Nodes whose parent is drafted must come one level per
+call (as the chain, dynamic and planned builders do); a call's chain of several nodes is always
+committed text.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from specdec import ops
+from specdec.drafters.eagle.net import HeadNet, rope_tables
+from specdec.models.hidden import HiddenKVCache, write_hidden
+
+__all__ = ["HeadLM"]
+
+
+class HeadLM:
+    def __init__(self, net: HeadNet, target) -> None:
+        self.net = net.eval()
+        self.target = target
+        cfg = net.cfg
+        self.cfg = cfg
+        self.vocab_size = int(target.vocab_size)
+        if cfg.vocab_size != self.vocab_size:
+            raise ValueError(f"EagleHead: the head was made for a vocabulary of {cfg.vocab_size} tokens, the target "
+                             f"has {self.vocab_size}")
+        self.device = torch.device(target.device)
+        emb = net.embed if net.embed is not None else target.model.get_input_embeddings()
+        if int(emb.weight.shape[1]) != cfg.hidden_size:
+            raise ValueError(f"EagleHead: the token embedding is {int(emb.weight.shape[1])} wide, the head's hidden "
+                             f"size is {cfg.hidden_size}")
+        self.embed = emb
+        self.target_head = target.model.get_output_embeddings() if net.lm_head is None else None
+        ids = net.draft_to_target()
+        self.draft_ids = None if ids is None else ids.to(self.device)
+        self.dtype = torch.float32
+        self.features: Optional[HiddenKVCache] = None  # the target's cache (attach() before a generate call)
+
+    def attach(self, features: HiddenKVCache) -> None:
+        if not isinstance(features, HiddenKVCache) or features.feature_dim != self.cfg.feature_size:
+            raise ValueError(f"EagleHead: the target's cache must hold features of width {self.cfg.feature_size} "
+                             f"(HFCausalLM.capture_hidden), got {type(features).__name__}")
+        self.features = features
+
+    def new_cache(self, batch: int, capacity: int) -> HiddenKVCache:
+        cfg = self.cfg
+        return HiddenKVCache(1, batch, cfg.num_kv_heads, cfg.head_dim, capacity, cfg.hidden_size + 1,
+                             dtype=self.dtype, device=self.device)
+
+    # ------------------------------------------------------------------ calls
+    @torch.no_grad()
+    def forward(self, cache: HiddenKVCache, tokens: torch.Tensor, depths: torch.Tensor,
+                tree_mask: Optional[torch.Tensor] = None, kv_offset: int = 0) -> torch.Tensor:
+        return self._forward(cache, tokens, depths, tree_mask, kv_offset, 0)
+
+    __call__ = forward
+
+    @torch.no_grad()
+    def forward_last(self, cache, tokens, depths, last) -> torch.Tensor:
+        logits = self._forward(cache, tokens, depths, None, 0, 0)
+        B = tokens.shape[0]
+        return logits[torch.arange(B, device=logits.device), torch.as_tensor(last, device=logits.device).view(B)]
+
+    @torch.no_grad()
+    def prefill(self, cache: HiddenKVCache, prompts: Sequence[Sequence[int]],
+                rows: Optional[Sequence[int]] = None) -> torch.Tensor:
+        rows = list(range(len(prompts))) if rows is None else [int(r) for r in rows]
+        out = torch.empty(len(prompts), self.vocab_size, dtype=torch.float32, device=self.device)
+        for i, (p, r) in enumerate(zip(prompts, rows)):
+            view = cache.rows(r, r + 1)
+            view.lens.zero_()
+            for c0 in range(0, len(p), 256):
+                chunk = torch.tensor([list(p[c0:c0 + 256])], dtype=torch.int64, device=self.device)
+                n = chunk.shape[1]
+                depths = torch.arange(n, dtype=torch.int32, device=self.device).view(1, n)
+                logits = self._forward(view, chunk, depths, None, 0, r)
+                view.lens.add_(n)
+            out[i] = logits[0, -1]
+        return out
+
+    def _forward(self, cache, tokens, depths, tree_mask, kv_offset: int, row0: int) -> torch.Tensor:
+        if self.features is None:
+            raise RuntimeError("EagleHead: no target features attached (the drafter attaches them in start())")
+        net, cfg = self.net, self.cfg
+        B, N = tokens.shape
+        dev = tokens.device
+        lens = cache.lens.to(torch.int64).view(B, 1)
+        pos = lens + depths.to(torch.int64)                                     # [B, N] absolute positions
+        parent = pos - 1
+        tgt = self.features
+        t_lens = tgt.lens[row0:row0 + B].to(torch.int64).view(B, 1)
+        from_target = parent < t_lens
+        idx = parent.clamp(min=0, max=tgt.capacity - 1).unsqueeze(2)
+        tfeat = tgt.hidden[row0:row0 + B, 0].gather(1, idx.expand(B, N, tgt.feature_dim)).to(self.dtype)
+        tfeat = net.input_feature(tfeat) * (parent >= 0).unsqueeze(2)
+        H = cfg.hidden_size
+        own = cache.hidden[:, 0]                                                 # [B, S, H + 1]
+        mask = tree_mask  # None: a causal chain (verify_attention's default)
+        if tree_mask is None:
+            tree_mask = torch.ones(N, kv_offset + N, dtype=torch.bool, device=dev).tril(kv_offset)
+            tree_mask = tree_mask.expand(B, N, kv_offset + N)
+        step_slots = lens + torch.arange(kv_offset + N, device=dev).view(1, -1)  # [B, kvo + N]
+        step_pos = own.gather(1, step_slots.clamp(max=cache.capacity - 1).unsqueeze(2)
+                              .expand(B, kv_offset + N, H + 1))[:, :, H].to(torch.int64)
+        step_pos[:, kv_offset:] = pos
+        match = tree_mask & (step_pos.unsqueeze(1) == parent.unsqueeze(2))      # [B, N, kvo + N]
+        slot = torch.where(match.any(dim=2), lens + match.to(torch.int8).argmax(dim=2), lens - 1).clamp(min=0)
+        hfeat = own.gather(1, slot.unsqueeze(2).expand(B, N, H + 1))[:, :, :H]
+        feat = torch.where(from_target.unsqueeze(2), tfeat, hfeat)
+        emb = self.embed(tokens.clamp(min=0)).to(self.dtype)
+        cos, sin = rope_tables(pos, cfg.head_dim, cfg.rope_theta, self.dtype)
+        k_cache, v_cache, cl = cache.k[0], cache.v[0], cache.lens
+        if mask is None and kv_offset:
+            mask = tree_mask
+
+        def attend(q, k, v):
+            ops.append_kv(k_cache, v_cache, k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(), cl,
+                          kv_offset)
+            m = mask if mask is None or mask.is_contiguous() else mask.contiguous()
+            return ops.verify_attention(q.contiguous(), k_cache, v_cache, cl, m, cfg.head_dim ** -0.5)
+
+        out = net.layer(emb, feat, cos, sin, attend)
+        write_hidden(cache, torch.cat((out, pos.to(self.dtype).unsqueeze(2)), dim=2), kv_offset)
+        logits = net.logits(out, self.target_head).float()
+        if self.draft_ids is None:
+            return logits
+        full = torch.full((B, N, self.vocab_size), float("-inf"), dtype=torch.float32, device=dev)
+        full[:, :, self.draft_ids] = logits
+        return full

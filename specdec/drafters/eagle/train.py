@@ -1,0 +1,180 @@
+"""Training a feature head by self-distillation (EAGLE's recipe, on CPU or GPU).
+
+Data: token sequences (prompt + the target's own answer) and the target's features at every
+position (:mod:`.data`). At position ``p`` the head reads ``(token p, target feature p - 1)`` with
+causal attention over the earlier positions of the sequence, and is trained for
+
+* the feature loss (style "eagle"): smooth-L1 between its output and the target's feature at ``p``
+  (the state the target's LM head reads), weight ``feature_weight`` (EAGLE: 1.0);
+* the token loss: cross-entropy of its logits against the next token ``p + 1`` (the target's own
+  greedy choice), over the draft vocabulary when the head has one (tokens outside it are skipped),
+  weight ``token_weight`` (EAGLE: 0.1).
+
+Optional uniform noise on the input features (EAGLE's robustness trick, ``noise``). Deterministic
+from ``seed``: the batches and the noise come from one generator whose state is checkpointed with
+the weights and the optimizer, so a resumed run continues exactly as an uninterrupted one (same
+threads, same device).
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from specdec.drafters.eagle.net import HeadNet, causal_attention, rope_tables
+
+__all__ = ["TrainConfig", "train_head", "head_losses"]
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    lr: float = 1e-3
+    warmup: int = 50
+    batch: int = 8                 # sequences per step
+    max_len: int = 384             # positions per sequence (longer ones are cut at a seeded offset)
+    feature_weight: float = 1.0
+    token_weight: float = 0.1
+    noise: float = 0.0             # uniform noise of this half-width on the input features
+    weight_decay: float = 0.0
+    clip: float = 0.5
+    seed: int = 0
+    checkpoint_every: int = 200
+
+
+def head_losses(net: HeadNet, tokens: torch.Tensor, feats: torch.Tensor, lengths: torch.Tensor,
+                target_head: Optional[torch.Tensor], cfg: TrainConfig, embed: torch.Tensor,
+                start: torch.Tensor, gen: Optional[torch.Generator] = None):
+    """(total, feature loss, token loss, token accuracy) of one padded batch: tokens [B, T] int64, target
+    features [B, T, F] float32, real lengths [B], absolute position of column 0 ``start`` [B]."""
+    B, T = tokens.shape
+    hc = net.cfg
+    inp_feat = feats[:, :-1]
+    if cfg.noise > 0:
+        noise = torch.rand(inp_feat.shape, generator=gen) * 2 - 1
+        inp_feat = inp_feat + cfg.noise * noise.to(inp_feat.device)
+    inp_feat = net.input_feature(inp_feat)
+    emb = F.embedding(tokens[:, 1:], embed)                                   # [B, T - 1, H]
+    pos = start.view(B, 1) + torch.arange(1, T, device=tokens.device).view(1, T - 1)
+    cos, sin = rope_tables(pos, hc.head_dim, hc.rope_theta, emb.dtype)
+    out = net.layer(emb, inp_feat, cos, sin, causal_attention(hc.num_heads, hc.num_kv_heads))   # [B, T - 1, H]
+    col = torch.arange(1, T, device=tokens.device).view(1, T - 1)
+    valid = col < lengths.view(B, 1)                                          # output at p predicts feature p
+    feat_loss = torch.zeros((), device=tokens.device)
+    if hc.style == "eagle" and cfg.feature_weight:
+        per = F.smooth_l1_loss(out, feats[:, 1:].to(out.dtype), reduction="none").mean(dim=2)
+        feat_loss = (per * valid).sum() / valid.sum().clamp(min=1)
+    logits = net.logits(out[:, :-1], None if target_head is None else (lambda x: x @ target_head.T))
+    labels = tokens[:, 2:].clone()                                            # next token of position p
+    has_next = (col[:, :-1] + 1) < lengths.view(B, 1)
+    if net.lm_head is not None:                                               # target id -> draft id
+        t2d = torch.full((hc.vocab_size,), -100, dtype=torch.int64, device=tokens.device)
+        ids = net.draft_to_target()
+        t2d[ids] = torch.arange(ids.numel(), device=tokens.device)
+        labels = t2d[labels]
+    labels = torch.where(has_next, labels, -100)
+    tok_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+    tok_loss = torch.nan_to_num(tok_loss)  # a batch with no label in the draft vocabulary
+    with torch.no_grad():
+        hit = (logits.argmax(-1) == labels) & (labels >= 0)
+        acc = hit.sum() / (labels >= 0).sum().clamp(min=1)
+    total = cfg.feature_weight * feat_loss + cfg.token_weight * tok_loss
+    return total, feat_loss.detach(), tok_loss.detach(), acc
+
+
+def _batch(tokens: List[torch.Tensor], feats: List[torch.Tensor], cfg: TrainConfig, gen: torch.Generator):
+    """A padded batch of cfg.batch sequences drawn with ``gen`` (windows of cfg.max_len at a drawn offset)."""
+    idx = torch.randint(len(tokens), (cfg.batch,), generator=gen).tolist()
+    rows = []
+    for i in idx:
+        n = tokens[i].numel()
+        off = int(torch.randint(max(1, n - cfg.max_len + 1), (1,), generator=gen)) if n > cfg.max_len else 0
+        rows.append((tokens[i][off:off + cfg.max_len], feats[i][off:off + cfg.max_len], off))
+    T = max(r[0].numel() for r in rows)
+    Fd = rows[0][1].shape[1]
+    tok = torch.zeros(len(rows), T, dtype=torch.int64)
+    ft = torch.zeros(len(rows), T, Fd, dtype=torch.float32)
+    for j, (t, f, _) in enumerate(rows):
+        tok[j, :t.numel()] = t
+        ft[j, :t.numel()] = f.float()
+    return tok, ft, torch.tensor([r[0].numel() for r in rows]), torch.tensor([r[2] for r in rows])
+
+
+def _lr(cfg: TrainConfig, step: int) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def train_head(net: HeadNet, tokens: Sequence[Sequence[int]], feats: Sequence[torch.Tensor], embed: torch.Tensor,
+               target_head: Optional[torch.Tensor] = None, cfg: Optional[TrainConfig] = None,
+               checkpoint: Optional[str] = None, resume: bool = True, progress: bool = False,
+               on_step: Optional[Callable[[int, dict], None]] = None) -> List[dict]:
+    """Train ``net`` in place; returns the log (one dict per step: loss, feature / token loss, accuracy,
+    learning rate, seconds). ``embed``: the target's token embedding [V, H] (frozen); ``target_head``
+    [V, H]: the target's LM head weight for a head without its own (frozen). ``checkpoint``: a file
+    written every cfg.checkpoint_every steps and at the end (weights, optimizer, generator, log);
+    with ``resume`` an existing one is continued."""
+    cfg = cfg or TrainConfig()
+    if len(tokens) != len(feats) or not tokens:
+        raise ValueError(f"train_head: need as many feature tensors as sequences (>= 1), got {len(tokens)} and "
+                         f"{len(feats)}")
+    toks = [torch.as_tensor(t, dtype=torch.int64) for t in tokens]
+    for i, (t, f) in enumerate(zip(toks, feats)):
+        if f.dim() != 2 or f.shape[0] != t.numel() or f.shape[1] != net.cfg.feature_size:
+            raise ValueError(f"train_head: sequence {i} has {t.numel()} tokens but features {tuple(f.shape)} "
+                             f"(expected [{t.numel()}, {net.cfg.feature_size}])")
+    net.train()
+    params = [p for p in net.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    log: List[dict] = []
+    step = 0
+    if checkpoint and resume and os.path.isfile(checkpoint):
+        state = torch.load(checkpoint, weights_only=False)
+        net.load_state_dict(state["net"])
+        opt.load_state_dict(state["opt"])
+        gen.set_state(state["gen"])
+        log, step = state["log"], state["step"]
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=step, desc="train-head", unit="step")
+    embed = embed.detach().float()
+    head_w = None if target_head is None else target_head.detach().float()
+    while step < cfg.steps:
+        t0 = time.perf_counter()
+        for g in opt.param_groups:
+            g["lr"] = _lr(cfg, step)
+        tok, ft, lengths, start = _batch(toks, list(feats), cfg, gen)
+        loss, fl, tl, acc = head_losses(net, tok, ft, lengths, head_w, cfg, embed, start, gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.clip:
+            torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+        opt.step()
+        step += 1
+        rec = dict(step=step, loss=float(loss.detach()), feature_loss=float(fl), token_loss=float(tl),
+                   accuracy=float(acc), lr=opt.param_groups[0]["lr"], seconds=time.perf_counter() - t0)
+        log.append(rec)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=f"{rec['accuracy']:.2f}")
+        if on_step is not None:
+            on_step(step, rec)
+        if checkpoint and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
+            tmp = checkpoint + ".tmp"
+            torch.save(dict(net=net.state_dict(), opt=opt.state_dict(), gen=gen.get_state(), log=log, step=step,
+                            config=net.cfg.to_dict(), train=asdict(cfg)), tmp)
+            os.replace(tmp, checkpoint)
+    if bar is not None:
+        bar.close()
+    net.eval()
+    return log

@@ -1,0 +1,151 @@
+"""Hidden states of the target, kept with its KV cache (for feature-level drafters such as EAGLE heads).
+
+:meth:`specdec.models.HFCausalLM.capture_hidden` turns this on for one model: every forward then
+also writes the chosen hidden states of every node it scores into the cache's ``hidden`` tensor, at
+the node's K/V slot, and :class:`HiddenKVCache` moves them with the K/V on every commit (the
+accepted path of a verified tree), row move and view. No extra forward runs: the states are the
+ones the target computes anyway.
+
+A capture spec is a tuple of indices: ``i`` in ``[0, num_layers)`` = the residual stream entering
+decoder layer ``i`` (transformers' ``hidden_states[i]``), ``-1`` = the final normed state (the LM
+head's input). The feature of a node is their concatenation, in the spec's order.
+
+The lean forward (:mod:`specdec.models.fast_llama`) collects them itself; the other paths use
+forward hooks on the model's decoder layers and final norm (:class:`HookCapture`).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from specdec.cache import StaticKVCache
+
+__all__ = ["HiddenKVCache", "HookCapture", "check_spec", "write_hidden", "enable_capture"]
+
+_FINAL_NORMS = ("norm", "ln_f", "final_layernorm", "final_layer_norm")
+
+
+def check_spec(spec: Sequence[int], num_layers: int) -> Tuple[int, ...]:
+    """A capture spec as a tuple of ints, each -1 or a layer index; a clear error otherwise."""
+    out = []
+    for i in spec:
+        if isinstance(i, bool) or not isinstance(i, int) or not -1 <= i < num_layers:
+            raise ValueError(f"HFCausalLM.capture_hidden: layers must hold -1 (the final normed state) or layer "
+                             f"indices in [0, {num_layers}), got {list(spec)}")
+        out.append(int(i))
+    if not out:
+        raise ValueError("HFCausalLM.capture_hidden: layers is empty (use (-1,) for the final normed state)")
+    return tuple(out)
+
+
+class HiddenKVCache(StaticKVCache):
+    """A :class:`StaticKVCache` that also holds one feature vector per position: ``hidden``
+    [B, 1, capacity, F] (the K/V layout with one head, so row moves treat it as another layer)."""
+
+    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 feature_dim: int, dtype: torch.dtype = torch.float32, device="cpu") -> None:
+        super().__init__(num_layers, batch, num_kv_heads, head_dim, capacity, dtype=dtype, device=device)
+        self.feature_dim = int(feature_dim)
+        self.hidden = torch.zeros(self.batch, 1, self.capacity, self.feature_dim, dtype=dtype, device=self.device)
+
+    @property
+    def extra(self) -> List[torch.Tensor]:
+        """Per-position tensors beyond the K/V (laid out as a layer's K), moved with them."""
+        return [self.hidden]
+
+    def rows(self, start: int, stop: int) -> "HiddenKVCache":
+        view = super().rows(start, stop)
+        view.__class__ = HiddenKVCache
+        view.hidden = self.hidden[start:stop]
+        return view
+
+    def nbytes(self) -> int:
+        return super().nbytes() + self.hidden.numel() * self.hidden.element_size()
+
+    def commit(self, accepted: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """Keep the accepted path's K/V and hidden states; lens += num_accepted + 1."""
+        B, N = accepted.shape
+        if B:
+            slots = self.lens.to(torch.int64).view(B, 1)
+            src = slots + accepted.to(torch.int64).clamp(min=0)              # [B, N]
+            dst = slots + torch.arange(N, device=self.device).view(1, N)
+            h = self.hidden[:, 0]
+            Fd = self.feature_dim
+            src = src.clamp(max=self.capacity - 1).unsqueeze(2).expand(B, N, Fd)
+            dst = dst.clamp(max=self.capacity - 1).unsqueeze(2).expand(B, N, Fd)
+            keep = torch.arange(N, device=self.device).view(1, N) <= num_accepted.to(torch.int64).view(B, 1)
+            moved = torch.where(keep.unsqueeze(2), h.gather(1, src), h.gather(1, dst))
+            h.scatter_(1, dst, moved)  # slots past a row's path keep their values
+        super().commit(accepted, num_accepted)
+
+    def features(self, rows: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """The hidden states [B, capacity, F] (a view)."""
+        return self.hidden[:, 0] if rows is None else self.hidden[list(rows), 0]
+
+
+def enable_capture(lm, layers: Sequence[int]) -> int:
+    """HFCausalLM.capture_hidden: set the spec on the lean runner, or hooks on the model's modules."""
+    spec = check_spec(list(layers), lm.num_layers)
+    if lm._capture is not None:
+        lm._capture.remove()
+    runner = lm._runner
+    lm._capture = None if runner is not None else HookCapture(lm.model, spec)
+    if runner is not None:
+        runner.capture = spec
+    lm.hidden_spec = spec
+    lm.hidden_width = int(lm.model.get_input_embeddings().weight.shape[1]) * len(spec)
+    return lm.hidden_width
+
+
+def write_hidden(cache: HiddenKVCache, feats, kv_offset: int) -> None:
+    """Write features [B, N, F] (or a list of parts to concatenate) of a call's N nodes at their K/V
+    slots lens[b] + kv_offset + j."""
+    if isinstance(feats, (list, tuple)):
+        feats = feats[0] if len(feats) == 1 else torch.cat(list(feats), dim=-1)
+    B, N, Fd = feats.shape
+    slots = cache.lens.to(torch.int64).view(B, 1) + kv_offset + torch.arange(N, device=feats.device).view(1, N)
+    slots = slots.clamp(max=cache.capacity - 1)  # padding past the capacity (never read) stays in range
+    cache.hidden[:, 0].scatter_(1, slots.unsqueeze(2).expand(B, N, Fd), feats.to(cache.hidden.dtype))
+
+
+class HookCapture:
+    """Forward hooks that keep the chosen hidden states of a transformers model's call (the hooked and
+    generic paths of HFCausalLM). ``active`` gates them; ``take()`` returns the concatenated features."""
+
+    def __init__(self, model: torch.nn.Module, spec: Tuple[int, ...]) -> None:
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None) or getattr(decoder, "layer", None)
+        norm = next((getattr(decoder, n) for n in _FINAL_NORMS if hasattr(decoder, n)), None)
+        if layers is None or (-1 in spec and norm is None):
+            raise ValueError(f"HFCausalLM.capture_hidden: cannot find the decoder layers / final norm of "
+                             f"{type(model).__name__} (expected get_decoder().layers and one of {_FINAL_NORMS})")
+        self.spec = spec
+        self.active = False
+        self.kept: dict = {}
+        self.handles = []
+        for i in set(spec) - {-1}:
+            self.handles.append(layers[i].register_forward_pre_hook(self._pre(i), with_kwargs=True))
+        if -1 in spec:
+            self.handles.append(norm.register_forward_hook(self._post))
+
+    def _pre(self, i: int):
+        def hook(module, args, kwargs):
+            if self.active:
+                h = args[0] if args else kwargs["hidden_states"]
+                self.kept[i] = h.detach().clone()
+        return hook
+
+    def _post(self, module, args, output):
+        if self.active:
+            self.kept[-1] = (output[0] if isinstance(output, tuple) else output).detach().clone()
+
+    def take(self) -> torch.Tensor:
+        feats = [self.kept[i] for i in self.spec]
+        self.kept = {}
+        return feats[0] if len(feats) == 1 else torch.cat(feats, dim=-1)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []

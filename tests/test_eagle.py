@@ -1,0 +1,318 @@
+"""EagleHead: the feature head drafter (drafting math, exactness, training, checkpoint layouts)."""
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from specdec import SpeculativeDecoder  # noqa: E402
+from specdec.drafters import EagleHead, HeadConfig, HeadNet  # noqa: E402
+from specdec.drafters.eagle import load_head, save_head  # noqa: E402
+from specdec.drafters.eagle.data import generate_with_features  # noqa: E402
+from specdec.drafters.eagle.lm import HeadLM  # noqa: E402
+from specdec.drafters.eagle.net import causal_attention, rope_tables  # noqa: E402
+from specdec.drafters.eagle.train import TrainConfig, train_head  # noqa: E402
+from specdec.models import HFCausalLM  # noqa: E402
+from specdec.models.quant import quantize_linear_groups  # noqa: E402
+
+V = 97
+PROMPTS = [[1, 5, 7, 9, 11, 3], [4, 4, 2], [8, 1, 2, 3, 4, 5, 6, 7, 8, 9]]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _tiny_llama(seed=0, vocab=V, hidden=64, layers=2):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _head_config(**kw):
+    return HeadConfig(**dict(dict(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=V),
+                             **kw))
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A tiny target and a head trained on its greedy answers (a few seconds): it drafts tokens the target accepts."""
+    model = _tiny_llama()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, V, (6,), generator=g).tolist() for _ in range(24)]
+    seqs, feats = generate_with_features(HFCausalLM(model), prompts, 40, batch=8)
+    torch.manual_seed(1)
+    net = HeadNet(_head_config())
+    log = train_head(net, seqs, feats, model.get_input_embeddings().weight, model.get_output_embeddings().weight,
+                     TrainConfig(steps=120, lr=3e-3, warmup=10, batch=8, max_len=64))
+    return model, net, log, seqs, feats
+
+
+def _reference_greedy(model, prompts, n):
+    return SpeculativeDecoder(HFCausalLM(model), None, max_batch=len(prompts), max_len=64).generate(
+        prompts, max_new_tokens=n).tokens
+
+
+# ------------------------------------------------------------------ the drafting math
+def test_head_lm_equals_a_full_recompute():
+    """HeadLM's cached, tree-shaped drafting gives the logits of a plain causal run of the head over
+    (token p, target feature p - 1) for committed positions and (token, parent's head output) for drafted ones."""
+    model = _tiny_llama()
+    target = HFCausalLM(model)
+    target.capture_hidden((-1,))
+    tcache = target.new_cache(1, 40)
+    prompt = [3, 14, 15, 92, 65, 35, 89]
+    target.prefill(tcache, [prompt])
+    torch.manual_seed(2)
+    net = HeadNet(_head_config())
+    lm = HeadLM(net, target)
+    lm.attach(tcache)
+    hcache = lm.new_cache(1, 40)
+    root = 42
+    lm.prefill(hcache, [prompt])                                  # positions 0..6: committed, target features
+    root_logits = lm.forward(hcache, torch.tensor([[root]]), torch.zeros(1, 1, dtype=torch.int32))[0, 0]
+    hcache.lens += 1
+    # level 1: two children of the root (kv_offset 0, each sees itself); level 2: one child of each
+    kids = torch.tensor([[7, 11]])
+    eye = torch.eye(2, dtype=torch.bool).view(1, 2, 2)
+    l1 = lm.forward(hcache, kids, torch.zeros(1, 2, dtype=torch.int32), eye)
+    grand = torch.tensor([[20, 30]])
+    m2 = torch.tensor([[[True, False, True, False], [False, True, False, True]]])
+    l2 = lm.forward(hcache, grand, torch.ones(1, 2, dtype=torch.int32), m2, kv_offset=2)
+
+    feats = tcache.features()[0, :len(prompt)]
+    emb = model.get_input_embeddings().weight
+
+    def run(tokens, feat_in):
+        T = len(tokens)
+        pos = torch.arange(T).view(1, T)
+        cos, sin = rope_tables(pos, 16, net.cfg.rope_theta, torch.float32)
+        with torch.no_grad():
+            out = net.layer(emb[torch.tensor([tokens])], feat_in.view(1, T, -1), cos, sin, causal_attention(4, 2))
+        return out[0], net.logits(out, model.get_output_embeddings())[0]
+
+    base = torch.cat([torch.zeros(1, 64), feats])                # feature input of positions 0..7
+    out, logits = run(prompt + [root], base)
+    torch.testing.assert_close(root_logits, logits[-1], atol=1e-4, rtol=1e-4)
+    for j in range(2):
+        o1, lg1 = run(prompt + [root, kids[0, j].item()], torch.cat([base, out[-1:]]))
+        torch.testing.assert_close(l1[0, j], lg1[-1], atol=1e-4, rtol=1e-4)
+        _, lg2 = run(prompt + [root, kids[0, j].item(), grand[0, j].item()], torch.cat([base, out[-1:], o1[-1:]]))
+        torch.testing.assert_close(l2[0, j], lg2[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_reduced_vocabulary_map():
+    model = _tiny_llama()
+    target = HFCausalLM(model)
+    target.capture_hidden((-1,))
+    tcache = target.new_cache(1, 16)
+    target.prefill(tcache, [[1, 2, 3]])
+    net = HeadNet(_head_config(draft_vocab=10))
+    ids = torch.tensor([90, 3, 55, 0, 17, 8, 96, 41, 60, 2])
+    net.set_vocab(ids)
+    assert torch.equal(net.draft_to_target(), ids)
+    lm = HeadLM(net, target)
+    lm.attach(tcache)
+    hc = lm.new_cache(1, 16)
+    full = lm.prefill(hc, [[1, 2, 3]])[0]
+    assert torch.isinf(full).sum() == V - 10 and torch.isfinite(full[ids]).all()
+    with pytest.raises(ValueError, match="distinct"):
+        net.set_vocab(torch.tensor([1] * 10))
+
+
+# ------------------------------------------------------------------ exactness
+@pytest.mark.parametrize("precision", ["fp32", "q8_0", "q4_1"])
+def test_greedy_exact_chain_and_trees(trained, precision):
+    model, net, _, _, _ = trained
+    if precision != "fp32":
+        import copy
+
+        model = quantize_linear_groups(copy.deepcopy(model), precision)
+    ref = _reference_greedy(model, PROMPTS, 24)
+    shapes = [dict(k=4), dict(k=3, top_k=2), dict(k=3, top_k=2, tree="dynamic"),
+              dict(k=3, top_k=2, tree="planned", node_budget=7)]
+    for kw in shapes:
+        dec = SpeculativeDecoder(HFCausalLM(model), EagleHead(net, **kw), max_batch=3, max_len=64, policy="fixed")
+        out = dec.generate(PROMPTS, max_new_tokens=24)
+        assert out.tokens == ref, (precision, kw)
+        assert out.metrics["accepted_tokens"] > 10, (precision, kw)  # the trained head really drafts
+
+
+def test_greedy_exact_q8_head_reduced_vocab_and_hook_path(trained):
+    model, net, _, seqs, feats = trained
+    ref = _reference_greedy(model, PROMPTS, 20)
+    small = HeadNet(_head_config(draft_vocab=48))
+    small.load_state_dict({k: v for k, v in net.state_dict().items()}, strict=False)
+    counts = torch.bincount(torch.tensor([t for s in seqs for t in s]), minlength=V)
+    small.set_vocab(torch.sort(torch.topk(counts, 48).indices).values)
+    with torch.no_grad():
+        small.lm_head.weight.copy_(model.get_output_embeddings().weight[small.draft_to_target()])
+    for head, target in ((EagleHead(net, k=3, precision="q8_0"), HFCausalLM(model)),
+                         (EagleHead(small, k=3, top_k=2, tree="dynamic"), HFCausalLM(model)),
+                         (EagleHead(net, k=3), HFCausalLM(model, fast_path=False))):
+        out = SpeculativeDecoder(target, head, max_batch=3, max_len=64, policy="fixed").generate(
+            PROMPTS, max_new_tokens=20)
+        assert out.tokens == ref
+        assert out.metrics["accepted_tokens"] > 5
+
+
+def test_sampled_distribution_is_exact():
+    """The statistical harness of tests/test_decoding.py with a head over a tiny HF target."""
+    from tests.test_decoding import assert_sampled_exact
+
+    model = _tiny_llama(seed=3, vocab=8, hidden=32)
+    torch.manual_seed(4)
+    net = HeadNet(HeadConfig(hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64, vocab_size=8))
+    for drafter in (EagleHead(net, k=3), EagleHead(net, k=2, top_k=2, tree="dynamic", node_budget=5)):
+        per_call, calls = 800, 2
+        target = HFCausalLM(model)
+        with torch.no_grad():  # the harness's oracle: a plain forward over the whole sequence
+            target.full_logits = lambda seq: model(input_ids=torch.tensor([list(seq)])).logits[0].float()
+        accepted = assert_sampled_exact(target, drafter, [1, 2, 3, 1, 2, 3, 1, 2], 0.8, 0, 1.0,
+                                        per_call, calls, 4, 7)
+        assert accepted > 0.05 * per_call * calls
+
+
+# ------------------------------------------------------------------ training
+def test_training_loss_falls_and_resume_is_identical(trained, tmp_path):
+    model, _, log, seqs, feats = trained
+    first = sum(r["loss"] for r in log[:10]) / 10
+    last = sum(r["loss"] for r in log[-10:]) / 10
+    assert last < 0.8 * first
+    assert log[-1]["accuracy"] > log[0]["accuracy"]
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    cfg = TrainConfig(steps=12, lr=3e-3, warmup=2, batch=4, max_len=32, checkpoint_every=5, noise=0.1)
+
+    def fresh():
+        torch.manual_seed(5)
+        return HeadNet(_head_config())
+
+    a = fresh()
+    log_a = train_head(a, seqs[:8], feats[:8], emb, head, cfg)
+    ckpt = str(tmp_path / "t.ckpt")
+
+    class Stop(Exception):
+        pass
+
+    def interrupt(step, rec):
+        if step == 7:  # killed after the checkpoint of step 5 and two more steps
+            raise Stop
+
+    with pytest.raises(Stop):
+        train_head(fresh(), seqs[:8], feats[:8], emb, head, cfg, checkpoint=ckpt, on_step=interrupt)
+    b = fresh()
+    log_b = train_head(b, seqs[:8], feats[:8], emb, head, cfg, checkpoint=ckpt)  # resumes after step 5
+    assert [r["loss"] for r in log_b] == [r["loss"] for r in log_a]
+    for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), k
+
+
+def test_train_head_rejects_mismatched_features():
+    net = HeadNet(_head_config())
+    with pytest.raises(ValueError, match="sequence 0 has 3 tokens"):
+        train_head(net, [[1, 2, 3]], [torch.zeros(2, 64)], torch.zeros(V, 64))
+
+
+# ------------------------------------------------------------------ checkpoint layouts
+def _write(folder, conf, sd):
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(conf, f)
+    save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(folder, "model.safetensors"))
+
+
+def _llama_conf(H=64, **kw):
+    return dict(dict(architectures=["LlamaForCausalLM"], hidden_size=H, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=2 * H, num_hidden_layers=1, rms_norm_eps=1e-6, rope_theta=10000.0,
+                     vocab_size=V, hidden_act="silu"), **kw)
+
+
+def _layer_keys(pre, H, att_in, g):
+    r = lambda *s: torch.randn(*s, generator=g) * 0.05  # noqa: E731
+    return {f"{pre}self_attn.q_proj.weight": r(H, att_in), f"{pre}self_attn.k_proj.weight": r(32, att_in),
+            f"{pre}self_attn.v_proj.weight": r(32, att_in), f"{pre}self_attn.o_proj.weight": r(H, H),
+            f"{pre}mlp.gate_proj.weight": r(2 * H, H), f"{pre}mlp.up_proj.weight": r(2 * H, H),
+            f"{pre}mlp.down_proj.weight": r(H, 2 * H), f"{pre}post_attention_layernorm.weight": 1 + r(H)}
+
+
+def test_load_eagle1_checkpoint(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    H = 64
+    sd = _layer_keys("layers.0.", H, H, g)
+    sd.update({"fc.weight": torch.randn(H, 2 * H, generator=g) * 0.05, "fc.bias": torch.randn(H, generator=g) * 0.01})
+    folder = str(tmp_path / "eagle1")
+    _write(folder, _llama_conf(), sd)
+    net = load_head(folder)
+    assert net.cfg.style == "eagle" and net.lm_head is None and net.cfg.feature_layers == (-1,)
+    assert torch.equal(net.q_proj.weight, sd["layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(net.fc.bias, sd["fc.bias"])
+    assert torch.equal(net.post_attention_layernorm.data, sd["layers.0.post_attention_layernorm.weight"])
+    model = _tiny_llama()
+    ref = _reference_greedy(model, PROMPTS, 12)
+    out = SpeculativeDecoder(HFCausalLM(model), EagleHead(net, k=3, top_k=2, tree="dynamic"), max_batch=3,
+                             max_len=64, policy="fixed").generate(PROMPTS, max_new_tokens=12)
+    assert out.tokens == ref
+    sd["layers.0.input_layernorm.weight"] = torch.ones(H)  # EAGLE's first layer has none
+    _write(folder, _llama_conf(), sd)
+    with pytest.raises(ValueError, match="unexpected keys"):
+        load_head(folder)
+
+
+def test_load_eagle3_checkpoint(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    H, Vd = 64, 32
+    model = _tiny_llama(layers=6)
+    sd = _layer_keys("midlayer.", H, 2 * H, g)
+    ids = torch.sort(torch.randperm(V, generator=g)[:Vd]).values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    sd.update({"fc.weight": torch.randn(H, 3 * H, generator=g) * 0.05, "midlayer.hidden_norm.weight": torch.ones(H),
+               "midlayer.input_layernorm.weight": torch.ones(H), "norm.weight": torch.ones(H),
+               "lm_head.weight": torch.randn(Vd, H, generator=g) * 0.05, "d2t": ids - torch.arange(Vd), "t2d": t2d,
+               "embed_tokens.weight": model.get_input_embeddings().weight.detach().clone()})
+    folder = str(tmp_path / "eagle3")
+    _write(folder, _llama_conf(draft_vocab_size=Vd, target_hidden_size=H), sd)
+    net = load_head(folder)
+    assert net.cfg.style == "eagle3" and net.cfg.feature_size == 3 * H and net.cfg.draft_vocab == Vd
+    assert torch.equal(net.draft_to_target(), ids)
+    assert torch.equal(net.q_proj.weight, sd["midlayer.self_attn.q_proj.weight"])
+    drafter = EagleHead(net, k=3)
+    ref = _reference_greedy(model, PROMPTS, 12)
+    out = SpeculativeDecoder(HFCausalLM(model), drafter, max_batch=3, max_len=64, policy="fixed").generate(
+        PROMPTS, max_new_tokens=12)
+    assert out.tokens == ref
+    assert net.cfg.feature_layers == (2, 3, 3)  # EAGLE-3's low / mid / high layers of a 6-layer target
+    bad = dict(sd, t2d=~t2d)
+    _write(folder, _llama_conf(draft_vocab_size=Vd, target_hidden_size=H), bad)
+    with pytest.raises(ValueError, match="t2d"):
+        load_head(folder)
+
+
+def test_save_load_round_trip(trained, tmp_path):
+    _, net, _, _, _ = trained
+    save_head(net, str(tmp_path / "h"), dtype=torch.float32)
+    back = load_head(str(tmp_path / "h"))
+    assert back.cfg.to_dict() == net.cfg.to_dict()
+    for (k, x), (_, y) in zip(net.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(x, y), k
+
+
+def test_bad_binding():
+    from specdec.drafters import MultiDraft, PromptLookup
+
+    net = HeadNet(_head_config())
+    with pytest.raises(ValueError, match="MultiDraft member"):
+        SpeculativeDecoder(HFCausalLM(_tiny_llama()), MultiDraft([EagleHead(net), PromptLookup()]))
+    with pytest.raises(ValueError, match="vocabulary of 97"):
+        SpeculativeDecoder(HFCausalLM(_tiny_llama(vocab=50)), EagleHead(net))
+    with pytest.raises(TypeError, match="net must be a HeadNet"):
+        EagleHead(object())
