@@ -165,7 +165,7 @@ def test_greedy_exact_q8_head_reduced_vocab_and_hook_path(trained):
 
 def test_sampled_distribution_is_exact():
     """The statistical harness of tests/test_decoding.py with a head over a tiny HF target."""
-    from tests.test_decoding import assert_sampled_exact
+    from test_decoding import assert_sampled_exact
 
     model = _tiny_llama(seed=3, vocab=8, hidden=32)
     torch.manual_seed(4)
