@@ -28,9 +28,10 @@ from typing import List, Optional, Sequence
 import torch
 
 from specdec import ops
-from specdec._check import check_int, out_of_vocab
+from specdec._check import check_int
 from specdec.cache import StaticKVCache
 from specdec.paged_cache import PagedKVCache, PagedKVView
+from specdec.models.hf_prefill import check_prefill, prefill_group, prefill_groups
 from specdec.models.hidden import HiddenKVCache, enable_capture, write_hidden
 from specdec.models.hf_attention import (
     ACTIVE_CALL,
@@ -282,11 +283,12 @@ class HFCausalLM:
         prompts = [list(p) for p in prompts]
         rows = list(range(len(prompts))) if rows is None else [int(r) for r in rows]
         starts = [0] * len(prompts) if starts is None else [int(s) for s in starts]
-        self._check_prefill(cache, prompts, rows, starts)
+        self._check_cache(cache, "prefill")
+        check_prefill(cache, prompts, rows, starts, self.vocab_size)
         out = torch.empty(len(prompts), self.vocab_size, dtype=torch.float32, device=self.device)
         with ops.prefill_rows():  # the CPU GEMM tiles at every row count (see ops.prefill_rows)
-            for group in self._prefill_groups(prompts, rows):
-                self._prefill_group(cache, prompts, rows, starts, group, out)
+            for group in prefill_groups(prompts, rows):
+                prefill_group(self, cache, prompts, rows, starts, group, out)
         return out
 
     # ------------------------------------------------------------------ internals
@@ -426,65 +428,6 @@ class HFCausalLM:
         out = self.model(input_ids=tokens.clamp(min=0), position_ids=positions, attention_mask=mask,
                          use_cache=True, **{self._cache_kwarg: bridge}, **kwargs)
         return self._select_logits(out.logits, logits_to_keep).float()
-
-    def _check_prefill(self, cache, prompts, rows, starts) -> None:
-        self._check_cache(cache, "prefill")
-        if len(rows) != len(prompts) or len(starts) != len(prompts):
-            raise ValueError(f"HFCausalLM.prefill: {len(prompts)} prompts but {len(rows)} rows and "
-                             f"{len(starts)} starts")
-        if len(set(rows)) != len(rows):
-            raise ValueError(f"HFCausalLM.prefill: rows must be distinct, got {rows}")
-        for i, (p, r) in enumerate(zip(prompts, rows)):
-            if not 0 <= r < cache.batch:
-                raise ValueError(f"HFCausalLM.prefill: row {r} of prompt {i} is outside the cache's {cache.batch} rows")
-            if len(p) == 0:
-                raise ValueError(f"HFCausalLM.prefill: prompt {i} is empty")
-            if starts[i] < 0 or starts[i] + len(p) > cache.capacity:
-                raise ValueError(f"HFCausalLM.prefill: prompt {i} has {len(p)} tokens after a start of {starts[i]}, "
-                                 f"outside the cache capacity {cache.capacity}")
-            bad = out_of_vocab(p, self.vocab_size)
-            if bad is not None:
-                raise ValueError(f"HFCausalLM.prefill: prompt {i} holds token {bad}, outside [0, {self.vocab_size})")
-
-    @staticmethod
-    def _prefill_groups(prompts, rows) -> List[List[int]]:
-        """Prompt indices grouped by consecutive cache rows, padding <= 25 % of the group's tokens."""
-        groups: List[List[int]] = []
-        for i in sorted(range(len(prompts)), key=lambda i: rows[i]):
-            if groups:
-                g = groups[-1]
-                if rows[g[-1]] + 1 == rows[i]:
-                    lengths = [len(prompts[k]) for k in g] + [len(prompts[i])]
-                    if max(lengths) * len(lengths) <= 1.25 * sum(lengths):
-                        g.append(i)
-                        continue
-            groups.append([i])
-        return groups
-
-    def _prefill_group(self, cache, prompts, rows, starts, group, out) -> None:
-        view = cache.rows(rows[group[0]], rows[group[-1]] + 1)
-        lengths = [len(prompts[i]) for i in group]
-        T = max(lengths)
-        ids = torch.zeros(len(group), T, dtype=torch.long)
-        for k, i in enumerate(group):
-            ids[k, :lengths[k]] = torch.tensor(prompts[i], dtype=torch.long)
-        ids = ids.to(self.device)
-        first = torch.tensor([starts[i] for i in group], dtype=torch.int32)
-        view.lens.copy_(first)
-        depths_all = torch.arange(T, device=self.device).expand(len(group), T)
-        for c0 in range(0, T, self.prefill_chunk):
-            c1 = min(T, c0 + self.prefill_chunk)
-            ending = [k for k, n in enumerate(lengths) if c0 < n <= c1]
-            if ending:
-                last = torch.tensor([[min(max(n - 1 - c0, 0), c1 - c0 - 1)] for n in lengths], dtype=torch.long,
-                                    device=self.device)  # [g, 1] position whose logits we keep
-                logits = self._forward(view, ids[:, c0:c1], depths_all[:, : c1 - c0], None, logits_to_keep=last)
-                idx = torch.tensor([group[k] for k in ending], device=self.device)
-                out[idx] = logits[ending, 0]
-            else:
-                self._forward(view, ids[:, c0:c1], depths_all[:, : c1 - c0], None, logits_to_keep=1)
-            view.lens.add_(c1 - c0)
-        view.lens.copy_(first + torch.tensor(lengths, dtype=torch.int32))
 
     def __repr__(self) -> str:
         path = "hooked" if self.hooked else "generic fallback"
