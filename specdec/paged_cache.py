@@ -61,9 +61,7 @@ class BlockAllocator:
         """Blocks that carry a prefix key (referenced or parked)."""
         return len(self._key_of)
 
-    @property
-    def num_parked(self) -> int:
-        return len(self._parked)
+    num_parked = property(lambda self: len(self._parked), doc="unreferenced cached (evictable) blocks")
 
     def cached_blocks(self) -> List[int]:
         """The blocks that carry a prefix key (referenced or parked), ascending."""
@@ -412,12 +410,9 @@ class PagedKVCache:
 
 
 class PagedKVView:
-    """Rows [start, stop) of a :class:`PagedKVCache` in the form the models take in place of a
-    :class:`~specdec.cache.StaticKVCache`: ``k[l]`` / ``v[l]`` are the page pools, ``lens`` and
-    ``block_tables`` the rows' slices (views: the ops update the cache's own tensors), ``commit``
-    runs :func:`~specdec.paged_ops.kv_commit_paged`. A view never allocates: the caller grows the
-    rows' blocks first (an unallocated position of a scratch-page cache is written to the scratch
-    page and reads back garbage)."""
+    """Rows [start, stop) of a :class:`PagedKVCache` as the models take a StaticKVCache: ``k[l]`` /
+    ``v[l]`` the page pools, ``lens`` / ``block_tables`` the rows' slices (views), ``commit`` =
+    :func:`~specdec.paged_ops.kv_commit_paged`. A view never allocates: the caller grows blocks first."""
 
     paged = True
 
