@@ -56,11 +56,7 @@ class BlockAllocator:
         """Blocks an allocation can take: the free list plus the parked (evictable) cached blocks."""
         return len(self._free) + len(self._parked)
 
-    @property
-    def num_cached(self) -> int:
-        """Blocks that carry a prefix key (referenced or parked)."""
-        return len(self._key_of)
-
+    num_cached = property(lambda self: len(self._key_of), doc="blocks that carry a prefix key (referenced or parked)")
     num_parked = property(lambda self: len(self._parked), doc="unreferenced cached (evictable) blocks")
 
     def cached_blocks(self) -> List[int]:
@@ -429,7 +425,6 @@ class PagedKVView:
         self.block_tables = cache.block_tables[start:stop]
 
     def rows(self, start: int, stop: int) -> "PagedKVView":
-        """Rows [start, stop) of this view."""
         if not 0 <= start < stop <= self.batch:
             raise ValueError(f"PagedKVView.rows: need 0 <= start < stop <= {self.batch}, got [{start}, {stop})")
         return PagedKVView(self.pages, self.start + start, self.start + stop)
@@ -437,13 +432,16 @@ class PagedKVView:
     def nbytes(self) -> int:
         return self.pages.nbytes
 
+    def gather(self, layer: int, row: int, length: int):
+        """(K, V) of positions [0, length) of ``row`` as dense [Hkv, length, D] copies (tests, debugging)."""
+        pages = self.block_tables[row, :-(-length // self.block_size)].long()
+        return tuple(t[pages].flatten(0, 1)[:length].transpose(0, 1) for t in (self.k[layer], self.v[layer]))
+
     def commit(self, accepted: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Keep each row's accepted tree path (root included); lens += num_accepted + 1."""
         paged_ops.kv_commit_paged(self.k, self.v, self.block_tables, self.lens, accepted, num_accepted)
 
     def reset(self, rows: Optional[List[int]] = None) -> None:
         """Lengths to 0 (timing passes on rows that hold no request; blocks are untouched)."""
-        if rows is None:
-            self.lens.zero_()
-        else:
-            self.lens[torch.as_tensor(list(rows), dtype=torch.long, device=self.device)] = 0
+        idx = slice(None) if rows is None else torch.as_tensor(list(rows), dtype=torch.long, device=self.device)
+        self.lens[idx] = 0

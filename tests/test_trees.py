@@ -78,8 +78,11 @@ def _check_caches(dec, drafter, ctx, target_lm, draft_lm, draft_cache, pend_n, b
         fresh = target_lm.new_cache(1, len(seq) + 2)
         target_lm.prefill(fresh, [seq[:-1]])
         for l in range(fresh.num_layers):
-            for got, want in ((dec.cache.k[l], fresh.k[l]), (dec.cache.v[l], fresh.v[l])):
-                torch.testing.assert_close(got[r, :, :lens[r]], want[0, :, :lens[r]], atol=CACHE_ATOL, rtol=0)
+            n = lens[r]
+            got = dec.cache.gather(l, r, n) if getattr(dec.cache, "paged", False) else \
+                (dec.cache.k[l][r, :, :n], dec.cache.v[l][r, :, :n])
+            for g, want in zip(got, (fresh.k[l], fresh.v[l])):
+                torch.testing.assert_close(g, want[0, :, :n], atol=CACHE_ATOL, rtol=0)
         if draft_cache is None:
             continue
         n = int(draft_cache.lens[r])
