@@ -133,7 +133,7 @@ stage_command() {
               "tests/test_ops_attention.py tests/test_ops_kv_commit.py tests/test_ops_paged.py"
               "tests/test_ops_linear.py tests/test_cuda_fixes.py tests/test_batch_invariance.py"
               "tests/test_ops_sampling.py tests/test_statistical.py tests/test_ops_fused.py"
-              "tests/test_ops_qlinear.py tests/test_ops_decoder_layer.py tests/test_ops_decoder_layer_paged.py tests/test_ops_errors.py tests/test_ops_compile.py")
+              "tests/test_ops_qlinear.py tests/test_ops_qlinear_q8act.py tests/test_ops_decoder_layer.py tests/test_ops_decoder_layer_paged.py tests/test_ops_errors.py tests/test_ops_compile.py")
          ;;
     graphs) CMD=("${pytest[@]}" -k cuda tests/test_graphs.py) ;;
     decoding) CMD=("${pytest[@]}" tests/test_cuda_decoding.py) ;;

@@ -238,6 +238,7 @@ std::tuple<at::Tensor, at::Tensor> run_cpu_f32(const Slots& S, const Dims& d, co
   cpu::rope_f32(k, ks, cos.data_ptr<float>(), sin.data_ptr<float>(), kr, M, d.hkv, D);
   float* kc = k_cache.data_ptr<float>();
   float* vc = v_cache.data_ptr<float>();
+  at::Tensor paged_att;  // the paged attention's output: the o projection reads it in place (no copy)
   if (block_tables.has_value()) {
     // paged: append_kv_paged / verify_attention_paged on the workspace's roped k, v and q (same kernels as
     // the separate paged ops; the paged CPU kernels give the dense kernels' bits)
@@ -247,9 +248,9 @@ std::tuple<at::Tensor, at::Tensor> run_cpu_f32(const Slots& S, const Dims& d, co
     append_kv_paged_cpu(k_cache, v_cache, k_t.transpose(1, 2), v_t.transpose(1, 2), *block_tables, cache_lens,
                         kv_offset);
     const at::Tensor q_t = at::from_blob(qr, {B, N, d.hq, D}, f32);
-    const at::Tensor a_t = verify_attention_paged_cpu(q_t, k_cache, v_cache, *block_tables, cache_lens, tree_mask,
-                                                      scale);
-    std::memcpy(att, a_t.contiguous().data_ptr<float>(), M * nq * sizeof(float));
+    paged_att = verify_attention_paged_cpu(q_t, k_cache, v_cache, *block_tables, cache_lens, tree_mask, scale)
+                    .contiguous();
+    att = paged_att.data_ptr<float>();
   } else {
   // append_kv: cache[b, h, lens[b] + kv_offset + j] = k / v of node j
   const int64_t Sc = k_cache.size(2);

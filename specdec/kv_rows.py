@@ -160,7 +160,7 @@ class PagedRows:
         """Grow every (request, committed length) to cover the length plus the reserve: all or nothing;
         False when the pool lacks the blocks (the caller preempts and retries)."""
         need = [(rid, self._blocks_for(n + self.reserve_positions)) for rid, n in rows]
-        short = sum(max(0, want - len(self.allocator.blocks(rid))) for rid, want in need)
+        short = sum(max(0, want - self.allocator.num_blocks_of(rid)) for rid, want in need)
         if short > self.allocator.num_free:
             return False
         for rid, n in rows:

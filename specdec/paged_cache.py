@@ -59,6 +59,9 @@ class BlockAllocator:
     num_cached = property(lambda self: len(self._key_of), doc="blocks that carry a prefix key (referenced or parked)")
     num_parked = property(lambda self: len(self._parked), doc="unreferenced cached (evictable) blocks")
 
+    def num_blocks_of(self, rid: Hashable) -> int:
+        return len(self._owned(rid, "num_blocks_of"))
+
     def cached_blocks(self) -> List[int]:
         """The blocks that carry a prefix key (referenced or parked), ascending."""
         return sorted(self._key_of)
@@ -306,7 +309,7 @@ class PagedKVCache:
 
     def blocks_needed(self, rid: Optional[Hashable], length: int) -> int:
         """Blocks to allocate so that ``rid`` (None: a new request) covers ``length`` positions."""
-        have = 0 if rid is None else len(self.allocator.blocks(rid))
+        have = 0 if rid is None else self.allocator.num_blocks_of(rid)
         return max(0, -(-length // self.block_size) - have)
 
     def add(self, rid: Hashable, length: int = 0, row: Optional[int] = None) -> int:
@@ -336,7 +339,7 @@ class PagedKVCache:
         """Make ``rid`` cover positions [0, length) (``length`` <= :attr:`capacity`); returns the new blocks."""
         r = self.row(rid)
         check_int("PagedKVCache.grow", "length", length, lo=0, hi=self.capacity)
-        have = len(self.allocator.blocks(rid))
+        have = self.allocator.num_blocks_of(rid)
         new = self.allocator.allocate(rid, self.blocks_needed(rid, length))
         if new:
             self.block_tables[r, have:have + len(new)] = torch.tensor(new, dtype=torch.int32)
