@@ -392,7 +392,8 @@ def _serve(args: argparse.Namespace) -> int:
             f"dense KV: {engine.cache.nbytes() / 2**20:.0f} MiB")
     draft_cache = getattr(drafter, "cache", None)
     if draft_cache is not None and hasattr(draft_cache, "nbytes"):
-        pool += f" + draft model KV (dense): {draft_cache.nbytes() / 2**20:.0f} MiB"
+        where = "in the same blocks" if getattr(draft_cache, "paged", False) else "dense"
+        pool += f" + draft model KV ({where}): {draft_cache.nbytes() / 2**20:.0f} MiB"
     print(f"[specdec] serving {name} (draft={draft}, policy={args.policy}, max_batch={args.max_batch}, "
           f"max_len={args.max_len}, {pool}) on http://{args.host}:{args.port}", flush=True)
     serve(engine, tok, name, host=args.host, port=args.port, max_queue=args.max_queue, log_level=args.log_level)

@@ -83,8 +83,6 @@ class EngineRows:
                     self.kv.release(r.rid)
                     self._waiting.appendleft(r)
                 raise
-            for req, c in zip(new, ctx):
-                self.kv.register(req.rid, c)
             fresh = [i for i, req in enumerate(new) if not req.new]
             roots = [req.seq[-1] for req in new]
             if fresh:
@@ -110,6 +108,10 @@ class EngineRows:
                                        self.draft_generator)
                 else:
                     self.drafter.admit(rows, ctx)
+                # a draft model in the target's pages writes its K/V now: the blocks may be shared later
+                self.drafter.prefill_paged(rows, ctx, starts)
+        for req, c in zip(new, ctx):   # key the blocks once both models' K/V is in them
+            self.kv.register(req.rid, c)
 
     def _make_room(self) -> None:
         """Paged: every active row holds blocks for its committed positions and the next tree; when the pool

@@ -78,7 +78,7 @@ class PagedRows:
     paged = True
 
     def __init__(self, target, max_batch: int, capacity: int, num_blocks: int, block_size: int, reserve: int,
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = True, draft_bytes_per_block: int = 0) -> None:
         self.block_size = block_size
         self.max_blocks = _ceil_div(capacity, block_size)
         if num_blocks < self.max_blocks:
@@ -88,6 +88,9 @@ class PagedRows:
         self.cache = target.new_paged_cache(num_blocks, block_size, max_requests=max_batch,
                                             max_blocks_per_request=self.max_blocks)
         self.capacity = self.max_blocks * block_size
+        self.bytes_per_block = PagedKVCache.bytes_per_block(target.num_layers, target.num_kv_heads, target.head_dim,
+                                                            block_size, target.dtype)
+        self.draft_bytes_per_block = int(draft_bytes_per_block)   # a draft model's K/V in the same blocks
         self.reserve_positions = reserve
         self.prefix_caching = prefix_caching
         self._views: Dict[int, PagedKVView] = {}
@@ -182,17 +185,20 @@ class PagedRows:
         a = self.allocator
         q = self.counters["prefix_queried_tokens"]
         return dict(kv_cache="paged", block_size=self.block_size, kv_blocks_total=a.num_blocks,
+                    kv_bytes_per_block=self.bytes_per_block, draft_kv_bytes_per_block=self.draft_bytes_per_block,
                     kv_blocks_used=a.num_used, kv_blocks_free=a.num_free, kv_blocks_cached=a.num_cached,
                     prefix_cache_hit_rate=self.counters["prefix_hit_tokens"] / q if q else 0.0,
                     prefix_cache_evictions=a.evictions, **self.counters)
 
 
 def make_rows(target, kv_cache: Optional[str], max_batch: int, capacity: int, reserve: int, block_size: int,
-              num_blocks: Optional[int], kv_memory: Optional[float], prefix_caching: bool, owner: str = "Engine"):
+              num_blocks: Optional[int], kv_memory: Optional[float], prefix_caching: bool, owner: str = "Engine",
+              draft_bytes_per_block: int = 0):
     """The rows an Engine uses: ``kv_cache`` "paged" / "dense" / None (paged when the target supports it).
 
     Paged pool size: ``num_blocks``, else ``kv_memory`` bytes, else the dense cache's footprint
-    (``max_batch`` x ``capacity`` positions)."""
+    (``max_batch`` x ``capacity`` positions). ``draft_bytes_per_block``: a draft model's K/V kept in the
+    same blocks (specdec.draft_pages); ``kv_memory`` then covers both."""
     if kv_cache not in (None, "paged", "dense"):
         raise ValueError(f"{owner}: kv_cache must be 'paged', 'dense' or None, got {kv_cache!r}")
     supports = bool(getattr(target, "supports_paged", False))
@@ -206,8 +212,9 @@ def make_rows(target, kv_cache: Optional[str], max_batch: int, capacity: int, re
     if num_blocks is None:
         if kv_memory is not None:
             per = PagedKVCache.bytes_per_block(target.num_layers, target.num_kv_heads, target.head_dim, block_size,
-                                               target.dtype)
+                                               target.dtype) + int(draft_bytes_per_block)
             num_blocks = int(kv_memory // per) - 1   # the scratch page is one more block of the same size
         else:
             num_blocks = max_batch * _ceil_div(capacity, block_size)
-    return PagedRows(target, max_batch, capacity, int(num_blocks), block_size, reserve, prefix_caching)
+    return PagedRows(target, max_batch, capacity, int(num_blocks), block_size, reserve, prefix_caching,
+                     draft_bytes_per_block)

@@ -95,8 +95,10 @@ def _check_caches(dec, drafter, ctx, target_lm, draft_lm, draft_cache, pend_n, b
         fresh = draft_lm.new_cache(1, len(seq) + 2)
         draft_lm.prefill(fresh, [seq[:n]])
         for l in range(fresh.num_layers):
-            for got, want in ((draft_cache.k[l], fresh.k[l]), (draft_cache.v[l], fresh.v[l])):
-                torch.testing.assert_close(got[r, :, :n], want[0, :, :n], atol=CACHE_ATOL, rtol=0)
+            got = draft_cache.gather(l, r, n) if getattr(draft_cache, "paged", False) else \
+                (draft_cache.k[l][r, :, :n], draft_cache.v[l][r, :, :n])
+            for g, want in zip(got, (fresh.k[l], fresh.v[l])):
+                torch.testing.assert_close(g, want[0, :, :n], atol=CACHE_ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

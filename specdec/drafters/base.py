@@ -85,6 +85,22 @@ class Drafter:
     def bind(self, target, max_batch: int, max_len: int) -> None:
         """Check compatibility with the target and allocate state for max_batch requests."""
 
+    def paged_draft(self, block_size: int) -> Optional[Tuple[int, int]]:
+        """A drafter whose own K/V cache can live in the target's pages (a draft model on the lean forward):
+        (bytes of K/V per block of ``block_size`` positions, positions past a request's committed ones
+        that one step writes, root included). None (the default): no such cache."""
+        return None
+
+    def attach_pages(self, pages) -> None:
+        """Before bind: keep the drafter's K/V in pages paired with ``pages`` (the target's
+        :class:`~specdec.PagedKVCache`: same blocks, block tables and rows; see specdec.draft_pages),
+        or in a cache of its own when ``pages`` is None. Only drafters with :meth:`paged_draft` use it."""
+
+    def prefill_paged(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], starts: Sequence[int]) -> None:
+        """With pages attached, after start / admit: write the K/V of ``prompts[i][starts[i]:]`` into row
+        ``rows[i]`` now (its first ``starts[i]`` positions are blocks shared with an earlier request,
+        whose K/V this drafter wrote when that request was admitted). The default does nothing."""
+
     def start(self, prompts: Sequence[Sequence[int]], params: SamplingParams, generator: torch.Generator) -> None:
         """A new generate call: prompts of rows 0..len(prompts)-1."""
 

@@ -159,6 +159,22 @@ class MultiDraft(Drafter):
     def reserve_foreign(self, n: int) -> None:
         self._outer_foreign = max(self._outer_foreign, int(n))
 
+    def paged_draft(self, block_size: int) -> Optional[Tuple[int, int]]:
+        specs = []
+        for d in self.members:
+            d.reserve_foreign(self.max_nodes - 1 + self._outer_foreign)
+            specs.append(d.paged_draft(block_size))
+        specs = [s for s in specs if s is not None]
+        return (sum(s[0] for s in specs), max(s[1] for s in specs)) if specs else None
+
+    def attach_pages(self, pages) -> None:
+        for d in self.members:
+            d.attach_pages(pages)
+
+    def prefill_paged(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], starts: Sequence[int]) -> None:
+        for d in self.members:
+            d.prefill_paged(rows, prompts, starts)
+
     def bind(self, target, max_batch: int, max_len: int) -> None:
         self.device = torch.device(target.device)
         self.vocab_size = int(target.vocab_size)

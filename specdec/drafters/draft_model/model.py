@@ -19,6 +19,8 @@ from specdec.drafters.draft_model.planned import (SAMPLED_RANK_ACCEPT, Plan, est
                                                   propose_planned)
 from specdec.drafters.draft_model.proposal import Proposal, child_counts, limit_depths
 from specdec.drafters.draft_model.spine import SpineBuffers, propose_spine
+from specdec.draft_pages import DraftPages, DraftPagesView
+from specdec.paged_cache import PagedKVCache
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
 
@@ -115,6 +117,7 @@ class DraftModel(Drafter):
         self.rank_table: Optional[RankAcceptance] = None
         self._plans: Dict[Tuple, Plan] = {}
         self.cache = None
+        self._pages = None     # the target's PagedKVCache when the engine keeps this draft's K/V in its pool
         self._views: Optional[RowViews] = None
         self._foreign = 0  # tokens from other drafters' subtrees that accept() may pass per row
         self.catch_up_tokens = 512  # positions (rows x width) per catch-up forward: bounds its activations
@@ -132,6 +135,29 @@ class DraftModel(Drafter):
     def reserve_foreign(self, n: int) -> None:
         self._foreign = max(self._foreign, int(n))
 
+    def _slots(self) -> int:
+        """Step nodes the draft writes past the root."""
+        return (self.k - 1) * self.top_k if self.dynamic else self.k
+
+    def paged_draft(self, block_size: int) -> Optional[Tuple[int, int]]:
+        lm = self.lm
+        if not getattr(lm, "supports_paged", False):
+            return None
+        per = PagedKVCache.bytes_per_block(lm.num_layers, lm.num_kv_heads, lm.head_dim, block_size, lm.dtype)
+        # a step writes [pending..., root] right-padded to 1 + foreign pending tokens (a row with none
+        # writes up to 1 + foreign positions past its root), then its nodes after the root
+        return per, max(1 + self._slots(), 2 + self._foreign)
+
+    def attach_pages(self, pages) -> None:
+        self._pages = pages
+
+    def prefill_paged(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], starts: Sequence[int]) -> None:
+        if not isinstance(self.cache, DraftPagesView):
+            return
+        self.lm.prefill(self.cache, [list(p[s:]) for p, s in zip(prompts, starts)], rows=list(rows),
+                        starts=list(starts))
+        self._lens_host = None
+
     def bind(self, target, max_batch: int, max_len: int) -> None:
         if int(self.lm.vocab_size) != int(target.vocab_size):
             raise ValueError(f"DraftModel: draft vocabulary size {self.lm.vocab_size} != target vocabulary size "
@@ -140,10 +166,17 @@ class DraftModel(Drafter):
             raise ValueError(f"DraftModel: draft model on {self.lm.device} but target on {target.device}")
         dev = torch.device(self.lm.device)
         k, w = self.k, self.top_k
-        slots = (k - 1) * w if self.dynamic else k  # step nodes written past the root
+        slots = self._slots()
         self._pend_cap = 1 + self._foreign           # most pending tokens per row
-        # committed text (<= max_len) plus one step's writes: padded first forward, then the step's nodes
-        self.cache = self.lm.new_cache(max_batch, max_len + self._pend_cap + slots + 2)
+        if self._pages is not None:  # in the target's pool (the engine reserved the step's writes per row)
+            lm = self.lm
+            if max_batch > self._pages.max_requests:
+                raise ValueError(f"DraftModel: {max_batch} rows but the attached pages have "
+                                 f"{self._pages.max_requests}")
+            self.cache = DraftPages(self._pages, lm.num_layers, lm.num_kv_heads, lm.head_dim, lm.dtype).view()
+        else:
+            # committed text (<= max_len) plus one step's writes: padded first forward, then the step's nodes
+            self.cache = self.lm.new_cache(max_batch, max_len + self._pend_cap + slots + 2)
         self._views = RowViews(self.cache)
         self.device = dev
         self.V = int(self.lm.vocab_size)
