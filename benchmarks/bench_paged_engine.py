@@ -11,6 +11,9 @@ Parts (each interleaves its configurations round by round; medians and per-round
   open, chat template), ``--requests`` of them submitted at once, ``--max-new`` tokens each,
   greedy, plain decoding: most requests held at once, output tokens/s over the run, outputs
   identical between the two.
+* ``draft``: ``capacity`` with the w8 draft model (a k = 4 chain): the dense engine's target and draft
+  caches (``max_batch = 4, max_len = 2048`` each) against one paged pool of the same bytes holding
+  both models' K/V (``max_batch = 32``).
 * ``prefix``: a shared system prompt of ~1,000 tokens (the text of Python's ``this``, ``json``
   and ``textwrap`` module docs, tokenized and cut) + a short question: time to first token of a
   request whose prefix blocks are cached (a first request with the same system prompt ran
@@ -86,6 +89,47 @@ def part_capacity(lm, tok, args) -> dict:
     med = {k: statistics.median(x["tokens_per_second"] for x in v) for k, v in rounds.items()}
     ratios = [p["tokens_per_second"] / d["tokens_per_second"] for d, p in zip(rounds["dense"], rounds["paged"])]
     return dict(kv_budget_bytes=budget, prompt_tokens=[len(j[1]) for j in jobs], rounds=rounds,
+                median_tokens_per_second=med, median_round_ratio=statistics.median(ratios),
+                most_active=dict(dense=max(x["most_active"] for x in rounds["dense"]),
+                                 paged=max(x["most_active"] for x in rounds["paged"])),
+                outputs_identical=outs["dense"] == outs["paged"])
+
+
+def part_draft(lm, tok, args) -> dict:
+    """The capacity comparison with the w8 draft model: dense = the target's and the draft's dense caches of
+    ``max_batch = 4, max_len = 2048``; paged = those bytes as ONE pool holding both models' K/V."""
+    _, _, small = specdec.load_bundled("smollm2-135m", precision=args.precision, draft="w8")
+    dlm = HFCausalLM(small)
+    texts = PROMPT_SETS["grounded"] + PROMPT_SETS["open"]
+    jobs = [(i, chat_ids(tok, texts[i % len(texts)]), RequestParams(max_new_tokens=args.max_new))
+            for i in range(args.requests)]
+
+    def draft():
+        return specdec.DraftModel(dlm, k=4)
+
+    dense0 = Engine(lm, draft(), max_batch=4, max_len=2048, kv_cache="dense", policy="fixed")
+    budget = dense0.cache.nbytes() + dense0.drafter.cache.nbytes()
+    del dense0
+    make = dict(dense=lambda: Engine(lm, draft(), max_batch=4, max_len=2048, kv_cache="dense", policy="fixed"),
+                paged=lambda: Engine(lm, draft(), max_batch=32, max_len=2048, kv_memory=budget, policy="fixed"))
+    rounds = {k: [] for k in make}
+    outs = {}
+    for r in range(args.rounds):
+        for name in (list(make) if r % 2 == 0 else list(make)[::-1]):
+            eng = make[name]()
+            out, dt, most, ntok = drive(eng, jobs)
+            outs[name] = out
+            st = eng.stats()
+            kv = (eng.kv.cache.nbytes if eng.kv.paged else eng.cache.nbytes()) + eng.drafter.cache.nbytes()
+            rounds[name].append(dict(seconds=dt, most_active=most, tokens=ntok, tokens_per_second=ntok / dt,
+                                     preemptions=st["preemptions"], kv_bytes_target_and_draft=kv,
+                                     accepted_tokens=st["accepted_tokens"], drafted_tokens=st["drafted_tokens"],
+                                     kv_blocks_total=st.get("kv_blocks_total"),
+                                     draft_kv_bytes_per_block=st.get("draft_kv_bytes_per_block")))
+            print(f"draft round {r} {name}: {rounds[name][-1]}", flush=True)
+    med = {k: statistics.median(x["tokens_per_second"] for x in v) for k, v in rounds.items()}
+    ratios = [p["tokens_per_second"] / d["tokens_per_second"] for d, p in zip(rounds["dense"], rounds["paged"])]
+    return dict(kv_budget_bytes=budget, drafter="DraftModel(w8 copy, k=4), policy fixed", rounds=rounds,
                 median_tokens_per_second=med, median_round_ratio=statistics.median(ratios),
                 most_active=dict(dense=max(x["most_active"] for x in rounds["dense"]),
                                  paged=max(x["most_active"] for x in rounds["paged"])),
@@ -238,7 +282,7 @@ def part_soak(lm, args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--precision", default="q4_1")
-    ap.add_argument("--parts", default="capacity,prefix,step,soak")
+    ap.add_argument("--parts", default="capacity,draft,prefix,step,soak")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--step-rounds", type=int, default=7)
     ap.add_argument("--requests", type=int, default=32)
@@ -266,6 +310,8 @@ def main() -> None:
         rec["soak"] = part_soak(lm, args)
     if "capacity" in parts:
         rec["capacity"] = part_capacity(lm, tok, args)
+    if "draft" in parts:
+        rec["draft"] = part_draft(lm, tok, args)
     rec["loadavg_after"] = loadavg()
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"paged_engine_{rec['date']}.json"
     out.write_text(json.dumps(rec, indent=1))

@@ -100,6 +100,29 @@ def test_engine_rows_move_on_every_rank(models):
     assert [len(outs[1][i]) for i in range(len(lens))] == lens
 
 
+def test_paged_engine_prefix_preemption_and_draft(models):
+    """TP 2 on the paged cache (the default): shared prefixes hit the cache, a tiny pool preempts, the w8 draft
+    keeps its K/V in the same blocks (rank 0), and every output equals TP 1 on the dense cache."""
+    _, w8, tp1, tp2 = models[:4]
+    prompts = [PROMPTS[0] * 3 + [7 + i] for i in range(4)]   # 33 shared tokens: 4 full blocks of 8
+    outs, stats = [], []
+    for lm, kv in ((tp1, "dense"), (tp2, None)):
+        eng = Engine(lm, DraftModel(HFCausalLM(w8), k=3, top_k=2), max_batch=4, max_len=64, policy="fixed", kv_cache=kv,
+                     num_blocks=10, block_size=8)
+        got = {i: [] for i in range(len(prompts))}
+        for i, p in enumerate(prompts):
+            eng.add_request(i, p, RequestParams(max_new_tokens=20))
+        while eng.has_unfinished():
+            for d in eng.step():
+                got[d.request_id] += d.new_tokens
+        outs.append(got)
+        stats.append(eng.stats())
+    assert outs[0] == outs[1]
+    st = stats[1]
+    assert st["kv_cache"] == "paged" and st["prefix_hit_tokens"] > 0 and st["preemptions"] > 0
+    assert st["kv_blocks_used"] == 0 and st["draft_kv_bytes_per_block"] > 0
+
+
 def test_slow_collective_shrinks_the_goodput_budget(models):
     """The verify cost the goodput scheduler plans with is the TP forward's wall time on rank 0,
     collectives included: with a link whose collectives cost about 120 ms per verified row

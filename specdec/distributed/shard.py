@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_utils import slice_logits_to_keep
 
-from specdec import ops
+from specdec import ops, paged_ops
 from specdec.cache import StaticKVCache
+from specdec.paged_cache import PagedKVCache
 from specdec.models.fast_llama import build
 from specdec.models.quant import GroupQuantLinear, Int8Linear
 
@@ -153,6 +154,12 @@ class ShardedLlama:
         return StaticKVCache(len(self.layers), batch, self.kv_heads, self.head_dim, capacity, dtype=self.dtype,
                              device=self.device)
 
+    def new_paged_cache(self, num_blocks: int, block_size: int, max_requests: int,
+                        max_blocks_per_request: Optional[int]) -> PagedKVCache:
+        """This rank's page pools (its KV heads) with a scratch page, as HFCausalLM.new_paged_cache."""
+        return PagedKVCache(len(self.layers), self.kv_heads, self.head_dim, num_blocks, block_size, max_requests,
+                            max_blocks_per_request, dtype=self.dtype, device=self.device, scratch_page=True)
+
     # ------------------------------------------------------------------ norms
     def _norm(self, x: torch.Tensor, w, eps: float) -> torch.Tensor:
         if self.fused:
@@ -179,6 +186,7 @@ class ShardedLlama:
         if cos.shape[0] != B:
             cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
         layers = self.layers
+        paged = getattr(cache, "paged", False)
         x = self._norm(h, *layers[0].ln1)
         nq, nkv = hq * D, hkv * D
         for l, L in enumerate(layers):
@@ -186,8 +194,14 @@ class ShardedLlama:
             q, k, v = L.qkv(x).split([nq, nkv, nkv], dim=-1)
             q, k = ops.rope(q.reshape(B, N, hq, D), k.reshape(B, N, hkv, D), cos, sin)
             v = v.reshape(B, N, hkv, D)
-            ops.append_kv(cache.k[l], cache.v[l], k.transpose(1, 2), v.transpose(1, 2), cache.lens, kv_offset)
-            a = ops.verify_attention(q, cache.k[l], cache.v[l], cache.lens, tree_mask, L.scale)
+            if paged:  # a PagedKVView of this rank's pools (block tables and lengths from rank 0)
+                paged_ops.append_kv_paged(cache.k[l], cache.v[l], k.transpose(1, 2), v.transpose(1, 2),
+                                          cache.block_tables, cache.lens, kv_offset)
+                a = paged_ops.verify_attention_paged(q, cache.k[l], cache.v[l], cache.block_tables, cache.lens,
+                                                     tree_mask, L.scale)
+            else:
+                ops.append_kv(cache.k[l], cache.v[l], k.transpose(1, 2), v.transpose(1, 2), cache.lens, kv_offset)
+                a = ops.verify_attention(q, cache.k[l], cache.v[l], cache.lens, tree_mask, L.scale)
             o = self.comm.all_reduce(L.o(a.reshape(B, N, nq)))
             if L.o_bias is not None:
                 o = o + L.o_bias.to(o.dtype)

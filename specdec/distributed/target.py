@@ -30,6 +30,7 @@ import torch
 from specdec._check import out_of_vocab
 from specdec.cache import StaticKVCache
 from specdec.distributed.comm import CommStats
+from specdec.distributed.paged import ShardPagedCache, ShardPagedView, lens_of, replay_commit
 
 __all__ = ["TensorParallelLM", "TensorParallelError", "ShardCache", "worker_loop"]
 
@@ -77,6 +78,9 @@ def _move_rows(cache: StaticKVCache, moves) -> None:
 def _replay(caches: Dict[int, StaticKVCache], journal) -> None:
     for op, cid, row0, batch, lens, args in journal:
         base = caches[cid]
+        if op == "pcommit":  # a paged shard: the tables and lengths rank 0 saw are in the entry
+            replay_commit(base, args)
+            continue
         base.lens.copy_(lens)
         view = base.rows(row0, row0 + batch)
         if op == "commit":
@@ -104,6 +108,8 @@ class TensorParallelLM:
         self.dtype = shard.dtype
         self.num_layers = len(shard.layers)
         self.head_dim = shard.head_dim
+        self.num_kv_heads = shard.kv_heads   # rank 0's share (a paged pool's bytes per block are per rank)
+        self.supports_paged = True
         self._journal: List = []
         self._caches: Dict[int, ShardCache] = {}
         self._ids = itertools.count()
@@ -141,6 +147,8 @@ class TensorParallelLM:
             if message is not None and self.world_size > 1:
                 message["journal"], self._journal = self._journal, []
                 message["lens"] = {cid: c.lens.cpu() for cid, c in self._caches.items()}
+                message["tables"] = {cid: c.block_tables.cpu() for cid, c in self._caches.items()
+                                     if isinstance(c, ShardPagedCache)}
                 self.comm.send(message)
                 self.totals["messages"] += 1
             self._journal = [] if self.world_size == 1 else self._journal
@@ -176,10 +184,24 @@ class TensorParallelLM:
         self._caches[cid] = cache
         return cache
 
+    def new_paged_cache(self, num_blocks: int, block_size: int = 16, max_requests: int = 8,
+                        max_blocks_per_request: Optional[int] = None) -> ShardPagedCache:
+        """A paged cache over every rank (specdec.distributed.paged): rank 0 holds the allocator, tables and
+        lengths; each rank pools of its KV heads with a scratch page. ``view()`` is what the models read."""
+        cid = next(self._ids)
+        local = self.shard.new_paged_cache(num_blocks, block_size, max_requests, max_blocks_per_request)
+        cache = ShardPagedCache.__new__(ShardPagedCache)
+        cache.__dict__.update(local.__dict__)
+        cache._tp, cache._cid = self, cid
+        self._run(dict(op="new_paged_cache", cid=cid, num_blocks=int(num_blocks), block_size=int(block_size),
+                       max_requests=int(max_requests), max_blocks=max_blocks_per_request), lambda: None)
+        self._caches[cid] = cache
+        return cache
+
     def _check_call(self, cache, tokens, depths, tree_mask, kv_offset: int) -> None:
-        if not isinstance(cache, ShardCache) or cache._tp is not self:
-            raise TypeError(f"TensorParallelLM.forward: cache must come from this target's new_cache(), "
-                            f"got {type(cache).__name__}")
+        if not isinstance(cache, (ShardCache, ShardPagedView)) or cache._tp is not self:
+            raise TypeError(f"TensorParallelLM.forward: cache must come from this target's new_cache() or "
+                            f"new_paged_cache().view(), got {type(cache).__name__}")
         if tokens.dim() != 2 or depths.shape != tokens.shape or tokens.shape[0] != cache.batch:
             raise ValueError(f"TensorParallelLM.forward: tokens / depths must be [B={cache.batch}, N], got "
                              f"{tuple(tokens.shape)} / {tuple(depths.shape)}")
@@ -224,24 +246,28 @@ class TensorParallelLM:
 
     @torch.no_grad()
     def prefill(self, cache: ShardCache, prompts: Sequence[Sequence[int]],
-                rows: Optional[Sequence[int]] = None) -> torch.Tensor:
-        """As :meth:`specdec.HFCausalLM.prefill` (one prompt at a time, in chunks): float32 [len(prompts), V]."""
+                rows: Optional[Sequence[int]] = None, starts: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """As :meth:`specdec.HFCausalLM.prefill` (one prompt at a time, in chunks): float32 [len(prompts), V].
+        ``starts[i]``: row ``rows[i]`` already holds that many positions (a cached prefix)."""
         prompts = [[int(t) for t in p] for p in prompts]
         rows = list(range(len(prompts))) if rows is None else [int(r) for r in rows]
-        if len(rows) != len(prompts) or len(set(rows)) != len(rows):
-            raise ValueError(f"TensorParallelLM.prefill: {len(prompts)} prompts need as many distinct rows, got {rows}")
-        for i, (p, r) in enumerate(zip(prompts, rows)):
-            if not 0 <= r < cache.batch or not p or len(p) > cache.capacity:
-                raise ValueError(f"TensorParallelLM.prefill: prompt {i} ({len(p)} tokens) does not fit row {r} of "
-                                 f"a cache of {cache.batch} rows x {cache.capacity} positions")
+        starts = [0] * len(prompts) if starts is None else [int(s) for s in starts]
+        if len(rows) != len(prompts) or len(set(rows)) != len(rows) or len(starts) != len(prompts):
+            raise ValueError(f"TensorParallelLM.prefill: {len(prompts)} prompts need as many distinct rows and "
+                             f"starts, got rows {rows}, starts {starts}")
+        for i, (p, r, s0) in enumerate(zip(prompts, rows, starts)):
+            if not 0 <= r < cache.batch or not p or s0 < 0 or s0 + len(p) > cache.capacity:
+                raise ValueError(f"TensorParallelLM.prefill: prompt {i} ({len(p)} tokens after a start of {s0}) "
+                                 f"does not fit row {r} of a cache of {cache.batch} rows x {cache.capacity} "
+                                 f"positions")
             bad = out_of_vocab(p, self.vocab_size)
             if bad is not None:
                 raise ValueError(f"TensorParallelLM.prefill: prompt {i} holds token {bad}, outside "
                                  f"[0, {self.vocab_size})")
         msg = dict(op="prefill", cid=cache._cid, row0=cache._row0, batch=cache.batch, prompts=prompts, rows=rows,
-                   chunk=self.prefill_chunk)
+                   chunk=self.prefill_chunk, starts=starts)
         return self._run(msg, lambda: self._timed(
-            lambda: prefill_rows(self.shard, cache, prompts, rows, self.prefill_chunk)))
+            lambda: prefill_rows(self.shard, cache, prompts, rows, self.prefill_chunk, starts)))
 
     def close(self) -> None:
         """Stop the other ranks (they leave their loop) and release the process group."""
@@ -260,12 +286,14 @@ class TensorParallelLM:
         return self.totals["comm_seconds"] / self.totals["seconds"] if self.totals["seconds"] else 0.0
 
 
-def prefill_rows(shard, cache: StaticKVCache, prompts: List[List[int]], rows: List[int], chunk: int):
-    """Every rank: each prompt into its row in chunks; rank 0 gets the logits after each last token."""
+def prefill_rows(shard, cache: StaticKVCache, prompts: List[List[int]], rows: List[int], chunk: int,
+                 starts: Optional[List[int]] = None):
+    """Every rank: each prompt into its row (after ``starts[i]`` cached positions) in chunks; rank 0 gets the
+    logits after each last token."""
     out = []
-    for p, r in zip(prompts, rows):
+    for i, (p, r) in enumerate(zip(prompts, rows)):
         view = cache.rows(r, r + 1)
-        view.lens.zero_()
+        view.lens.fill_(starts[i] if starts else 0)
         ids = torch.tensor([p], dtype=torch.long, device=shard.device)
         for c0 in range(0, len(p), chunk):
             c1 = min(len(p), c0 + chunk)
@@ -286,13 +314,21 @@ def worker_loop(shard, comm) -> None:
         op = msg["op"]
         _replay(caches, msg.get("journal", ()))
         for cid, lens in msg.get("lens", {}).items():
-            caches[cid].lens.copy_(lens)
+            lens_of(caches[cid]).copy_(lens)
+        for cid, tables in msg.get("tables", {}).items():
+            caches[cid].block_tables.copy_(tables)
         if op == "stop":
             return
         if op == "new_cache":
             caches[msg["cid"]] = shard.new_cache(msg["batch"], msg["capacity"])
             continue
-        view = caches[msg["cid"]].rows(msg["row0"], msg["row0"] + msg["batch"])
+        if op == "new_paged_cache":
+            caches[msg["cid"]] = shard.new_paged_cache(msg["num_blocks"], msg["block_size"], msg["max_requests"],
+                                                       msg["max_blocks"])
+            continue
+        base = caches[msg["cid"]]
+        view = base.view(msg["row0"], msg["row0"] + msg["batch"]) if hasattr(base, "allocator") else \
+            base.rows(msg["row0"], msg["row0"] + msg["batch"])
         dev = shard.device
         if op == "forward":
             mask = msg["tree_mask"]
@@ -301,6 +337,6 @@ def worker_loop(shard, comm) -> None:
                           None if mask is None else mask.to(dev), msg["kv_offset"],
                           keep.to(dev) if isinstance(keep, torch.Tensor) else keep)
         elif op == "prefill":
-            prefill_rows(shard, view, msg["prompts"], msg["rows"], msg["chunk"])
+            prefill_rows(shard, view, msg["prompts"], msg["rows"], msg["chunk"], msg.get("starts"))
         else:
             raise RuntimeError(f"tensor parallel rank {comm.rank}: unknown command {op!r}")
