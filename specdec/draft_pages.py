@@ -6,14 +6,22 @@ the same positions block ``i`` of the target's pools holds. The two share the bl
 block tables and the request rows (the target's cache admits, grows, moves and frees them); the
 draft owns its pools and its lengths (a draft cache lags or leads the target's by a few positions
 inside a step). So a block costs target + draft bytes, admission and preemption count one pool,
-and a prefix-cached block carries the draft's K/V of its positions too: the engine prefills a
-new request's draft K/V at admission (from the first position not shared), before it keys the
-request's blocks, so every keyed block is valid for both models. Every draft write of a step lies
-at or after the row's first unshared position, as the target's do (docs/paged.md).
+and a prefix-cached block can carry the draft's K/V of its positions too.
+
+The draft stays lazy (a request it never drafts for costs no draft prefill), so a shared block's
+draft K/V is valid only once some request's draft has written it: :meth:`DraftPages.mark_valid`
+records, per block, the serial of the prefix key it had when the draft wrote all of its positions
+(a serial is never reused, and an evicted key takes its serial with it). A request's first
+draft catch-up starts after its leading run of valid shared blocks (:meth:`valid_prefix`) and
+prefills the rest. So a block's draft part is read only once valid, and written only while no
+request reads it -- except by two requests catching up over the same not-yet-valid block in one
+call, which write the same tokens at the same positions (bit for bit on the CPU, whose ops give a
+row's result independently of the batch). Every later draft write lies after the row's prompt
+blocks, as the target's do (docs/paged.md).
 """
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -50,6 +58,7 @@ class DraftPages:
         self.v_pages = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.block_tables = pages.block_tables           # the same tensor: row moves and frees apply to both
         self.cache_lens = torch.zeros(self.max_requests, dtype=torch.int32, device=self.device)
+        self._valid: Dict[int, int] = {}   # block -> serial of its prefix key when the draft filled it
 
     @property
     def allocator(self):
@@ -70,6 +79,25 @@ class DraftPages:
     def bytes_per_block(self) -> int:
         return PagedKVCache.bytes_per_block(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
                                             self.dtype)
+
+    def _keyed_blocks(self, row: int, length: int) -> List[Tuple[int, Optional[int]]]:
+        blocks = self.block_tables[row, :length // self.block_size].tolist()
+        return [(b, self.allocator.serial_of(b)) for b in blocks]
+
+    def valid_prefix(self, row: int, limit: int) -> int:
+        """Positions (whole blocks, at most ``limit``) at the start of ``row`` whose draft K/V is valid."""
+        n = 0
+        for blk, serial in self._keyed_blocks(row, max(0, limit)):
+            if serial is None or self._valid.get(blk) != serial:
+                break
+            n += 1
+        return n * self.block_size
+
+    def mark_valid(self, row: int, length: int) -> None:
+        """The draft K/V of positions [0, length) of ``row`` is written: its keyed full blocks are valid."""
+        for blk, serial in self._keyed_blocks(row, length):
+            if serial is not None:
+                self._valid[blk] = serial
 
     def view(self, start: int = 0, stop=None) -> "DraftPagesView":
         return DraftPagesView(self, start, self.max_requests if stop is None else stop)

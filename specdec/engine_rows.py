@@ -108,9 +108,7 @@ class EngineRows:
                                        self.draft_generator)
                 else:
                     self.drafter.admit(rows, ctx)
-                # a draft model in the target's pages writes its K/V now: the blocks may be shared later
-                self.drafter.prefill_paged(rows, ctx, starts)
-        for req, c in zip(new, ctx):   # key the blocks once both models' K/V is in them
+        for req, c in zip(new, ctx):   # key the prefilled full blocks for later requests
             self.kv.register(req.rid, c)
 
     def _make_room(self) -> None:

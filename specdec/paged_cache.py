@@ -74,6 +74,11 @@ class BlockAllocator:
     def refcount(self, block: int) -> int:
         return self._ref[block]
 
+    def serial_of(self, block: int) -> Optional[int]:
+        """The serial of ``block``'s prefix key (unique per keying; gone when the key is evicted), or None."""
+        key = self._key_of.get(block)
+        return None if key is None else key[1]
+
     def blocks(self, rid: Hashable) -> List[int]:
         """The blocks of request ``rid`` in position order (a copy)."""
         return list(self._owned(rid, "blocks"))

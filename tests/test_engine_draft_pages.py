@@ -104,6 +104,42 @@ def test_prefix_reuse_with_draft_equals_cold_run(lms, temperature):
     assert cold_acc > 0  # the comparison says something only if the draft is ever accepted
 
 
+def test_prefix_from_a_request_that_never_drafted(lms):
+    """The first request finishes at its first token (its draft never runs: no draft prefill, its blocks'
+    draft K/V never written); a second request sharing its blocks writes their draft part itself and
+    gives the cold run's tokens and acceptance (sampled: any change in the draft's q would show); a third
+    then reuses the now valid draft blocks."""
+    target, weak = lms
+    prompts = _prompts(3, 8, shared=70)
+    params = RequestParams(max_new_tokens=20, temperature=0.9)
+
+    def eng():
+        return Engine(target, DraftModel(weak, k=3), max_batch=2, max_len=128, policy="fixed", draft_seed=3)
+
+    def job(rid, prompt):
+        return [(rid, prompt, params, torch.Generator().manual_seed(11))]
+
+    cold = {}
+    for rid in ("b", "c"):
+        e = eng()
+        out = _run(e, job(rid, prompts[1 if rid == "b" else 2]))
+        cold[rid] = (out, e.stats()["accepted_tokens"])
+    warm = eng()
+    _run(warm, [("a", prompts[0], RequestParams(max_new_tokens=1))])
+    pages = warm.drafter.cache.pages
+    assert all(not k.any() for k in pages.k_pages)       # lazy: the draft wrote nothing
+    alloc = warm.kv.allocator
+    shared = alloc.cached_blocks()[:4]                    # a's 4 full prompt blocks (70 shared tokens)
+    for rid, p in (("b", prompts[1]), ("c", prompts[2])):
+        before = warm.stats()["accepted_tokens"]
+        warm.draft_generator.manual_seed(3)
+        assert _run(warm, job(rid, p)) == cold[rid][0]
+        assert warm.stats()["accepted_tokens"] - before == cold[rid][1]
+        # from b on, the shared blocks' draft part is valid (c's catch-up starts after them)
+        assert all(pages._valid.get(blk) == alloc.serial_of(blk) is not None for blk in shared)
+    assert warm.stats()["prefix_hit_tokens"] == 2 * 64
+
+
 def test_shared_blocks_draft_pages_never_written(lms):
     """Requests drafting with a draft model over shared prefix blocks leave the draft's K/V of those blocks
     bit-identical, and greedy outputs equal the dense engine's."""

@@ -96,11 +96,6 @@ class Drafter:
         :class:`~specdec.PagedKVCache`: same blocks, block tables and rows; see specdec.draft_pages),
         or in a cache of its own when ``pages`` is None. Only drafters with :meth:`paged_draft` use it."""
 
-    def prefill_paged(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], starts: Sequence[int]) -> None:
-        """With pages attached, after start / admit: write the K/V of ``prompts[i][starts[i]:]`` into row
-        ``rows[i]`` now (its first ``starts[i]`` positions are blocks shared with an earlier request,
-        whose K/V this drafter wrote when that request was admitted). The default does nothing."""
-
     def start(self, prompts: Sequence[Sequence[int]], params: SamplingParams, generator: torch.Generator) -> None:
         """A new generate call: prompts of rows 0..len(prompts)-1."""
 

@@ -171,10 +171,6 @@ class MultiDraft(Drafter):
         for d in self.members:
             d.attach_pages(pages)
 
-    def prefill_paged(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], starts: Sequence[int]) -> None:
-        for d in self.members:
-            d.prefill_paged(rows, prompts, starts)
-
     def bind(self, target, max_batch: int, max_len: int) -> None:
         self.device = torch.device(target.device)
         self.vocab_size = int(target.vocab_size)

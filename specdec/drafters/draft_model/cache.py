@@ -44,7 +44,7 @@ def feed_root(lm, cache, roots: torch.Tensor, b: int, pend_n: torch.Tensor, pend
 
 
 def catch_up(lm, full, cache, sequences: Sequence[Sequence[int]], have: List[int], b: int, V: int,
-             device: torch.device, tokens_per_forward: int) -> Tuple[torch.Tensor, int]:
+             device: torch.device, tokens_per_forward: int, valid_prefix=None) -> Tuple[torch.Tensor, int]:
     """Feed every committed token the draft cache lacks, then the root, as one chain per row.
 
     ``full``: the whole draft cache, ``cache``: its view of the ``b`` active rows, ``have``: their lengths
@@ -53,14 +53,22 @@ def catch_up(lm, full, cache, sequences: Sequence[Sequence[int]], have: List[int
     The chains are right-padded to the longest and go in chunks of at most ``tokens_per_forward``
     positions per forward (all rows together), sooner when the padding of a row would run past the
     cache's capacity. With an LM that has ``forward_last`` (HFCausalLM) only the logits after each
-    row's last fed token are computed. Returns the draft logits after each row's root [b, V] and the
-    positions fed."""
+    row's last fed token are computed. ``valid_prefix(row, limit)``: a draft in the target's pages
+    (specdec.draft_pages) starts an empty row after its shared blocks whose draft K/V is valid.
+    Returns the draft logits after each row's root [b, V] and the positions fed."""
     fresh = [r for r in range(b) if have[r] == 0 and len(sequences[r]) > 1]
+    fed = 0
     if fresh:
-        lm.prefill(full, [list(sequences[r][:-1]) for r in fresh], rows=fresh)
+        starts = [valid_prefix(r, len(sequences[r]) - 2) if valid_prefix else 0 for r in fresh]
+        prompts = [list(sequences[r][s:-1]) for r, s in zip(fresh, starts)]
+        if any(starts):
+            lm.prefill(full, prompts, rows=fresh, starts=starts)
+        else:  # the plain protocol (a model without cached prefixes need not take starts)
+            lm.prefill(full, prompts, rows=fresh)
         have = cache.lens.tolist()
+        fed = sum(len(sequences[r]) - 1 - s for r, s in zip(fresh, starts))
     rows = [list(seq[h:]) for seq, h in zip(sequences, have)]   # [pending..., skipped roots..., root]
-    positions = sum(len(r) for r in rows) + sum(len(sequences[r]) - 1 for r in fresh)
+    positions = sum(len(r) for r in rows) + fed
     last = _feed_chains(lm, cache, rows, have, full.capacity, V, device, max(1, tokens_per_forward // max(1, b)))
     return last, positions
 

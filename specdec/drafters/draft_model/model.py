@@ -151,13 +151,6 @@ class DraftModel(Drafter):
     def attach_pages(self, pages) -> None:
         self._pages = pages
 
-    def prefill_paged(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], starts: Sequence[int]) -> None:
-        if not isinstance(self.cache, DraftPagesView):
-            return
-        self.lm.prefill(self.cache, [list(p[s:]) for p, s in zip(prompts, starts)], rows=list(rows),
-                        starts=list(starts))
-        self._lens_host = None
-
     def bind(self, target, max_batch: int, max_len: int) -> None:
         if int(self.lm.vocab_size) != int(target.vocab_size):
             raise ValueError(f"DraftModel: draft vocabulary size {self.lm.vocab_size} != target vocabulary size "
@@ -289,8 +282,14 @@ class DraftModel(Drafter):
         b = len(ctx.request_ids)
         have = self._host_lens()[:b]
         self._lens_host = None  # the catch-up moves them
+        pages = self.cache.pages if isinstance(self.cache, DraftPagesView) else None
         last, self.catch_up_positions = catch_up(self.lm, self.cache, cache, ctx.sequences, have, b, self.V,
-                                                 self.device, self.catch_up_tokens)
+                                                 self.device, self.catch_up_tokens,
+                                                 None if pages is None else pages.valid_prefix)
+        if pages is not None:  # rows that just got their prompts: their keyed blocks now hold valid draft K/V
+            for r in range(b):
+                if have[r] == 0:
+                    pages.mark_valid(r, len(ctx.sequences[r]) - 1)
         step.base = torch.tensor([len(s) - 1 for s in ctx.sequences], dtype=torch.int32, device=self.device)
         cache.lens.copy_(step.base + 1)
         self._pend_n[:b] = 0
