@@ -4,11 +4,13 @@ Every error names the calling function, the argument, what was expected and what
 """
 from __future__ import annotations
 
+import itertools
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["fail", "check_tensor", "FLOATS", "INTS", "resolve_sampling", "ragged_counts", "draw_uniforms", "workspace"]
+__all__ = ["fail", "check_tensor", "check_token_range", "FLOATS", "INTS", "resolve_sampling", "ragged_counts",
+           "draw_uniforms", "workspace", "chain_parents"]
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INTS = (torch.int32, torch.int64)
@@ -46,11 +48,19 @@ def ragged_counts(fn: str, num_draft_tokens, cu_num_draft_tokens: torch.Tensor, 
         fail(fn, "num_draft_tokens", f"summing to num_tokens = {num_tokens} (draft_token_ids' length)",
              f"sum {sum(n)}")
     check_tensor(fn, "cu_num_draft_tokens", cu_num_draft_tokens, 1, INTS, (len(n),))
-    want = torch.tensor(n, dtype=torch.int64).cumsum(0)
-    if not torch.equal(cu_num_draft_tokens.cpu().to(torch.int64), want):
-        fail(fn, "cu_num_draft_tokens", f"the inclusive cumsum of num_draft_tokens {want.tolist()}",
-             str(cu_num_draft_tokens.tolist()))
+    want = list(itertools.accumulate(n))
+    got = cu_num_draft_tokens.tolist()  # one host read, compared in Python
+    if got != want:
+        fail(fn, "cu_num_draft_tokens", f"the inclusive cumsum of num_draft_tokens {want}", str(got))
     return n
+
+
+def check_token_range(fn: str, arg: str, t: torch.Tensor, V: int) -> None:
+    """Every entry of the integer tensor ``t`` is a token id in [0, V) (one reduction, one host read)."""
+    if t.numel():
+        lo, hi = (int(x) for x in torch.aminmax(t))
+        if lo < 0 or hi >= V:
+            fail(fn, arg, f"token ids in [0, {V})", f"values in [{lo}, {hi}]")
 
 
 def resolve_sampling(fn: str, sampling_metadata, B: int, device: torch.device
@@ -95,6 +105,22 @@ def draw_uniforms(B: int, N: int, counts: Sequence[int], device: torch.device,
         if counts[b] > 0:
             u[b] = torch.rand(N, dtype=torch.float64, device=g.device, generator=g).to(device)
     return u
+
+
+_PARENTS: Dict[Tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def chain_parents(B: int, N: int, device: torch.device) -> torch.Tensor:
+    """``[B, N]`` int32 parents of B chains of N nodes (node i's parent i - 1, the root's -1), kept per
+    (B, N, device): the ops only read it. Callers must not write to it."""
+    key = (int(B), int(N), torch.device(device))
+    t = _PARENTS.get(key)
+    if t is None:
+        if len(_PARENTS) >= 256:  # shapes vary with the batch; keep the cache bounded
+            _PARENTS.clear()
+        t = (torch.arange(N, dtype=torch.int32, device=device) - 1).expand(B, N).contiguous()
+        _PARENTS[key] = t
+    return t
 
 
 _WORKSPACES: Dict[Tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
