@@ -64,8 +64,9 @@ def check_token_range(fn: str, arg: str, t: torch.Tensor, V: int) -> None:
 
 
 def resolve_sampling(fn: str, sampling_metadata, B: int, device: torch.device
-                     ) -> Tuple[torch.Tensor, Dict[int, torch.Generator]]:
-    """vLLM's ``SamplingMetadata`` (or a bare temperature tensor) -> (greedy mask [B] bool, generators).
+                     ) -> Tuple[torch.Tensor, Dict[int, torch.Generator], int]:
+    """vLLM's ``SamplingMetadata`` (or a bare temperature tensor) -> (greedy mask [B] bool,
+    generators, number of greedy rows).
 
     Accepts an object with vLLM's attributes ``temperature`` ([B] float or None), ``all_greedy``,
     ``all_random`` and ``generators`` (dict: batch index -> torch.Generator), or a [B] float
@@ -84,14 +85,22 @@ def resolve_sampling(fn: str, sampling_metadata, B: int, device: torch.device
         generators = dict(getattr(sampling_metadata, "generators", None) or {})
         all_greedy, all_random = bool(sampling_metadata.all_greedy), bool(sampling_metadata.all_random)
     if all_greedy:
-        return torch.ones(B, dtype=torch.bool, device=device), generators
+        return torch.ones(B, dtype=torch.bool, device=device), generators, B
     if all_random and temperature is None:
-        return torch.zeros(B, dtype=torch.bool, device=device), generators
+        return torch.zeros(B, dtype=torch.bool, device=device), generators, 0
     check_tensor(fn, "temperature", temperature, 1, FLOATS, (B,))
     for b in generators:
         if not isinstance(b, int) or not 0 <= b < B:
             fail(fn, "generators", f"keyed by batch indices in [0, {B})", f"key {b!r}")
-    return (temperature <= 0).to(device), generators
+    greedy = (temperature <= 0).to(device)
+    if B == 0:
+        return greedy, generators, 0
+    lo, hi = (float(x) for x in torch.aminmax(temperature))  # one reduction tells the common all-one-kind batches
+    if hi <= 0:
+        return greedy, generators, B
+    if lo > 0:
+        return greedy, generators, 0
+    return greedy, generators, int(greedy.sum())
 
 
 def draw_uniforms(B: int, N: int, counts: Sequence[int], device: torch.device,
@@ -131,7 +140,8 @@ def workspace(name: str, shape: Sequence[int], dtype: torch.dtype, device: torch
 
     The adapters stage padded copies of a stack's tensors here instead of allocating them per call:
     a fresh multi-megabyte allocation costs its page faults on every call, a kept one does not
-    (FlashInfer keeps its workspaces the same way). Not for concurrent calls from several threads.
+    (FlashInfer keeps its workspaces the same way). A new buffer starts zeroed; afterwards it holds
+    whatever its last user wrote. Not for concurrent calls from several threads.
     """
     numel = 1
     for s in shape:
@@ -139,6 +149,6 @@ def workspace(name: str, shape: Sequence[int], dtype: torch.dtype, device: torch
     key = (name, torch.device(device), dtype)
     buf = _WORKSPACES.get(key)
     if buf is None or buf.numel() < numel:
-        buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
+        buf = torch.zeros(max(numel, 1), dtype=dtype, device=device)
         _WORKSPACES[key] = buf
     return buf[:numel].view(*shape)

@@ -129,13 +129,12 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[i
     check_token_range(_FN, "draft_token_ids", draft_token_ids, V)
     check_token_range(_FN, "bonus_token_ids", bonus_token_ids, V)
     dev = target_probs.device
-    greedy, generators = resolve_sampling(_FN, sampling_metadata, B, dev)
+    greedy, generators, n_greedy = resolve_sampling(_FN, sampling_metadata, B, dev)
     if uniforms is not None:
         check_tensor(_FN, "uniforms", uniforms, 2, (torch.float64,), (B, W))
     if B == 0:
         return torch.full((B, W), PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=dev)
     N = S + 1
-    n_greedy = int(greedy.sum())
     uniform = S > 0 and min(n) == S  # every request at S drafts: the stack's rows are already [B, S, V]
     if uniform and n_greedy == B and target_probs.dtype in _LOGIT_DTYPES:
         return _greedy_uniform(draft_token_ids, B, S, W, target_probs, bonus_token_ids)

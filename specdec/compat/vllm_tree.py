@@ -136,7 +136,7 @@ def tree_rejection_sample(draft_token_ids: torch.Tensor, draft_parents: torch.Te
     if T:
         _check_parents(fn, draft_parents, n, T)
     dev = target_probs.device
-    greedy, generators = resolve_sampling(fn, sampling_metadata, B, dev)
+    greedy, generators, n_greedy = resolve_sampling(fn, sampling_metadata, B, dev)
     if uniforms is not None:
         check_tensor(fn, "uniforms", uniforms, 2, (torch.float64,), (B, W))
     if B == 0:
@@ -145,7 +145,6 @@ def tree_rejection_sample(draft_token_ids: torch.Tensor, draft_parents: torch.Te
                                 torch.zeros(B, dtype=torch.int32, device=dev))
     N = S + 1
     tokens, parents, p, q = _pad_tree(draft_token_ids, draft_parents, n, target_probs, draft_probs)
-    n_greedy = int(greedy.sum())
     if n_greedy in (0, B):  # one kind of row: the op's outputs are the result, padded to W columns
         a, k, o = _run_rows(n_greedy == B, tokens, parents, p, q, B, N, n, dev, generator, generators, uniforms)
         if W == N:
