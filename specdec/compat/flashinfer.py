@@ -147,9 +147,10 @@ def _stage_read_rows(draft_probs, d, q_d, pos_fi):
     B, N, V = draft_probs.shape
     q = workspace("flashinfer.draft_rows", (B, N + 1, V), torch.float32, draft_probs.device)
     q[:, 1:].scatter_(2, d[:, :, None], q_d[:, :, None])
+    rows_q, rows_d = q.view(B * (N + 1), V), draft_probs.reshape(B * N, V)
     for b, j in enumerate(pos_fi.tolist()):
         if j < N:
-            q[b, j + 1].copy_(draft_probs[b, j])
+            rows_q[b * (N + 1) + j + 1].copy_(rows_d[b * N + j])
     return q
 
 

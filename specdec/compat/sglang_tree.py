@@ -37,9 +37,9 @@ def walk_tree(fn: str, next_token: torch.Tensor, next_sibling: torch.Tensor,
         raise err(fn, "retrive_next_token", "at least one node (the root) per request",
                    f"shape {list(next_token.shape)}")
     for name, t in (("retrive_next_token", next_token), ("retrive_next_sibling", next_sibling)):
-        bad = (t < -1) | (t >= N)
-        if bool(bad.any()):
-            b, i = (int(v) for v in bad.nonzero()[0])
+        lo, hi = (int(v) for v in torch.aminmax(t)) if t.numel() else (-1, -1)
+        if lo < -1 or hi >= N:
+            b, i = (int(v) for v in ((t < -1) | (t >= N)).nonzero()[0])
             raise err(fn, f"{name}[{b}, {i}]", f"-1 or a node index in [0, {N})", int(t[b, i]))
     nt, ns = next_token.tolist(), next_sibling.tolist()
     orders, parents, depths = [], [], []
@@ -52,7 +52,6 @@ def walk_tree(fn: str, next_token: torch.Tensor, next_sibling: torch.Tensor,
         identity = True
         pre = [0]          # DFS preorder (siblings in chain order)
         stack = [0]
-        kids_of = {}
         while stack:
             u = stack.pop()
             kids = []
@@ -73,17 +72,18 @@ def walk_tree(fn: str, next_token: torch.Tensor, next_sibling: torch.Tensor,
                 kids_trunc = []
             else:
                 kids_trunc = kids
-            kids_of[u] = kids_trunc
             stack.extend(reversed(kids_trunc))
             if u != 0:
                 pre.append(u)
         keep = [False] * N
         for u in pre:
             keep[u] = True
-        if identity:
-            order = [i if keep[i] else -1 for i in range(N)]
-        else:
-            order = pre + [-1] * (N - len(pre))
+        if identity:  # specdec's numbering is SGLang's own
+            orders.append([i if keep[i] else -1 for i in range(N)])
+            parents.append([par[i] if keep[i] else -1 for i in range(N)])
+            depths.append([dep[i] if keep[i] else 0 for i in range(N)])
+            continue
+        order = pre + [-1] * (N - len(pre))
         pos = {loc: i for i, loc in enumerate(order) if loc >= 0}
         parents.append([pos[par[loc]] if loc > 0 else -1 for loc in order])
         depths.append([dep[loc] if loc >= 0 else 0 for loc in order])
