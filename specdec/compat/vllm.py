@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from specdec import ops
 from specdec.compat.common import (FLOATS, INTS, chain_parents, check_tensor, check_token_range, draw_uniforms,
@@ -219,18 +220,18 @@ def _greedy_uniform(draft_token_ids, B, S, W, target_probs, bonus_token_ids) -> 
     so d_{S-1} is accepted, and the bonus token follows, exactly when that token equals it (the
     op's out tokens are -1 past the walk, never a draft). [B, W] int32, -1 padded."""
     dev = target_probs.device
-    d = draft_token_ids.to(dev).view(B, S)
-    tokens = torch.empty(B, S, dtype=torch.int64, device=dev)
-    tokens[:, 0] = 0
-    tokens[:, 1:] = d[:, :S - 1]
+    d = _on(draft_token_ids, dev).view(B, S)
+    tokens = F.pad(d[:, :S - 1], (1, 0)).to(torch.int64)  # the root (token unchecked), d_0 .. d_{S-2}
     _, _, o = ops.greedy_verify(tokens, chain_parents(B, S, dev), target_probs.contiguous().view(B, S, -1))
-    out = torch.empty(B, W, dtype=torch.int32, device=dev)
-    out[:, :S] = o
-    out[:, S] = torch.where(o[:, S - 1] == d[:, S - 1], bonus_token_ids.to(dev).reshape(B),
-                            PLACEHOLDER_TOKEN_ID)
+    last = torch.where(o[:, S - 1:] == d[:, S - 1:], _on(bonus_token_ids, dev).reshape(B, 1), PLACEHOLDER_TOKEN_ID)
+    parts = [o, last]
     if W > S + 1:
-        out[:, S + 1:] = PLACEHOLDER_TOKEN_ID
-    return out
+        parts.append(torch.full((B, W - S - 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=dev))
+    return torch.cat(parts, 1).to(torch.int32)
+
+
+def _on(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    return t if t.device == dev else t.to(dev)
 
 
 def _sampled_uniform(draft_token_ids, B, S, W, target_probs, draft_probs, bonus_token_ids, u) -> torch.Tensor:
