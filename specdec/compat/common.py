@@ -55,12 +55,20 @@ def ragged_counts(fn: str, num_draft_tokens, cu_num_draft_tokens: torch.Tensor, 
     return n
 
 
+HOST_MAX = 2048  # a CPU tensor up to this size is checked as a Python list (cheaper than a tensor op)
+
+
 def check_token_range(fn: str, arg: str, t: torch.Tensor, V: int) -> None:
     """Every entry of the integer tensor ``t`` is a token id in [0, V) (one reduction, one host read)."""
-    if t.numel():
+    if not t.numel():
+        return
+    if t.device.type == "cpu" and t.numel() <= HOST_MAX:
+        vals = t.reshape(-1).tolist()
+        lo, hi = min(vals), max(vals)
+    else:
         lo, hi = (int(x) for x in torch.aminmax(t))
-        if lo < 0 or hi >= V:
-            fail(fn, arg, f"token ids in [0, {V})", f"values in [{lo}, {hi}]")
+    if lo < 0 or hi >= V:
+        fail(fn, arg, f"token ids in [0, {V})", f"values in [{lo}, {hi}]")
 
 
 def resolve_sampling(fn: str, sampling_metadata, B: int, device: torch.device
@@ -95,6 +103,8 @@ def resolve_sampling(fn: str, sampling_metadata, B: int, device: torch.device
     greedy = (temperature <= 0).to(device)
     if B == 0:
         return greedy, generators, 0
+    if temperature.device.type == "cpu" and B <= HOST_MAX:
+        return greedy, generators, sum(x <= 0 for x in temperature.tolist())  # NaN: not greedy, as above
     lo, hi = (float(x) for x in torch.aminmax(temperature))  # one reduction tells the common all-one-kind batches
     if hi <= 0:
         return greedy, generators, B
