@@ -298,18 +298,19 @@ def test_tree_conversion_by_tensor_ops_equals_the_walk():
                 with pytest.raises(ValueError, match=re.escape(str(e))):
                     sglang_tree.tree_tensors("f", nt, ns, max_depth)
                 continue
-            order, par = sglang_tree.tree_tensors("f", nt, ns, max_depth)
+            order, par, identity = sglang_tree.tree_tensors("f", nt, ns, max_depth)
             assert order.tolist() == orders and par.tolist() == parents
+            assert identity == all(o in (i, -1) for row in orders for i, o in enumerate(row))
             assert order.dtype == torch.int64 and par.dtype == torch.int32
     # builder-style trees take the tensor path: the walk is not called
     nt = torch.tensor([[1, 3, -1, -1]] * B)
     ns = torch.tensor([[-1, 2, -1, -1]] * B)
     walk, sglang_tree.walk_tree = sglang_tree.walk_tree, None
     try:
-        order, par = sglang_tree.tree_tensors("f", nt, ns, None)
+        order, par, identity = sglang_tree.tree_tensors("f", nt, ns, None)
     finally:
         sglang_tree.walk_tree = walk
-    assert par.tolist() == [[-1, 0, 0, 1]] * B and order.tolist() == [[0, 1, 2, 3]] * B
+    assert par.tolist() == [[-1, 0, 0, 1]] * B and order.tolist() == [[0, 1, 2, 3]] * B and identity
 
 
 @pytest.mark.parametrize("nt,ns,msg", [

@@ -134,9 +134,9 @@ def _check_common(fn, predicts, accept_index, accept_token_num, candidates, retr
             raise _err(fn, name, f"a tensor of shape {list(shape)}", got)
         if t.dtype.is_floating_point or t.dtype == torch.bool:
             raise _err(fn, name, "an integer dtype (int32 as SGLang uses)", t.dtype)
-    bad = (retrive_index < 0) | (retrive_index >= B * N)
-    if bool(bad.any()):
-        b, i = (int(v) for v in bad.nonzero()[0])
+    lo, hi = (int(v) for v in torch.aminmax(retrive_index)) if retrive_index.numel() else (0, 0)
+    if lo < 0 or hi >= B * N:
+        b, i = (int(v) for v in ((retrive_index < 0) | (retrive_index >= B * N)).nonzero()[0])
         raise _err(fn, f"retrive_index[{b}, {i}]", f"a flat index in [0, {B * N})", int(retrive_index[b, i]))
     return B, N, accept_index.shape[1]
 
@@ -146,7 +146,7 @@ def _write_outputs(accepted, num_acc, order, retrive_index, accept_index, accept
     B, N = accepted.shape
     S = accept_index.shape[1]
     acc = accepted.to(torch.int64)
-    local = torch.gather(order, 1, acc.clamp(min=0))
+    local = acc.clamp(min=0) if order is None else torch.gather(order, 1, acc.clamp(min=0))  # None: identity
     flat = torch.gather(retrive_index.to(torch.int64), 1, local.clamp(min=0))
     flat = torch.where(acc >= 0, flat, torch.full_like(flat, -1))
     k = min(S, N)
@@ -184,21 +184,24 @@ def verify_tree_greedy(predicts: torch.Tensor, accept_index: torch.Tensor, accep
         got = (f"shape {list(target_predict.shape)}" if isinstance(target_predict, torch.Tensor)
                else type(target_predict))
         raise _err(fn, "target_predict", f"a tensor of shape [{B}, {N}] (or [{B * N}])", got)
-    order, par = tree_tensors(fn, retrive_next_token, retrive_next_sibling, S - 1)
+    order, par, identity = tree_tensors(fn, retrive_next_token, retrive_next_sibling, S - 1)
     dev = candidates.device
     order, par = order.to(dev), par.to(dev)
     ri = retrive_index.to(torch.int64)
     tp = target_predict.reshape(-1).to(torch.int64)
-    par_local = torch.gather(order, 1, par.to(torch.int64).clamp(min=0))
+    par_local = par.to(torch.int64).clamp(min=0)
+    cand = candidates.to(torch.int64)
+    if not identity:  # to SGLang's local numbering and back
+        par_local = torch.gather(order, 1, par_local)
+        cand = torch.gather(cand, 1, order.clamp(min=0))
     at_parent = tp[torch.gather(ri, 1, par_local.clamp(min=0))]
-    cand = torch.gather(candidates.to(torch.int64), 1, order.clamp(min=0))
     tokens = torch.where(cand == at_parent, 0, 1)
     tokens = torch.where(par >= 0, tokens, torch.full_like(tokens, -1))
     tokens[:, 0] = 0
     logits = torch.zeros(B, N, 2, dtype=torch.float32, device=dev)
     logits[:, :, 0] = 1.0
     accepted, num_acc, _ = ops.greedy_verify(tokens.contiguous(), par.contiguous(), logits)
-    flat, _ = _write_outputs(accepted, num_acc, order, ri, accept_index, accept_token_num)
+    flat, _ = _write_outputs(accepted, num_acc, None if identity else order, ri, accept_index, accept_token_num)
     on = flat >= 0
     idx = flat[on]
     predicts[idx] = tp[idx].to(predicts.dtype)
@@ -262,8 +265,8 @@ def tree_speculative_sampling_target_only(
                                     or tuple(draft_probs.shape) != tuple(target_probs.shape)):
         raise _err(fn, "draft_probs", f"None or a tensor of shape {list(target_probs.shape)}",
                    getattr(draft_probs, "shape", type(draft_probs)))
-    bad = (candidates < 0) | (candidates >= V)
     if float(threshold_single) != 1.0 or float(threshold_acc) != 1.0:
+        bad = (candidates < 0) | (candidates >= V)
         walk_tree(fn, retrive_next_token, retrive_next_sibling, None)  # the tree checks
         reach = torch.zeros_like(bad)
         for t in (retrive_next_token, retrive_next_sibling):
@@ -276,21 +279,24 @@ def tree_speculative_sampling_target_only(
                      retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_probs,
                      draft_probs, threshold_single, threshold_acc)
         return
-    order, par = tree_tensors(fn, retrive_next_token, retrive_next_sibling, S - 1)
+    order, par, identity = tree_tensors(fn, retrive_next_token, retrive_next_sibling, S - 1)
     dev = candidates.device
     order, par = order.to(dev), par.to(dev)
     par64 = par.to(torch.int64)
     real_child = par >= 0
-    cand = torch.gather(candidates.to(torch.int64), 1, order.clamp(min=0))
-    badn = torch.gather(bad, 1, order.clamp(min=0)) & real_child
-    if bool(badn.any()):
-        b, i = (int(v) for v in badn.nonzero()[0])
-        loc = int(order[b, i])
-        raise _err(fn, f"candidates[{b}, {loc}]", f"a token in [0, {V})", int(candidates[b, loc]))
+    cand = candidates.to(torch.int64)
+    if not identity:
+        cand = torch.gather(cand, 1, order.clamp(min=0))
+    lo, hi = (int(v) for v in torch.aminmax(cand))
+    if lo < 0 or hi >= V:  # padding may hold anything: only the tree's nodes must be tokens
+        badn = ((cand < 0) | (cand >= V)) & real_child
+        if bool(badn.any()):
+            b, i = (int(v) for v in badn.nonzero()[0])
+            loc = int(order[b, i])
+            raise _err(fn, f"candidates[{b}, {loc}]", f"a token in [0, {V})", int(candidates[b, loc]))
     tokens = torch.where(real_child, cand, -1)
     tokens[:, 0] = cand[:, 0].clamp(0, V - 1)
-    ident = (order == torch.arange(N, device=dev)[None, :]) | (order < 0)
-    if bool(ident.all()):  # padding rows are never read: the rows are the stack's own
+    if identity:  # padding rows are never read: the rows are the stack's own
         probs = target_probs.to(torch.float32).contiguous()
     else:
         probs = torch.gather(target_probs.to(torch.float32), 1,
@@ -307,7 +313,8 @@ def tree_speculative_sampling_target_only(
     # float32 sums, as SGLang's kernel accumulates; only rows 0 .. (largest parent) are ever used
     row_sum = probs[:, :max(int(par.max()) + 1, 1)].sum(-1).to(torch.float64)
     s_par = torch.gather(row_sum, 1, pl)
-    coin = torch.gather(uniform_samples.to(torch.float64), 1, torch.gather(order, 1, pl).clamp(min=0))
+    coin_of = pl if identity else torch.gather(order, 1, pl).clamp(min=0)  # the parent's local node
+    coin = torch.gather(uniform_samples.to(torch.float64), 1, coin_of)
     denom = s_par - p_prev
     u = torch.where(denom > 0, (coin - p_prev) / torch.where(denom > 0, denom, torch.ones_like(denom)),
                     torch.ones_like(denom)).clamp(0.0, 1.0)
@@ -315,7 +322,8 @@ def tree_speculative_sampling_target_only(
     u[:, 0] = uniform_samples_for_final_sampling.reshape(B).to(torch.float64).clamp(0.0, 1.0)
     accepted, num_acc, out_tokens = ops.rejection_sample(tokens.contiguous(), par.contiguous(), probs, None,
                                                          u.contiguous())
-    flat, local = _write_outputs(accepted, num_acc, order, retrive_index, accept_index, accept_token_num)
+    flat, local = _write_outputs(accepted, num_acc, None if identity else order, retrive_index, accept_index,
+                                 accept_token_num)
     on = flat >= 0
     predicts[flat[on]] = out_tokens[on].to(predicts.dtype)
     if draft_probs is not None:

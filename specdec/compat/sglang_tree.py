@@ -92,17 +92,19 @@ def walk_tree(fn: str, next_token: torch.Tensor, next_sibling: torch.Tensor,
 
 
 def tree_tensors(fn: str, next_token: torch.Tensor, next_sibling: torch.Tensor,
-                  max_depth: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(order [B, N] int64, parents [B, N] int32) of :func:`walk_tree`, on the links' device."""
+                 max_depth: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor, bool]:
+    """(order [B, N] int64, parents [B, N] int32) of :func:`walk_tree`, on the links' device, and
+    whether the numbering is SGLang's own (``order[b, i]`` is i or -1 everywhere)."""
     if next_token.dim() == 2 and next_token.shape[0] >= FAST_MIN_BATCH:
         got = _fast_tree(next_token, next_sibling, max_depth)
         if got is not None:
-            return got
+            return got[0], got[1], True
     orders, parents, _ = walk_tree(fn, next_token, next_sibling, max_depth)
     dev = next_token.device
     shape = next_token.shape
+    identity = all(o == i or o < 0 for row in orders for i, o in enumerate(row))
     return (torch.tensor(orders, dtype=torch.int64, device=dev).reshape(shape),
-            torch.tensor(parents, dtype=torch.int32, device=dev).reshape(shape))
+            torch.tensor(parents, dtype=torch.int32, device=dev).reshape(shape), identity)
 
 
 FAST_MIN_BATCH = 16  # below this the Python walk costs no more than the tensor ops (CPU)
