@@ -282,6 +282,23 @@ def tree_speculative_sampling_target_only(
     order, par, identity = tree_tensors(fn, retrive_next_token, retrive_next_sibling, S - 1)
     dev = candidates.device
     order, par = order.to(dev), par.to(dev)
+    tokens, probs, u = _exact_inputs(fn, candidates, order, par, identity, uniform_samples,
+                                     uniform_samples_for_final_sampling, target_probs)
+    accepted, num_acc, out_tokens = ops.rejection_sample(tokens, par.contiguous(), probs, None, u)
+    flat, _ = _write_outputs(accepted, num_acc, None if identity else order, retrive_index, accept_index,
+                             accept_token_num)
+    on = flat >= 0
+    predicts[flat[on]] = out_tokens[on].to(predicts.dtype)
+    if draft_probs is not None:
+        _write_scratch(draft_probs, target_probs, accepted, on, order, par, tokens)
+
+
+def _exact_inputs(fn, candidates, order, par, identity, uniform_samples, uniform_final, target_probs):
+    """(tokens [B, N] int64, target rows [B, N, V] float32, uniforms [B, N] float64) for
+    :func:`specdec.ops.rejection_sample` from SGLang's exact-form inputs (see
+    :func:`tree_speculative_sampling_target_only`)."""
+    B, N, V = target_probs.shape
+    dev = candidates.device
     par64 = par.to(torch.int64)
     real_child = par >= 0
     cand = candidates.to(torch.int64)
@@ -319,28 +336,32 @@ def tree_speculative_sampling_target_only(
     u = torch.where(denom > 0, (coin - p_prev) / torch.where(denom > 0, denom, torch.ones_like(denom)),
                     torch.ones_like(denom)).clamp(0.0, 1.0)
     u = torch.where(real_child, u, torch.zeros_like(u))
-    u[:, 0] = uniform_samples_for_final_sampling.reshape(B).to(torch.float64).clamp(0.0, 1.0)
-    accepted, num_acc, out_tokens = ops.rejection_sample(tokens.contiguous(), par.contiguous(), probs, None,
-                                                         u.contiguous())
-    flat, local = _write_outputs(accepted, num_acc, None if identity else order, retrive_index, accept_index,
-                                 accept_token_num)
-    on = flat >= 0
-    predicts[flat[on]] = out_tokens[on].to(predicts.dtype)
-    if draft_probs is not None:
-        acc = accepted.to(torch.int64)
-        on_path = torch.zeros(B, N + 1, dtype=torch.bool, device=dev)  # column N: sink for padding
-        on_path.scatter_(1, torch.where(on, acc, torch.full_like(acc, N)), on)
-        on_path = on_path[:, :N]
-        # accepted child of each path node (N = none)
-        nxt = torch.full((B, N + 1), N, dtype=torch.int64, device=dev)  # column N: sink for padding
-        kids = acc[:, 1:]
-        ok = kids >= 0
-        nxt.scatter_(1, torch.where(ok, acc[:, :-1].clamp(min=0), torch.full_like(kids, N)),
-                     torch.where(ok, kids, torch.full_like(kids, N)))
-        nxt = nxt[:, :N]
-        idx = torch.arange(N, device=dev)[None, :]
-        rej = real_child & torch.gather(on_path, 1, pl) & (idx < torch.gather(nxt, 1, pl)) & ~on_path
-        b_i, n_i = rej.nonzero(as_tuple=True)
-        rows = order[b_i, par64[b_i, n_i]]
-        toks = tokens[b_i, n_i]
-        draft_probs[b_i, rows, toks] = target_probs[b_i, rows, toks].to(draft_probs.dtype)
+    u[:, 0] = uniform_final.reshape(B).to(torch.float64).clamp(0.0, 1.0)
+    return tokens.contiguous(), probs, u.contiguous()
+
+
+def _write_scratch(draft_probs, target_probs, accepted, on, order, par, tokens):
+    """SGLang's scratch ``draft_probs``: the target probability of every rejected candidate at
+    (its parent's local node, its token)."""
+    B, N = accepted.shape
+    dev = accepted.device
+    par64 = par.to(torch.int64)
+    pl = par64.clamp(min=0)
+    real_child = par >= 0
+    acc = accepted.to(torch.int64)
+    on_path = torch.zeros(B, N + 1, dtype=torch.bool, device=dev)  # column N: sink for padding
+    on_path.scatter_(1, torch.where(on, acc, torch.full_like(acc, N)), on)
+    on_path = on_path[:, :N]
+    # accepted child of each path node (N = none)
+    nxt = torch.full((B, N + 1), N, dtype=torch.int64, device=dev)  # column N: sink for padding
+    kids = acc[:, 1:]
+    ok = kids >= 0
+    nxt.scatter_(1, torch.where(ok, acc[:, :-1].clamp(min=0), torch.full_like(kids, N)),
+                 torch.where(ok, kids, torch.full_like(kids, N)))
+    nxt = nxt[:, :N]
+    idx = torch.arange(N, device=dev)[None, :]
+    rej = real_child & torch.gather(on_path, 1, pl) & (idx < torch.gather(nxt, 1, pl)) & ~on_path
+    b_i, n_i = rej.nonzero(as_tuple=True)
+    rows = order[b_i, par64[b_i, n_i]]
+    toks = tokens[b_i, n_i]
+    draft_probs[b_i, rows, toks] = target_probs[b_i, rows, toks].to(draft_probs.dtype)
