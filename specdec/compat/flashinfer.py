@@ -4,8 +4,10 @@ A batch of B chains of N drafts each: ``draft_probs [B, N, V]`` (the distributio
 from), ``draft_token_ids [B, N]``, ``target_probs [B, N + 1, V]`` (row j: the target after the
 prefix and drafts 0 .. j - 1; row N: after all drafts). The chain is a specdec tree of N + 1 nodes
 (node 0 = root, node j + 1 = draft j) whose target rows are exactly ``target_probs``, so a single
-:func:`specdec.ops.rejection_sample` decides it; the draw after N accepted drafts comes from row N
-(FlashInfer's bonus token).
+:func:`specdec.ops.rejection_sample` decides it (a second one in the rare case described in
+:func:`_stage_read_rows`); the draw after N accepted drafts comes from row N (FlashInfer's bonus
+token). The draft rows are staged into the op's layout, which has a root row in front: only the
+entries and the row the op reads.
 
 Semantics (FlashInfer), per request:
 
