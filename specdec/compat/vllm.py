@@ -260,19 +260,19 @@ def _sampled_uniform(draft_token_ids, B, S, W, target_probs, draft_probs, bonus_
     reached = o[:, S - 1] >= 0  # out token S - 1 is set exactly when d_0 .. d_{S-2} were all accepted
     if int(reached.sum()):
         full = reached.nonzero().flatten()
-        F = full.numel()
-        p2 = workspace("vllm.last", (F, 2, V), torch.float32, dev)
+        n_full = full.numel()
+        p2 = workspace("vllm.last", (n_full, 2, V), torch.float32, dev)
         p2[:, 0].copy_(rows_p[full, S - 1])
         p2[:, 1] = 0.0
-        p2[torch.arange(F, device=dev), 1, bonus_token_ids.reshape(B)[full].to(dev, torch.int64)] = 1.0
+        p2[torch.arange(n_full, device=dev), 1, bonus_token_ids.reshape(B)[full].to(dev, torch.int64)] = 1.0
         q2 = None
         if draft_probs is not None:
-            q2 = workspace("vllm.last_draft", (F, 2, V), torch.float32, dev)
+            q2 = workspace("vllm.last_draft", (n_full, 2, V), torch.float32, dev)
             q2[:, 0] = 0.0
             q2[:, 1].copy_(draft_probs.view(B, S, V)[full, S - 1])
         t2 = torch.stack([torch.zeros_like(full), d[full, S - 1].to(torch.int64)], 1)
         u2 = torch.stack([u[full, 0], u[full, S]], 1).contiguous()
-        _, _, o2 = ops.rejection_sample(t2, chain_parents(F, 2, dev), p2, q2, u2)
+        _, _, o2 = ops.rejection_sample(t2, chain_parents(n_full, 2, dev), p2, q2, u2)
         out[full, S - 1:S + 1] = o2.to(torch.int32)
     return out
 
