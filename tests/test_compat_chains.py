@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from specdec import ops
 from specdec.compat import flashinfer as fi
 from specdec.compat import vllm
 
@@ -207,6 +208,31 @@ def test_flashinfer_errors():
         fu(q, d, u + 1.5, p)
 
 
+def test_flashinfer_staged_rows_equal_full_staging():
+    """The adapter stages only the draft entries and rows the op reads when the op stops where
+    FlashInfer's float32 test does, and stages every row otherwise (and in strict mode): both give
+    the same outputs, including where the two tests disagree (a draft with q(d) = 0 passes
+    FlashInfer's test, never specdec's) and after the kept workspace holds another call's rows."""
+    g = _gen(7)
+    for i in range(24):
+        B, N, V = [(1, 3, 5), (8, 4, 9), (5, 6, 3), (16, 2, 40)][i % 4]
+        q, d, p, u = fi_case(B, N, V, g)
+        if i % 3 == 0:  # zero draft mass at some drafted tokens: the float32 test and the op part ways
+            hit = torch.rand(B, N, generator=g) < 0.3
+            q = q.clone()
+            q[hit.nonzero(as_tuple=True) + (d.long()[hit],)] = 0.0
+        strict = ops.strict_checks()
+        ops.set_strict_checks(False)
+        try:
+            got = fi.chain_speculative_sampling_uniform(q, d, u, p)
+            ops.set_strict_checks(True)  # strict mode: every row staged
+            want = fi.chain_speculative_sampling_uniform(q, d, u, p)
+        finally:
+            ops.set_strict_checks(strict)
+        for w, h in zip(want, got):
+            assert torch.equal(w, h), i
+
+
 # =========================================================================== vLLM v1
 def vllm_reference(draft_ids, num_draft, draft_probs, target_probs, bonus, temperature, uniforms):
     """vLLM v1's rejection sampler, per its documentation; uniforms[b, j + 1] decides draft j
@@ -293,6 +319,20 @@ def test_vllm_matches_reference(with_draft):
             start += n[b]
         done += B
         i += 1
+
+
+@pytest.mark.parametrize("greedy_frac", [0.0, 1.0])
+def test_vllm_uniform_counts_wider_output(greedy_frac):
+    """Every request at S drafts, one kind of row, and an output wider than S + 1: the same tokens
+    as at width S + 1, then -1."""
+    g = _gen(30 + int(greedy_frac))
+    for with_draft in (False, True):
+        d, n, cu, q, p, bonus, temp, u = vllm_case(12, 4, 7, g, with_draft, greedy_frac, uniform=True)
+        narrow = vllm.rejection_sample(d, n, 4, cu, q, p, bonus, temp, uniforms=u)
+        wide_u = torch.cat([u, torch.rand(12, 2, generator=g, dtype=torch.float64)], 1)
+        wide = vllm.rejection_sample(d, n, 6, cu, q, p, bonus, temp, uniforms=wide_u)
+        assert wide.shape == (12, 7) and wide.dtype == torch.int32
+        assert torch.equal(wide[:, :5], narrow) and bool((wide[:, 5:] == -1).all())
 
 
 def test_vllm_generators_and_structure():

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 import random
+import re
 
 import pytest
 import torch
 
 from specdec.compat import sglang as sg
+from specdec.compat import sglang_tree
 
 NUM_GREEDY = int(os.environ.get("SPECDEC_SGLANG_CASES", "2000"))
 
@@ -262,6 +264,53 @@ def test_sglang_to_parents_reorders_and_keeps_sibling_order():
                 chain.append(c)
                 c = ns[c]
             assert [o[i] for i in range(N) if p[i] == j and i > 0] == chain
+
+
+def test_tree_conversion_by_tensor_ops_equals_the_walk():
+    """At batch >= FAST_MIN_BATCH builder-style trees (links to higher indices only) convert by
+    tensor ops; the result equals the checked walk's, and every other input (renumbered trees,
+    shared nodes, out-of-range links) goes to the walk, which raises its own errors."""
+    rng = random.Random(21)
+    B = sglang_tree.FAST_MIN_BATCH
+    for t in range(60):
+        N = rng.randint(1, 9)
+        if t % 2:
+            rows = [random_tree(rng, N, ["chain", "bushy", "mixed"][t % 3]) for _ in range(B)]
+            nt = torch.tensor([r[0] for r in rows])
+            ns = torch.tensor([r[1] for r in rows])
+        else:  # as SGLang's builder numbers them: parents first, siblings in index order
+            par = []
+            for _ in range(B):
+                row = [-1]
+                for i in range(1, N):
+                    real = [j for j in range(i) if j == 0 or row[j] >= 0]
+                    row.append(-1 if rng.random() < 0.2 else rng.choice(real))
+                par.append(row)
+            par = torch.tensor(par, dtype=torch.int32)
+            _, _, nt, ns = sg.parents_to_sglang(torch.zeros(B, N, dtype=torch.int64), par)
+        if t % 5 == 4:  # one bad link: a shared node, a back link or an out-of-range index
+            which = nt if t % 2 else ns
+            which[rng.randrange(B), rng.randrange(N)] = rng.choice([-2, 0, N, rng.randrange(N)])
+        for max_depth in (None, 0, 2):
+            try:
+                orders, parents, _ = sglang_tree.walk_tree("f", nt, ns, max_depth)
+            except ValueError as e:
+                with pytest.raises(ValueError, match=re.escape(str(e))):
+                    sglang_tree.tree_tensors("f", nt, ns, max_depth)
+                continue
+            order, par, identity = sglang_tree.tree_tensors("f", nt, ns, max_depth)
+            assert order.tolist() == orders and par.tolist() == parents
+            assert identity == all(o in (i, -1) for row in orders for i, o in enumerate(row))
+            assert order.dtype == torch.int64 and par.dtype == torch.int32
+    # builder-style trees take the tensor path: the walk is not called
+    nt = torch.tensor([[1, 3, -1, -1]] * B)
+    ns = torch.tensor([[-1, 2, -1, -1]] * B)
+    walk, sglang_tree.walk_tree = sglang_tree.walk_tree, None
+    try:
+        order, par, identity = sglang_tree.tree_tensors("f", nt, ns, None)
+    finally:
+        sglang_tree.walk_tree = walk
+    assert par.tolist() == [[-1, 0, 0, 1]] * B and order.tolist() == [[0, 1, 2, 3]] * B and identity
 
 
 @pytest.mark.parametrize("nt,ns,msg", [

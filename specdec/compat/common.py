@@ -4,11 +4,13 @@ Every error names the calling function, the argument, what was expected and what
 """
 from __future__ import annotations
 
+import itertools
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["fail", "check_tensor", "FLOATS", "INTS", "resolve_sampling", "ragged_counts", "draw_uniforms", "workspace"]
+__all__ = ["fail", "check_tensor", "check_token_range", "FLOATS", "INTS", "resolve_sampling", "ragged_counts",
+           "draw_uniforms", "workspace", "chain_parents"]
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INTS = (torch.int32, torch.int64)
@@ -46,16 +48,33 @@ def ragged_counts(fn: str, num_draft_tokens, cu_num_draft_tokens: torch.Tensor, 
         fail(fn, "num_draft_tokens", f"summing to num_tokens = {num_tokens} (draft_token_ids' length)",
              f"sum {sum(n)}")
     check_tensor(fn, "cu_num_draft_tokens", cu_num_draft_tokens, 1, INTS, (len(n),))
-    want = torch.tensor(n, dtype=torch.int64).cumsum(0)
-    if not torch.equal(cu_num_draft_tokens.cpu().to(torch.int64), want):
-        fail(fn, "cu_num_draft_tokens", f"the inclusive cumsum of num_draft_tokens {want.tolist()}",
-             str(cu_num_draft_tokens.tolist()))
+    want = list(itertools.accumulate(n))
+    got = cu_num_draft_tokens.tolist()  # one host read, compared in Python
+    if got != want:
+        fail(fn, "cu_num_draft_tokens", f"the inclusive cumsum of num_draft_tokens {want}", str(got))
     return n
 
 
+HOST_MAX = 2048  # a CPU tensor up to this size is checked as a Python list (cheaper than a tensor op)
+
+
+def check_token_range(fn: str, arg: str, t: torch.Tensor, V: int) -> None:
+    """Every entry of the integer tensor ``t`` is a token id in [0, V) (one reduction, one host read)."""
+    if not t.numel():
+        return
+    if t.device.type == "cpu" and t.numel() <= HOST_MAX:
+        vals = t.reshape(-1).tolist()
+        lo, hi = min(vals), max(vals)
+    else:
+        lo, hi = (int(x) for x in torch.aminmax(t))
+    if lo < 0 or hi >= V:
+        fail(fn, arg, f"token ids in [0, {V})", f"values in [{lo}, {hi}]")
+
+
 def resolve_sampling(fn: str, sampling_metadata, B: int, device: torch.device
-                     ) -> Tuple[torch.Tensor, Dict[int, torch.Generator]]:
-    """vLLM's ``SamplingMetadata`` (or a bare temperature tensor) -> (greedy mask [B] bool, generators).
+                     ) -> Tuple[torch.Tensor, Dict[int, torch.Generator], int]:
+    """vLLM's ``SamplingMetadata`` (or a bare temperature tensor) -> (greedy mask [B] bool,
+    generators, number of greedy rows).
 
     Accepts an object with vLLM's attributes ``temperature`` ([B] float or None), ``all_greedy``,
     ``all_random`` and ``generators`` (dict: batch index -> torch.Generator), or a [B] float
@@ -74,14 +93,24 @@ def resolve_sampling(fn: str, sampling_metadata, B: int, device: torch.device
         generators = dict(getattr(sampling_metadata, "generators", None) or {})
         all_greedy, all_random = bool(sampling_metadata.all_greedy), bool(sampling_metadata.all_random)
     if all_greedy:
-        return torch.ones(B, dtype=torch.bool, device=device), generators
+        return torch.ones(B, dtype=torch.bool, device=device), generators, B
     if all_random and temperature is None:
-        return torch.zeros(B, dtype=torch.bool, device=device), generators
+        return torch.zeros(B, dtype=torch.bool, device=device), generators, 0
     check_tensor(fn, "temperature", temperature, 1, FLOATS, (B,))
     for b in generators:
         if not isinstance(b, int) or not 0 <= b < B:
             fail(fn, "generators", f"keyed by batch indices in [0, {B})", f"key {b!r}")
-    return (temperature <= 0).to(device), generators
+    greedy = (temperature <= 0).to(device)
+    if B == 0:
+        return greedy, generators, 0
+    if temperature.device.type == "cpu" and B <= HOST_MAX:
+        return greedy, generators, sum(x <= 0 for x in temperature.tolist())  # NaN: not greedy, as above
+    lo, hi = (float(x) for x in torch.aminmax(temperature))  # one reduction tells the common all-one-kind batches
+    if hi <= 0:
+        return greedy, generators, B
+    if lo > 0:
+        return greedy, generators, 0
+    return greedy, generators, int(greedy.sum())
 
 
 def draw_uniforms(B: int, N: int, counts: Sequence[int], device: torch.device,
@@ -97,6 +126,22 @@ def draw_uniforms(B: int, N: int, counts: Sequence[int], device: torch.device,
     return u
 
 
+_PARENTS: Dict[Tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def chain_parents(B: int, N: int, device: torch.device) -> torch.Tensor:
+    """``[B, N]`` int32 parents of B chains of N nodes (node i's parent i - 1, the root's -1), kept per
+    (B, N, device): the ops only read it. Callers must not write to it."""
+    key = (int(B), int(N), torch.device(device))
+    t = _PARENTS.get(key)
+    if t is None:
+        if len(_PARENTS) >= 256:  # shapes vary with the batch; keep the cache bounded
+            _PARENTS.clear()
+        t = (torch.arange(N, dtype=torch.int32, device=device) - 1).expand(B, N).contiguous()
+        _PARENTS[key] = t
+    return t
+
+
 _WORKSPACES: Dict[Tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
 
 
@@ -105,7 +150,8 @@ def workspace(name: str, shape: Sequence[int], dtype: torch.dtype, device: torch
 
     The adapters stage padded copies of a stack's tensors here instead of allocating them per call:
     a fresh multi-megabyte allocation costs its page faults on every call, a kept one does not
-    (FlashInfer keeps its workspaces the same way). Not for concurrent calls from several threads.
+    (FlashInfer keeps its workspaces the same way). A new buffer starts zeroed; afterwards it holds
+    whatever its last user wrote. Not for concurrent calls from several threads.
     """
     numel = 1
     for s in shape:
@@ -113,6 +159,6 @@ def workspace(name: str, shape: Sequence[int], dtype: torch.dtype, device: torch
     key = (name, torch.device(device), dtype)
     buf = _WORKSPACES.get(key)
     if buf is None or buf.numel() < numel:
-        buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
+        buf = torch.zeros(max(numel, 1), dtype=dtype, device=device)
         _WORKSPACES[key] = buf
     return buf[:numel].view(*shape)

@@ -4,8 +4,10 @@ A batch of B chains of N drafts each: ``draft_probs [B, N, V]`` (the distributio
 from), ``draft_token_ids [B, N]``, ``target_probs [B, N + 1, V]`` (row j: the target after the
 prefix and drafts 0 .. j - 1; row N: after all drafts). The chain is a specdec tree of N + 1 nodes
 (node 0 = root, node j + 1 = draft j) whose target rows are exactly ``target_probs``, so a single
-:func:`specdec.ops.rejection_sample` decides it; the draw after N accepted drafts comes from row N
-(FlashInfer's bonus token).
+:func:`specdec.ops.rejection_sample` decides it (a second one in the rare case described in
+:func:`_stage_read_rows`); the draw after N accepted drafts comes from row N (FlashInfer's bonus
+token). The draft rows are staged into the op's layout, which has a root row in front: only the
+entries and the row the op reads.
 
 Semantics (FlashInfer), per request:
 
@@ -32,7 +34,7 @@ from typing import Optional, Tuple
 import torch
 
 from specdec import ops
-from specdec.compat.common import workspace
+from specdec.compat.common import chain_parents, check_token_range, workspace
 from specdec.sampling import mix_seed
 
 __all__ = ["chain_speculative_sampling", "chain_speculative_sampling_uniform", "PagedMetadata", "dense_as_paged",
@@ -68,18 +70,21 @@ def _validate(fn, draft_probs, draft_token_ids, target_probs):
     _check(fn, "target_probs", target_probs, _FLOATS, (B, N + 1, V))
     if V < 1:
         _fail(fn, "draft_probs", "of vocabulary size >= 1", f"shape {tuple(draft_probs.shape)}")
-    if draft_token_ids.numel() and (int(draft_token_ids.min()) < 0 or int(draft_token_ids.max()) >= V):
-        _fail(fn, "draft_token_ids", f"token ids in [0, {V})",
-              f"values in [{int(draft_token_ids.min())}, {int(draft_token_ids.max())}]")
+    check_token_range(fn, "draft_token_ids", draft_token_ids, V)
     for arg, t in (("draft_probs", draft_probs), ("target_probs", target_probs)):
         if t.device != draft_token_ids.device:
             _fail(fn, arg, f"on {draft_token_ids.device} (draft_token_ids' device)", str(t.device))
     return B, N, V
 
 
+def _in_unit(t):
+    lo, hi = (float(x) for x in torch.aminmax(t))
+    return lo >= 0 and hi <= 1  # False for NaN
+
+
 def _check_counter(fn, arg, t, B, dev):
     if t is None:
-        return torch.zeros(B, dtype=torch.int32, device=dev)
+        return None
     _check(fn, arg, t, _INTS, (B,))
     if t.device != dev:
         _fail(fn, arg, f"on {dev}", str(t.device))
@@ -98,25 +103,57 @@ def _run(fn, draft_probs, draft_token_ids, target_probs, uniform_samples, acc_bu
     q_d = torch.gather(draft_probs, 2, d[:, :, None])[:, :, 0].float()
     p_d = torch.gather(target_probs[:, :N], 2, d[:, :, None])[:, :, 0].float()
     passes = u_fi[:, :N].float() * q_d < p_d  # [B, N]
-    fails = ~passes
-    pos_fi = torch.where(fails.any(1), fails.to(torch.int8).argmax(1), torch.full((B,), N, device=dev))
+    pos_fi = passes.to(torch.int32).cumprod(1).sum(1)  # the first failing position, N if none fails
     final_u = torch.gather(u_fi, 1, torch.clamp(pos_fi + 1, max=N)[:, None])  # [B, 1]
 
-    tokens = torch.cat([torch.zeros(B, 1, dtype=torch.int64, device=dev), d], 1)
-    parents = (torch.arange(N + 1, dtype=torch.int32, device=dev) - 1).expand(B, N + 1).contiguous()
+    tokens = torch.empty(B, N + 1, dtype=torch.int64, device=dev)
+    tokens[:, 0] = 0
+    tokens[:, 1:] = d
+    parents = chain_parents(B, N + 1, dev)
     p = target_probs.to(torch.float32).contiguous()
-    q = workspace("flashinfer.draft", (B, N + 1, V), torch.float32, dev)  # row 0 (the root) is unused
-    q[:, 0] = 0.0
-    q[:, 1:].copy_(draft_probs)
     u = torch.cat([final_u, u_fi[:, :N]], 1).contiguous()
-    _, num, out = ops.rejection_sample(tokens, parents, p, q, u)
+    equal = False
+    if not ops.strict_checks():
+        q = _stage_read_rows(draft_probs, d, q_d, pos_fi)
+        _, num, out = ops.rejection_sample(tokens, parents, p, q, u)
+        equal = torch.equal(num.to(torch.int64), pos_fi)  # False: a decision at a float32 tie
+    if not equal:  # stage every row
+        q = workspace("flashinfer.draft", (B, N + 1, V), torch.float32, dev)  # row 0 (the root) is unused
+        q[:, 0] = 0.0
+        q[:, 1:].copy_(draft_probs)
+        _, num, out = ops.rejection_sample(tokens, parents, p, q, u)
 
     pos = num.to(torch.int64)
-    after = torch.arange(N, device=dev)[None, :] > pos[:, None]
-    accepted = pos + (passes & after).sum(1)
-    acc_buf.add_(accepted.to(acc_buf.dtype))
-    emit_buf.add_(pos.to(emit_buf.dtype))
+    if equal:  # every position before pos passes and pos itself fails: the passes are the count
+        accepted = passes.sum(1)
+    else:
+        accepted = pos + (passes & (torch.arange(N, device=dev)[None, :] > pos[:, None])).sum(1)
+    if acc_buf is None:
+        acc_buf = accepted.to(torch.int32)
+    else:
+        acc_buf.add_(accepted.to(acc_buf.dtype))
+    if emit_buf is None:
+        emit_buf = num.clone()
+    else:
+        emit_buf.add_(num.to(emit_buf.dtype))
     return out.to(torch.int32), acc_buf, emit_buf
+
+
+def _stage_read_rows(draft_probs, d, q_d, pos_fi):
+    """The draft rows the op reads when its decisions are FlashInfer's float32 ones, in the op's
+    [B, N + 1, V] layout (node j + 1 = draft j): an accepted draft's test reads only its own entry
+    ``q_j(d_j)``, and only the first rejected draft's whole row enters the residual. So those
+    entries and that one row per request are staged (the other entries hold stale values and are
+    never read); the caller checks that the op stopped where FlashInfer's test did, which proves
+    the op read nothing else."""
+    B, N, V = draft_probs.shape
+    q = workspace("flashinfer.draft_rows", (B, N + 1, V), torch.float32, draft_probs.device)
+    q[:, 1:].scatter_(2, d[:, :, None], q_d[:, :, None])
+    rows_q, rows_d = q.view(B * (N + 1), V), draft_probs.reshape(B * N, V)
+    for b, j in enumerate(pos_fi.tolist()):
+        if j < N:
+            rows_q[b * (N + 1) + j + 1].copy_(rows_d[b * N + j])
+    return q
 
 
 def chain_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch.Tensor, target_probs: torch.Tensor,
@@ -167,7 +204,7 @@ def chain_speculative_sampling_uniform(draft_probs: torch.Tensor, draft_token_id
     fn = "specdec.compat.flashinfer.chain_speculative_sampling_uniform"
     B, N, _ = _validate(fn, draft_probs, draft_token_ids, target_probs)
     _check(fn, "uniform_samples", uniform_samples, _FLOATS, (B, N + 1))
-    if uniform_samples.numel() and not bool(((uniform_samples >= 0) & (uniform_samples <= 1)).all()):
+    if uniform_samples.numel() and not _in_unit(uniform_samples):
         _fail(fn, "uniform_samples", "values in [0, 1]",
               f"values in [{float(uniform_samples.min())}, {float(uniform_samples.max())}]")
     if maybe_output_emitted_token_num is not None and maybe_output_emitted_draft_token_num is not None:

@@ -60,23 +60,40 @@ def dense_as_paged(cache, num_new: int = 0) -> Tuple[PagedMetadata, List[Tuple[t
 
 
 def _kv_lens(fn, kv_indptr, kv_indices, kv_last_page_len, page_size):
+    """The metadata checked on the host (one read of each small tensor): (indptr, pages per
+    request, kv_len per request) as lists of ints."""
     check_tensor(fn, "kv_indptr", kv_indptr, 1, INTS)
     B = kv_indptr.shape[0] - 1
     if B < 0:
         fail(fn, "kv_indptr", "[B + 1] with B >= 0", "an empty tensor")
     check_tensor(fn, "kv_indices", kv_indices, 1, INTS)
     check_tensor(fn, "kv_last_page_len", kv_last_page_len, 1, INTS, (B,))
-    ip = kv_indptr.to(torch.int64).cpu()
-    npages = ip[1:] - ip[:-1]
-    if B and (int(ip[0]) != 0 or bool((npages < 0).any()) or int(ip[-1]) > kv_indices.shape[0]):
+    ip = kv_indptr.tolist()
+    npages = [b - a for a, b in zip(ip, ip[1:])]
+    if B and (ip[0] != 0 or min(npages) < 0 or ip[-1] > kv_indices.shape[0]):
         fail(fn, "kv_indptr", f"0-based and non-decreasing, ending <= len(kv_indices) = {kv_indices.shape[0]}",
-             str(ip.tolist()))
-    last = kv_last_page_len.to(torch.int64).cpu()
-    bad = ((npages > 0) & ((last < 1) | (last > page_size))) | ((npages == 0) & (last != 0))
-    if bool(bad.any()):
-        b = int(bad.nonzero()[0])
-        fail(fn, f"kv_last_page_len[{b}]", f"in [1, {page_size}] (0 for a request without pages)", str(int(last[b])))
-    return ip, npages, torch.where(npages > 0, (npages - 1) * page_size + last, torch.zeros_like(last))
+             str(ip))
+    last = kv_last_page_len.tolist()
+    for b, (n, x) in enumerate(zip(npages, last)):
+        if (n > 0 and not 1 <= x <= page_size) or (n == 0 and x != 0):
+            fail(fn, f"kv_last_page_len[{b}]", f"in [1, {page_size}] (0 for a request without pages)", str(x))
+    return ip, npages, [(n - 1) * page_size + x if n > 0 else 0 for n, x in zip(npages, last)]
+
+
+def _table(ip, npages, kv_indices, width):
+    """[B, width] int32 block table on kv_indices' device, -1 past each request's pages (a view of
+    kv_indices when every request holds ``width`` pages back to back)."""
+    B = len(npages)
+    dev = kv_indices.device
+    if B and width == npages[0] and min(npages) == width and ip == list(range(0, (B + 1) * width, width)):
+        return kv_indices[:B * width].view(B, width).to(torch.int32).contiguous()  # every request at `width` pages
+    if not kv_indices.numel():
+        return torch.full((B, width), -1, dtype=torch.int32, device=dev)
+    col = torch.arange(width, device=dev)[None, :]
+    start = torch.tensor(ip[:-1], dtype=torch.int64, device=dev)[:, None]
+    count = torch.tensor(npages, dtype=torch.int64, device=dev)[:, None]
+    vals = kv_indices[(start + col).clamp(max=kv_indices.shape[0] - 1)]
+    return torch.where(col < count, vals, -1).to(torch.int32)
 
 
 def to_block_table(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
@@ -85,14 +102,12 @@ def to_block_table(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_pa
     kv_lens [B] int32)`` on kv_indices' device."""
     fn = "specdec.compat.flashinfer.to_block_table"
     ip, npages, kv_lens = _kv_lens(fn, kv_indptr, kv_indices, kv_last_page_len, page_size)
-    B = npages.shape[0]
-    W = max(int(npages.max()) if B else 0, int(min_blocks), 1)
-    col = torch.arange(W)[None, :]
-    src = (ip[:-1, None] + col).clamp(max=max(kv_indices.shape[0] - 1, 0))
-    idx = kv_indices.to(torch.int64).cpu()
-    vals = idx[src] if idx.numel() else torch.zeros(B, W, dtype=torch.int64)
-    table = torch.where(col < npages[:, None], vals, torch.full_like(vals, -1)).to(torch.int32)
-    return table.to(kv_indices.device), kv_lens.to(torch.int32).to(kv_indices.device)
+    W = max(max(npages, default=0), int(min_blocks), 1)
+    table = _table(ip, npages, kv_indices, W)
+    if table.data_ptr() == kv_indices.data_ptr():  # a view of the caller's indices: hand out a copy
+        table = table.clone()
+    return (table,
+            torch.tensor(kv_lens, dtype=torch.int32, device=kv_indices.device))
 
 
 def kv_lens_to_metadata(block_tables: torch.Tensor, kv_lens: torch.Tensor, page_size: int) -> PagedMetadata:
@@ -173,21 +188,22 @@ def verify_attention_paged(q: torch.Tensor, paged_kv_cache, kv_indptr: torch.Ten
     """
     fn = "specdec.compat.flashinfer.verify_attention_paged"
     k, v, _ = _nhd(fn, paged_kv_cache, kv_layout)
-    ps = k.shape[1]
-    table, kv_lens = to_block_table(kv_indptr, kv_indices, kv_last_page_len, ps)
-    B = kv_lens.shape[0]
+    ip, npages, lens = _kv_lens(fn, kv_indptr, kv_indices, kv_last_page_len, k.shape[1])
+    B = len(lens)
     if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[0] != B * qo_len:
         got = f"shape {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
         fail(fn, "q", f"[B * qo_len = {B * qo_len}, Hq, D]", got)
-    if bool((kv_lens < qo_len).any()):
-        fail(fn, "kv_last_page_len", f"giving kv_len >= qo_len = {qo_len} (the step's tokens appended)",
-             str(kv_lens.tolist()))
+    if B and min(lens) < qo_len:
+        fail(fn, "kv_last_page_len", f"giving kv_len >= qo_len = {qo_len} (the step's tokens appended)", str(lens))
+    dev = kv_indices.device
+    table = _table(ip, npages, kv_indices, max(max(npages, default=0), 1))
     mask = None
     if custom_mask is not None:
         if mask_indptr is None:
             fail(fn, "mask_indptr", "given with custom_mask", "None")
-        mask = tree_mask_from_custom(custom_mask, mask_indptr, qo_len, kv_lens).to(q.device)
-    cache_lens = (kv_lens - qo_len).to(torch.int32)
+        mask = tree_mask_from_custom(custom_mask, mask_indptr, qo_len,
+                                     torch.tensor(lens, dtype=torch.int32, device=dev)).to(q.device)
+    cache_lens = torch.tensor([x - qo_len for x in lens], dtype=torch.int32, device=dev)
     out = paged_ops.verify_attention_paged(q.view(B, qo_len, q.shape[1], q.shape[2]), k, v, table, cache_lens,
                                            mask, sm_scale)
     return out.reshape(B * qo_len, q.shape[1], q.shape[2])

@@ -21,97 +21,21 @@ Entry points:
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
 from specdec import ops
 from specdec.compat.sglang_lossy import lossy_sample
+from specdec.compat.sglang_tree import err as _err
+from specdec.compat.sglang_tree import check_2d as _check_2d
+from specdec.compat.sglang_tree import tree_tensors, walk_tree
 
 __all__ = ["sglang_to_parents", "parents_to_sglang", "verify_tree_greedy",
            "tree_speculative_sampling_target_only"]
 
 
-def _err(fn: str, arg: str, expected: str, got) -> ValueError:
-    return ValueError(f"{fn}: {arg}: expected {expected}, got {got}")
-
-
-def _check_2d(fn: str, name: str, t, shape: Optional[Tuple[int, int]] = None, integer: bool = True) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise _err(fn, name, "a torch.Tensor", type(t).__name__)
-    if t.dim() != 2:
-        raise _err(fn, name, "a 2-D tensor" + (f" of shape {list(shape)}" if shape else ""), f"shape {list(t.shape)}")
-    if shape is not None and tuple(t.shape) != tuple(shape):
-        raise _err(fn, name, f"shape {list(shape)}", f"shape {list(t.shape)}")
-    if integer and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
-        raise _err(fn, name, "an integer dtype (int64 as SGLang uses)", t.dtype)
-
-
 # --------------------------------------------------------------------------- conversion
-def _convert(fn: str, next_token: torch.Tensor, next_sibling: torch.Tensor,
-             max_depth: Optional[int]) -> Tuple[List[List[int]], List[List[int]], List[List[int]]]:
-    """Per row: (order, parents, depths) in specdec index space; order[i] = local node or -1."""
-    _check_2d(fn, "retrive_next_token", next_token)
-    _check_2d(fn, "retrive_next_sibling", next_sibling, tuple(next_token.shape))
-    B, N = next_token.shape
-    if N < 1:
-        raise _err(fn, "retrive_next_token", "at least one node (the root) per request",
-                   f"shape {list(next_token.shape)}")
-    for name, t in (("retrive_next_token", next_token), ("retrive_next_sibling", next_sibling)):
-        bad = (t < -1) | (t >= N)
-        if bool(bad.any()):
-            b, i = (int(v) for v in bad.nonzero()[0])
-            raise _err(fn, f"{name}[{b}, {i}]", f"-1 or a node index in [0, {N})", int(t[b, i]))
-    nt, ns = next_token.tolist(), next_sibling.tolist()
-    orders, parents, depths = [], [], []
-    for b in range(B):
-        ftok, fsib = nt[b], ns[b]
-        par = [-1] * N
-        dep = [0] * N
-        seen = [False] * N
-        seen[0] = True
-        identity = True
-        pre = [0]          # DFS preorder (siblings in chain order)
-        stack = [0]
-        kids_of = {}
-        while stack:
-            u = stack.pop()
-            kids = []
-            c = ftok[u]
-            while c != -1:
-                if seen[c]:
-                    what = "the root" if c == 0 else f"node {c}"
-                    raise _err(fn, f"request {b}", "a tree (every node reachable once from root 0, no cycles)",
-                               f"{what} reached again as a child of node {u} (cycle or shared node)")
-                seen[c] = True
-                par[c] = u
-                dep[c] = dep[u] + 1
-                if c <= u or (kids and c <= kids[-1]):
-                    identity = False
-                kids.append(c)
-                c = fsib[c]
-            if max_depth is not None and dep[u] >= max_depth:
-                kids_trunc = []
-            else:
-                kids_trunc = kids
-            kids_of[u] = kids_trunc
-            stack.extend(reversed(kids_trunc))
-            if u != 0:
-                pre.append(u)
-        keep = [False] * N
-        for u in pre:
-            keep[u] = True
-        if identity:
-            order = [i if keep[i] else -1 for i in range(N)]
-        else:
-            order = pre + [-1] * (N - len(pre))
-        pos = {loc: i for i, loc in enumerate(order) if loc >= 0}
-        parents.append([pos[par[loc]] if loc > 0 else -1 for loc in order])
-        depths.append([dep[loc] if loc >= 0 else 0 for loc in order])
-        orders.append(order)
-    return orders, parents, depths
-
-
 def sglang_to_parents(retrive_next_token: torch.Tensor, retrive_next_sibling: torch.Tensor,
                       candidates: Optional[torch.Tensor] = None, *, max_depth: Optional[int] = None
                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -131,7 +55,7 @@ def sglang_to_parents(retrive_next_token: torch.Tensor, retrive_next_sibling: to
     depth 0. Raises ``ValueError`` for out-of-range links, cycles and nodes reachable twice.
     """
     fn = "sglang_to_parents"
-    orders, parents, depths = _convert(fn, retrive_next_token, retrive_next_sibling, max_depth)
+    orders, parents, depths = walk_tree(fn, retrive_next_token, retrive_next_sibling, max_depth)
     dev = retrive_next_token.device
     order = torch.tensor(orders, dtype=torch.int64, device=dev).reshape(retrive_next_token.shape)
     par = torch.tensor(parents, dtype=torch.int32, device=dev).reshape(retrive_next_token.shape)
@@ -210,9 +134,9 @@ def _check_common(fn, predicts, accept_index, accept_token_num, candidates, retr
             raise _err(fn, name, f"a tensor of shape {list(shape)}", got)
         if t.dtype.is_floating_point or t.dtype == torch.bool:
             raise _err(fn, name, "an integer dtype (int32 as SGLang uses)", t.dtype)
-    bad = (retrive_index < 0) | (retrive_index >= B * N)
-    if bool(bad.any()):
-        b, i = (int(v) for v in bad.nonzero()[0])
+    lo, hi = (int(v) for v in torch.aminmax(retrive_index)) if retrive_index.numel() else (0, 0)
+    if lo < 0 or hi >= B * N:
+        b, i = (int(v) for v in ((retrive_index < 0) | (retrive_index >= B * N)).nonzero()[0])
         raise _err(fn, f"retrive_index[{b}, {i}]", f"a flat index in [0, {B * N})", int(retrive_index[b, i]))
     return B, N, accept_index.shape[1]
 
@@ -222,7 +146,7 @@ def _write_outputs(accepted, num_acc, order, retrive_index, accept_index, accept
     B, N = accepted.shape
     S = accept_index.shape[1]
     acc = accepted.to(torch.int64)
-    local = torch.gather(order, 1, acc.clamp(min=0))
+    local = acc.clamp(min=0) if order is None else torch.gather(order, 1, acc.clamp(min=0))  # None: identity
     flat = torch.gather(retrive_index.to(torch.int64), 1, local.clamp(min=0))
     flat = torch.where(acc >= 0, flat, torch.full_like(flat, -1))
     k = min(S, N)
@@ -260,22 +184,24 @@ def verify_tree_greedy(predicts: torch.Tensor, accept_index: torch.Tensor, accep
         got = (f"shape {list(target_predict.shape)}" if isinstance(target_predict, torch.Tensor)
                else type(target_predict))
         raise _err(fn, "target_predict", f"a tensor of shape [{B}, {N}] (or [{B * N}])", got)
-    orders, parents, _ = _convert(fn, retrive_next_token, retrive_next_sibling, S - 1)
+    order, par, identity = tree_tensors(fn, retrive_next_token, retrive_next_sibling, S - 1)
     dev = candidates.device
-    order = torch.tensor(orders, dtype=torch.int64, device=dev).reshape(B, N)
-    par = torch.tensor(parents, dtype=torch.int32, device=dev).reshape(B, N)
+    order, par = order.to(dev), par.to(dev)
     ri = retrive_index.to(torch.int64)
     tp = target_predict.reshape(-1).to(torch.int64)
-    par_local = torch.gather(order, 1, par.to(torch.int64).clamp(min=0))
+    par_local = par.to(torch.int64).clamp(min=0)
+    cand = candidates.to(torch.int64)
+    if not identity:  # to SGLang's local numbering and back
+        par_local = torch.gather(order, 1, par_local)
+        cand = torch.gather(cand, 1, order.clamp(min=0))
     at_parent = tp[torch.gather(ri, 1, par_local.clamp(min=0))]
-    cand = torch.gather(candidates.to(torch.int64), 1, order.clamp(min=0))
     tokens = torch.where(cand == at_parent, 0, 1)
     tokens = torch.where(par >= 0, tokens, torch.full_like(tokens, -1))
     tokens[:, 0] = 0
     logits = torch.zeros(B, N, 2, dtype=torch.float32, device=dev)
     logits[:, :, 0] = 1.0
     accepted, num_acc, _ = ops.greedy_verify(tokens.contiguous(), par.contiguous(), logits)
-    flat, _ = _write_outputs(accepted, num_acc, order, ri, accept_index, accept_token_num)
+    flat, _ = _write_outputs(accepted, num_acc, None if identity else order, ri, accept_index, accept_token_num)
     on = flat >= 0
     idx = flat[on]
     predicts[idx] = tp[idx].to(predicts.dtype)
@@ -339,9 +265,9 @@ def tree_speculative_sampling_target_only(
                                     or tuple(draft_probs.shape) != tuple(target_probs.shape)):
         raise _err(fn, "draft_probs", f"None or a tensor of shape {list(target_probs.shape)}",
                    getattr(draft_probs, "shape", type(draft_probs)))
-    bad = (candidates < 0) | (candidates >= V)
     if float(threshold_single) != 1.0 or float(threshold_acc) != 1.0:
-        _convert(fn, retrive_next_token, retrive_next_sibling, None)  # the tree checks
+        bad = (candidates < 0) | (candidates >= V)
+        walk_tree(fn, retrive_next_token, retrive_next_sibling, None)  # the tree checks
         reach = torch.zeros_like(bad)
         for t in (retrive_next_token, retrive_next_sibling):
             hit = t >= 0
@@ -353,22 +279,41 @@ def tree_speculative_sampling_target_only(
                      retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_probs,
                      draft_probs, threshold_single, threshold_acc)
         return
-    orders, parents, _ = _convert(fn, retrive_next_token, retrive_next_sibling, S - 1)
+    order, par, identity = tree_tensors(fn, retrive_next_token, retrive_next_sibling, S - 1)
     dev = candidates.device
-    order = torch.tensor(orders, dtype=torch.int64, device=dev).reshape(B, N)
-    par = torch.tensor(parents, dtype=torch.int32, device=dev).reshape(B, N)
+    order, par = order.to(dev), par.to(dev)
+    tokens, probs, u = _exact_inputs(fn, candidates, order, par, identity, uniform_samples,
+                                     uniform_samples_for_final_sampling, target_probs)
+    accepted, num_acc, out_tokens = ops.rejection_sample(tokens, par.contiguous(), probs, None, u)
+    flat, _ = _write_outputs(accepted, num_acc, None if identity else order, retrive_index, accept_index,
+                             accept_token_num)
+    on = flat >= 0
+    predicts[flat[on]] = out_tokens[on].to(predicts.dtype)
+    if draft_probs is not None:
+        _write_scratch(draft_probs, target_probs, accepted, on, order, par, tokens)
+
+
+def _exact_inputs(fn, candidates, order, par, identity, uniform_samples, uniform_final, target_probs):
+    """(tokens [B, N] int64, target rows [B, N, V] float32, uniforms [B, N] float64) for
+    :func:`specdec.ops.rejection_sample` from SGLang's exact-form inputs (see
+    :func:`tree_speculative_sampling_target_only`)."""
+    B, N, V = target_probs.shape
+    dev = candidates.device
     par64 = par.to(torch.int64)
     real_child = par >= 0
-    cand = torch.gather(candidates.to(torch.int64), 1, order.clamp(min=0))
-    badn = torch.gather(bad, 1, order.clamp(min=0)) & real_child
-    if bool(badn.any()):
-        b, i = (int(v) for v in badn.nonzero()[0])
-        loc = int(order[b, i])
-        raise _err(fn, f"candidates[{b}, {loc}]", f"a token in [0, {V})", int(candidates[b, loc]))
-    tokens = torch.where(real_child, cand, torch.full_like(cand, -1))
+    cand = candidates.to(torch.int64)
+    if not identity:
+        cand = torch.gather(cand, 1, order.clamp(min=0))
+    lo, hi = (int(v) for v in torch.aminmax(cand))
+    if lo < 0 or hi >= V:  # padding may hold anything: only the tree's nodes must be tokens
+        badn = ((cand < 0) | (cand >= V)) & real_child
+        if bool(badn.any()):
+            b, i = (int(v) for v in badn.nonzero()[0])
+            loc = int(order[b, i])
+            raise _err(fn, f"candidates[{b}, {loc}]", f"a token in [0, {V})", int(candidates[b, loc]))
+    tokens = torch.where(real_child, cand, -1)
     tokens[:, 0] = cand[:, 0].clamp(0, V - 1)
-    ident = (order == torch.arange(N, device=dev)[None, :]) | (order < 0)
-    if bool(ident.all()):  # padding rows are never read: the rows are the stack's own
+    if identity:  # padding rows are never read: the rows are the stack's own
         probs = target_probs.to(torch.float32).contiguous()
     else:
         probs = torch.gather(target_probs.to(torch.float32), 1,
@@ -376,41 +321,47 @@ def tree_speculative_sampling_target_only(
     # mass of each child's token in its parent's row; a token repeated among siblings counts once
     pl = par64.clamp(min=0)
     p_child = probs[torch.arange(B, device=dev)[:, None], pl, tokens.clamp(min=0)].to(torch.float64)
-    same = (par64[:, :, None] == par64[:, None, :]) & (tokens[:, :, None] == tokens[:, None, :])
+    # sib_earlier[b, i, j]: j is a real earlier sibling of i (same parent, smaller index)
     earlier = torch.ones(N, N, dtype=torch.bool, device=dev).tril(-1)
-    dup = (same & earlier & real_child[:, None, :]).any(-1) & real_child
-    mass = torch.where(real_child & ~dup, p_child, torch.zeros_like(p_child))
-    # P_prev[i] = mass of the earlier siblings of i (same parent, smaller index)
     sib_earlier = (par64[:, :, None] == par64[:, None, :]) & earlier & real_child[:, None, :]
-    p_prev = (sib_earlier.to(torch.float64) * mass[:, None, :]).sum(-1)
-    row_sum = probs.sum(-1).to(torch.float64)  # float32 sums, as SGLang's kernel accumulates
+    dup = (sib_earlier & (tokens[:, :, None] == tokens[:, None, :])).any(-1) & real_child
+    mass = torch.where(real_child & ~dup, p_child, 0.0)
+    p_prev = (sib_earlier.to(torch.float64) * mass[:, None, :]).sum(-1)  # the earlier siblings' mass
+    # float32 sums, as SGLang's kernel accumulates; only rows 0 .. (largest parent) are ever used
+    row_sum = probs[:, :max(int(par.max()) + 1, 1)].sum(-1).to(torch.float64)
     s_par = torch.gather(row_sum, 1, pl)
-    coin = torch.gather(uniform_samples.to(torch.float64), 1, torch.gather(order, 1, pl).clamp(min=0))
+    coin_of = pl if identity else torch.gather(order, 1, pl).clamp(min=0)  # the parent's local node
+    coin = torch.gather(uniform_samples.to(torch.float64), 1, coin_of)
     denom = s_par - p_prev
     u = torch.where(denom > 0, (coin - p_prev) / torch.where(denom > 0, denom, torch.ones_like(denom)),
                     torch.ones_like(denom)).clamp(0.0, 1.0)
     u = torch.where(real_child, u, torch.zeros_like(u))
-    u[:, 0] = uniform_samples_for_final_sampling.reshape(B).to(torch.float64).clamp(0.0, 1.0)
-    accepted, num_acc, out_tokens = ops.rejection_sample(tokens.contiguous(), par.contiguous(), probs, None,
-                                                         u.contiguous())
-    flat, local = _write_outputs(accepted, num_acc, order, retrive_index, accept_index, accept_token_num)
-    on = flat >= 0
-    predicts[flat[on]] = out_tokens[on].to(predicts.dtype)
-    if draft_probs is not None:
-        acc = accepted.to(torch.int64)
-        on_path = torch.zeros(B, N + 1, dtype=torch.bool, device=dev)  # column N: sink for padding
-        on_path.scatter_(1, torch.where(on, acc, torch.full_like(acc, N)), on)
-        on_path = on_path[:, :N]
-        # accepted child of each path node (N = none)
-        nxt = torch.full((B, N + 1), N, dtype=torch.int64, device=dev)  # column N: sink for padding
-        kids = acc[:, 1:]
-        ok = kids >= 0
-        nxt.scatter_(1, torch.where(ok, acc[:, :-1].clamp(min=0), torch.full_like(kids, N)),
-                     torch.where(ok, kids, torch.full_like(kids, N)))
-        nxt = nxt[:, :N]
-        idx = torch.arange(N, device=dev)[None, :]
-        rej = real_child & torch.gather(on_path, 1, pl) & (idx < torch.gather(nxt, 1, pl)) & ~on_path
-        b_i, n_i = rej.nonzero(as_tuple=True)
-        rows = order[b_i, par64[b_i, n_i]]
-        toks = tokens[b_i, n_i]
-        draft_probs[b_i, rows, toks] = target_probs[b_i, rows, toks].to(draft_probs.dtype)
+    u[:, 0] = uniform_final.reshape(B).to(torch.float64).clamp(0.0, 1.0)
+    return tokens.contiguous(), probs, u.contiguous()
+
+
+def _write_scratch(draft_probs, target_probs, accepted, on, order, par, tokens):
+    """SGLang's scratch ``draft_probs``: the target probability of every rejected candidate at
+    (its parent's local node, its token)."""
+    B, N = accepted.shape
+    dev = accepted.device
+    par64 = par.to(torch.int64)
+    pl = par64.clamp(min=0)
+    real_child = par >= 0
+    acc = accepted.to(torch.int64)
+    on_path = torch.zeros(B, N + 1, dtype=torch.bool, device=dev)  # column N: sink for padding
+    on_path.scatter_(1, torch.where(on, acc, torch.full_like(acc, N)), on)
+    on_path = on_path[:, :N]
+    # accepted child of each path node (N = none)
+    nxt = torch.full((B, N + 1), N, dtype=torch.int64, device=dev)  # column N: sink for padding
+    kids = acc[:, 1:]
+    ok = kids >= 0
+    nxt.scatter_(1, torch.where(ok, acc[:, :-1].clamp(min=0), torch.full_like(kids, N)),
+                 torch.where(ok, kids, torch.full_like(kids, N)))
+    nxt = nxt[:, :N]
+    idx = torch.arange(N, device=dev)[None, :]
+    rej = real_child & torch.gather(on_path, 1, pl) & (idx < torch.gather(nxt, 1, pl)) & ~on_path
+    b_i, n_i = rej.nonzero(as_tuple=True)
+    rows = order[b_i, par64[b_i, n_i]]
+    toks = tokens[b_i, n_i]
+    draft_probs[b_i, rows, toks] = target_probs[b_i, rows, toks].to(draft_probs.dtype)

@@ -33,15 +33,17 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from specdec import ops
-from specdec.compat.common import (FLOATS, INTS, check_tensor, draw_uniforms, fail, ragged_counts,
-                                   resolve_sampling, workspace)
+from specdec.compat.common import (FLOATS, INTS, chain_parents, check_tensor, check_token_range, draw_uniforms,
+                                   fail, ragged_counts, resolve_sampling, workspace)
 
 __all__ = ["PLACEHOLDER_TOKEN_ID", "rejection_sample", "pad_chains", "tree_rejection_sample",
            "TreeSampleOutput", "commit_accepted_kv", "commit_accepted_kv_slots"]
 
 PLACEHOLDER_TOKEN_ID = -1
+_LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what greedy_verify reads in place
 
 _FN = "specdec.compat.vllm.rejection_sample"
 
@@ -125,17 +127,23 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[i
     if draft_probs is not None:
         check_tensor(_FN, "draft_probs", draft_probs, 2, FLOATS, (T, V))
     check_tensor(_FN, "bonus_token_ids", bonus_token_ids, 2, INTS, (B, 1))
-    for name, t in (("draft_token_ids", draft_token_ids), ("bonus_token_ids", bonus_token_ids)):
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= V):
-            fail(_FN, name, f"token ids in [0, {V})", f"values in [{int(t.min())}, {int(t.max())}]")
+    check_token_range(_FN, "draft_token_ids", draft_token_ids, V)
+    check_token_range(_FN, "bonus_token_ids", bonus_token_ids, V)
     dev = target_probs.device
-    greedy, generators = resolve_sampling(_FN, sampling_metadata, B, dev)
+    greedy, generators, n_greedy = resolve_sampling(_FN, sampling_metadata, B, dev)
     if uniforms is not None:
         check_tensor(_FN, "uniforms", uniforms, 2, (torch.float64,), (B, W))
-    out = torch.full((B, W), PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=dev)
     if B == 0:
-        return out
+        return torch.full((B, W), PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=dev)
     N = S + 1
+    uniform = S > 0 and min(n) == S  # every request at S drafts: the stack's rows are already [B, S, V]
+    if uniform and n_greedy == B and target_probs.dtype in _LOGIT_DTYPES:
+        return _greedy_uniform(draft_token_ids, B, S, W, target_probs, bonus_token_ids)
+    if uniform and n_greedy == 0 and target_probs.dtype == torch.float32:
+        u = (draw_uniforms(B, N, n, dev, generator, generators) if uniforms is None
+             else uniforms[:, :N].to(dev))
+        return _sampled_uniform(draft_token_ids, B, S, W, target_probs, draft_probs, bonus_token_ids, u)
+    out = torch.full((B, W), PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=dev)
     g_idx = greedy.nonzero().flatten()
     r_idx = (~greedy).nonzero().flatten()
     if g_idx.numel():
@@ -143,9 +151,6 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[i
     if r_idx.numel():
         u = (draw_uniforms(B, N, n, dev, generator, generators) if uniforms is None
              else uniforms[:, :N].to(dev))
-        if r_idx.numel() == B and S > 0 and min(n) == S and target_probs.dtype == torch.float32:
-            out[:, :N] = _sampled_uniform(draft_token_ids, B, S, target_probs, draft_probs, bonus_token_ids, u)
-            return out
         tokens, parents, p, q = _stage_chains(draft_token_ids, n, target_probs, bonus_token_ids, draft_probs)
         if r_idx.numel() == B:
             _, _, o = ops.rejection_sample(tokens, parents, p, q, u.contiguous())
@@ -177,8 +182,8 @@ def _greedy_rows(draft_token_ids, n, target_probs, bonus_token_ids) -> torch.Ten
     B, S = len(n), max(n)
     N = S + 1
     nt, valid, parents = _layout(n, dev)
-    if S > 0 and bool(valid.all()) and target_probs.dtype in (torch.float32, torch.float16, torch.bfloat16):
-        return _greedy_uniform(draft_token_ids, B, S, target_probs, bonus_token_ids)
+    if S > 0 and min(n) == S and target_probs.dtype in _LOGIT_DTYPES:
+        return _greedy_uniform(draft_token_ids, B, S, N, target_probs, bonus_token_ids)
     T = target_probs.shape[0]
     am = torch.zeros(0, dtype=torch.int64, device=dev)
     if T:  # each row's argmax by the op itself: T one-node trees over the stack's rows, no copy
@@ -208,64 +213,68 @@ def _greedy_rows(draft_token_ids, n, target_probs, bonus_token_ids) -> torch.Ten
     return out.to(torch.int32)
 
 
-def _greedy_uniform(draft_token_ids, B, S, target_probs, bonus_token_ids) -> torch.Tensor:
+def _greedy_uniform(draft_token_ids, B, S, W, target_probs, bonus_token_ids) -> torch.Tensor:
     """Every request at S drafts: the stack's rows are already [B, S, V] (row j checks draft j), so
     :func:`specdec.ops.greedy_verify` walks them in place (reading only the rows on the path) as the
     tree root -> d_0 -> ... -> d_{S-2}; its final token is the argmax of the row that checks d_{S-1},
-    so d_{S-1} is accepted, and the bonus token follows, exactly when that token equals it."""
+    so d_{S-1} is accepted, and the bonus token follows, exactly when that token equals it (the
+    op's out tokens are -1 past the walk, never a draft). [B, W] int32, -1 padded."""
     dev = target_probs.device
-    d = draft_token_ids.to(dev, torch.int64).view(B, S)
-    tokens = torch.cat([torch.zeros(B, 1, dtype=torch.int64, device=dev), d[:, :S - 1]], 1)
-    parents = (torch.arange(S, dtype=torch.int32, device=dev) - 1).expand(B, S).contiguous()
-    _, num, o = ops.greedy_verify(tokens, parents, target_probs.contiguous().view(B, S, -1))
-    k = num.to(torch.int64)
-    rows = torch.arange(B, device=dev)
-    last = o[rows, k]
-    full = (k == S - 1) & (last == d[:, S - 1])
-    out = torch.full((B, S + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=dev)
-    out[:, :S] = o
-    out[rows[full], S] = bonus_token_ids.reshape(B).to(dev, torch.int64)[full]
-    return out.to(torch.int32)
+    d = _on(draft_token_ids, dev).view(B, S)
+    tokens = F.pad(d[:, :S - 1], (1, 0)).to(torch.int64)  # the root (token unchecked), d_0 .. d_{S-2}
+    _, _, o = ops.greedy_verify(tokens, chain_parents(B, S, dev), target_probs.contiguous().view(B, S, -1))
+    last = torch.where(o[:, S - 1:] == d[:, S - 1:], _on(bonus_token_ids, dev).reshape(B, 1), PLACEHOLDER_TOKEN_ID)
+    parts = [o, last]
+    if W > S + 1:
+        parts.append(torch.full((B, W - S - 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=dev))
+    return torch.cat(parts, 1).to(torch.int32)
 
 
-def _sampled_uniform(draft_token_ids, B, S, target_probs, draft_probs, bonus_token_ids, u) -> torch.Tensor:
+def _on(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    return t if t.device == dev else t.to(dev)
+
+
+def _sampled_uniform(draft_token_ids, B, S, W, target_probs, draft_probs, bonus_token_ids, u) -> torch.Tensor:
     """Every request sampled at S drafts, without staging the target rows: the op decides d_0 ..
     d_{S-2} on the stack's own [B, S, V] rows (tree root -> d_0 -> ... -> d_{S-2}); the requests
     that accepted all of them then decide d_{S-1} in a second call on two rows each (row S-1 and the
     one-hot bonus row), where a full acceptance emits the bonus token. ``u[:, 0]`` drives exactly one
-    emitted draw per request (the first call's final draw is kept only where it ended early)."""
+    emitted draw per request (the first call's final draw is kept only where it ended early).
+    [B, W] int32, -1 padded."""
     dev = target_probs.device
     V = target_probs.shape[1]
-    d = draft_token_ids.to(dev, torch.int64).view(B, S)
+    d = draft_token_ids.to(dev).view(B, S)
     rows_p = target_probs.contiguous().view(B, S, V)
-    tokens = torch.cat([torch.zeros(B, 1, dtype=torch.int64, device=dev), d[:, :S - 1]], 1)
-    parents = (torch.arange(S, dtype=torch.int32, device=dev) - 1).expand(B, S).contiguous()
+    tokens = torch.empty(B, S, dtype=torch.int64, device=dev)
+    tokens[:, 0] = 0
+    tokens[:, 1:] = d[:, :S - 1]
     q = None
     if draft_probs is not None:
         q = workspace("vllm.draft", (B, S, V), torch.float32, dev)
         q[:, 0] = 0.0
         q[:, 1:].copy_(draft_probs.view(B, S, V)[:, :S - 1])
-    _, num, o = ops.rejection_sample(tokens, parents, rows_p, q, u[:, :S].contiguous())
-    out = torch.full((B, S + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=dev)
+    _, _, o = ops.rejection_sample(tokens, chain_parents(B, S, dev), rows_p, q, u[:, :S].contiguous())
+    out = torch.empty(B, W, dtype=torch.int32, device=dev)
     out[:, :S] = o
-    full = (num.to(torch.int64) == S - 1).nonzero().flatten()
-    if full.numel():
-        F = full.numel()
-        p2 = workspace("vllm.last", (F, 2, V), torch.float32, dev)
+    out[:, S:] = PLACEHOLDER_TOKEN_ID
+    reached = o[:, S - 1] >= 0  # out token S - 1 is set exactly when d_0 .. d_{S-2} were all accepted
+    if int(reached.sum()):
+        full = reached.nonzero().flatten()
+        n_full = full.numel()
+        p2 = workspace("vllm.last", (n_full, 2, V), torch.float32, dev)
         p2[:, 0].copy_(rows_p[full, S - 1])
         p2[:, 1] = 0.0
-        p2[torch.arange(F, device=dev), 1, bonus_token_ids.reshape(B)[full].to(dev, torch.int64)] = 1.0
+        p2[torch.arange(n_full, device=dev), 1, bonus_token_ids.reshape(B)[full].to(dev, torch.int64)] = 1.0
         q2 = None
         if draft_probs is not None:
-            q2 = workspace("vllm.last_draft", (F, 2, V), torch.float32, dev)
+            q2 = workspace("vllm.last_draft", (n_full, 2, V), torch.float32, dev)
             q2[:, 0] = 0.0
             q2[:, 1].copy_(draft_probs.view(B, S, V)[full, S - 1])
-        t2 = torch.stack([torch.zeros_like(full), d[full, S - 1]], 1)
-        par2 = torch.tensor([[-1, 0]], dtype=torch.int32, device=dev).expand(F, 2).contiguous()
+        t2 = torch.stack([torch.zeros_like(full), d[full, S - 1].to(torch.int64)], 1)
         u2 = torch.stack([u[full, 0], u[full, S]], 1).contiguous()
-        _, _, o2 = ops.rejection_sample(t2, par2, p2, q2, u2)
-        out[full, S - 1:] = o2
-    return out.to(torch.int32)
+        _, _, o2 = ops.rejection_sample(t2, chain_parents(n_full, 2, dev), p2, q2, u2)
+        out[full, S - 1:S + 1] = o2.to(torch.int32)
+    return out
 
 
 def _stage_chains(draft_token_ids, n, target_probs, bonus_token_ids, draft_probs):

@@ -28,8 +28,8 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from specdec import ops, paged_ops
-from specdec.compat.common import (FLOATS, INTS, check_tensor, draw_uniforms, fail, ragged_counts,
-                                   resolve_sampling, workspace)
+from specdec.compat.common import (FLOATS, INTS, check_tensor, check_token_range, draw_uniforms, fail,
+                                   ragged_counts, resolve_sampling, workspace)
 
 __all__ = ["TreeSampleOutput", "tree_rejection_sample", "commit_accepted_kv", "commit_accepted_kv_slots"]
 
@@ -50,20 +50,31 @@ def _pad_tree(draft_token_ids, draft_parents, n, target_probs, draft_probs):
     dev = target_probs.device
     B, S = len(n), max(n)
     N, V = S + 1, target_probs.shape[1]
-    nt = torch.tensor(n, dtype=torch.int64, device=dev)
-    valid = torch.arange(S, device=dev)[None, :] < nt[:, None]
-    tokens = torch.zeros(B, N, dtype=torch.int64, device=dev)
-    tokens[:, 1:][valid] = draft_token_ids.to(torch.int64)
-    parents = torch.full((B, N), -1, dtype=torch.int32, device=dev)
-    parents[:, 1:][valid] = (draft_parents.to(torch.int32) + 1)
-    rows = torch.arange(N, device=dev)[None, :] <= nt[:, None]
-    full = bool(valid.all())
+    full = min(n) == S  # every request at S drafts: the ragged tensors are already [B, S] / [B, N, V]
+    if full:
+        tokens = torch.empty(B, N, dtype=torch.int64, device=dev)
+        tokens[:, 0] = 0
+        tokens[:, 1:] = draft_token_ids.reshape(B, S)
+        parents = torch.empty(B, N, dtype=torch.int32, device=dev)
+        parents[:, 0] = -1
+        parents[:, 1:] = draft_parents.reshape(B, S) + 1
+    else:
+        nt = torch.tensor(n, dtype=torch.int64, device=dev)
+        valid = torch.arange(S, device=dev)[None, :] < nt[:, None]
+        tokens = torch.zeros(B, N, dtype=torch.int64, device=dev)
+        tokens[:, 1:][valid] = draft_token_ids.to(torch.int64)
+        parents = torch.full((B, N), -1, dtype=torch.int32, device=dev)
+        parents[:, 1:][valid] = (draft_parents.to(torch.int32) + 1)
+        rows = torch.arange(N, device=dev)[None, :] <= nt[:, None]
     if full and target_probs.dtype == torch.float32 and target_probs.is_contiguous():
-        p = target_probs.view(B, N, V)  # every request at S drafts: the rows are already [B, N, V]
+        p = target_probs.view(B, N, V)  # the rows are already [B, N, V]
     else:
         p = workspace("vllm_tree.target", (B, N, V), torch.float32, dev)
-        p[rows] = target_probs.to(torch.float32)
-        p[~rows] = 0.0
+        if full:
+            p.copy_(target_probs.view(B, N, V))
+        else:
+            p[rows] = target_probs.to(torch.float32)
+            p[~rows] = 0.0
     q = None
     if draft_probs is not None:
         q = workspace("vllm_tree.draft", (B, N, V), torch.float32, dev)
@@ -73,7 +84,24 @@ def _pad_tree(draft_token_ids, draft_parents, n, target_probs, draft_probs):
         else:
             q[:, 1:][valid] = draft_probs.to(torch.float32)
             q[:, 1:][~valid] = 0.0
-    return tokens, parents.contiguous(), p, q
+    return tokens, parents, p, q
+
+
+def _check_parents(fn, draft_parents, n, T):
+    """Every draft's local parent is -1 or an earlier draft of the same request."""
+    B, S = len(n), max(n)
+    dev = draft_parents.device
+    if min(n) == S:
+        local = torch.arange(S, dtype=torch.int64, device=dev).repeat(B)
+    else:
+        counts = torch.tensor(n, dtype=torch.int64, device=dev)
+        starts = torch.cumsum(counts, 0) - counts
+        local = torch.arange(T, dtype=torch.int64, device=dev) - torch.repeat_interleave(starts, counts)
+    if int((draft_parents - local).max()) >= 0 or int(draft_parents.min()) < -1:
+        bad = (draft_parents < -1) | (draft_parents.to(torch.int64) >= local)
+        t = int(bad.nonzero()[0])
+        fail(fn, f"draft_parents[{t}]", f"-1 or a local draft index in [0, {int(local[t])}) "
+             "(parents come before their children)", str(int(draft_parents[t])))
 
 
 def tree_rejection_sample(draft_token_ids: torch.Tensor, draft_parents: torch.Tensor,
@@ -104,43 +132,46 @@ def tree_rejection_sample(draft_token_ids: torch.Tensor, draft_parents: torch.Te
     V = target_probs.shape[1]
     if draft_probs is not None:
         check_tensor(fn, "draft_probs", draft_probs, 2, FLOATS, (T, V))
-    if T and (int(draft_token_ids.min()) < 0 or int(draft_token_ids.max()) >= V):
-        fail(fn, "draft_token_ids", f"token ids in [0, {V})",
-             f"values in [{int(draft_token_ids.min())}, {int(draft_token_ids.max())}]")
+    check_token_range(fn, "draft_token_ids", draft_token_ids, V)
     if T:
-        local = torch.cat([torch.arange(k, dtype=torch.int64) for k in n]).to(draft_parents.device)
-        bad = (draft_parents < -1) | (draft_parents.to(torch.int64) >= local)
-        if bool(bad.any()):
-            t = int(bad.nonzero()[0])
-            fail(fn, f"draft_parents[{t}]", f"-1 or a local draft index in [0, {int(local[t])}) "
-                 "(parents come before their children)", str(int(draft_parents[t])))
+        _check_parents(fn, draft_parents, n, T)
     dev = target_probs.device
-    greedy, generators = resolve_sampling(fn, sampling_metadata, B, dev)
+    greedy, generators, n_greedy = resolve_sampling(fn, sampling_metadata, B, dev)
     if uniforms is not None:
         check_tensor(fn, "uniforms", uniforms, 2, (torch.float64,), (B, W))
+    if B == 0:
+        return TreeSampleOutput(torch.full((B, W), PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=dev),
+                                torch.full((B, W), -1, dtype=torch.int32, device=dev),
+                                torch.zeros(B, dtype=torch.int32, device=dev))
+    N = S + 1
+    tokens, parents, p, q = _pad_tree(draft_token_ids, draft_parents, n, target_probs, draft_probs)
+    if n_greedy in (0, B):  # one kind of row: the op's outputs are the result, padded to W columns
+        a, k, o = _run_rows(n_greedy == B, tokens, parents, p, q, B, N, n, dev, generator, generators, uniforms)
+        if W == N:
+            return TreeSampleOutput(o.to(torch.int32), a, k)
+        out = torch.full((B, W), PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=dev)
+        acc = torch.full((B, W), -1, dtype=torch.int32, device=dev)
+        out[:, :N] = o
+        acc[:, :N] = a
+        return TreeSampleOutput(out, acc, k)
     out = torch.full((B, W), PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=dev)
     acc = torch.full((B, W), -1, dtype=torch.int32, device=dev)
     num = torch.zeros(B, dtype=torch.int32, device=dev)
-    if B == 0:
-        return TreeSampleOutput(out, acc, num)
-    N = S + 1
-    tokens, parents, p, q = _pad_tree(draft_token_ids, draft_parents, n, target_probs, draft_probs)
     for idx, is_greedy in ((greedy.nonzero().flatten(), True), ((~greedy).nonzero().flatten(), False)):
-        if not idx.numel():
-            continue
-        whole = idx.numel() == B
-        tk, pa, pp = (tokens, parents, p) if whole else (tokens[idx], parents[idx], p[idx])
-        if is_greedy:
-            a, k, o = ops.greedy_verify(tk, pa, pp)
-        else:
-            u = (draw_uniforms(B, N, n, dev, generator, generators) if uniforms is None
-                 else uniforms[:, :N].to(dev))
-            qq = None if q is None else (q if whole else q[idx])
-            a, k, o = ops.rejection_sample(tk, pa, pp, qq, (u if whole else u[idx]).contiguous())
+        a, k, o = _run_rows(is_greedy, tokens[idx], parents[idx], p[idx], None if q is None else q[idx], B, N, n,
+                            dev, generator, generators, uniforms, idx)
         acc[idx, :N] = a.to(torch.int32)
         num[idx] = k.to(torch.int32)
         out[idx, :N] = o.to(torch.int32)
     return TreeSampleOutput(out, acc, num)
+
+
+def _run_rows(is_greedy, tokens, parents, p, q, B, N, n, dev, generator, generators, uniforms, idx=None):
+    """The op on the given rows (all B when ``idx`` is None); sampled rows draw (or take) their uniforms."""
+    if is_greedy:
+        return ops.greedy_verify(tokens, parents, p)
+    u = draw_uniforms(B, N, n, dev, generator, generators) if uniforms is None else uniforms[:, :N].to(dev)
+    return ops.rejection_sample(tokens, parents, p, q, (u if idx is None else u[idx]).contiguous())
 
 
 def _kv_pairs(fn: str, kv_caches):
