@@ -4,6 +4,7 @@
 // the dense call's bits for the same keys.
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "ops.h"
@@ -79,15 +80,25 @@ void append_kv_paged_cpu(at::Tensor& k_pages, at::Tensor& v_pages, const at::Ten
   char* vc = static_cast<char*>(v_pages.data_ptr());
   const char* kn = static_cast<const char*>(k_new.data_ptr());
   const char* vn = static_cast<const char*>(v_new.data_ptr());
-  // Tasks = (request, KV head) as in the dense append_kv; position s goes to its page's slot s % ps.
+  const int64_t row = D * es, slot_bytes = H * row;  // a slot holds the H heads' rows
+  const int64_t ks0 = k_new.stride(0), ks1 = k_new.stride(1), ks2 = k_new.stride(2);
+  const int64_t vs0 = v_new.stride(0), vs1 = v_new.stride(1), vs2 = v_new.stride(2);
+  // Tasks = (request, KV head) as in the dense append_kv; position s goes to its page's slot s % ps,
+  // the nodes in runs that share a page (one table lookup per page).
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = t / H, h = t % H;
-      for (int64_t j = 0; j < N; ++j) {
-        const int64_t s = lens[b] + offset + j;
-        const int64_t dst = ((int64_t(table[b * M + s / ps]) * ps + s % ps) * H + h) * D * es;
-        std::memcpy(kc + dst, kn + (b * k_new.stride(0) + h * k_new.stride(1) + j * k_new.stride(2)) * es, D * es);
-        std::memcpy(vc + dst, vn + (b * v_new.stride(0) + h * v_new.stride(1) + j * v_new.stride(2)) * es, D * es);
+      const int64_t s = lens[b] + offset;
+      for (int64_t j = 0, n; j < N; j += n) {
+        const int64_t slot = (s + j) % ps;
+        n = std::min(N - j, ps - slot);
+        const int64_t dst = (int64_t(table[b * M + (s + j) / ps]) * ps + slot) * slot_bytes + h * row;
+        const char* ksrc = kn + (b * ks0 + h * ks1 + j * ks2) * es;
+        const char* vsrc = vn + (b * vs0 + h * vs1 + j * vs2) * es;
+        for (int64_t i = 0; i < n; ++i) {
+          std::memcpy(kc + dst + i * slot_bytes, ksrc + i * ks2 * es, row);
+          std::memcpy(vc + dst + i * slot_bytes, vsrc + i * vs2 * es, row);
+        }
       }
     }
   });
