@@ -13,7 +13,11 @@ namespace checks {
 namespace {
 
 bool want_values(const at::Tensor& t) { return t.device().is_cpu() || strict(); }
-at::Tensor host(const at::Tensor& t) { return t.device().is_cpu() ? t.contiguous() : t.to(at::kCPU).contiguous(); }
+// A contiguous host copy of t's values; a contiguous CPU tensor is borrowed, not copied.
+c10::MaybeOwned<at::Tensor> host(const at::Tensor& t) {
+  if (t.device().is_cpu()) return t.expect_contiguous();
+  return c10::MaybeOwned<at::Tensor>::owned(t.to(at::kCPU).contiguous());
+}
 
 bool is_float_dtype(at::ScalarType s) { return s == at::kFloat || s == at::kHalf || s == at::kBFloat16; }
 
@@ -100,10 +104,10 @@ void check_tables(const char* op, const at::Tensor& block_tables, const at::Tens
 void check_table_values(const char* op, const at::Tensor& block_tables, const at::Tensor& cache_lens, int64_t need,
                         int64_t page_size, int64_t num_pages, bool from_zero, int64_t skip = 0) {
   if (!want_values(cache_lens) || !want_values(block_tables)) return;
-  const at::Tensor hl = host(cache_lens), ht = host(block_tables);
-  const int32_t* lens = hl.data_ptr<int32_t>();
-  const int32_t* bt = ht.data_ptr<int32_t>();
-  const int64_t B = ht.size(0), M = ht.size(1), cap = M * page_size;
+  const auto hl = host(cache_lens), ht = host(block_tables);
+  const int32_t* lens = hl->data_ptr<int32_t>();
+  const int32_t* bt = ht->data_ptr<int32_t>();
+  const int64_t B = ht->size(0), M = ht->size(1), cap = M * page_size;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lens[b] >= 0 && lens[b] + need <= cap, op, ": cache_lens[", b, "] = ", lens[b],
                 " leaves no room for ", need, " new positions in a row of capacity max_blocks * page_size = ", M,
@@ -252,9 +256,9 @@ void kv_commit_paged(at::TensorList k_pages, at::TensorList v_pages, const at::T
   // (position cache_lens[b] itself, the root, is never moved).
   check_table_values(op, block_tables, cache_lens, N, page_size, num_pages, false);
   if (!want_values(num_accepted) || !want_values(accepted)) return;
-  const at::Tensor ha = host(accepted), hn = host(num_accepted);
-  const int32_t* acc = ha.data_ptr<int32_t>();
-  const int32_t* num = hn.data_ptr<int32_t>();
+  const auto ha = host(accepted), hn = host(num_accepted);
+  const int32_t* acc = ha->data_ptr<int32_t>();
+  const int32_t* num = hn->data_ptr<int32_t>();
   for (int64_t b = 0; b < B; ++b) {
     const int32_t n = num[b];
     TORCH_CHECK(n >= 0 && n < N, op, ": num_accepted[", b, "] = ", n, " must lie in [0, N - 1] = [0, ", N - 1, "]");
