@@ -2,8 +2,9 @@
 
 #include <cmath>
 #include <cstdint>
-#include <utility>
-#include <string>
+#include <cstdlib>
+#include <ostream>
+#include <vector>
 
 #include "checks.h"
 
@@ -12,16 +13,22 @@ namespace checks {
 namespace {
 
 bool want_values(const at::Tensor& t) { return t.device().is_cpu() || strict(); }
-at::Tensor host(const at::Tensor& t) { return t.device().is_cpu() ? t.contiguous() : t.to(at::kCPU).contiguous(); }
+// A contiguous host copy of t's values; a contiguous CPU tensor is borrowed, not copied.
+c10::MaybeOwned<at::Tensor> host(const at::Tensor& t) {
+  if (t.device().is_cpu()) return t.expect_contiguous();
+  return c10::MaybeOwned<at::Tensor>::owned(t.to(at::kCPU).contiguous());
+}
 
 bool is_float_dtype(at::ScalarType s) { return s == at::kFloat || s == at::kHalf || s == at::kBFloat16; }
 
-void check_same_device(const char* op, const char* name, const at::Tensor& t, const at::Tensor& ref) {
+template <typename Name>
+void check_same_device(const char* op, const Name& name, const at::Tensor& t, const at::Tensor& ref) {
   TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " must be on ", ref.device(), " like the other inputs, got ",
               t.device());
 }
 
-void check_pages(const char* op, const std::string& name, const at::Tensor& p) {
+template <typename Name>
+void check_pages(const char* op, const Name& name, const at::Tensor& p) {
   TORCH_CHECK(p.dim() == 4, op, ": ", name, " must be [num_pages, page_size, Hkv, D], got ", p.sizes());
   TORCH_CHECK(is_float_dtype(p.scalar_type()), op, ": ", name, " must be float32, float16 or bfloat16, got ",
               p.scalar_type());
@@ -30,30 +37,51 @@ void check_pages(const char* op, const std::string& name, const at::Tensor& p) {
               p.sizes());
 }
 
-// Whether two tensors touch a common byte: views of one buffer that are byte-disjoint (vLLM's
-// per-layer [2, num_blocks, block_size, Hkv, D] cache, K = [0], V = [1]) do not.
-bool bytes_overlap(const at::Tensor& a, const at::Tensor& b) {
-  if (a.numel() == 0 || b.numel() == 0 || a.device() != b.device() || !a.is_alias_of(b)) return false;
-  auto range = [](const at::Tensor& t) {
-    int64_t lo = 0, hi = 0;
-    for (int64_t d = 0; d < t.dim(); ++d) {
-      const int64_t span = (t.size(d) - 1) * t.stride(d);
-      if (span < 0) lo += span;
-      else hi += span;
-    }
-    const uintptr_t base = reinterpret_cast<uintptr_t>(t.data_ptr());
-    const int64_t es = t.element_size();
-    return std::make_pair(base + lo * es, base + (hi + 1) * es);
-  };
-  const auto ra = range(a), rb = range(b);
-  return ra.first < rb.second && rb.first < ra.second;
+// The bytes a tensor's elements occupy, [begin, end); empty for numel 0.
+struct Span {
+  uintptr_t begin = 0, end = 0;
+};
+
+Span span_of(const at::Tensor& t) {
+  Span r;
+  if (t.numel() == 0) return r;
+  const c10::IntArrayRef sizes = t.sizes(), strides = t.strides();
+  int64_t lo = 0, hi = 0;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    const int64_t span = (sizes[d] - 1) * strides[d];
+    if (span < 0) lo += span;
+    else hi += span;
+  }
+  const uintptr_t base = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const int64_t es = t.element_size();
+  return Span{base + lo * es, base + (hi + 1) * es};
 }
 
-void check_distinct(const char* op, const std::string& a_name, const at::Tensor& a, const std::string& b_name,
-                    const at::Tensor& b) {
-  TORCH_CHECK(!bytes_overlap(a, b), op, ": ", a_name, " and ", b_name,
-              " share memory (the same tensor passed twice, or overlapping views of one buffer); every tensor this op writes "
-              "must be memory of its own");
+// Whether two tensors touch a common byte: views of one buffer that are byte-disjoint (vLLM's
+// per-layer [2, num_blocks, block_size, Hkv, D] cache, K = [0], V = [1]) do not. The byte ranges
+// are compared first; the storage is asked only when they meet.
+bool bytes_overlap(const at::Tensor& a, const Span& sa, const at::Tensor& b, const Span& sb) {
+  return sa.begin < sa.end && sb.begin < sb.end && sa.begin < sb.end && sb.begin < sa.end &&
+         a.device() == b.device() && a.is_alias_of(b);
+}
+
+template <typename A, typename B>
+[[noreturn]] void overlap_error(const char* op, const A& a_name, const B& b_name) {
+  TORCH_CHECK(false, op, ": ", a_name, " and ", b_name,
+              " share memory (the same tensor passed twice, or overlapping views of one buffer); every tensor this op "
+              "writes must be memory of its own");
+  std::abort();
+}
+
+// A tensor of kv_commit_paged in its messages, formatted only when a message needs it: layer l's K
+// (kv = 0) or V (kv = 1) page pool, or (kv = -1) cache_lens.
+struct TensorName {
+  int kv;
+  int64_t l;
+};
+std::ostream& operator<<(std::ostream& os, const TensorName& n) {
+  if (n.kv < 0) return os << "cache_lens";
+  return os << (n.kv == 0 ? "k_pages[" : "v_pages[") << n.l << "]";
 }
 
 // block_tables int32 [B, max_blocks] and cache_lens int32 [B] on ref's device.
@@ -76,10 +104,10 @@ void check_tables(const char* op, const at::Tensor& block_tables, const at::Tens
 void check_table_values(const char* op, const at::Tensor& block_tables, const at::Tensor& cache_lens, int64_t need,
                         int64_t page_size, int64_t num_pages, bool from_zero, int64_t skip = 0) {
   if (!want_values(cache_lens) || !want_values(block_tables)) return;
-  const at::Tensor hl = host(cache_lens), ht = host(block_tables);
-  const int32_t* lens = hl.data_ptr<int32_t>();
-  const int32_t* bt = ht.data_ptr<int32_t>();
-  const int64_t B = ht.size(0), M = ht.size(1), cap = M * page_size;
+  const auto hl = host(cache_lens), ht = host(block_tables);
+  const int32_t* lens = hl->data_ptr<int32_t>();
+  const int32_t* bt = ht->data_ptr<int32_t>();
+  const int64_t B = ht->size(0), M = ht->size(1), cap = M * page_size;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lens[b] >= 0 && lens[b] + need <= cap, op, ": cache_lens[", b, "] = ", lens[b],
                 " leaves no room for ", need, " new positions in a row of capacity max_blocks * page_size = ", M,
@@ -156,11 +184,14 @@ void append_kv_paged(const at::Tensor& k_pages, const at::Tensor& v_pages, const
   check_same_device(op, "k_new", k_new, k_pages);
   check_same_device(op, "v_new", v_new, k_pages);
   check_tables(op, block_tables, cache_lens, B, k_pages);
-  check_distinct(op, "k_pages", k_pages, "v_pages", v_pages);
-  for (const auto* t : {&k_new, &v_new, &block_tables, &cache_lens}) {
-    const char* name = t == &k_new ? "k_new" : t == &v_new ? "v_new" : t == &block_tables ? "block_tables" : "cache_lens";
-    check_distinct(op, "k_pages", k_pages, name, *t);
-    check_distinct(op, "v_pages", v_pages, name, *t);
+  const Span sk = span_of(k_pages), sv = span_of(v_pages);
+  if (bytes_overlap(k_pages, sk, v_pages, sv)) overlap_error(op, "k_pages", "v_pages");
+  static const char* kRead[] = {"k_new", "v_new", "block_tables", "cache_lens"};
+  const at::Tensor* read[] = {&k_new, &v_new, &block_tables, &cache_lens};
+  for (int i = 0; i < 4; ++i) {
+    const Span sr = span_of(*read[i]);
+    if (bytes_overlap(k_pages, sk, *read[i], sr)) overlap_error(op, "k_pages", kRead[i]);
+    if (bytes_overlap(v_pages, sv, *read[i], sr)) overlap_error(op, "v_pages", kRead[i]);
   }
   check_table_values(op, block_tables, cache_lens, offset + N, k_pages.size(1), k_pages.size(0), false, offset);
 }
@@ -175,17 +206,16 @@ void kv_commit_paged(at::TensorList k_pages, at::TensorList v_pages, const at::T
   check_pages(op, "k_pages[0]", ref);
   const int64_t num_pages = ref.size(0), page_size = ref.size(1);
   const int64_t L = int64_t(k_pages.size());
-  auto name_of = [](int kv, int64_t l) { return std::string(kv == 0 ? "k_pages[" : "v_pages[") + std::to_string(l) + "]"; };
   for (int64_t l = 0; l < L; ++l) {
     for (int kv = 0; kv < 2; ++kv) {
       const at::Tensor& c = kv == 0 ? k_pages[l] : v_pages[l];
-      const std::string name = name_of(kv, l);
+      const TensorName name{kv, l};
       check_pages(op, name, c);
       TORCH_CHECK(c.size(0) == num_pages && c.size(1) == page_size, op, ": ", name, " must have ", num_pages,
                   " pages of ", page_size, " slots like k_pages[0], got ", c.sizes());
       TORCH_CHECK(c.scalar_type() == ref.scalar_type(), op, ": ", name, " must have dtype ", ref.scalar_type(),
                   " like k_pages[0], got ", c.scalar_type());
-      check_same_device(op, name.c_str(), c, ref);
+      check_same_device(op, name, c, ref);
     }
   }
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt, op,
@@ -201,27 +231,34 @@ void kv_commit_paged(at::TensorList k_pages, at::TensorList v_pages, const at::T
   TORCH_CHECK(N >= 1, op, ": accepted must have at least one column (the root), got ", accepted.sizes());
   check_same_device(op, "accepted", accepted, ref);
   check_same_device(op, "num_accepted", num_accepted, ref);
-  // Every written tensor (the 2L page pools, cache_lens) is memory of its own.
-  std::vector<std::pair<std::string, const at::Tensor*>> written;
+  // Every written tensor (the 2L page pools, cache_lens) is memory of its own; pairs in the order
+  // k_pages[0], v_pages[0], k_pages[1], ..., cache_lens (each against the later ones, then the inputs).
+  const int64_t nw = 2 * L + 1;
+  std::vector<const at::Tensor*> written(nw);
+  std::vector<Span> spans(nw);
   for (int64_t l = 0; l < L; ++l) {
-    written.emplace_back(name_of(0, l), &k_pages[l]);
-    written.emplace_back(name_of(1, l), &v_pages[l]);
+    written[2 * l] = &k_pages[l];
+    written[2 * l + 1] = &v_pages[l];
   }
-  written.emplace_back("cache_lens", &cache_lens);
-  for (size_t i = 0; i < written.size(); ++i) {
-    for (size_t j = i + 1; j < written.size(); ++j)
-      check_distinct(op, written[i].first, *written[i].second, written[j].first, *written[j].second);
-    check_distinct(op, written[i].first, *written[i].second, "block_tables", block_tables);
-    check_distinct(op, written[i].first, *written[i].second, "accepted", accepted);
-    check_distinct(op, written[i].first, *written[i].second, "num_accepted", num_accepted);
+  written[2 * L] = &cache_lens;
+  for (int64_t i = 0; i < nw; ++i) spans[i] = span_of(*written[i]);
+  auto name = [&](int64_t i) { return i == 2 * L ? TensorName{-1, 0} : TensorName{int(i % 2), i / 2}; };
+  static const char* kRead[] = {"block_tables", "accepted", "num_accepted"};
+  const at::Tensor* read[] = {&block_tables, &accepted, &num_accepted};
+  const Span read_spans[] = {span_of(block_tables), span_of(accepted), span_of(num_accepted)};
+  for (int64_t i = 0; i < nw; ++i) {
+    for (int64_t j = i + 1; j < nw; ++j)
+      if (bytes_overlap(*written[i], spans[i], *written[j], spans[j])) overlap_error(op, name(i), name(j));
+    for (int r = 0; r < 3; ++r)
+      if (bytes_overlap(*written[i], spans[i], *read[r], read_spans[r])) overlap_error(op, name(i), kRead[r]);
   }
   // The new nodes of the step sit at cache_lens[b] + j, j < N: their blocks must be in range
   // (position cache_lens[b] itself, the root, is never moved).
   check_table_values(op, block_tables, cache_lens, N, page_size, num_pages, false);
   if (!want_values(num_accepted) || !want_values(accepted)) return;
-  const at::Tensor ha = host(accepted), hn = host(num_accepted);
-  const int32_t* acc = ha.data_ptr<int32_t>();
-  const int32_t* num = hn.data_ptr<int32_t>();
+  const auto ha = host(accepted), hn = host(num_accepted);
+  const int32_t* acc = ha->data_ptr<int32_t>();
+  const int32_t* num = hn->data_ptr<int32_t>();
   for (int64_t b = 0; b < B; ++b) {
     const int32_t n = num[b];
     TORCH_CHECK(n >= 0 && n < N, op, ": num_accepted[", b, "] = ", n, " must lie in [0, N - 1] = [0, ", N - 1, "]");

@@ -106,10 +106,12 @@ def test_verify_attention_paged_equals_dense(page_size, mode, dtype):
     assert torch.equal(ref_paged, ref_dense)
 
 
-@pytest.mark.parametrize("page_size", [8, 16, 64, 128])
-@pytest.mark.parametrize("D", [40, 64])
+@pytest.mark.parametrize("page_size", [8, 16, 20, 64, 100, 128])
+@pytest.mark.parametrize("D", [40, 64, 72])
 def test_verify_attention_paged_head_dims(page_size, D):
-    """Head dims that take the copy path (D % 8 != 0) and the in-place one, a page larger than a key block."""
+    """Head dims that take the copy path (D % 8 != 0) and the in-place one (D = 72: a tail of 8 dims); pages
+    read in place per page (16, 20: runs of 8 keys may cross a page, so K is copied; 100: a page larger than a
+    key block but not a multiple of it) or per key block (64, 128)."""
     c = _case(2, page_size, torch.float32, "tree", D=D, S=200)
     want = ops.verify_attention(c["q"], c["k"], c["v"], c["lens"], c["mask"], c["scale"])
     got = paged_ops.verify_attention_paged(c["q"], c["kp"], c["vp"], c["tables"], c["lens"], c["mask"], c["scale"])
@@ -261,6 +263,25 @@ def test_append_and_commit_paged_errors():
     assert torch.equal(kp, c["kp"])
     with pytest.raises(TypeError, match=r"commit_block_table: block_tables must be an int32 CPU tensor"):
         paged_ops.commit_block_table(tables.long(), lens.clone(), acc, num)
+
+
+def test_paged_overlap_errors_name_both_tensors():
+    c = _err_args()
+    kp, vp, tables, lens = c["kp"], c["vp"], c["tables"], c["lens"]
+    kn = torch.randn(2, 2, 3, 64)
+    in_v = vp.view(-1)[:kn.numel()].view(kn.shape)  # a k_new that is part of v_pages
+    with pytest.raises(RuntimeError, match=r"append_kv_paged: v_pages and k_new share memory"):
+        paged_ops.append_kv_paged(kp, vp, in_v, kn, tables, lens)
+    acc = torch.tensor([[0, 1, 2], [0, 2, -1]], dtype=torch.int32)
+    num = torch.tensor([2, 1], dtype=torch.int32)
+    kp2, vp2 = kp.clone(), vp.clone()
+    with pytest.raises(RuntimeError, match=r"kv_commit_paged: k_pages\[0\] and v_pages\[1\] share memory"):
+        paged_ops.kv_commit_paged([kp, kp2], [vp, kp], tables, lens.clone(), acc, num)
+    with pytest.raises(RuntimeError, match=r"kv_commit_paged: v_pages\[1\] and cache_lens share memory"):
+        paged_ops.kv_commit_paged([kp, kp2], [vp, vp2], tables, vp2.view(torch.int32).view(-1)[:2], acc, num)
+    with pytest.raises(RuntimeError, match=r"kv_commit_paged: cache_lens and accepted share memory"):
+        paged_ops.kv_commit_paged([kp, kp2], [vp, vp2], tables, acc[:, 0], acc, num)
+    assert torch.equal(kp, c["kp"]) and torch.equal(vp, c["vp"]) and torch.equal(kp2, kp)
 
 
 # --------------------------------------------------------------------------- CUDA

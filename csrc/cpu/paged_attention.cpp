@@ -4,6 +4,7 @@
 // the dense call's bits for the same keys.
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "ops.h"
@@ -24,18 +25,25 @@ cpu::DType to_dtype(at::ScalarType s) {
   }
 }
 
+// t itself (borrowed) when its last dim is contiguous, else a contiguous copy.
+c10::MaybeOwned<at::Tensor> rows_contiguous(const at::Tensor& t) {
+  if (t.stride(-1) == 1) return c10::MaybeOwned<at::Tensor>::borrowed(t);
+  return c10::MaybeOwned<at::Tensor>::owned(t.contiguous());
+}
+
 }  // namespace
 
 at::Tensor verify_attention_paged_cpu(const at::Tensor& q_in, const at::Tensor& k_pages, const at::Tensor& v_pages,
                                       const at::Tensor& block_tables, const at::Tensor& cache_lens,
                                       const std::optional<at::Tensor>& tree_mask, double scale) {
   checks::verify_attention_paged(q_in, k_pages, v_pages, block_tables, cache_lens, tree_mask, scale);
-  const at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
+  const auto qm = rows_contiguous(q_in);
+  const at::Tensor& q = *qm;
   const int64_t B = q.size(0), N = q.size(1), Hq = q.size(2), D = q.size(3);
   const int64_t page_size = k_pages.size(1), Hkv = k_pages.size(2);
   at::Tensor out = at::empty({B, N, Hq, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
-  const at::Tensor lens = cache_lens.contiguous();
-  const at::Tensor table = block_tables.contiguous();
+  const auto lens = cache_lens.expect_contiguous();  // borrowed when contiguous (no copy, no refcount)
+  const auto table = block_tables.expect_contiguous();
 
   const int64_t Nkv = tree_mask.has_value() ? tree_mask->size(2) : N;
   std::vector<uint64_t> packed;
@@ -49,15 +57,15 @@ at::Tensor verify_attention_paged_cpu(const at::Tensor& q_in, const at::Tensor& 
   P.k_cache = k_pages.data_ptr();
   P.v_cache = v_pages.data_ptr();
   P.out = out.data_ptr();
-  P.lens = lens.data_ptr<int32_t>();
+  P.lens = lens->data_ptr<int32_t>();
   P.mask = tree_mask.has_value() ? packed.data() : nullptr;
   P.B = B; P.N = N; P.Hq = Hq; P.Hkv = Hkv; P.D = D; P.W = (Nkv + 63) / 64; P.Nkv = Nkv;
-  P.S = table.size(1) * page_size;  // a row's capacity (unused for addressing)
+  P.S = table->size(1) * page_size;  // a row's capacity (unused for addressing)
   P.scale = static_cast<float>(scale);
   P.dtype = to_dtype(q.scalar_type());
-  P.block_table = table.data_ptr<int32_t>();
+  P.block_table = table->data_ptr<int32_t>();
   P.page_size = page_size;
-  P.max_blocks = table.size(1);
+  P.max_blocks = table->size(1);
 
   cpu::verify_attention_raw(P);
   return out;
@@ -67,27 +75,36 @@ void append_kv_paged_cpu(at::Tensor& k_pages, at::Tensor& v_pages, const at::Ten
                          const at::Tensor& v_new_in, const at::Tensor& block_tables, const at::Tensor& cache_lens,
                          int64_t offset) {
   checks::append_kv_paged(k_pages, v_pages, k_new_in, v_new_in, block_tables, cache_lens, offset);
-  const at::Tensor k_new = k_new_in.stride(3) == 1 ? k_new_in : k_new_in.contiguous();
-  const at::Tensor v_new = v_new_in.stride(3) == 1 ? v_new_in : v_new_in.contiguous();
-  const int64_t B = k_new.size(0), H = k_new.size(1), N = k_new.size(2), D = k_new.size(3);
+  const auto k_new = rows_contiguous(k_new_in), v_new = rows_contiguous(v_new_in);
+  const int64_t B = k_new->size(0), H = k_new->size(1), N = k_new->size(2), D = k_new->size(3);
   const int64_t ps = k_pages.size(1), es = k_pages.element_size();
-  const at::Tensor lens_c = cache_lens.contiguous(), table_c = block_tables.contiguous();
-  const int32_t* lens = lens_c.data_ptr<int32_t>();
-  const int32_t* table = table_c.data_ptr<int32_t>();
-  const int64_t M = table_c.size(1);
+  const auto lens_c = cache_lens.expect_contiguous(), table_c = block_tables.expect_contiguous();
+  const int32_t* lens = lens_c->data_ptr<int32_t>();
+  const int32_t* table = table_c->data_ptr<int32_t>();
+  const int64_t M = table_c->size(1);
   char* kc = static_cast<char*>(k_pages.data_ptr());
   char* vc = static_cast<char*>(v_pages.data_ptr());
-  const char* kn = static_cast<const char*>(k_new.data_ptr());
-  const char* vn = static_cast<const char*>(v_new.data_ptr());
-  // Tasks = (request, KV head) as in the dense append_kv; position s goes to its page's slot s % ps.
+  const char* kn = static_cast<const char*>(k_new->data_ptr());
+  const char* vn = static_cast<const char*>(v_new->data_ptr());
+  const int64_t row = D * es, slot_bytes = H * row;  // a slot holds the H heads' rows
+  const int64_t ks0 = k_new->stride(0), ks1 = k_new->stride(1), ks2 = k_new->stride(2);
+  const int64_t vs0 = v_new->stride(0), vs1 = v_new->stride(1), vs2 = v_new->stride(2);
+  // Tasks = (request, KV head) as in the dense append_kv; position s goes to its page's slot s % ps,
+  // the nodes in runs that share a page (one table lookup per page).
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = t / H, h = t % H;
-      for (int64_t j = 0; j < N; ++j) {
-        const int64_t s = lens[b] + offset + j;
-        const int64_t dst = ((int64_t(table[b * M + s / ps]) * ps + s % ps) * H + h) * D * es;
-        std::memcpy(kc + dst, kn + (b * k_new.stride(0) + h * k_new.stride(1) + j * k_new.stride(2)) * es, D * es);
-        std::memcpy(vc + dst, vn + (b * v_new.stride(0) + h * v_new.stride(1) + j * v_new.stride(2)) * es, D * es);
+      const int64_t s = lens[b] + offset;
+      for (int64_t j = 0, n; j < N; j += n) {
+        const int64_t slot = (s + j) % ps;
+        n = std::min(N - j, ps - slot);
+        const int64_t dst = (int64_t(table[b * M + (s + j) / ps]) * ps + slot) * slot_bytes + h * row;
+        const char* ksrc = kn + (b * ks0 + h * ks1 + j * ks2) * es;
+        const char* vsrc = vn + (b * vs0 + h * vs1 + j * vs2) * es;
+        for (int64_t i = 0; i < n; ++i) {
+          std::memcpy(kc + dst + i * slot_bytes, ksrc + i * ks2 * es, row);
+          std::memcpy(vc + dst + i * slot_bytes, vsrc + i * vs2 * es, row);
+        }
       }
     }
   });

@@ -18,13 +18,14 @@ namespace specdec {
 void kv_commit_paged_cpu(at::TensorList k_pages, at::TensorList v_pages, const at::Tensor& block_tables,
                          at::Tensor& cache_lens, const at::Tensor& accepted_in, const at::Tensor& num_accepted_in) {
   checks::kv_commit_paged(k_pages, v_pages, block_tables, cache_lens, accepted_in, num_accepted_in);
-  const at::Tensor accepted = accepted_in.contiguous(), num_accepted = num_accepted_in.contiguous();
-  const at::Tensor table_c = block_tables.contiguous();
-  const int64_t L = k_pages.size(), B = table_c.size(0), M = table_c.size(1), N = accepted.size(1);
+  // borrowed when contiguous (no copy, no refcount)
+  const auto accepted = accepted_in.expect_contiguous(), num_accepted = num_accepted_in.expect_contiguous();
+  const auto table_c = block_tables.expect_contiguous();
+  const int64_t L = k_pages.size(), B = table_c->size(0), M = table_c->size(1), N = accepted->size(1);
   const int64_t ps = k_pages[0].size(1);
-  const int32_t* table = table_c.data_ptr<int32_t>();
-  const int32_t* acc = accepted.data_ptr<int32_t>();
-  const int32_t* num = num_accepted.data_ptr<int32_t>();
+  const int32_t* table = table_c->data_ptr<int32_t>();
+  const int32_t* acc = accepted->data_ptr<int32_t>();
+  const int32_t* num = num_accepted->data_ptr<int32_t>();
   int32_t* lens_ptr = cache_lens.data_ptr<int32_t>();
   const int64_t lens_stride = cache_lens.stride(0);  // cache_lens may be a strided view: updated in place
   auto lens = [&](int64_t b) -> int32_t& { return lens_ptr[b * lens_stride]; };

@@ -104,26 +104,52 @@ inline void qk_tile(const float* q, int64_t Dp, const float* kt, int64_t D, floa
   }
 }
 
+// A key block's V rows as runs of consecutive keys: key k0 + i of the block is at v + i * vs, i < n.
+// A dense cache (or a page that holds the whole block) is one run; a paged one with smaller pages
+// has a run per page, read in place.
+struct VRun {
+  const float* v;
+  int64_t k0, n;
+};
+
 // acc[r0 + t, dims] = acc * corr[t] + sum_k p[t, k] V[k, dims] for t < 3, 4 vectors (32 dims)
-// at a time (12 accumulators in registers); NV < 4 for the tail of the head dim. V rows are vs apart.
+// at a time (12 accumulators in registers); NV < 4 for the tail of the head dim. The keys are
+// summed in order whatever the runs, so the runs change no result bit.
 template <int NV>
-inline void pv_tile(float* acc, int64_t Dp, const float* p, const float* V, int64_t vs, int64_t nk,
-                    const float* corr) {
+inline void pv_tile(float* acc, int64_t Dp, const float* p, const VRun* runs, int64_t nruns, int64_t vs,
+                    int64_t c0, const float* corr) {
   v8f a[kRowTile][NV];
   for (int t = 0; t < kRowTile; ++t) {
     const v8f cv = v8_set1(corr[t]);
     for (int c = 0; c < NV; ++c) a[t][c] = v8_load(acc + t * Dp + 8 * c) * cv;
   }
-  for (int64_t k = 0; k < nk; ++k) {
-    v8f vk[NV];
-    for (int c = 0; c < NV; ++c) vk[c] = v8_load(V + k * vs + 8 * c);
-    for (int t = 0; t < kRowTile; ++t) {
-      const v8f pk = v8_set1(p[t * kKeyBlock + k]);
-      for (int c = 0; c < NV; ++c) a[t][c] += pk * vk[c];
+  for (int64_t u = 0; u < nruns; ++u) {
+    const float* V = runs[u].v + c0;
+    const float* pu = p + runs[u].k0;
+    for (int64_t k = 0; k < runs[u].n; ++k) {
+      v8f vk[NV];
+      for (int c = 0; c < NV; ++c) vk[c] = v8_load(V + k * vs + 8 * c);
+      for (int t = 0; t < kRowTile; ++t) {
+        const v8f pk = v8_set1(pu[t * kKeyBlock + k]);
+        for (int c = 0; c < NV; ++c) a[t][c] += pk * vk[c];
+      }
     }
   }
   for (int t = 0; t < kRowTile; ++t)
     for (int c = 0; c < NV; ++c) v8_store(acc + t * Dp + 8 * c, a[t][c]);
+}
+
+// pv_tile over the whole head dim: groups of 32 dims, then the tail.
+inline void pv_rows(float* acc, int64_t Dp, const float* p, const VRun* runs, int64_t nruns, int64_t vs,
+                    const float* corr) {
+  int64_t c = 0;
+  for (; c + 32 <= Dp; c += 32) pv_tile<4>(acc + c, Dp, p, runs, nruns, vs, c, corr);
+  switch ((Dp - c) / 8) {
+    case 1: pv_tile<1>(acc + c, Dp, p, runs, nruns, vs, c, corr); break;
+    case 2: pv_tile<2>(acc + c, Dp, p, runs, nruns, vs, c, corr); break;
+    case 3: pv_tile<3>(acc + c, Dp, p, runs, nruns, vs, c, corr); break;
+    default: break;
+  }
 }
 
 #if defined(__AVX2__)
@@ -213,10 +239,15 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, int64
 
   // A float32 cache with D % 8 == 0 is read in place for V, and its K blocks are transposed in
   // 8 x 8 tiles with AVX2 (the same values: data movement only). Paged: K in place when every run
-  // of 8 keys lies in one page, V when the whole key block does; otherwise the rows are copied.
+  // of 8 keys lies in one page, V when the whole key block does, or else in runs of one page each
+  // when pages hold at least 16 keys; otherwise (smaller pages, other dtypes) the rows are copied.
   const bool direct = P.dtype == DType::kFloat32 && D == Dp;
   [[maybe_unused]] const bool direct_k = direct && (!paged || P.page_size % 8 == 0);
   const bool direct_v = direct && (!paged || P.page_size % kKeyBlock == 0);
+  const bool run_v = direct && !direct_v && P.page_size >= 16;
+  const int64_t vs = direct_v || run_v ? rs : Dp;  // V row stride (in place or the scratch's)
+  VRun runs[kKeyBlock];
+  int64_t nruns = 0;
   for (int64_t s0 = 0; s0 < keys_end; s0 += kKeyBlock) {
     const int64_t nk = std::min(kKeyBlock, total - s0);
     // K block -> transposed fp32 Kt[d, k]; V block -> fp32 V[k, d], keys k < nk (the lanes of
@@ -234,10 +265,20 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, int64
       load_row(kv_row(P.k_cache, s0 + k), P.dtype, D, W.row.data());
       for (int64_t d = 0; d < D; ++d) W.kt[d * kKeyBlock + k] = W.row[d];
     }
-    if (!direct_v)
+    // V block: fp32 rows in place (one run, or one per page), else copied to the scratch (one run).
+    if (run_v) {
+      for (nruns = 0, k = 0; k < nk; k += runs[nruns++].n) {
+        const int64_t n = std::min(nk - k, P.page_size - (s0 + k) % P.page_size);  // to the page's end
+        runs[nruns] = {reinterpret_cast<const float*>(kv_row(P.v_cache, s0 + k)), k, n};
+      }
+    } else if (direct_v) {
+      runs[0] = {reinterpret_cast<const float*>(kv_row(P.v_cache, s0)), 0, nk};
+      nruns = 1;
+    } else {
       for (k = 0; k < nk; ++k) load_row(kv_row(P.v_cache, s0 + k), P.dtype, D, W.v.data() + k * Dp);
-    const float* vblock = direct_v ? reinterpret_cast<const float*>(kv_row(P.v_cache, s0)) : W.v.data();
-    const int64_t vs = direct_v ? rs : Dp;
+      runs[0] = {W.v.data(), 0, nk};
+      nruns = 1;
+    }
     // 1) scores of every row against the block
     for (int64_t r0 = 0; r0 < Rp; r0 += kRowTile)
       if (s0 < W.tile_end[r0 / kRowTile]) qk_tile(W.q.data() + r0 * Dp, Dp, W.kt.data(), D, W.s.data() + r0 * kKeyBlock);
@@ -293,14 +334,7 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, int64
       float* acc = W.acc.data() + r0 * Dp;
       const float* p = W.s.data() + r0 * kKeyBlock;
       const float* corr = W.corr.data() + r0;
-      int64_t c = 0;
-      for (; c + 32 <= Dp; c += 32) pv_tile<4>(acc + c, Dp, p, vblock + c, vs, nk, corr);
-      switch ((Dp - c) / 8) {
-        case 1: pv_tile<1>(acc + c, Dp, p, vblock + c, vs, nk, corr); break;
-        case 2: pv_tile<2>(acc + c, Dp, p, vblock + c, vs, nk, corr); break;
-        case 3: pv_tile<3>(acc + c, Dp, p, vblock + c, vs, nk, corr); break;
-        default: break;
-      }
+      pv_rows(acc, Dp, p, runs, nruns, vs, corr);
     }
   }
 
