@@ -32,11 +32,11 @@ def _port() -> int:
 
 
 def serve_args(replicas: int, max_batch: int) -> argparse.Namespace:
-    return argparse.Namespace(model="smollm2-135m", draft="lookup", draft_model=None, docs_opt=None, k=None,
-                              tree=None, stop=None, ngram=3, policy="fixed", threads=1, tensor_parallel=1,
-                              host="127.0.0.1", port=_port(), max_batch=max_batch, max_len=1024, max_queue=64,
-                              served_model_name=None, log_level="warning", replicas=replicas, ray=True,
-                              ray_address=None)
+    from specdec.cli import serve_options
+
+    return serve_options(["--model", "smollm2-135m", "--draft", "lookup", "--policy", "fixed", "--threads", "1",
+                          "--port", str(_port()), "--max-batch", str(max_batch), "--max-len", "1024",
+                          "--log-level", "warning", "--replicas", str(replicas), "--ray"])
 
 
 def load(url: str, questions, concurrency: int, max_tokens: int):

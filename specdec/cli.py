@@ -32,7 +32,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 
 def _model_options(g: argparse.ArgumentParser) -> None:
@@ -124,6 +124,22 @@ def _build_parser() -> argparse.ArgumentParser:
                                         description="Train an EAGLE-style feature head on the model's own answers "
                                                     "to standard-library docstring prompts (docs/drafters.md)."))
     return parser
+
+
+def serve_options(argv: Sequence[str] = ()) -> argparse.Namespace:
+    """The options of ``specdec serve`` parsed from ``argv`` (the CLI's defaults for the rest): for code that
+    starts servers itself (Ray replicas, benchmarks, tests), so that every option keeps its default."""
+    return _build_parser().parse_args(["serve", *argv])
+
+
+def make_engine(args: argparse.Namespace, target, drafter):
+    """The serving Engine of ``specdec serve`` options (batch, length, policy and the KV pool options)."""
+    from specdec.engine import Engine
+
+    return Engine(target, drafter, max_batch=args.max_batch, max_len=args.max_len, policy=args.policy,
+                  kv_cache=args.kv_cache, block_size=args.block_size, num_blocks=args.kv_blocks,
+                  kv_memory=None if args.kv_memory is None else args.kv_memory * 2**30,
+                  prefix_caching=not args.no_prefix_caching)
 
 
 def _is_bundled(name: str) -> bool:
@@ -371,7 +387,6 @@ def _serve(args: argparse.Namespace) -> int:
         import uvicorn  # noqa: F401
     except ModuleNotFoundError as e:
         raise ModuleNotFoundError(f"specdec serve needs the serve extra (pip install 'specdec[serve]'): {e}") from None
-    from specdec.engine import Engine
     from specdec.server import serve
 
     if args.ray:
@@ -381,10 +396,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.replicas != 1:
         raise ValueError("--replicas needs --ray (replicas run on Ray Serve)")
     target, drafter, tok, draft = _load(args)
-    engine = Engine(target, drafter, max_batch=args.max_batch, max_len=args.max_len, policy=args.policy,
-                    kv_cache=args.kv_cache, block_size=args.block_size, num_blocks=args.kv_blocks,
-                    kv_memory=None if args.kv_memory is None else args.kv_memory * 2**30,
-                    prefix_caching=not args.no_prefix_caching)
+    engine = make_engine(args, target, drafter)
     name = args.served_model_name or (args.model if _is_bundled(args.model) else Path(args.model).name)
     kv = engine.stats()
     pool = (f"paged KV: {kv['kv_blocks_total']} blocks of {kv['block_size']} positions, "

@@ -176,3 +176,18 @@ def test_cli_replicas_need_ray(capsys):
 
     assert main(["serve", "--replicas", "2"]) == 2
     assert "--replicas needs --ray" in capsys.readouterr().err
+
+
+def test_replica_builds_from_serve_options():
+    """A Ray replica builds its target and engine from `specdec serve` options (specdec.cli.serve_options,
+    make_engine): every option it reads exists with the CLI's default, and the KV pool options apply.
+    The Ray-free half of tests/test_ray_serve.py (which needs SPECDEC_RAY_TESTS=1)."""
+    from specdec.cli import load_target, make_engine, serve_options
+
+    args = serve_options(["--draft", "lookup", "--max-batch", "2", "--max-len", "128", "--kv-blocks", "20",
+                          "--block-size", "8", "--replicas", "2", "--ray"])
+    target, drafter, tok, _ = load_target(args)
+    eng = make_engine(args, target, drafter)
+    st = eng.stats()
+    assert st["kv_cache"] == "paged" and st["kv_blocks_total"] == 20 and st["block_size"] == 8
+    assert eng.max_batch == 2 and eng.max_len == 128 and tok is not None

@@ -16,6 +16,8 @@ if os.environ.get("SPECDEC_RAY_TESTS") != "1":
     pytest.skip("starting a Ray cluster takes 1-2 minutes on a small machine; set SPECDEC_RAY_TESTS=1 to run it",
                 allow_module_level=True)
 
+from specdec.cli import serve_options  # noqa: E402
+
 
 def _port() -> int:
     with socket.socket() as s:
@@ -24,12 +26,13 @@ def _port() -> int:
 
 
 def _args(**kw) -> argparse.Namespace:
-    base = dict(model="smollm2-135m", draft="lookup", draft_model=None, docs_opt=None, k=None, tree=None, stop=None,
-                ngram=3, policy="fixed", threads=1, tensor_parallel=1, host="127.0.0.1", port=_port(), max_batch=4,
-                max_len=256, max_queue=16, served_model_name=None, log_level="warning", replicas=2, ray=True,
-                ray_address=None)
-    base.update(kw)
-    return argparse.Namespace(**base)
+    """`specdec serve` options as the CLI parses them (every option present with its default)."""
+    args = serve_options(["--draft", "lookup", "--policy", "fixed", "--threads", "1", "--port", str(_port()),
+                          "--max-batch", "4", "--max-len", "256", "--max-queue", "16", "--log-level", "warning",
+                          "--replicas", "2", "--ray"])
+    for k, v in kw.items():
+        setattr(args, k, v)
+    return args
 
 
 QUESTIONS = ["Name three colors.", "What is 2 + 2?", "Say hello in French.", "List two fruits."]

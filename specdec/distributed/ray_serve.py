@@ -43,14 +43,13 @@ class SpecdecReplica:
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
 
-        from specdec.cli import load_target
-        from specdec.engine import Engine
+        from specdec.cli import load_target, make_engine
         from specdec.serve.loop import EngineLoop
 
         if args.threads:
             torch.set_num_threads(args.threads)
         target, drafter, tok, _ = load_target(args)
-        engine = Engine(target, drafter, max_batch=args.max_batch, max_len=args.max_len, policy=args.policy)
+        engine = make_engine(args, target, drafter)   # the KV pool options as in a single server
         self.loop = EngineLoop(engine, max_queue=args.max_queue).start()
         self.tokenizer = tok
         self.name = _model_name(args)
