@@ -81,15 +81,18 @@ class Engine(EngineRows):
         self.vocab_size = int(target.vocab_size)
         self.max_nodes = drafter.max_nodes if drafter is not None else 1
         # a draft model's K/V goes into the target's pool where both run paged (specdec.draft_pages)
-        draft = drafter.paged_draft(block_size) if drafter is not None and kv_cache != "dense" and \
-            getattr(target, "supports_paged", False) else None
+        draft = drafter.paged_draft(block_size) if drafter is not None and not drafter.changes_target and \
+            kv_cache != "dense" and getattr(target, "supports_paged", False) else None
+        if drafter is not None and draft is None:
+            drafter.attach_pages(None)
+            drafter.bind(target, max_batch, max_len)  # vocabulary / device checks; may change the target
         reserve = self.max_nodes if draft is None else max(self.max_nodes, draft[1])
         #: the target's KV rows (specdec.kv_rows): dense, or paged with prefix caching
         self.kv = make_rows(target, kv_cache, max_batch, max_len + reserve, reserve, block_size, num_blocks,
                             kv_memory, prefix_caching, name, draft_bytes_per_block=0 if draft is None else draft[0])
-        if drafter is not None:
-            drafter.attach_pages(self.kv.cache if self.kv.paged and draft is not None else None)
-            drafter.bind(target, max_batch, max_len)  # vocabulary / device checks happen here
+        if draft is not None:
+            drafter.attach_pages(self.kv.cache if self.kv.paged else None)
+            drafter.bind(target, max_batch, max_len)
         self.cache = self.kv.view(max_batch) if self.kv.paged else self.kv.cache
         self._view = self.kv.view
         #: the step policy (specdec.scheduler); its cost model persists for the engine's life

@@ -68,6 +68,9 @@ class Drafter:
     max_nodes: int = 1
     #: proposals are valid by construction (built-in drafters); others are checked by check_draft
     trusted: bool = False
+    #: bind() changes the target (a feature head turns on its hidden-state capture): the engine binds such
+    #: a drafter before it chooses and sizes the target's KV cache
+    changes_target: bool = False
     #: host seconds the last propose() spent bringing the drafter's own state up to date (a draft
     #: model feeding the tokens of plain steps or a new prompt): a one-time cost the scheduler keeps
     #: out of its per-step cost model. 0 for drafters without such state.

@@ -105,6 +105,7 @@ class MultiDraft(Drafter):
         if len({id(d) for d in drafters}) != len(drafters):
             raise ValueError("MultiDraft: the same drafter object appears twice (each member keeps its own state)")
         self.members = list(drafters)
+        self.changes_target = any(d.changes_target for d in self.members)
         if escalate is not None:
             if not is_number(escalate) or not escalate > 0:
                 raise ValueError(f"MultiDraft: escalate must be a number > 0 (accepted tokens per step) or None, "
@@ -160,6 +161,8 @@ class MultiDraft(Drafter):
         self._outer_foreign = max(self._outer_foreign, int(n))
 
     def paged_draft(self, block_size: int) -> Optional[Tuple[int, int]]:
+        if self.changes_target:   # bound before the target's cache is chosen: no shared pool
+            return None
         specs = []
         for d in self.members:
             d.reserve_foreign(self.max_nodes - 1 + self._outer_foreign)

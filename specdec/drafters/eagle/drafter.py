@@ -27,6 +27,9 @@ class EagleHead(DraftModel):
     ``sampled_children``, ``calibrate``, ``learn_plan``.
     """
 
+    changes_target = True   # bind() turns on the target's capture_hidden (a dense cache of states)
+
+
     def __init__(self, net: HeadNet, k: int = 4, top_k: int = 1, precision: str = "fp32", **kwargs) -> None:
         if not isinstance(net, HeadNet):
             raise TypeError(f"EagleHead: net must be a HeadNet, got {type(net).__name__}")
