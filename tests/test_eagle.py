@@ -306,6 +306,15 @@ def test_save_load_round_trip(trained, tmp_path):
         assert torch.equal(x, y), k
 
 
+def test_feature_head_keeps_the_target_dense():
+    """Binding a head turns the target's hidden-state capture on, and that cache is dense: the engine binds
+    such a drafter (Drafter.changes_target) before it chooses the target's cache."""
+    net = HeadNet(_head_config())
+    dec = SpeculativeDecoder(HFCausalLM(_tiny_llama()), EagleHead(net, k=2), max_batch=2, max_len=48, policy="fixed")
+    assert not dec.engine.kv.paged and dec.engine.stats()["kv_cache"] == "dense"
+    assert len(dec.generate([[1, 2, 3]], max_new_tokens=4).tokens[0]) == 4
+
+
 def test_bad_binding():
     from specdec.drafters import MultiDraft, PromptLookup
 
