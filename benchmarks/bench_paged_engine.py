@@ -66,15 +66,16 @@ def drive(eng: Engine, jobs):
     return out, dt, most, sum(len(v) for v in out.values())
 
 
-def part_capacity(lm, tok, args) -> dict:
+def serving_jobs(tok, args):
+    """``--requests`` chat prompts of the serving mix (grounded + open), ``--max-new`` greedy tokens each."""
     texts = PROMPT_SETS["grounded"] + PROMPT_SETS["open"]
-    jobs = [(i, chat_ids(tok, texts[i % len(texts)]), RequestParams(max_new_tokens=args.max_new))
+    return [(i, chat_ids(tok, texts[i % len(texts)]), RequestParams(max_new_tokens=args.max_new))
             for i in range(args.requests)]
-    dense_positions = 4 * (2048 + 1)
-    per_position = 2 * lm.num_layers * lm.num_kv_heads * lm.head_dim * torch.empty((), dtype=lm.dtype).element_size()
-    budget = dense_positions * per_position
-    make = dict(dense=lambda: Engine(lm, None, max_batch=4, max_len=2048, kv_cache="dense", policy="fixed"),
-                paged=lambda: Engine(lm, None, max_batch=32, max_len=2048, kv_memory=budget, policy="fixed"))
+
+
+def compare_engines(make, jobs, args, label: str, extra) -> dict:
+    """Dense vs paged engines (``make[name]()``) over ``jobs``, interleaved round by round; ``extra(eng)``: the
+    round's fields beyond time, concurrency and tokens. Medians, per-round ratios, output identity."""
     rounds = {k: [] for k in make}
     outs = {}
     for r in range(args.rounds):
@@ -83,16 +84,30 @@ def part_capacity(lm, tok, args) -> dict:
             out, dt, most, ntok = drive(eng, jobs)
             outs[name] = out
             rounds[name].append(dict(seconds=dt, most_active=most, tokens=ntok, tokens_per_second=ntok / dt,
-                                     preemptions=eng.stats()["preemptions"], kv_bytes=eng.kv.cache.nbytes
-                                     if eng.kv.paged else eng.cache.nbytes()))
-            print(f"capacity round {r} {name}: {rounds[name][-1]}", flush=True)
+                                     **extra(eng)))
+            print(f"{label} round {r} {name}: {rounds[name][-1]}", flush=True)
     med = {k: statistics.median(x["tokens_per_second"] for x in v) for k, v in rounds.items()}
     ratios = [p["tokens_per_second"] / d["tokens_per_second"] for d, p in zip(rounds["dense"], rounds["paged"])]
-    return dict(kv_budget_bytes=budget, prompt_tokens=[len(j[1]) for j in jobs], rounds=rounds,
-                median_tokens_per_second=med, median_round_ratio=statistics.median(ratios),
+    return dict(rounds=rounds, median_tokens_per_second=med, median_round_ratio=statistics.median(ratios),
                 most_active=dict(dense=max(x["most_active"] for x in rounds["dense"]),
                                  paged=max(x["most_active"] for x in rounds["paged"])),
                 outputs_identical=outs["dense"] == outs["paged"])
+
+
+def _kv_bytes(eng) -> int:
+    return eng.kv.cache.nbytes if eng.kv.paged else eng.cache.nbytes()
+
+
+def part_capacity(lm, tok, args) -> dict:
+    jobs = serving_jobs(tok, args)
+    dense_positions = 4 * (2048 + 1)
+    per_position = 2 * lm.num_layers * lm.num_kv_heads * lm.head_dim * torch.empty((), dtype=lm.dtype).element_size()
+    budget = dense_positions * per_position
+    make = dict(dense=lambda: Engine(lm, None, max_batch=4, max_len=2048, kv_cache="dense", policy="fixed"),
+                paged=lambda: Engine(lm, None, max_batch=32, max_len=2048, kv_memory=budget, policy="fixed"))
+    res = compare_engines(make, jobs, args, "capacity",
+                          lambda eng: dict(preemptions=eng.stats()["preemptions"], kv_bytes=_kv_bytes(eng)))
+    return dict(kv_budget_bytes=budget, prompt_tokens=[len(j[1]) for j in jobs], **res)
 
 
 def part_draft(lm, tok, args) -> dict:
@@ -100,9 +115,6 @@ def part_draft(lm, tok, args) -> dict:
     ``max_batch = 4, max_len = 2048``; paged = those bytes as ONE pool holding both models' K/V."""
     _, _, small = specdec.load_bundled("smollm2-135m", precision=args.precision, draft="w8")
     dlm = HFCausalLM(small)
-    texts = PROMPT_SETS["grounded"] + PROMPT_SETS["open"]
-    jobs = [(i, chat_ids(tok, texts[i % len(texts)]), RequestParams(max_new_tokens=args.max_new))
-            for i in range(args.requests)]
 
     def draft():
         return specdec.DraftModel(dlm, k=4)
@@ -112,28 +124,17 @@ def part_draft(lm, tok, args) -> dict:
     del dense0
     make = dict(dense=lambda: Engine(lm, draft(), max_batch=4, max_len=2048, kv_cache="dense", policy="fixed"),
                 paged=lambda: Engine(lm, draft(), max_batch=32, max_len=2048, kv_memory=budget, policy="fixed"))
-    rounds = {k: [] for k in make}
-    outs = {}
-    for r in range(args.rounds):
-        for name in (list(make) if r % 2 == 0 else list(make)[::-1]):
-            eng = make[name]()
-            out, dt, most, ntok = drive(eng, jobs)
-            outs[name] = out
-            st = eng.stats()
-            kv = (eng.kv.cache.nbytes if eng.kv.paged else eng.cache.nbytes()) + eng.drafter.cache.nbytes()
-            rounds[name].append(dict(seconds=dt, most_active=most, tokens=ntok, tokens_per_second=ntok / dt,
-                                     preemptions=st["preemptions"], kv_bytes_target_and_draft=kv,
-                                     accepted_tokens=st["accepted_tokens"], drafted_tokens=st["drafted_tokens"],
-                                     kv_blocks_total=st.get("kv_blocks_total"),
-                                     draft_kv_bytes_per_block=st.get("draft_kv_bytes_per_block")))
-            print(f"draft round {r} {name}: {rounds[name][-1]}", flush=True)
-    med = {k: statistics.median(x["tokens_per_second"] for x in v) for k, v in rounds.items()}
-    ratios = [p["tokens_per_second"] / d["tokens_per_second"] for d, p in zip(rounds["dense"], rounds["paged"])]
-    return dict(kv_budget_bytes=budget, drafter="DraftModel(w8 copy, k=4), policy fixed", rounds=rounds,
-                median_tokens_per_second=med, median_round_ratio=statistics.median(ratios),
-                most_active=dict(dense=max(x["most_active"] for x in rounds["dense"]),
-                                 paged=max(x["most_active"] for x in rounds["paged"])),
-                outputs_identical=outs["dense"] == outs["paged"])
+
+    def extra(eng):
+        st = eng.stats()
+        return dict(preemptions=st["preemptions"],
+                    kv_bytes_target_and_draft=_kv_bytes(eng) + eng.drafter.cache.nbytes(),
+                    accepted_tokens=st["accepted_tokens"], drafted_tokens=st["drafted_tokens"],
+                    kv_blocks_total=st.get("kv_blocks_total"),
+                    draft_kv_bytes_per_block=st.get("draft_kv_bytes_per_block"))
+
+    res = compare_engines(make, serving_jobs(tok, args), args, "draft", extra)
+    return dict(kv_budget_bytes=budget, drafter="DraftModel(w8 copy, k=4), policy fixed", **res)
 
 
 def system_prompt(tok, n: int):

@@ -107,11 +107,6 @@ class DraftPagesView(PagedKVView):
     """Rows of a :class:`DraftPages` as the models read a cache (see PagedKVView). ``move_rows`` moves
     the draft's lengths only: the block-table rows are the target's, already moved by its cache."""
 
-    def rows(self, start: int, stop: int) -> "DraftPagesView":
-        if not 0 <= start < stop <= self.batch:
-            raise ValueError(f"DraftPagesView.rows: need 0 <= start < stop <= {self.batch}, got [{start}, {stop})")
-        return DraftPagesView(self.pages, self.start + start, self.start + stop)
-
     def move_rows(self, moves: Sequence[Tuple[int, int, int]]) -> None:
         for src, dst, _ in moves:
             if src != dst:

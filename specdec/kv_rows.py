@@ -33,6 +33,12 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _block_bytes(target, block_size: int) -> int:
+    """The target's K/V bytes of one block over every layer."""
+    return PagedKVCache.bytes_per_block(target.num_layers, target.num_kv_heads, target.head_dim, block_size,
+                                        target.dtype)
+
+
 class DenseRows:
     """Rows of a StaticKVCache of ``max_batch`` x ``capacity`` positions (every row reserved up front)."""
 
@@ -88,8 +94,7 @@ class PagedRows:
         self.cache = target.new_paged_cache(num_blocks, block_size, max_requests=max_batch,
                                             max_blocks_per_request=self.max_blocks)
         self.capacity = self.max_blocks * block_size
-        self.bytes_per_block = PagedKVCache.bytes_per_block(target.num_layers, target.num_kv_heads, target.head_dim,
-                                                            block_size, target.dtype)
+        self.bytes_per_block = _block_bytes(target, block_size)
         self.draft_bytes_per_block = int(draft_bytes_per_block)   # a draft model's K/V in the same blocks
         self.reserve_positions = reserve
         self.prefix_caching = prefix_caching
@@ -211,8 +216,7 @@ def make_rows(target, kv_cache: Optional[str], max_batch: int, capacity: int, re
         raise ValueError(f"{owner}: block_size must be >= 1, got {block_size}")
     if num_blocks is None:
         if kv_memory is not None:
-            per = PagedKVCache.bytes_per_block(target.num_layers, target.num_kv_heads, target.head_dim, block_size,
-                                               target.dtype) + int(draft_bytes_per_block)
+            per = _block_bytes(target, block_size) + int(draft_bytes_per_block)
             num_blocks = int(kv_memory // per) - 1   # the scratch page is one more block of the same size
         else:
             num_blocks = max_batch * _ceil_div(capacity, block_size)

@@ -215,8 +215,9 @@ class PagedKVView:
 
     def rows(self, start: int, stop: int) -> "PagedKVView":
         if not 0 <= start < stop <= self.batch:
-            raise ValueError(f"PagedKVView.rows: need 0 <= start < stop <= {self.batch}, got [{start}, {stop})")
-        return PagedKVView(self.pages, self.start + start, self.start + stop)
+            raise ValueError(f"{type(self).__name__}.rows: need 0 <= start < stop <= {self.batch}, "
+                             f"got [{start}, {stop})")
+        return type(self)(self.pages, self.start + start, self.start + stop)   # a subclass keeps its kind
 
     def nbytes(self) -> int:
         return self.pages.nbytes

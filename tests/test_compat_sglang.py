@@ -113,6 +113,19 @@ def ref_greedy(cand, ri, nt, ns, tp, S):
     return predicts, acc_idx, acc_num
 
 
+def _final_draw(probs, removed, u: float, default=None) -> int:
+    """SGLang's last draw: inverse CDF at u x (the row's mass) over the row without the rejected tokens."""
+    row = [0.0 if v in removed else max(p, 0.0) for v, p in enumerate(probs)]
+    x = u * sum(row)
+    run = 0.0
+    for v, p in enumerate(row):
+        run += p
+        if p > 0 and run > x:
+            return v
+    live = [v for v, p in enumerate(row) if p > 0]
+    return max(live) if live or default is None else default
+
+
 def ref_sampling(cand, ri, nt, ns, us, uf, probs, S):
     """SGLang's exact (threshold 1) target-only sampler in float64; distinct sibling tokens assumed."""
     B, N = cand.shape
@@ -146,16 +159,7 @@ def ref_sampling(cand, ri, nt, ns, us, uf, probs, S):
                 break
         if n == S - 1:
             removed = set()
-        row = [0.0 if v in removed else max(p, 0.0) for v, p in enumerate(P[b][node])]
-        x = float(uf[b]) * sum(row)
-        run, pick = 0.0, None
-        for v, p in enumerate(row):
-            run += p
-            if p > 0 and run > x:
-                pick = v
-                break
-        if pick is None:
-            pick = max(v for v, p in enumerate(row) if p > 0)
+        pick = _final_draw(P[b][node], removed, float(uf[b]))
         acc_num[b] = n
         predicts[last] = pick
     return predicts, acc_idx, acc_num
@@ -449,16 +453,7 @@ def ref_lossy(cand, ri, nt, ns, us, uf, probs, S, t_single, t_acc):
                 break
         if n == S - 1:
             removed = set()
-        row = [0.0 if v in removed else max(p, 0.0) for v, p in enumerate(P[b][node])]
-        x = float(uf[b]) * sum(row)
-        run, pick = 0.0, None
-        for v, p in enumerate(row):
-            run += p
-            if p > 0 and run > x:
-                pick = v
-                break
-        if pick is None:
-            pick = max((v for v, p in enumerate(row) if p > 0), default=len(row) - 1)
+        pick = _final_draw(P[b][node], removed, float(uf[b]), default=len(P[b][node]) - 1)
         acc_num[b] = n
         predicts[last] = pick
     return predicts, acc_idx, acc_num

@@ -10,7 +10,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 
 __all__ = ["fail", "check_tensor", "check_token_range", "FLOATS", "INTS", "resolve_sampling", "ragged_counts",
-           "draw_uniforms", "workspace", "chain_parents"]
+           "ragged_drafts", "draw_uniforms", "workspace", "chain_parents"]
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INTS = (torch.int32, torch.int64)
@@ -53,6 +53,19 @@ def ragged_counts(fn: str, num_draft_tokens, cu_num_draft_tokens: torch.Tensor, 
     if got != want:
         fail(fn, "cu_num_draft_tokens", f"the inclusive cumsum of num_draft_tokens {want}", str(got))
     return n
+
+
+def ragged_drafts(fn: str, draft_token_ids: torch.Tensor, num_draft_tokens, cu_num_draft_tokens: torch.Tensor,
+                  max_spec_len) -> tuple:
+    """vLLM's ragged draft arguments checked: (num_tokens, per-request counts, batch, most drafts, output width
+    ``max_spec_len + 1``)."""
+    check_tensor(fn, "draft_token_ids", draft_token_ids, 1, INTS)
+    T = draft_token_ids.shape[0]
+    n = ragged_counts(fn, num_draft_tokens, cu_num_draft_tokens, T)
+    S = max(n) if n else 0
+    if isinstance(max_spec_len, bool) or not isinstance(max_spec_len, int) or max_spec_len < S:
+        fail(fn, "max_spec_len", f"an int >= max(num_draft_tokens) = {S}", repr(max_spec_len))
+    return T, n, len(n), S, max_spec_len + 1
 
 
 HOST_MAX = 2048  # a CPU tensor up to this size is checked as a Python list (cheaper than a tensor op)

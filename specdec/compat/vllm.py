@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from specdec import ops
 from specdec.compat.common import (FLOATS, INTS, chain_parents, check_tensor, check_token_range, draw_uniforms,
-                                   fail, ragged_counts, resolve_sampling, workspace)
+                                   fail, ragged_drafts, resolve_sampling, workspace)
 
 __all__ = ["PLACEHOLDER_TOKEN_ID", "rejection_sample", "pad_chains", "tree_rejection_sample",
            "TreeSampleOutput", "commit_accepted_kv", "commit_accepted_kv_slots"]
@@ -112,14 +112,7 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[i
     -------
     Tensor [B, max_spec_len + 1] int32: accepted drafts, then the recovered or bonus token, then -1.
     """
-    check_tensor(_FN, "draft_token_ids", draft_token_ids, 1, INTS)
-    T = draft_token_ids.shape[0]
-    n = ragged_counts(_FN, num_draft_tokens, cu_num_draft_tokens, T)
-    B = len(n)
-    S = max(n) if B else 0
-    if isinstance(max_spec_len, bool) or not isinstance(max_spec_len, int) or max_spec_len < S:
-        fail(_FN, "max_spec_len", f"an int >= max(num_draft_tokens) = {S}", repr(max_spec_len))
-    W = max_spec_len + 1
+    T, n, B, S, W = ragged_drafts(_FN, draft_token_ids, num_draft_tokens, cu_num_draft_tokens, max_spec_len)
     check_tensor(_FN, "target_probs", target_probs, 2, FLOATS, (T, None))
     V = target_probs.shape[1]
     if V < 1:

@@ -29,7 +29,7 @@ import torch
 
 from specdec import ops, paged_ops
 from specdec.compat.common import (FLOATS, INTS, check_tensor, check_token_range, draw_uniforms, fail,
-                                   ragged_counts, resolve_sampling, workspace)
+                                   ragged_drafts, resolve_sampling, workspace)
 
 __all__ = ["TreeSampleOutput", "tree_rejection_sample", "commit_accepted_kv", "commit_accepted_kv_slots"]
 
@@ -119,14 +119,7 @@ def tree_rejection_sample(draft_token_ids: torch.Tensor, draft_parents: torch.Te
     the final draw). Returns a :class:`TreeSampleOutput`.
     """
     fn = "specdec.compat.vllm.tree_rejection_sample"
-    check_tensor(fn, "draft_token_ids", draft_token_ids, 1, INTS)
-    T = draft_token_ids.shape[0]
-    n = ragged_counts(fn, num_draft_tokens, cu_num_draft_tokens, T)
-    B = len(n)
-    S = max(n) if B else 0
-    if isinstance(max_spec_len, bool) or not isinstance(max_spec_len, int) or max_spec_len < S:
-        fail(fn, "max_spec_len", f"an int >= max(num_draft_tokens) = {S}", repr(max_spec_len))
-    W = max_spec_len + 1
+    T, n, B, S, W = ragged_drafts(fn, draft_token_ids, num_draft_tokens, cu_num_draft_tokens, max_spec_len)
     check_tensor(fn, "draft_parents", draft_parents, 1, INTS, (T,))
     check_tensor(fn, "target_probs", target_probs, 2, FLOATS, (T + B, None))
     V = target_probs.shape[1]

@@ -47,11 +47,6 @@ class ShardPagedView(PagedKVView):
         super().__init__(cache, start, stop)
         self._tp, self._cid, self._row0 = cache._tp, cache._cid, start
 
-    def rows(self, start: int, stop: int) -> "ShardPagedView":
-        if not 0 <= start < stop <= self.batch:
-            raise ValueError(f"ShardPagedView.rows: need 0 <= start < stop <= {self.batch}, got [{start}, {stop})")
-        return ShardPagedView(self.pages, self.start + start, self.start + stop)
-
     def commit(self, accepted: torch.Tensor, num_accepted: torch.Tensor) -> None:
         if self._tp is not None and self._tp.world_size > 1:
             seen = (self.block_tables.cpu().clone(), self.lens.cpu().clone(), accepted.cpu().clone(),
