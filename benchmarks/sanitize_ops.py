@@ -133,6 +133,51 @@ def run_commit(g):
             check(f"kv_commit L={L} {dtype}", ok)
 
 
+def run_paged(g):
+    """The paged ops on shuffled, non-contiguous pages (page sizes 1 and 16): append_kv_paged of a step's
+    nodes, verify_attention_paged with a tree mask, kv_commit_paged with real moves."""
+    from specdec import paged_ops, reference_paged
+
+    print("paged ops")
+    B, Hq, Hkv, D, N = 3, 4, 2, 64, 9
+    lens = torch.tensor([0, 17, 40], dtype=torch.int32)
+    accepted = torch.tensor([[0, 2, 3, -1, -1, -1, -1, -1, -1], [0, -1, -1, -1, -1, -1, -1, -1, -1],
+                             [0, 1, 4, 8, -1, -1, -1, -1, -1]], dtype=torch.int32)
+    num = torch.tensor([2, 0, 3], dtype=torch.int32)
+    mask = torch.zeros(B, N, N, dtype=torch.bool)
+    parents = tree(B, N, g, ragged=False)
+    for b in range(B):
+        for i in range(N):
+            j = i
+            while j >= 0:
+                mask[b, i, j] = True
+                j = int(parents[b, j])
+    for ps in (1, 16):
+        for dtype in (torch.float32, torch.bfloat16):
+            per_row = -(-(int(lens.max()) + N) // ps)
+            pages = B * per_row + 2
+            table = torch.randperm(pages, generator=g)[:B * per_row].view(B, per_row).to(torch.int32)
+            kp = torch.randn(pages, ps, Hkv, D, generator=g).to(dtype)
+            vp = torch.randn(pages, ps, Hkv, D, generator=g).to(dtype)
+            kn = torch.randn(B, Hkv, N, D, generator=g).to(dtype)
+            vn = torch.randn(B, Hkv, N, D, generator=g).to(dtype)
+            q = torch.randn(B, N, Hq, D, generator=g).to(dtype)
+            kd, vd, td, ld = kp.to(DEV, copy=True), vp.to(DEV, copy=True), table.to(DEV), lens.to(DEV, copy=True)
+            paged_ops.append_kv_paged(kd, vd, kn.to(DEV), vn.to(DEV), td, ld)
+            reference_paged.append_kv_paged(kp, vp, kn, vn, table, lens)
+            out = paged_ops.verify_attention_paged(q.to(DEV), kd, vd, td, ld, mask.to(DEV), D ** -0.5)
+            ref = reference_paged.verify_attention_paged(q, kp, vp, table, lens, mask, D ** -0.5)
+            tol = 2e-2 if dtype != torch.float32 else 1e-4
+            check(f"append_kv_paged + verify_attention_paged ps={ps} {dtype}",
+                  torch.equal(kd.cpu(), kp) and bool(torch.allclose(out.cpu().float(), ref.float(), atol=tol,
+                                                                    rtol=tol)))
+            paged_ops.kv_commit_paged([kd], [vd], td, ld, accepted.to(DEV), num.to(DEV))
+            lr = lens.clone()
+            reference_paged.kv_commit_paged([kp], [vp], table, lr, accepted, num)
+            check(f"kv_commit_paged ps={ps} {dtype}",
+                  torch.equal(ld.cpu(), lr) and torch.equal(kd.cpu(), kp) and torch.equal(vd.cpu(), vp))
+
+
 def run_linear(g):
     print("linear")
     for wd in (torch.float32, torch.bfloat16, torch.float16, torch.int8):
@@ -255,8 +300,9 @@ def run_bad_values(g):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ops", nargs="*", default=["verify_attention", "sampling", "kv_commit", "linear", "qlinear",
-                                                 "fused", "decoder_layer", "bad_values"],
-                    help="subset of: verify_attention sampling kv_commit linear qlinear fused decoder_layer bad_values")
+                                                 "fused", "decoder_layer", "paged", "bad_values"],
+                    help="subset of: verify_attention sampling kv_commit linear qlinear fused decoder_layer paged "
+                         "bad_values")
     ap.add_argument("--quick", action="store_true", help="attention: one case per head dim x dtype (for racecheck)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself (bad_values skipped)")
     args = ap.parse_args(argv)
@@ -269,7 +315,7 @@ def main(argv=None) -> int:
         args.ops.remove("bad_values")  # CPU always value-checks: those inputs raise there
     g = torch.Generator().manual_seed(0)
     steps = {"verify_attention": run_attention, "sampling": run_sampling, "kv_commit": run_commit, "linear": run_linear,
-             "qlinear": run_qlinear, "fused": run_fused, "decoder_layer": run_decoder_layer,
+             "qlinear": run_qlinear, "fused": run_fused, "decoder_layer": run_decoder_layer, "paged": run_paged,
              "bad_values": run_bad_values}
     for name in args.ops:
         steps[name](g)
