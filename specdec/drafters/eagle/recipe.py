@@ -17,7 +17,12 @@ from typing import List, Optional
 
 import torch
 
+from specdec.drafters.eagle.corpus import CORPORA
+
 __all__ = ["add_arguments", "run"]
+
+CORPUS_TEXT = {"stdlib": "standard-library docstring prompts", "general": "everyday requests (templates x subjects)",
+               "mixed": "everyday requests and standard-library docstring prompts, alternating"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="a bundled model name (default smollm2-135m)")
     p.add_argument("--precision", default="q4_1", choices=["fp32", "q8_0", "q4_1"],
                    help="the target's weights while generating the data (default q4_1, the checkpoint's own)")
+    p.add_argument("--corpus", default="mixed", choices=list(CORPORA),
+                   help="prompt corpus: everyday requests (general), standard-library docstrings (stdlib) or both "
+                        "alternating (mixed, the default); none of them holds a benchmark prompt")
     p.add_argument("--prompts", type=int, default=256, help="prompts to answer (default 256)")
     p.add_argument("--max-new-tokens", type=int, default=160, help="answer length cap (default 160)")
     p.add_argument("--doc-chars", type=int, default=900, help="longest docstring paragraph in a prompt (default 900)")
@@ -50,12 +58,13 @@ def _load(args):
 def _data(args, model, tok, target, path: str):
     from tqdm import tqdm
 
-    from specdec.drafters.eagle.data import generate_with_features, stdlib_prompts
+    from specdec.drafters.eagle.corpus import corpus_prompts
+    from specdec.drafters.eagle.data import generate_with_features
 
     if os.path.isfile(path):
         return torch.load(path, weights_only=False)
     t0 = time.perf_counter()
-    texts = stdlib_prompts(args.prompts, seed=args.seed, max_chars=args.doc_chars)
+    texts = corpus_prompts(args.corpus, args.prompts, seed=args.seed, max_chars=args.doc_chars)
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                        tokenize=True, return_dict=False) for t in texts]
     prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
@@ -146,7 +155,7 @@ def run(args: argparse.Namespace, argv: Optional[List[str]] = None) -> int:
                      progress=True)
     train_s = time.perf_counter() - t1
     meta = dict(model=args.model, precision=args.precision, seed=args.seed, command=argv,
-                data=f"{len(seqs)} greedy answers of the model to standard-library docstring prompts",
+                data=f"{len(seqs)} greedy answers of the model to {CORPUS_TEXT[args.corpus]}",
                 positions=sum(len(s) for s in seqs))
     save_head(net, os.path.join(args.out, "head"), meta=meta)
     _plot(log, os.path.join(args.out, "train_curve.png"))
