@@ -50,6 +50,9 @@ class HeadLM:
         self.draft_ids = None if ids is None else ids.to(self.device)
         self.dtype = torch.float32
         self.features: Optional[HiddenKVCache] = None  # the target's cache (attach() before a generate call)
+        # the layer as one ops.decoder_layer call (EAGLE-1 layout), or None; the weights as they are now
+        self.fused = fused_layer_spec(net)
+        self._unit = torch.ones(cfg.hidden_size, dtype=self.dtype, device=self.device)
 
     def attach(self, features: HiddenKVCache) -> None:
         if not isinstance(features, HiddenKVCache) or features.feature_dim != self.cfg.feature_size:
@@ -128,13 +131,19 @@ class HeadLM:
         if mask is None and kv_offset:
             mask = tree_mask
 
-        def attend(q, k, v):
-            ops.append_kv(k_cache, v_cache, k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(), cl,
-                          kv_offset)
-            m = mask if mask is None or mask.is_contiguous() else mask.contiguous()
-            return ops.verify_attention(q.contiguous(), k_cache, v_cache, cl, m, cfg.head_dim ** -0.5)
+        m = mask if mask is None or mask.is_contiguous() else mask.contiguous()
+        if self.fused is not None:  # fc, then the decoder layer in one call (the layer's own residual = x)
+            x = net.fc(torch.cat((emb, feat), dim=-1))
+            _, out = ops.decoder_layer(x, x.clone(), *self.fused, net.post_attention_layernorm, cfg.rms_eps,
+                                       self._unit, cfg.rms_eps, k_cache, v_cache, cl, cos, sin, m, kv_offset,
+                                       cfg.head_dim ** -0.5, cfg.num_heads, cfg.num_kv_heads)
+        else:
+            def attend(q, k, v):
+                ops.append_kv(k_cache, v_cache, k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(),
+                              cl, kv_offset)
+                return ops.verify_attention(q.contiguous(), k_cache, v_cache, cl, m, cfg.head_dim ** -0.5)
 
-        out = net.layer(emb, feat, cos, sin, attend)
+            out = net.layer(emb, feat, cos, sin, attend)
         write_hidden(cache, torch.cat((out, pos.to(self.dtype).unsqueeze(2)), dim=2), kv_offset)
         logits = net.logits(out, self.target_head).float()
         if self.draft_ids is None:
@@ -142,3 +151,33 @@ class HeadLM:
         full = torch.full((B, N, self.vocab_size), float("-inf"), dtype=torch.float32, device=dev)
         full[:, :, self.draft_ids] = logits
         return full
+
+
+def _slot(mods):
+    """One ops.decoder_layer projection slot (weights, scales, mins, biases, bits) of linear layers concatenated
+    along their outputs, or None when they cannot share one call."""
+    from specdec.models.quant import GroupQuantLinear
+
+    if any(m.bias is not None for m in mods):  # the published layouts have none
+        return None
+    if all(type(m) is torch.nn.Linear for m in mods):
+        return torch.cat([m.weight.detach() for m in mods]).contiguous(), None, None, None, 0
+    if all(isinstance(m, GroupQuantLinear) and m.act is None for m in mods):
+        if len({(m.bits, m.mins is None) for m in mods}) != 1:
+            return None
+        mins = None if mods[0].mins is None else torch.cat([m.mins for m in mods]).contiguous()
+        return (torch.cat([m.qweight for m in mods]).contiguous(), torch.cat([m.scales for m in mods]).contiguous(),
+                mins, None, mods[0].bits)
+    return None
+
+
+def fused_layer_spec(net: HeadNet):
+    """The head's decoder layer as ops.decoder_layer's four projection slots (q|k|v, o, gate|up, down) for
+    the EAGLE-1 layout (its layer input is fc's output, unnormed, also the residual); None otherwise."""
+    if net.cfg.style != "eagle":
+        return None
+    slots = [_slot([net.q_proj, net.k_proj, net.v_proj]), _slot([net.o_proj]), _slot([net.gate_proj, net.up_proj]),
+             _slot([net.down_proj])]
+    if any(s is None for s in slots):
+        return None
+    return tuple(list(col) for col in zip(*slots))
