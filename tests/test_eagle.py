@@ -325,3 +325,27 @@ def test_bad_binding():
         SpeculativeDecoder(HFCausalLM(_tiny_llama(vocab=50)), EagleHead(net))
     with pytest.raises(TypeError, match="net must be a HeadNet"):
         EagleHead(object())
+
+
+def test_held_out_evaluation(trained):
+    """evaluate_head scores answers only when told, counts tokens outside a draft vocabulary as misses, and
+    train_head logs it every eval_every steps and at the end without changing the training itself."""
+    from specdec.drafters.eagle.train import evaluate_head
+
+    model, net, _, seqs, feats = trained
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    toks = [torch.as_tensor(s) for s in seqs[:6]]
+    cfg = TrainConfig(batch=4, max_len=64)
+    full = evaluate_head(net, toks, feats[:6], emb, head, cfg)
+    ans = evaluate_head(net, toks, feats[:6], emb, head, cfg, answer_from=[6] * 6)
+    assert full["val_positions"] == sum(min(len(s), 64) - 2 for s in seqs[:6])
+    assert ans["val_positions"] == sum(min(len(s), 64) - 6 for s in seqs[:6])
+    assert ans["val_accuracy"] > full["val_accuracy"] > 0.2   # answers are the target's greedy choices
+    cfg = TrainConfig(steps=6, lr=3e-3, warmup=2, batch=4, max_len=32, eval_every=4)
+    runs = []
+    for val in (None, (seqs[8:12], feats[8:12], [6] * 4)):
+        torch.manual_seed(3)
+        fresh = HeadNet(_head_config())
+        runs.append(train_head(fresh, seqs[:8], feats[:8], emb, head, cfg, val=val))
+    assert [r["loss"] for r in runs[0]] == [r["loss"] for r in runs[1]]
+    assert [r["step"] for r in runs[1] if "val_accuracy" in r] == [4, 6]

@@ -43,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="reduced draft vocabulary (most frequent answer tokens; 0 = the target's LM head)")
     p.add_argument("--noise", type=float, default=0.0, help="uniform feature noise half-width (default 0)")
+    p.add_argument("--val-fraction", type=float, default=0.05,
+                   help="sequences held out to score the head's next-token accuracy on answers (default 0.05)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt choice, the init and the batches")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
@@ -127,9 +129,13 @@ def _plot(log: List[dict], path: str) -> None:
     ax[0].plot(steps, [r["token_loss"] for r in log], label="token (CE)")
     ax[0].set_xlabel("step")
     ax[0].legend()
-    ax[1].plot(steps, [r["accuracy"] for r in log])
+    ax[1].plot(steps, [r["accuracy"] for r in log], label="train batch")
+    val = [(r["step"], r["val_accuracy"]) for r in log if "val_accuracy" in r]
+    if val:
+        ax[1].plot([v[0] for v in val], [v[1] for v in val], marker="o", label="held-out answers")
     ax[1].set_xlabel("step")
-    ax[1].set_ylabel("next-token accuracy (train batch)")
+    ax[1].set_ylabel("next-token accuracy")
+    ax[1].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -145,24 +151,33 @@ def run(args: argparse.Namespace, argv: Optional[List[str]] = None) -> int:
     t0 = time.perf_counter()
     model, tok, target = _load(args)
     data = _data(args, model, tok, target, os.path.join(args.out, "data.pt"))
-    seqs = data["sequences"]
-    net, head = _make_net(args, model, seqs, tok)
+    seqs, feats, plen = data["sequences"], data["features"], data["prompt_lengths"]
+    if not 0 <= args.val_fraction < 1:
+        raise SystemExit(f"specdec train-head: --val-fraction must lie in [0, 1), got {args.val_fraction}")
+    order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    n_val = int(round(len(seqs) * args.val_fraction))
+    val_idx, train_idx = sorted(order[:n_val]), sorted(order[n_val:])
+    train_seqs = [seqs[i] for i in train_idx]
+    net, head = _make_net(args, model, train_seqs, tok)
     cfg = TrainConfig(steps=args.steps, lr=args.lr, batch=args.train_batch, seed=args.seed, noise=args.noise,
-                      warmup=max(1, args.steps // 20), checkpoint_every=max(1, args.steps // 10))
+                      warmup=max(1, args.steps // 20), checkpoint_every=max(1, args.steps // 10),
+                      eval_every=max(1, args.steps // 20) if n_val else 0)
+    val = ([seqs[i] for i in val_idx], [feats[i] for i in val_idx], [plen[i] for i in val_idx]) if n_val else None
     t1 = time.perf_counter()
-    log = train_head(net, seqs, data["features"], model.get_input_embeddings().weight,
+    log = train_head(net, train_seqs, [feats[i] for i in train_idx], model.get_input_embeddings().weight,
                      None if args.draft_vocab else head, cfg, checkpoint=os.path.join(args.out, "train.ckpt"),
-                     progress=True)
+                     progress=True, val=val)
     train_s = time.perf_counter() - t1
     meta = dict(model=args.model, precision=args.precision, seed=args.seed, command=argv,
-                data=f"{len(seqs)} greedy answers of the model to {CORPUS_TEXT[args.corpus]}",
-                positions=sum(len(s) for s in seqs))
+                data=f"{len(seqs)} greedy answers of the model to {CORPUS_TEXT[args.corpus]} ({n_val} held out)",
+                positions=sum(len(s) for s in train_seqs), held_out_sequences=n_val)
     save_head(net, os.path.join(args.out, "head"), meta=meta)
     _plot(log, os.path.join(args.out, "train_curve.png"))
     summary = dict(meta, data_seconds=data.get("seconds"), train_seconds=train_s,
                    total_seconds=time.perf_counter() - t0, train=vars(args), log=log)
     with open(os.path.join(args.out, "train_log.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)
-    print(f"head written to {os.path.join(args.out, 'head')} ({len(seqs)} sequences, {args.steps} steps, "
-          f"final loss {log[-1]['loss']:.4f}, accuracy {log[-1]['accuracy']:.3f})")
+    held = f", held-out answer accuracy {log[-1]['val_accuracy']:.3f}" if "val_accuracy" in log[-1] else ""
+    print(f"head written to {os.path.join(args.out, 'head')} ({len(train_seqs)} sequences, {args.steps} steps, "
+          f"final loss {log[-1]['loss']:.4f}, accuracy {log[-1]['accuracy']:.3f}{held})")
     return 0

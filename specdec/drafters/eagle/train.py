@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from specdec.drafters.eagle.net import HeadNet, causal_attention, rope_tables
 
-__all__ = ["TrainConfig", "train_head", "head_losses"]
+__all__ = ["TrainConfig", "train_head", "head_losses", "evaluate_head"]
 
 
 @dataclass
@@ -45,13 +45,17 @@ class TrainConfig:
     clip: float = 0.5
     seed: int = 0
     checkpoint_every: int = 200
+    eval_every: int = 0            # > 0 (with held-out sequences): evaluate every this many steps, and at the end
 
 
 def head_losses(net: HeadNet, tokens: torch.Tensor, feats: torch.Tensor, lengths: torch.Tensor,
                 target_head: Optional[torch.Tensor], cfg: TrainConfig, embed: torch.Tensor,
-                start: torch.Tensor, gen: Optional[torch.Generator] = None):
+                start: torch.Tensor, gen: Optional[torch.Generator] = None,
+                label_from: Optional[torch.Tensor] = None, counts: bool = False):
     """(total, feature loss, token loss, token accuracy) of one padded batch: tokens [B, T] int64, target
-    features [B, T, F] float32, real lengths [B], absolute position of column 0 ``start`` [B]."""
+    features [B, T, F] float32, real lengths [B], absolute position of column 0 ``start`` [B];
+    ``label_from`` [B]: only next tokens at columns >= it count in the token loss and accuracy.
+    ``counts``: also return (hits, scored labels, labels in the draft vocabulary) as ints."""
     B, T = tokens.shape
     hc = net.cfg
     inp_feat = feats[:, :-1]
@@ -77,6 +81,8 @@ def head_losses(net: HeadNet, tokens: torch.Tensor, feats: torch.Tensor, lengths
         ids = net.draft_to_target()
         t2d[ids] = torch.arange(ids.numel(), device=tokens.device)
         labels = t2d[labels]
+    if label_from is not None:
+        has_next = has_next & ((col[:, :-1] + 1) >= label_from.view(B, 1))
     labels = torch.where(has_next, labels, -100)
     tok_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
     tok_loss = torch.nan_to_num(tok_loss)  # a batch with no label in the draft vocabulary
@@ -84,6 +90,9 @@ def head_losses(net: HeadNet, tokens: torch.Tensor, feats: torch.Tensor, lengths
         hit = (logits.argmax(-1) == labels) & (labels >= 0)
         acc = hit.sum() / (labels >= 0).sum().clamp(min=1)
     total = cfg.feature_weight * feat_loss + cfg.token_weight * tok_loss
+    if counts:
+        return total, feat_loss.detach(), tok_loss.detach(), acc, (int(hit.sum()), int(has_next.sum()),
+                                                                  int((labels >= 0).sum()))
     return total, feat_loss.detach(), tok_loss.detach(), acc
 
 
@@ -105,6 +114,37 @@ def _batch(tokens: List[torch.Tensor], feats: List[torch.Tensor], cfg: TrainConf
     return tok, ft, torch.tensor([r[0].numel() for r in rows]), torch.tensor([r[2] for r in rows])
 
 
+@torch.no_grad()
+def evaluate_head(net: HeadNet, tokens: Sequence[torch.Tensor], feats: Sequence[torch.Tensor], embed: torch.Tensor,
+                  target_head: Optional[torch.Tensor], cfg: TrainConfig,
+                  answer_from: Optional[Sequence[int]] = None) -> dict:
+    """Teacher-forced next-token accuracy and losses of ``net`` on held-out sequences (each cut to its first
+    cfg.max_len positions, in batches of cfg.batch, no randomness). ``answer_from[i]``: score only the
+    tokens of sequence i from this index on (its answer: what drafting predicts)."""
+    was = net.training
+    net.eval()
+    hits = scored = in_vocab = 0
+    tl = fl = 0.0
+    for i in range(0, len(tokens), cfg.batch):
+        rows = [(t[:cfg.max_len], f[:cfg.max_len]) for t, f in zip(tokens[i:i + cfg.batch], feats[i:i + cfg.batch])]
+        T = max(t.numel() for t, _ in rows)
+        tok = torch.zeros(len(rows), T, dtype=torch.int64)
+        ft = torch.zeros(len(rows), T, rows[0][1].shape[1], dtype=torch.float32)
+        for j, (t, f) in enumerate(rows):
+            tok[j, :t.numel()], ft[j, :t.numel()] = t, f.float()
+        lengths = torch.tensor([t.numel() for t, _ in rows])
+        frm = None if answer_from is None else torch.tensor([int(a) for a in answer_from[i:i + cfg.batch]])
+        _, f_l, t_l, _, (h, n, v) = head_losses(net, tok, ft, lengths, target_head, cfg, embed,
+                                                torch.zeros(len(rows), dtype=torch.int64), None, frm, counts=True)
+        hits, scored, in_vocab = hits + h, scored + n, in_vocab + v
+        tl += float(t_l) * v
+        fl += float(f_l) * n
+    net.train(was)
+    # accuracy over every scored next token: one outside the draft vocabulary is a miss, as when drafting
+    return dict(val_accuracy=hits / max(scored, 1), val_token_loss=tl / max(in_vocab, 1),
+                val_feature_loss=fl / max(scored, 1), val_positions=scored)
+
+
 def _lr(cfg: TrainConfig, step: int) -> float:
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
@@ -115,12 +155,13 @@ def _lr(cfg: TrainConfig, step: int) -> float:
 def train_head(net: HeadNet, tokens: Sequence[Sequence[int]], feats: Sequence[torch.Tensor], embed: torch.Tensor,
                target_head: Optional[torch.Tensor] = None, cfg: Optional[TrainConfig] = None,
                checkpoint: Optional[str] = None, resume: bool = True, progress: bool = False,
-               on_step: Optional[Callable[[int, dict], None]] = None) -> List[dict]:
+               on_step: Optional[Callable[[int, dict], None]] = None, val: Optional[tuple] = None) -> List[dict]:
     """Train ``net`` in place; returns the log (one dict per step: loss, feature / token loss, accuracy,
     learning rate, seconds). ``embed``: the target's token embedding [V, H] (frozen); ``target_head``
     [V, H]: the target's LM head weight for a head without its own (frozen). ``checkpoint``: a file
     written every cfg.checkpoint_every steps and at the end (weights, optimizer, generator, log);
-    with ``resume`` an existing one is continued."""
+    with ``resume`` an existing one is continued. ``val``: held-out ``(sequences, features, answer_from)``
+    scored by :func:`evaluate_head` every cfg.eval_every steps and at the end (keys ``val_*`` in the log)."""
     cfg = cfg or TrainConfig()
     if len(tokens) != len(feats) or not tokens:
         raise ValueError(f"train_head: need as many feature tensors as sequences (>= 1), got {len(tokens)} and "
@@ -163,10 +204,14 @@ def train_head(net: HeadNet, tokens: Sequence[Sequence[int]], feats: Sequence[to
         step += 1
         rec = dict(step=step, loss=float(loss.detach()), feature_loss=float(fl), token_loss=float(tl),
                    accuracy=float(acc), lr=opt.param_groups[0]["lr"], seconds=time.perf_counter() - t0)
+        if val is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+            v_tok = [torch.as_tensor(t, dtype=torch.int64) for t in val[0]]
+            rec.update(evaluate_head(net, v_tok, val[1], embed, head_w, cfg, val[2] if len(val) > 2 else None))
         log.append(rec)
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=f"{rec['accuracy']:.2f}")
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=f"{rec['accuracy']:.2f}",
+                            **({"val": f"{rec['val_accuracy']:.3f}"} if "val_accuracy" in rec else {}))
         if on_step is not None:
             on_step(step, rec)
         if checkpoint and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
