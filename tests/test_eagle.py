@@ -338,7 +338,7 @@ def test_held_out_evaluation(trained):
     cfg = TrainConfig(batch=4, max_len=64)
     full = evaluate_head(net, toks, feats[:6], emb, head, cfg)
     ans = evaluate_head(net, toks, feats[:6], emb, head, cfg, answer_from=[6] * 6)
-    assert full["val_positions"] == sum(min(len(s), 64) - 2 for s in seqs[:6])
+    assert full["val_positions"] == sum(min(len(s), 64) - 1 for s in seqs[:6])
     assert ans["val_positions"] == sum(min(len(s), 64) - 6 for s in seqs[:6])
     assert ans["val_accuracy"] > full["val_accuracy"] > 0.2   # answers are the target's greedy choices
     cfg = TrainConfig(steps=6, lr=3e-3, warmup=2, batch=4, max_len=32, eval_every=4)
@@ -349,3 +349,46 @@ def test_held_out_evaluation(trained):
         runs.append(train_head(fresh, seqs[:8], feats[:8], emb, head, cfg, val=val))
     assert [r["loss"] for r in runs[0]] == [r["loss"] for r in runs[1]]
     assert [r["step"] for r in runs[1] if "val_accuracy" in r] == [4, 6]
+
+
+def test_unrolled_training_steps_equal_chain_drafting():
+    """Training-time test: step s of unrolled_outputs at position p gives the logits HeadLM drafts for the
+    s-th chain token after the committed p - s (its own features, cached drafted keys)."""
+    from specdec.drafters.eagle.train import unrolled_outputs
+
+    model = _tiny_llama()
+    seq = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
+    target = HFCausalLM(model)
+    target.capture_hidden((-1,))
+    full = target.new_cache(1, 40)
+    target.prefill(full, [seq])
+    feats = full.features()[0, :len(seq)]
+    torch.manual_seed(5)
+    net = HeadNet(_head_config())
+    emb = model.get_input_embeddings().weight
+    T = len(seq)
+    cos, sin = rope_tables(torch.arange(T).view(1, T), 16, net.cfg.rope_theta, torch.float32)
+    feat_in = torch.cat([torch.zeros(1, feats.shape[1]), feats[:-1]]).view(1, T, -1)  # position 0: a zero feature
+    with torch.no_grad():
+        outs = list(unrolled_outputs(net, emb[torch.tensor([seq])], feat_in, cos, sin, 3))
+    head = model.get_output_embeddings()
+    checked = 0
+    for s in range(3):
+        for p in range(s + 1, T):
+            root = p - s                                     # the committed node the chain starts from
+            tgt = HFCausalLM(model)
+            tgt.capture_hidden((-1,))
+            tc = tgt.new_cache(1, 40)
+            tgt.prefill(tc, [seq[:root]])                    # the target has scored positions < root
+            lm = HeadLM(net, tgt)
+            lm.attach(tc)
+            hc = lm.new_cache(1, 40)
+            lm.prefill(hc, [seq[:root]])
+            zero = torch.zeros(1, 1, dtype=torch.int32)
+            for q in range(root, p + 1):                     # the root, then the chain's drafted tokens
+                logits = lm.forward(hc, torch.tensor([[seq[q]]]), zero)[0, 0]
+                hc.lens += 1
+            want = net.logits(outs[s][:, p], head)[0]
+            torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+            checked += 1
+    assert checked == 3 * (T - 1) - 3

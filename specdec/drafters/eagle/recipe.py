@@ -42,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="reduced draft vocabulary (most frequent answer tokens; 0 = the target's LM head)")
+    p.add_argument("--unroll", type=int, default=1,
+                   help="drafting steps trained (> 1: training-time test on the head's own features; default 1)")
     p.add_argument("--noise", type=float, default=0.0, help="uniform feature noise half-width (default 0)")
     p.add_argument("--val-fraction", type=float, default=0.05,
                    help="sequences held out to score the head's next-token accuracy on answers (default 0.05)")
@@ -159,7 +161,10 @@ def run(args: argparse.Namespace, argv: Optional[List[str]] = None) -> int:
     val_idx, train_idx = sorted(order[:n_val]), sorted(order[n_val:])
     train_seqs = [seqs[i] for i in train_idx]
     net, head = _make_net(args, model, train_seqs, tok)
+    if args.unroll < 1:
+        raise SystemExit(f"specdec train-head: --unroll must be >= 1, got {args.unroll}")
     cfg = TrainConfig(steps=args.steps, lr=args.lr, batch=args.train_batch, seed=args.seed, noise=args.noise,
+                      unroll=args.unroll,
                       warmup=max(1, args.steps // 20), checkpoint_every=max(1, args.steps // 10),
                       eval_every=max(1, args.steps // 20) if n_val else 0)
     val = ([seqs[i] for i in val_idx], [feats[i] for i in val_idx], [plen[i] for i in val_idx]) if n_val else None

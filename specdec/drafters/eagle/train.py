@@ -10,6 +10,11 @@ causal attention over the earlier positions of the sequence, and is trained for
   greedy choice), over the draft vocabulary when the head has one (tokens outside it are skipped),
   weight ``token_weight`` (EAGLE: 0.1).
 
+Training-time test (``unroll`` > 1, as EAGLE-3): the same sequence is run again as drafting would
+see it, step s feeding every node the head's own step s - 1 output instead of the target's feature,
+with the attention of a drafted chain (:func:`unrolled_outputs`); the losses of the steps are averaged.
+Position 0 reads a zero feature, as when drafting.
+
 Optional uniform noise on the input features (EAGLE's robustness trick, ``noise``). Deterministic
 from ``seed``: the batches and the noise come from one generator whose state is checkpointed with
 the weights and the optimizer, so a resumed run continues exactly as an uninterrupted one (same
@@ -26,9 +31,9 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from specdec.drafters.eagle.net import HeadNet, causal_attention, rope_tables
+from specdec.drafters.eagle.net import HeadNet, rope_tables
 
-__all__ = ["TrainConfig", "train_head", "head_losses", "evaluate_head"]
+__all__ = ["TrainConfig", "train_head", "head_losses", "evaluate_head", "unrolled_outputs"]
 
 
 @dataclass
@@ -46,58 +51,117 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: int = 200
     eval_every: int = 0            # > 0 (with held-out sequences): evaluate every this many steps, and at the end
+    unroll: int = 1                # drafting steps trained (> 1: training-time test on the head's own features)
 
 
 def head_losses(net: HeadNet, tokens: torch.Tensor, feats: torch.Tensor, lengths: torch.Tensor,
                 target_head: Optional[torch.Tensor], cfg: TrainConfig, embed: torch.Tensor,
                 start: torch.Tensor, gen: Optional[torch.Generator] = None,
-                label_from: Optional[torch.Tensor] = None, counts: bool = False):
+                label_from: Optional[torch.Tensor] = None, counts: bool = False,
+                prev: Optional[torch.Tensor] = None):
     """(total, feature loss, token loss, token accuracy) of one padded batch: tokens [B, T] int64, target
-    features [B, T, F] float32, real lengths [B], absolute position of column 0 ``start`` [B];
-    ``label_from`` [B]: only next tokens at columns >= it count in the token loss and accuracy.
-    ``counts``: also return (hits, scored labels, labels in the draft vocabulary) as ints."""
+    features [B, T, F] float32, real lengths [B], absolute position of column 0 ``start`` [B], the
+    target's feature just before column 0 ``prev`` [B, F] (None: zeros, a window at the sequence's start,
+    where drafting reads a zero feature too); ``label_from`` [B]: only next tokens at columns >= it
+    count in the token loss and accuracy. ``counts``: also return (hits, scored labels, labels in the
+    draft vocabulary) as ints. The node at column c reads (token c, target feature c - 1) and is
+    trained to give feature c and token c + 1."""
     B, T = tokens.shape
     hc = net.cfg
-    inp_feat = feats[:, :-1]
+    dev = tokens.device
+    if prev is None:
+        prev = torch.zeros(B, feats.shape[2], dtype=feats.dtype, device=dev)
+    inp_feat = torch.cat((prev.to(feats.dtype).unsqueeze(1), feats[:, :-1]), dim=1)     # [B, T, F]
     if cfg.noise > 0:
         noise = torch.rand(inp_feat.shape, generator=gen) * 2 - 1
-        inp_feat = inp_feat + cfg.noise * noise.to(inp_feat.device)
+        inp_feat = inp_feat + cfg.noise * noise.to(dev)
     inp_feat = net.input_feature(inp_feat)
-    emb = F.embedding(tokens[:, 1:], embed)                                   # [B, T - 1, H]
-    pos = start.view(B, 1) + torch.arange(1, T, device=tokens.device).view(1, T - 1)
+    emb = F.embedding(tokens, embed)                                          # [B, T, H]
+    pos = start.view(B, 1) + torch.arange(T, device=dev).view(1, T)
     cos, sin = rope_tables(pos, hc.head_dim, hc.rope_theta, emb.dtype)
-    out = net.layer(emb, inp_feat, cos, sin, causal_attention(hc.num_heads, hc.num_kv_heads))   # [B, T - 1, H]
-    col = torch.arange(1, T, device=tokens.device).view(1, T - 1)
-    valid = col < lengths.view(B, 1)                                          # output at p predicts feature p
-    feat_loss = torch.zeros((), device=tokens.device)
-    if hc.style == "eagle" and cfg.feature_weight:
-        per = F.smooth_l1_loss(out, feats[:, 1:].to(out.dtype), reduction="none").mean(dim=2)
-        feat_loss = (per * valid).sum() / valid.sum().clamp(min=1)
-    logits = net.logits(out[:, :-1], None if target_head is None else (lambda x: x @ target_head.T))
-    labels = tokens[:, 2:].clone()                                            # next token of position p
+    col = torch.arange(T, device=dev).view(1, T)
+    labels = tokens[:, 1:].clone()                                            # next token of column c
     has_next = (col[:, :-1] + 1) < lengths.view(B, 1)
     if net.lm_head is not None:                                               # target id -> draft id
-        t2d = torch.full((hc.vocab_size,), -100, dtype=torch.int64, device=tokens.device)
+        t2d = torch.full((hc.vocab_size,), -100, dtype=torch.int64, device=dev)
         ids = net.draft_to_target()
-        t2d[ids] = torch.arange(ids.numel(), device=tokens.device)
+        t2d[ids] = torch.arange(ids.numel(), device=dev)
         labels = t2d[labels]
     if label_from is not None:
         has_next = has_next & ((col[:, :-1] + 1) >= label_from.view(B, 1))
-    labels = torch.where(has_next, labels, -100)
-    tok_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
-    tok_loss = torch.nan_to_num(tok_loss)  # a batch with no label in the draft vocabulary
-    with torch.no_grad():
-        hit = (logits.argmax(-1) == labels) & (labels >= 0)
-        acc = hit.sum() / (labels >= 0).sum().clamp(min=1)
-    total = cfg.feature_weight * feat_loss + cfg.token_weight * tok_loss
+    head_fn = None if target_head is None else (lambda x: x @ target_head.T)
+    total = torch.zeros((), device=dev)
+    for step, out in enumerate(unrolled_outputs(net, emb, inp_feat, cos, sin, cfg.unroll)):
+        valid = (col < lengths.view(B, 1)) & (col >= step)                    # step s needs its root c - s
+        fl = torch.zeros((), device=dev)
+        if hc.style == "eagle" and cfg.feature_weight:
+            per = F.smooth_l1_loss(out, feats.to(out.dtype), reduction="none").mean(dim=2)
+            fl = (per * valid).sum() / valid.sum().clamp(min=1)
+        logits = net.logits(out[:, :-1], head_fn)
+        lab = torch.where(has_next & (col[:, :-1] >= step), labels, -100)
+        tl = torch.nan_to_num(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1),
+                                              ignore_index=-100))  # nan: no label in the draft vocabulary
+        total = total + (cfg.feature_weight * fl + cfg.token_weight * tl) / max(1, cfg.unroll)
+        if step == 0:  # reported: the first drafted token's losses and accuracy (teacher-forced)
+            feat_loss, tok_loss = fl, tl
+            with torch.no_grad():
+                hit = (logits.argmax(-1) == lab) & (lab >= 0)
+                acc = hit.sum() / (lab >= 0).sum().clamp(min=1)
+                first = (hit, has_next, lab)
     if counts:
-        return total, feat_loss.detach(), tok_loss.detach(), acc, (int(hit.sum()), int(has_next.sum()),
-                                                                  int((labels >= 0).sum()))
+        hit, scored, lab = first
+        return total, feat_loss.detach(), tok_loss.detach(), acc, (int(hit.sum()), int(scored.sum()),
+                                                                  int((lab >= 0).sum()))
     return total, feat_loss.detach(), tok_loss.detach(), acc
 
 
+def unrolled_outputs(net: HeadNet, emb: torch.Tensor, feat_in: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     unroll: int = 1):
+    """The head's outputs [B, N, H] of ``unroll`` drafting steps over a sequence's nodes (a generator).
+
+    Step 0 reads (token p, target feature p - 1) with causal attention. Step s reads the same tokens with
+    the head's own step s - 1 output at p - 1, as the s-th drafted token after the committed node p - s:
+    its attention sees the committed keys up to p - s and the drafted nodes p - s + 1 .. p (their keys from
+    steps 1 .. s) -- what :class:`~specdec.drafters.eagle.lm.HeadLM` computes when drafting a chain."""
+    attn = _UnrolledAttention(net.cfg.num_heads, net.cfg.num_kv_heads)
+    for step in range(max(1, unroll)):
+        out = net.layer(emb, feat_in, cos, sin, attn.step(step))
+        yield out
+        feat_in = F.pad(out[:, :-1], (0, 0, 1, 0))                            # the head's feature of p - 1
+
+
+class _UnrolledAttention:
+    """Attention of the unrolled drafting steps over one sequence: step 0 is causal over the committed
+    nodes; a query of step s at column c sees step 0's keys up to c - s and step t's key at c - s + t
+    (t = 1 .. s), the path of drafted nodes it would see when drafting (EAGLE-3's training-time test)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int) -> None:
+        self.rep = num_heads // num_kv_heads
+        self.keys: List[torch.Tensor] = []
+        self.values: List[torch.Tensor] = []
+
+    def step(self, s: int):
+        def attend(q, k, v):
+            self.keys.append(k)
+            self.values.append(v)
+            N = q.shape[1]
+            kk, vv = torch.cat(self.keys[:s + 1], dim=1), torch.cat(self.values[:s + 1], dim=1)
+            q, kk, vv = (t.transpose(1, 2) for t in (q, kk, vv))               # [B, heads, ., D]
+            if self.rep > 1:
+                kk, vv = kk.repeat_interleave(self.rep, dim=1), vv.repeat_interleave(self.rep, dim=1)
+            if s == 0:
+                return F.scaled_dot_product_attention(q, kk, vv, is_causal=True).transpose(1, 2)
+            c = torch.arange(N, device=q.device).view(N, 1)
+            j = torch.arange(N, device=q.device).view(1, N)
+            parts = [j <= c - s] + [j == c - s + t for t in range(1, s + 1)]
+            mask = torch.cat(parts, dim=1)                                    # [N, (s + 1) N]
+            return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask).transpose(1, 2)
+        return attend
+
+
 def _batch(tokens: List[torch.Tensor], feats: List[torch.Tensor], cfg: TrainConfig, gen: torch.Generator):
-    """A padded batch of cfg.batch sequences drawn with ``gen`` (windows of cfg.max_len at a drawn offset)."""
+    """A padded batch of cfg.batch sequences drawn with ``gen`` (windows of cfg.max_len at a drawn offset):
+    tokens, features, lengths, offsets and the feature before each window (zeros at a sequence's start)."""
     idx = torch.randint(len(tokens), (cfg.batch,), generator=gen).tolist()
     rows = []
     for i in idx:
@@ -108,19 +172,23 @@ def _batch(tokens: List[torch.Tensor], feats: List[torch.Tensor], cfg: TrainConf
     Fd = rows[0][1].shape[1]
     tok = torch.zeros(len(rows), T, dtype=torch.int64)
     ft = torch.zeros(len(rows), T, Fd, dtype=torch.float32)
-    for j, (t, f, _) in enumerate(rows):
+    prev = torch.zeros(len(rows), Fd, dtype=torch.float32)
+    for j, ((t, f, off), i) in enumerate(zip(rows, idx)):
         tok[j, :t.numel()] = t
         ft[j, :t.numel()] = f.float()
-    return tok, ft, torch.tensor([r[0].numel() for r in rows]), torch.tensor([r[2] for r in rows])
+        if off:
+            prev[j] = feats[i][off - 1].float()
+    return tok, ft, torch.tensor([r[0].numel() for r in rows]), torch.tensor([r[2] for r in rows]), prev
 
 
 @torch.no_grad()
 def evaluate_head(net: HeadNet, tokens: Sequence[torch.Tensor], feats: Sequence[torch.Tensor], embed: torch.Tensor,
                   target_head: Optional[torch.Tensor], cfg: TrainConfig,
                   answer_from: Optional[Sequence[int]] = None) -> dict:
-    """Teacher-forced next-token accuracy and losses of ``net`` on held-out sequences (each cut to its first
-    cfg.max_len positions, in batches of cfg.batch, no randomness). ``answer_from[i]``: score only the
-    tokens of sequence i from this index on (its answer: what drafting predicts)."""
+    """Teacher-forced next-token accuracy (the first drafted token) and losses of ``net`` on held-out
+    sequences (each cut to its first cfg.max_len positions, in batches of cfg.batch, no randomness).
+    ``answer_from[i]``: score only the tokens of sequence i from this index on (its answer: what drafting
+    predicts)."""
     was = net.training
     net.eval()
     hits = scored = in_vocab = 0
@@ -194,8 +262,8 @@ def train_head(net: HeadNet, tokens: Sequence[Sequence[int]], feats: Sequence[to
         t0 = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = _lr(cfg, step)
-        tok, ft, lengths, start = _batch(toks, list(feats), cfg, gen)
-        loss, fl, tl, acc = head_losses(net, tok, ft, lengths, head_w, cfg, embed, start, gen)
+        tok, ft, lengths, start, prev = _batch(toks, list(feats), cfg, gen)
+        loss, fl, tl, acc = head_losses(net, tok, ft, lengths, head_w, cfg, embed, start, gen, prev=prev)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.clip:
