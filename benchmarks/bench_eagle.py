@@ -29,6 +29,7 @@ from specdec.drafters.eagle.lm import HeadLM
 from specdec.models import HFCausalLM
 from specdec.models.bundled import load_bundled
 
+FIXED = ("head_chain", "head_tree")  # run at their own k every step; the others under the goodput policy
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -40,6 +41,7 @@ def _methods(target_model, draft_model, head_net, head_precision):
         "head_chain": lambda: EagleHead(head_net, k=5, precision=head_precision),
         "head_tree": lambda: EagleHead(head_net, k=5, top_k=4, tree="dynamic", node_budget=12,
                                        precision=head_precision),
+        "head_goodput": lambda: EagleHead(head_net, k=6, precision=head_precision),
     }
 
 
@@ -86,7 +88,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--methods", default="plain,lookup,w8,head_chain,head_tree")
+    ap.add_argument("--methods", default="plain,lookup,w8,head_chain,head_tree,head_goodput")
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -99,7 +101,7 @@ def main() -> None:
                                             tokenize=True, return_dict=False)) for t in texts]
     prompts = [list(p["input_ids"]) if isinstance(p, dict) else p for p in prompts]
     decoders = {n: SpeculativeDecoder(HFCausalLM(model), makers[n](), max_batch=1, max_len=1024,
-                                      policy="fixed" if n.startswith("head") else "goodput") for n in names}
+                                      policy="fixed" if n in FIXED else "goodput") for n in names}
     runs = []
     load = [os.getloadavg()]
     for rnd in range(args.rounds):
@@ -132,8 +134,9 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     rec = dict(benchmark="eagle", args=vars(args), commit=commit, loadavg=load, torch_threads=args.threads,
                head_config=json.load(open(os.path.join(args.head, "config.json"))), summary=summary, runs=runs,
-               notes="2 shared CPU cores (load average recorded); greedy, batch 1; head methods run the fixed "
-                     "policy (their k every step), lookup and w8 the goodput policy")
+               notes="2 shared CPU cores (load average recorded); greedy, batch 1; head_chain and head_tree run the "
+                     "fixed policy (their k every step), head_goodput (a chain of up to 6), lookup and w8 the "
+                     "goodput policy")
     name = args.name or f"eagle_{args.set}_{args.precision}_{date.today().isoformat()}"
     path = os.path.join(RESULTS, name + ".json")
     with open(path, "w") as f:
