@@ -392,3 +392,35 @@ def test_unrolled_training_steps_equal_chain_drafting():
             torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
             checked += 1
     assert checked == 3 * (T - 1) - 3
+
+
+def test_head_in_a_multidraft_with_prompt_lookup(trained):
+    """A feature head as a MultiDraft member: tokens accepted from prompt lookup's subtree reach it as
+    foreign tokens (committed: the target has their states) and greedy output stays the target's own."""
+    from specdec.drafters import MultiDraft, PromptLookup
+
+    model, net, _, _, _ = trained
+    first = _reference_greedy(model, PROMPTS, 16)
+    prompts = [p + f + p for p, f in zip(PROMPTS, first)]  # lookup finds the continuation in the prompt
+    ref = _reference_greedy(model, prompts, 24)
+    seen, gaps = [], []
+
+    class Counting(EagleHead):
+        def _take_foreign(self, b, foreign, own):
+            if own is not None and foreign:
+                seen.extend(len(f) for f in foreign)
+            super()._take_foreign(b, foreign, own)
+
+        def accept(self, accepted, num_accepted, num_host, foreign=None):
+            super().accept(accepted, num_accepted, num_host, foreign)
+            b = accepted.shape[0]
+            if self._pend_width:  # the head's text + its pending tokens == what the target committed
+                mine = self._view(b).lens.to(torch.int64) + self._pend_n[:b]
+                gaps.append(int((mine - self.lm.features.lens[:b].to(torch.int64)).abs().max()))
+
+    for head in (Counting(net, k=3), Counting(net, k=3, top_k=2, tree="dynamic")):
+        multi = MultiDraft([PromptLookup(ngram=2, k=6), head])
+        dec = SpeculativeDecoder(HFCausalLM(model), multi, max_batch=3, max_len=96, policy="fixed")
+        assert dec.generate(prompts, max_new_tokens=24).tokens == ref
+    assert sum(seen) > 0   # lookup's tokens were accepted past the head's own path
+    assert gaps and max(gaps) == 0

@@ -50,9 +50,10 @@ class EagleHead(DraftModel):
         return "EagleHead" + super().__repr__()[len("DraftModel"):]
 
     def reserve_foreign(self, n: int) -> None:
-        if n > 0:
-            raise ValueError("EagleHead: tokens from other drafters are not supported (a MultiDraft member needs "
-                             "the target's states of every accepted token; use EagleHead on its own)")
+        """Room for tokens accepted from other drafters' subtrees (a MultiDraft member): they are committed,
+        so the target holds their states, and the next step's first head forward feeds them with the
+        head's own accepted path, as the EAGLE catch-up does."""
+        self._extra_foreign = max(getattr(self, "_extra_foreign", 0), int(n))
 
     def bind(self, target, max_batch: int, max_len: int) -> None:
         if not hasattr(target, "capture_hidden"):
@@ -70,7 +71,8 @@ class EagleHead(DraftModel):
         self.target = target
         self.net.to(target.device)
         self.lm = HeadLM(self.net, target)
-        self._foreign = self.k  # pending-token room: the accepted path is fed again after each step
+        # pending-token room: the accepted path is fed again after each step, then other drafters' tokens
+        self._foreign = self.k + getattr(self, "_extra_foreign", 0)
         super().bind(target, max_batch, max_len)
 
     def start(self, prompts, params, generator) -> None:
@@ -95,7 +97,7 @@ class EagleHead(DraftModel):
             return
         b = rec.b
         root_end = rec.base + self._pend_n[:b].to(torch.int32) + 1     # the head cache up to and with the root
-        super().accept(accepted, num_accepted, num_host, foreign)       # learners, counts
+        super().accept(accepted, num_accepted, num_host, None)          # learners, counts (foreign: below)
         self._view(b).lens.copy_(root_end)                              # drop the drafted nodes' K/V
         num = num_accepted.to(torch.int64)
         width = max((int(a) for a in num_host), default=0)
@@ -104,3 +106,4 @@ class EagleHead(DraftModel):
             self._pend_tok[:b, :width] = rec.tokens.gather(1, path)
         self._pend_n[:b] = num
         self._pend_width = width
+        self._take_foreign(b, foreign, own=num)
