@@ -44,14 +44,19 @@ def _model_options(g: argparse.ArgumentParser) -> None:
                    help="drafter: auto (prompt lookup first, the w8 draft only where lookup is not trusted: "
                         "MultiDraft with escalation), int8 (dynamic-quantized) / w8 (weight-only int8) / bf16 copy "
                         "of the bundled model, prompt lookup (n-gram), suffix (suffix decoding), recycle (token "
-                        "recycling), docs FILE (retrieval from the text of FILE; see --docs), model (--draft-model "
-                        "PATH), or none (plain decoding). Default: auto for the bundled model, model with "
-                        "--draft-model, else lookup")
+                        "recycling), docs FILE (retrieval from the text of FILE; see --docs), head PATH (a feature "
+                        "head folder: `specdec train-head` or a published EAGLE / EAGLE-3 head; see --head), model "
+                        "(--draft-model PATH), or none (plain decoding). Default: auto for the bundled model, model "
+                        "with --draft-model, else lookup")
     g.add_argument("--draft-model", default=None, metavar="PATH",
                    help="a local Hugging Face causal-LM folder to draft with (same tokenizer as the model)")
     g.add_argument("--docs", dest="docs_opt", action="append", default=None, metavar="FILE",
                    help="with --draft docs: a text file whose paragraphs (blank-line separated) are the documents "
                         "(repeatable; `--draft docs FILE` is the same as `--draft docs --docs FILE`)")
+    g.add_argument("--head", dest="head_opt", default=None, metavar="PATH",
+                   help="a feature head folder: with --draft head it drafts alone (Q8_0, a chain of --k, default 5; "
+                        "--tree W: W candidates per depth); with --draft auto it replaces the w8 draft beside prompt "
+                        "lookup (`--draft head PATH` is the same as `--draft head --head PATH`)")
     g.add_argument("--k", type=int, default=None,
                    help="draft tokens per step (default: int8 6, w8 6, bf16 8, model 4, lookup 10; suffix / docs: "
                         "the draft depth cap, 16; recycle: the template depth, 6)")
@@ -206,9 +211,20 @@ def _auto(src: _DraftSource):
     from specdec.models.hf import HFCausalLM
 
     a = src.args
+    if a.head_opt:  # the feature head beside prompt lookup (tokens lookup gets accepted reach the head too)
+        return MultiDraft([PromptLookup(ngram=a.ngram, k=10), _head(src)], escalate=2.0)
     return MultiDraft([PromptLookup(ngram=a.ngram, k=10),
                        DraftModel(HFCausalLM(src.bundled_draft), k=a.k or 6, top_k=a.tree or 1,
                                   stop_threshold=a.stop or None)], escalate=2.0)
+
+
+def _head(src: _DraftSource):
+    from specdec.drafters import EagleHead
+    from specdec.drafters.eagle import load_head
+
+    a = src.args
+    return EagleHead(load_head(a.head_opt), k=a.k or 5, top_k=a.tree or 1, precision="q8_0",
+                     tree="dynamic" if (a.tree or 1) > 1 else "spine")
 
 
 def _folder_model(src: _DraftSource):
@@ -254,7 +270,8 @@ def _documents(src: _DraftSource):
 #: ``--draft`` name -> the factory of its drafter (None: plain decoding), in the order ``--help`` lists them
 DRAFTER_PRESETS: Dict[str, Callable[[_DraftSource], object]] = {
     "auto": _auto, "int8": _bundled_copy, "w8": _bundled_copy, "bf16": _bundled_copy, "lookup": _lookup,
-    "suffix": _suffix, "recycle": _recycle, "docs": _documents, "model": _folder_model, "none": lambda src: None,
+    "suffix": _suffix, "recycle": _recycle, "docs": _documents, "head": _head, "model": _folder_model,
+    "none": lambda src: None,
 }
 
 
@@ -273,6 +290,10 @@ def _check_draft_options(args: argparse.Namespace, bundled: bool) -> str:
         raise ValueError("--draft docs needs a document file: --draft docs FILE (or --docs FILE)")
     if doc_files and draft != "docs":
         raise ValueError(f"document files are only used with --draft docs (got --draft {draft})")
+    if draft == "head" and not args.head_opt:
+        raise ValueError("--draft head needs a head folder: --draft head PATH (or --head PATH)")
+    if args.head_opt and draft not in ("head", "auto"):
+        raise ValueError(f"--head is used with --draft head or --draft auto (got --draft {draft})")
     return draft
 
 
@@ -419,11 +440,12 @@ def _bench(argv: List[str]) -> int:
 
 
 def _docs_file_as_option(argv: List[str]) -> List[str]:
-    """``--draft docs FILE`` -> ``--draft docs --docs FILE`` (the token after ``docs`` is its file)."""
+    """``--draft docs FILE`` -> ``--draft docs --docs FILE``, ``--draft head PATH`` -> ``--draft head --head
+    PATH`` (the token after the preset is its file)."""
     out = list(argv)
     for i in range(len(out) - 2):
-        if out[i] == "--draft" and out[i + 1] == "docs" and not out[i + 2].startswith("-"):
-            out.insert(i + 2, "--docs")
+        if out[i] == "--draft" and out[i + 1] in ("docs", "head") and not out[i + 2].startswith("-"):
+            out.insert(i + 2, "--" + out[i + 1])
             break
     return out
 

@@ -465,3 +465,29 @@ def test_smollm2_cli_generate_default_drafter(smol, capsys):
     rc = main(["generate", "Write one sentence about the sea.", "--max-new-tokens", "10", "--compare", "--no-stream"])
     stats = capsys.readouterr().out.strip().splitlines()[-1]
     assert rc == 0 and "draft=auto policy=goodput" in stats and "same text" in stats
+
+
+def test_smollm2_cli_generate_with_a_head(smol, capsys, tmp_path):
+    """``--draft head PATH`` drafts with a feature head folder; ``--draft auto --head PATH`` puts it beside
+    prompt lookup; --head without those presets and --draft head without a folder are refused."""
+    from specdec.cli import main
+    from specdec.drafters import HeadConfig, HeadNet
+    from specdec.drafters.eagle import save_head
+
+    cfg = smol["model"].config
+    torch.manual_seed(0)
+    net = HeadNet(HeadConfig(hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
+                             num_kv_heads=cfg.num_key_value_heads, intermediate_size=256,
+                             vocab_size=cfg.vocab_size, draft_vocab=512))
+    net.set_vocab(torch.arange(512))
+    save_head(net, str(tmp_path / "head"))
+    for argv in (["--draft", "head", str(tmp_path / "head")], ["--head", str(tmp_path / "head")]):
+        rc = main(["generate", "Write one sentence about the sea.", "--max-new-tokens", "8", "--compare",
+                   "--no-stream", "--policy", "fixed"] + argv)
+        stats = capsys.readouterr().out.strip().splitlines()[-1]
+        assert rc == 0 and "same text" in stats, stats
+        assert ("draft=head" if argv[0] == "--draft" else "draft=auto") in stats
+    assert main(["generate", "hi", "--draft", "lookup", "--head", str(tmp_path / "head")]) != 0
+    assert "--head is used with --draft head or --draft auto" in capsys.readouterr().err
+    assert main(["generate", "hi", "--draft", "head"]) != 0
+    assert "--draft head needs a head folder" in capsys.readouterr().err
