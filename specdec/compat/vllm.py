@@ -30,6 +30,7 @@ Semantics (vLLM v1, per request with drafts d_0 .. d_{n-1}):
 """
 from __future__ import annotations
 
+from array import array
 from typing import Optional, Sequence
 
 import torch
@@ -120,8 +121,8 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[i
     if draft_probs is not None:
         check_tensor(_FN, "draft_probs", draft_probs, 2, FLOATS, (T, V))
     check_tensor(_FN, "bonus_token_ids", bonus_token_ids, 2, INTS, (B, 1))
-    check_token_range(_FN, "draft_token_ids", draft_token_ids, V)
-    check_token_range(_FN, "bonus_token_ids", bonus_token_ids, V)
+    d_host = check_token_range(_FN, "draft_token_ids", draft_token_ids, V)
+    bonus_host = check_token_range(_FN, "bonus_token_ids", bonus_token_ids, V)
     dev = target_probs.device
     greedy, generators, n_greedy = resolve_sampling(_FN, sampling_metadata, B, dev)
     if uniforms is not None:
@@ -131,6 +132,8 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[i
     N = S + 1
     uniform = S > 0 and min(n) == S  # every request at S drafts: the stack's rows are already [B, S, V]
     if uniform and n_greedy == B and target_probs.dtype in _LOGIT_DTYPES:
+        if d_host is not None and bonus_host is not None and dev.type == "cpu":
+            return _greedy_uniform_host(d_host, bonus_host, B, S, W, target_probs)
         return _greedy_uniform(draft_token_ids, B, S, W, target_probs, bonus_token_ids)
     if uniform and n_greedy == 0 and target_probs.dtype == torch.float32:
         u = (draw_uniforms(B, N, n, dev, generator, generators) if uniforms is None
@@ -221,6 +224,26 @@ def _greedy_uniform(draft_token_ids, B, S, W, target_probs, bonus_token_ids) -> 
     if W > S + 1:
         parts.append(torch.full((B, W - S - 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=dev))
     return torch.cat(parts, 1).to(torch.int32)
+
+
+def _greedy_uniform_host(d: list, bonus: list, B, S, W, target_probs) -> torch.Tensor:
+    """:func:`_greedy_uniform` for CPU batches whose drafts and bonus tokens the range checks already
+    read on the host: the op's input tokens and the [B, W] result are built from Python lists (a
+    few microseconds, where each tensor operation costs several). Input tokens: the drafts shifted
+    right by one, so row b is (d_{b-1, S-1}, d_{b,0} .. d_{b,S-2}); its first entry is the root's
+    token, which the op never checks."""
+    rows = target_probs if target_probs.is_contiguous() else target_probs.contiguous()
+    shifted = array("q", (0,))
+    shifted.extend(d)
+    tokens = torch.frombuffer(shifted, dtype=torch.int64, count=B * S).view(B, S)
+    _, _, o = ops.greedy_verify(tokens, chain_parents(B, S, rows.device), rows.view(B, S, -1))
+    tail = [PLACEHOLDER_TOKEN_ID] * (W - S - 1)
+    out = array("i")
+    for b, r in enumerate(o.tolist()):
+        out.extend(r)
+        out.append(bonus[b] if r[S - 1] == d[b * S + S - 1] else PLACEHOLDER_TOKEN_ID)
+        out.extend(tail)
+    return torch.frombuffer(out, dtype=torch.int32).view(B, W).clone()
 
 
 def _on(t: torch.Tensor, dev: torch.device) -> torch.Tensor:

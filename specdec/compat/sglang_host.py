@@ -1,0 +1,201 @@
+"""The exact form of :func:`specdec.compat.sglang.tree_speculative_sampling_target_only` for
+batches on the CPU, computed on the host.
+
+The tensor form (``sglang._exact_inputs``) turns SGLang's coins into specdec's per-child uniforms
+with a few dozen small tensor operations and a float32 sum of every row that has children. Here
+the same numbers come from NumPy views of the same memory (no copies, no dispatcher), and only
+the rows the walk can reach are summed:
+
+* the tree (first child / next sibling links) is walked once per distinct batch of links and kept
+  (:func:`specdec.compat.sglang_tree.walk_lists`, a small LRU keyed by the links' bytes);
+* each child's uniform is ``(u - P_prev) / (S_row - P_prev)`` with the same float64 operations as
+  the tensor form. ``P_prev`` (the earlier siblings' mass) is a sum of at most two nonzero terms
+  here, whose value does not depend on the order; with three or more earlier siblings, or a mass
+  that is not finite, torch's own reduction over the same [B, N, N] masks computes it, as there;
+* a row sum (float32, one row or one node column at a time: torch gives a row the same value
+  inside any batch) is computed only for the roots and for nodes whose coin does not clearly
+  reject them. The op reads a node's uniform only when it stands at the node's parent, so a
+  skipped row cannot change the result unless the walk reaches it; when it does (rows with
+  negative or infinite entries can defeat the guess), the remaining sums are computed and the op
+  runs again. The integers are therefore those of the tensor form in every case.
+
+Returns False (nothing written) for trees whose numbering is not SGLang's builder order; the
+tensor form handles those.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import NamedTuple, Optional
+
+import numpy as np
+import torch
+
+from specdec import ops
+from specdec.compat.sglang_tree import err, walk_lists
+
+__all__ = ["sample_exact_host"]
+
+_SLACK = 1e-3  # relative margin of the reachability guess (only speed depends on it)
+
+
+class _Tree(NamedTuple):
+    par_t: torch.Tensor      # [B, N] int32, the op's parents (callers only read it)
+    kb: np.ndarray           # request of each child (row-major order: parents before children)
+    ki: np.ndarray           # node of each child
+    kp: np.ndarray           # parent of each child
+    earlier: np.ndarray      # [children, K] positions of each child's earlier siblings (pad: len(kb))
+    has_kids: np.ndarray     # [B, N] bool
+    mask: list               # [B, N, N] float64 sibling masks of the tensor form, made when first needed
+
+
+_TREES: "OrderedDict[tuple, Optional[_Tree]]" = OrderedDict()
+
+
+def _tree(fn: str, next_token: torch.Tensor, next_sibling: torch.Tensor, N: int, depth: int) -> Optional[_Tree]:
+    a, b = next_token.numpy(), next_sibling.numpy()
+    key = (a.tobytes(), b.tobytes(), a.dtype.str, b.dtype.str, a.shape, depth)
+    if key in _TREES:
+        _TREES.move_to_end(key)
+        return _TREES[key]
+    orders, parents, _ = walk_lists(fn, next_token.tolist(), next_sibling.tolist(), N, depth)
+    tree = None
+    if all(o == i or o < 0 for row in orders for i, o in enumerate(row)):
+        par = np.array(parents, dtype=np.int32).reshape(a.shape)
+        kb, ki = np.nonzero(par >= 0)
+        kp = par[kb, ki].astype(np.int64)
+        pos = {}
+        groups = []
+        for k, (bb, p) in enumerate(zip(kb.tolist(), kp.tolist())):
+            g = pos.setdefault((bb, p), [])
+            groups.append(list(g))
+            g.append(k)
+        width = max((len(g) for g in groups), default=0)
+        earlier = np.full((len(groups), width), len(groups), dtype=np.int64)
+        for k, g in enumerate(groups):
+            earlier[k, :len(g)] = g
+        has_kids = np.zeros(a.shape, dtype=bool)
+        has_kids[kb, kp] = True
+        tree = _Tree(torch.from_numpy(par), kb, ki, kp, earlier, has_kids, [])
+    _TREES[key] = tree
+    if len(_TREES) > 256:
+        _TREES.popitem(last=False)
+    return tree
+
+
+def sample_exact_host(fn, predicts, accept_index, accept_token_num, candidates, ri: np.ndarray,
+                      retrive_next_token, retrive_next_sibling, uniform_samples, uniform_final,
+                      target_probs) -> bool:
+    """Run the exact form; False (nothing written) when the tree numbering is not the identity."""
+    B, N = candidates.shape
+    V = target_probs.shape[2]
+    S = accept_index.shape[1]
+    tree = _tree(fn, retrive_next_token, retrive_next_sibling, N, S - 1)
+    if tree is None:
+        return False
+    kb, ki, kp = tree.kb, tree.ki, tree.kp
+    cand = candidates.numpy()
+    if cand.min() < 0 or cand.max() >= V:  # padding may hold anything: only the tree's nodes must be tokens
+        bad = np.flatnonzero((cand[kb, ki] < 0) | (cand[kb, ki] >= V))
+        if bad.size:
+            b, i = int(kb[bad[0]]), int(ki[bad[0]])
+            raise err(fn, f"candidates[{b}, {i}]", f"a token in [0, {V})", int(cand[b, i]))
+    tokens = np.full((B, N), -1, dtype=np.int64)
+    tk = cand[kb, ki].astype(np.int64)
+    tokens[kb, ki] = tk
+    tokens[:, 0] = np.minimum(np.maximum(cand[:, 0], 0), V - 1)
+    probs = target_probs.to(torch.float32).contiguous()
+    p_child = probs.numpy()[kb, kp, tk].astype(np.float64)  # float32 values, exactly
+    coin = uniform_samples.numpy()[kb, kp].astype(np.float64)
+    dup = (np.append(tk, -1)[tree.earlier] == tk[:, None]).any(1) if tk.size else np.zeros(0, dtype=bool)
+    mass = np.where(dup, 0.0, p_child)
+    p_prev = _earlier_mass(tree, mass, B, N)
+    sums = np.full((B, N), np.nan)
+    known = np.zeros((B, N), dtype=bool)
+    _row_sums(probs, _reachable(tree, coin, p_prev, p_child, B), sums, known)
+    final = _unit(uniform_final.numpy().reshape(B).astype(np.float64))
+    tok_t = torch.from_numpy(tokens)
+    while True:
+        u = _uniforms(tree, coin, p_prev, sums, known, final, B, N)
+        accepted, num, out = ops.rejection_sample(tok_t, tree.par_t, probs, None, torch.from_numpy(u))
+        acc = accepted.numpy().astype(np.int64)
+        node = np.maximum(acc, 0)
+        on = acc >= 0
+        rows = np.arange(B)[:, None]
+        if not (on & tree.has_kids[rows, node] & ~known[rows, node]).any():
+            break
+        _row_sums(probs, tree.has_kids & ~known, sums, known)  # now u is the tensor form's everywhere
+    flat = np.where(on, ri[rows, node], -1)
+    w = min(S, N)
+    ai = np.full((B, S), -1, dtype=np.int64)
+    ai[:, :w] = flat[:, :w]
+    accept_index.copy_(torch.from_numpy(ai))
+    accept_token_num.copy_(num)
+    sel = flat >= 0
+    vals = torch.from_numpy(out.numpy()[sel])
+    predicts[torch.from_numpy(flat[sel])] = vals if predicts.dtype == vals.dtype else vals.to(predicts.dtype)
+    return True
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    """Clamp to [0, 1], NaN kept (as torch.clamp)."""
+    return np.minimum(np.maximum(x, 0.0), 1.0)
+
+
+def _earlier_mass(tree: _Tree, mass: np.ndarray, B: int, N: int) -> np.ndarray:
+    """Each child's earlier siblings' mass (float64), as the tensor form computes it."""
+    if tree.earlier.shape[1] == 0:
+        return np.zeros(mass.shape)
+    if tree.earlier.shape[1] <= 2 and np.isfinite(mass).all():  # at most two terms: any order, same sum
+        return np.append(mass, 0.0)[tree.earlier].sum(1)
+    if not tree.mask:
+        par = tree.par_t.numpy().astype(np.int64)
+        same = (par[:, :, None] == par[:, None, :]) & np.tri(N, k=-1, dtype=bool)[None] & (par >= 0)[:, None, :]
+        tree.mask.append(torch.from_numpy(same.astype(np.float64)))
+    m = np.zeros((B, N))
+    m[tree.kb, tree.ki] = mass
+    full = (tree.mask[0] * torch.from_numpy(m)[:, None, :]).sum(-1).numpy()
+    return full[tree.kb, tree.ki]
+
+
+def _reachable(tree: _Tree, coin, p_prev, p_child, B: int) -> np.ndarray:
+    """[B, N] bool: the rows with children the walk is likely to stand on (the roots, and children
+    whose coin does not clearly reject them, below such a node)."""
+    likely = np.zeros(tree.has_kids.shape, dtype=bool)
+    likely[:, 0] = True
+    with np.errstate(all="ignore"):
+        gap = coin - p_prev
+        maybe = ~(gap > p_child * (1.0 + _SLACK) + 1e-300)  # NaN: maybe
+    for k in np.flatnonzero(maybe).tolist():  # parents come before their children
+        b, p = tree.kb[k], tree.kp[k]
+        if likely[b, p]:
+            likely[b, tree.ki[k]] = True
+    return likely & tree.has_kids
+
+
+def _row_sums(probs: torch.Tensor, rows: np.ndarray, sums: np.ndarray, known: np.ndarray) -> None:
+    """float32 sums of the [B, N] ``rows`` (as float64) into ``sums``: a node needed by every request
+    in one call over its column, the others one row at a time."""
+    B = probs.shape[0]
+    need = rows & ~known
+    for r in np.flatnonzero(need.any(0)).tolist():
+        bs = np.flatnonzero(need[:, r])
+        if bs.size == B:
+            sums[:, r] = probs[:, r].sum(-1).numpy()
+        else:
+            for b in bs.tolist():
+                sums[b, r] = float(probs[b, r].sum())
+    known |= need
+
+
+def _uniforms(tree: _Tree, coin, p_prev, sums, known, final, B: int, N: int) -> np.ndarray:
+    """[B, N] float64 uniforms: the tensor form's per-child mapping (1.0 where the parent's row was
+    not summed: never read unless the walk gets there, which the caller checks)."""
+    s = sums[tree.kb, tree.kp]
+    with np.errstate(all="ignore"):
+        denom = s - p_prev
+        pos = denom > 0
+        x = _unit(np.where(pos, (coin - p_prev) / np.where(pos, denom, 1.0), 1.0))
+    u = np.zeros((B, N))
+    u[tree.kb, tree.ki] = np.where(known[tree.kb, tree.kp], x, 1.0)
+    u[:, 0] = final
+    return u
