@@ -81,7 +81,11 @@ def check_token_range(fn: str, arg: str, t: torch.Tensor, V: int) -> Optional[li
     if not n:
         return []
     if n <= HOST_MAX and t.device.type == "cpu":
-        vals = t.tolist() if t.dim() == 1 else t.reshape(-1).tolist()
+        vals = t.tolist()
+        if t.dim() == 2 and t.shape[1] == 1:  # a [B, 1] column (vLLM's bonus tokens)
+            vals = [x for (x,) in vals]
+        elif t.dim() != 1:
+            vals = t.reshape(-1).tolist()
         lo, hi = min(vals), max(vals)
     else:
         vals = None

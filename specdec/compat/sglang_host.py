@@ -42,9 +42,12 @@ class _Tree(NamedTuple):
     par_t: torch.Tensor      # [B, N] int32, the op's parents (callers only read it)
     kb: np.ndarray           # request of each child (row-major order: parents before children)
     ki: np.ndarray           # node of each child
-    kp: np.ndarray           # parent of each child
+    kflat: np.ndarray        # b * N + node of each child
+    pflat: np.ndarray        # b * N + parent of each child
     earlier: np.ndarray      # [children, K] positions of each child's earlier siblings (pad: len(kb))
-    has_kids: np.ndarray     # [B, N] bool
+    has_kids: np.ndarray     # [B * N] bool
+    roots: np.ndarray        # b * N of each request
+    all_roots: bool          # every root has children
     mask: list               # [B, N, N] float64 sibling masks of the tensor form, made when first needed
 
 
@@ -54,12 +57,13 @@ _TREES: "OrderedDict[tuple, Optional[_Tree]]" = OrderedDict()
 def _tree(fn: str, next_token: torch.Tensor, next_sibling: torch.Tensor, N: int, depth: int) -> Optional[_Tree]:
     a, b = next_token.numpy(), next_sibling.numpy()
     key = (a.tobytes(), b.tobytes(), a.dtype.str, b.dtype.str, a.shape, depth)
-    if key in _TREES:
-        _TREES.move_to_end(key)
-        return _TREES[key]
+    tree = _TREES.get(key, False)
+    if tree is not False:
+        return tree
     orders, parents, _ = walk_lists(fn, next_token.tolist(), next_sibling.tolist(), N, depth)
     tree = None
     if all(o == i or o < 0 for row in orders for i, o in enumerate(row)):
+        B = a.shape[0]
         par = np.array(parents, dtype=np.int32).reshape(a.shape)
         kb, ki = np.nonzero(par >= 0)
         kp = par[kb, ki].astype(np.int64)
@@ -73,12 +77,14 @@ def _tree(fn: str, next_token: torch.Tensor, next_sibling: torch.Tensor, N: int,
         earlier = np.full((len(groups), width), len(groups), dtype=np.int64)
         for k, g in enumerate(groups):
             earlier[k, :len(g)] = g
-        has_kids = np.zeros(a.shape, dtype=bool)
-        has_kids[kb, kp] = True
-        tree = _Tree(torch.from_numpy(par), kb, ki, kp, earlier, has_kids, [])
+        has_kids = np.zeros(B * N, dtype=bool)
+        has_kids[kb * N + kp] = True
+        roots = np.arange(B, dtype=np.int64) * N
+        tree = _Tree(torch.from_numpy(par), kb, ki, kb * N + ki, kb * N + kp, earlier, has_kids, roots,
+                     bool(has_kids[roots].all()), [])
     _TREES[key] = tree
     if len(_TREES) > 256:
-        _TREES.popitem(last=False)
+        _TREES.pop(next(iter(_TREES)))
     return tree
 
 
@@ -92,39 +98,42 @@ def sample_exact_host(fn, predicts, accept_index, accept_token_num, candidates, 
     tree = _tree(fn, retrive_next_token, retrive_next_sibling, N, S - 1)
     if tree is None:
         return False
-    kb, ki, kp = tree.kb, tree.ki, tree.kp
-    cand = candidates.numpy()
-    if cand.min() < 0 or cand.max() >= V:  # padding may hold anything: only the tree's nodes must be tokens
-        bad = np.flatnonzero((cand[kb, ki] < 0) | (cand[kb, ki] >= V))
-        if bad.size:
-            b, i = int(kb[bad[0]]), int(ki[bad[0]])
-            raise err(fn, f"candidates[{b}, {i}]", f"a token in [0, {V})", int(cand[b, i]))
-    tokens = np.full((B, N), -1, dtype=np.int64)
-    tk = cand[kb, ki].astype(np.int64)
-    tokens[kb, ki] = tk
-    tokens[:, 0] = np.minimum(np.maximum(cand[:, 0], 0), V - 1)
-    probs = target_probs.to(torch.float32).contiguous()
-    p_child = probs.numpy()[kb, kp, tk].astype(np.float64)  # float32 values, exactly
-    coin = uniform_samples.numpy()[kb, kp].astype(np.float64)
-    dup = (np.append(tk, -1)[tree.earlier] == tk[:, None]).any(1) if tk.size else np.zeros(0, dtype=bool)
-    mass = np.where(dup, 0.0, p_child)
+    cand = candidates.numpy().reshape(-1)
+    tk = cand[tree.kflat].astype(np.int64)
+    if tk.size and (tk.min() < 0 or tk.max() >= V):  # padding may hold anything: only the tree's nodes
+        k = int(np.flatnonzero((tk < 0) | (tk >= V))[0])
+        raise err(fn, f"candidates[{tree.kb[k]}, {tree.ki[k]}]", f"a token in [0, {V})", int(tk[k]))
+    tokens = np.full(B * N, -1, dtype=np.int64)
+    tokens[tree.kflat] = tk
+    tokens[tree.roots] = np.minimum(np.maximum(cand[tree.roots], 0), V - 1)
+    probs = target_probs if target_probs.dtype == torch.float32 and target_probs.is_contiguous() \
+        else target_probs.to(torch.float32).contiguous()
+    p_child = probs.numpy().reshape(-1)[tree.pflat * V + tk].astype(np.float64)  # float32 values, exactly
+    coin = uniform_samples.numpy().reshape(-1)[tree.pflat].astype(np.float64)
+    if tree.earlier.shape[1]:
+        dup = (np.append(tk, -1)[tree.earlier] == tk[:, None]).any(1)
+        mass = np.where(dup, 0.0, p_child)
+    else:
+        mass = p_child
     p_prev = _earlier_mass(tree, mass, B, N)
-    sums = np.full((B, N), np.nan)
-    known = np.zeros((B, N), dtype=bool)
-    _row_sums(probs, _reachable(tree, coin, p_prev, p_child, B), sums, known)
+    sums = np.full(B * N, np.nan)
+    known = np.zeros(B * N, dtype=bool)
+    _row_sums(probs, _reachable(tree, coin, p_prev, p_child, B, N), sums, known, N)
     final = _unit(uniform_final.numpy().reshape(B).astype(np.float64))
-    tok_t = torch.from_numpy(tokens)
+    tok_t = torch.from_numpy(tokens).view(B, N)
     while True:
         u = _uniforms(tree, coin, p_prev, sums, known, final, B, N)
-        accepted, num, out = ops.rejection_sample(tok_t, tree.par_t, probs, None, torch.from_numpy(u))
-        acc = accepted.numpy().astype(np.int64)
-        node = np.maximum(acc, 0)
+        accepted, num, out = ops.rejection_sample(tok_t, tree.par_t, probs, None, torch.from_numpy(u).view(B, N))
+        acc = accepted.numpy()
         on = acc >= 0
-        rows = np.arange(B)[:, None]
-        if not (on & tree.has_kids[rows, node] & ~known[rows, node]).any():
-            break
-        _row_sums(probs, tree.has_kids & ~known, sums, known)  # now u is the tensor form's everywhere
-    flat = np.where(on, ri[rows, node], -1)
+        node = (np.where(on, acc, 0) + tree.roots[:, None]).reshape(-1)
+        on = on.reshape(-1)
+        if num.numpy().max() == 0 and not (tree.has_kids[tree.roots] & ~known[tree.roots]).any():
+            break  # every walk ended at its root, whose sum is known
+        if not (on & tree.has_kids[node] & ~known[node]).any():
+            break  # every row the walks stood on was summed
+        _row_sums(probs, tree.has_kids & ~known, sums, known, N)  # now u is the tensor form's everywhere
+    flat = np.where(on, ri.reshape(-1)[node], -1).reshape(B, N)
     w = min(S, N)
     ai = np.full((B, S), -1, dtype=np.int64)
     ai[:, :w] = flat[:, :w]
@@ -151,51 +160,48 @@ def _earlier_mass(tree: _Tree, mass: np.ndarray, B: int, N: int) -> np.ndarray:
         par = tree.par_t.numpy().astype(np.int64)
         same = (par[:, :, None] == par[:, None, :]) & np.tri(N, k=-1, dtype=bool)[None] & (par >= 0)[:, None, :]
         tree.mask.append(torch.from_numpy(same.astype(np.float64)))
-    m = np.zeros((B, N))
-    m[tree.kb, tree.ki] = mass
-    full = (tree.mask[0] * torch.from_numpy(m)[:, None, :]).sum(-1).numpy()
-    return full[tree.kb, tree.ki]
+    m = np.zeros(B * N)
+    m[tree.kflat] = mass
+    full = (tree.mask[0] * torch.from_numpy(m).view(B, 1, N)).sum(-1).numpy().reshape(-1)
+    return full[tree.kflat]
 
 
-def _reachable(tree: _Tree, coin, p_prev, p_child, B: int) -> np.ndarray:
-    """[B, N] bool: the rows with children the walk is likely to stand on (the roots, and children
+def _reachable(tree: _Tree, coin, p_prev, p_child, B: int, N: int) -> np.ndarray:
+    """[B * N] bool: the rows with children the walk is likely to stand on (the roots, and children
     whose coin does not clearly reject them, below such a node)."""
-    likely = np.zeros(tree.has_kids.shape, dtype=bool)
-    likely[:, 0] = True
+    likely = np.zeros(B * N, dtype=bool)
+    likely[tree.roots] = True
     with np.errstate(all="ignore"):
-        gap = coin - p_prev
-        maybe = ~(gap > p_child * (1.0 + _SLACK) + 1e-300)  # NaN: maybe
-    for k in np.flatnonzero(maybe).tolist():  # parents come before their children
-        b, p = tree.kb[k], tree.kp[k]
-        if likely[b, p]:
-            likely[b, tree.ki[k]] = True
+        maybe = np.flatnonzero(~(coin - p_prev > p_child * (1.0 + _SLACK) + 1e-300))  # NaN: maybe
+    for k in maybe.tolist():  # parents come before their children
+        if likely[tree.pflat[k]]:
+            likely[tree.kflat[k]] = True
     return likely & tree.has_kids
 
 
-def _row_sums(probs: torch.Tensor, rows: np.ndarray, sums: np.ndarray, known: np.ndarray) -> None:
-    """float32 sums of the [B, N] ``rows`` (as float64) into ``sums``: a node needed by every request
-    in one call over its column, the others one row at a time."""
+def _row_sums(probs: torch.Tensor, rows: np.ndarray, sums: np.ndarray, known: np.ndarray, N: int) -> None:
+    """float32 sums of the flat [B * N] ``rows`` (as float64) into ``sums``: a node needed by every
+    request in one call over its column, the others one row at a time."""
     B = probs.shape[0]
-    need = rows & ~known
+    need = (rows & ~known).reshape(B, N)
     for r in np.flatnonzero(need.any(0)).tolist():
         bs = np.flatnonzero(need[:, r])
         if bs.size == B:
-            sums[:, r] = probs[:, r].sum(-1).numpy()
+            sums[r::N] = probs[:, r].sum(-1).numpy()
         else:
             for b in bs.tolist():
-                sums[b, r] = float(probs[b, r].sum())
-    known |= need
+                sums[b * N + r] = float(probs[b, r].sum())
+    known |= need.reshape(-1)
 
 
 def _uniforms(tree: _Tree, coin, p_prev, sums, known, final, B: int, N: int) -> np.ndarray:
-    """[B, N] float64 uniforms: the tensor form's per-child mapping (1.0 where the parent's row was
+    """[B * N] float64 uniforms: the tensor form's per-child mapping (1.0 where the parent's row was
     not summed: never read unless the walk gets there, which the caller checks)."""
-    s = sums[tree.kb, tree.kp]
     with np.errstate(all="ignore"):
-        denom = s - p_prev
+        denom = sums[tree.pflat] - p_prev
         pos = denom > 0
         x = _unit(np.where(pos, (coin - p_prev) / np.where(pos, denom, 1.0), 1.0))
-    u = np.zeros((B, N))
-    u[tree.kb, tree.ki] = np.where(known[tree.kb, tree.kp], x, 1.0)
-    u[:, 0] = final
+    u = np.zeros(B * N)
+    u[tree.kflat] = np.where(known[tree.pflat], x, 1.0)
+    u[tree.roots] = final
     return u
