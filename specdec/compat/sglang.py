@@ -287,10 +287,10 @@ def tree_speculative_sampling_target_only(
                      retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_probs,
                      draft_probs, threshold_single, threshold_acc)
         return
-    if ri is not None and draft_probs is None and _on_host(candidates, retrive_next_token, retrive_next_sibling,
-                                                           uniform_samples, uniform_samples_for_final_sampling,
-                                                           target_probs) \
-            and sample_exact_host(fn, predicts, accept_index, accept_token_num, candidates, ri, retrive_next_token,
+    host = HOST_FORM and ri is not None and draft_probs is None and _on_host(
+        candidates, retrive_next_token, retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling,
+        target_probs)
+    if host and sample_exact_host(fn, predicts, accept_index, accept_token_num, candidates, ri, retrive_next_token,
                                   retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling,
                                   target_probs):
         return
@@ -309,6 +309,7 @@ def tree_speculative_sampling_target_only(
 
 
 _NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
+HOST_FORM = True  # the exact sampler's CPU batches on the host (specdec.compat.sglang_host); False: tensor form
 
 
 def _on_host(candidates, next_token, next_sibling, uniform_samples, uniform_final, target_probs) -> bool:

@@ -152,10 +152,11 @@ def _unit(x: np.ndarray) -> np.ndarray:
 
 def _earlier_mass(tree: _Tree, mass: np.ndarray, B: int, N: int) -> np.ndarray:
     """Each child's earlier siblings' mass (float64), as the tensor form computes it."""
-    if tree.earlier.shape[1] == 0:
-        return np.zeros(mass.shape)
-    if tree.earlier.shape[1] <= 2 and np.isfinite(mass).all():  # at most two terms: any order, same sum
-        return np.append(mass, 0.0)[tree.earlier].sum(1)
+    if np.isfinite(mass).all():  # else 0 * inf = NaN reaches every node of the request there
+        if tree.earlier.shape[1] == 0:
+            return np.zeros(mass.shape)
+        if tree.earlier.shape[1] <= 2:  # at most two terms: any order, same sum
+            return np.append(mass, 0.0)[tree.earlier].sum(1)
     if not tree.mask:
         par = tree.par_t.numpy().astype(np.int64)
         same = (par[:, :, None] == par[:, None, :]) & np.tri(N, k=-1, dtype=bool)[None] & (par >= 0)[:, None, :]
