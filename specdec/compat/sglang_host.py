@@ -47,7 +47,7 @@ class _Tree(NamedTuple):
     earlier: np.ndarray      # [children, K] positions of each child's earlier siblings (pad: len(kb))
     has_kids: np.ndarray     # [B * N] bool
     roots: np.ndarray        # b * N of each request
-    all_roots: bool          # every root has children
+    root_rows: np.ndarray    # [B * N] bool: the roots that have children (read only)
     mask: list               # [B, N, N] float64 sibling masks of the tensor form, made when first needed
 
 
@@ -80,8 +80,10 @@ def _tree(fn: str, next_token: torch.Tensor, next_sibling: torch.Tensor, N: int,
         has_kids = np.zeros(B * N, dtype=bool)
         has_kids[kb * N + kp] = True
         roots = np.arange(B, dtype=np.int64) * N
+        root_rows = np.zeros(B * N, dtype=bool)
+        root_rows[roots] = True
         tree = _Tree(torch.from_numpy(par), kb, ki, kb * N + ki, kb * N + kp, earlier, has_kids, roots,
-                     bool(has_kids[roots].all()), [])
+                     root_rows & has_kids, [])
     _TREES[key] = tree
     if len(_TREES) > 256:
         _TREES.pop(next(iter(_TREES)))
@@ -128,7 +130,7 @@ def sample_exact_host(fn, predicts, accept_index, accept_token_num, candidates, 
         on = acc >= 0
         node = (np.where(on, acc, 0) + tree.roots[:, None]).reshape(-1)
         on = on.reshape(-1)
-        if num.numpy().max() == 0 and not (tree.has_kids[tree.roots] & ~known[tree.roots]).any():
+        if num.numpy().max() == 0 and not (tree.root_rows & ~known).any():
             break  # every walk ended at its root, whose sum is known
         if not (on & tree.has_kids[node] & ~known[node]).any():
             break  # every row the walks stood on was summed
@@ -170,10 +172,11 @@ def _earlier_mass(tree: _Tree, mass: np.ndarray, B: int, N: int) -> np.ndarray:
 def _reachable(tree: _Tree, coin, p_prev, p_child, B: int, N: int) -> np.ndarray:
     """[B * N] bool: the rows with children the walk is likely to stand on (the roots, and children
     whose coin does not clearly reject them, below such a node)."""
-    likely = np.zeros(B * N, dtype=bool)
-    likely[tree.roots] = True
     with np.errstate(all="ignore"):
         maybe = np.flatnonzero(~(coin - p_prev > p_child * (1.0 + _SLACK) + 1e-300))  # NaN: maybe
+    if not maybe.size:
+        return tree.root_rows
+    likely = tree.root_rows.copy()
     for k in maybe.tolist():  # parents come before their children
         if likely[tree.pflat[k]]:
             likely[tree.kflat[k]] = True
