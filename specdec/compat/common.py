@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 from typing import Dict, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 __all__ = ["fail", "check_tensor", "check_token_range", "FLOATS", "INTS", "resolve_sampling", "ragged_counts",
@@ -72,21 +73,16 @@ def ragged_drafts(fn: str, draft_token_ids: torch.Tensor, num_draft_tokens, cu_n
 HOST_MAX = 2048  # a CPU tensor up to this size is checked as a Python list (cheaper than a tensor op)
 
 
-def check_token_range(fn: str, arg: str, t: torch.Tensor, V: int) -> Optional[list]:
+def check_token_range(fn: str, arg: str, t: torch.Tensor, V: int) -> Optional[np.ndarray]:
     """Every entry of the integer tensor ``t`` is a token id in [0, V) (one reduction, one host read).
 
-    Returns the entries as a flat list of ints when they were read on the host (a CPU tensor of at
-    most ``HOST_MAX`` entries, what a caller may reuse instead of reading them again), else None."""
-    n = t.numel()
-    if not n:
-        return []
-    if n <= HOST_MAX and t.device.type == "cpu":
-        vals = t.tolist()
-        if t.dim() == 2 and t.shape[1] == 1:  # a [B, 1] column (vLLM's bonus tokens)
-            vals = [x for (x,) in vals]
-        elif t.dim() != 1:
-            vals = t.reshape(-1).tolist()
-        lo, hi = min(vals), max(vals)
+    Returns a NumPy view of ``t`` when it is a non-empty CPU tensor (checked there, with no tensor
+    operation; a caller may reuse the view instead of reading the values again), else None."""
+    if not t.numel():
+        return None
+    if t.device.type == "cpu":
+        vals = t.numpy()
+        lo, hi = int(vals.min()), int(vals.max())
     else:
         vals = None
         lo, hi = (int(x) for x in torch.aminmax(t))
