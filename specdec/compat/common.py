@@ -82,6 +82,9 @@ def check_token_range(fn: str, arg: str, t: torch.Tensor, V: int) -> Optional[np
         return None
     if t.device.type == "cpu":
         vals = t.numpy()
+        unsigned = _UNSIGNED.get(vals.dtype.itemsize) if vals.dtype.kind == "i" else None
+        if unsigned is not None and int(vals.view(unsigned).max()) < V:  # one reduction: negatives wrap high
+            return vals
         lo, hi = int(vals.min()), int(vals.max())
     else:
         vals = None
@@ -89,6 +92,9 @@ def check_token_range(fn: str, arg: str, t: torch.Tensor, V: int) -> Optional[np
     if lo < 0 or hi >= V:
         fail(fn, arg, f"token ids in [0, {V})", f"values in [{lo}, {hi}]")
     return vals
+
+
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def resolve_sampling(fn: str, sampling_metadata, B: int, device: torch.device
@@ -139,7 +145,7 @@ _MASKS: Dict[Tuple[int, bool, torch.device], torch.Tensor] = {}
 
 def _const_mask(B: int, value: bool, device: torch.device) -> torch.Tensor:
     """A kept ``[B]`` bool tensor of ``value`` (callers only read it)."""
-    key = (int(B), bool(value), torch.device(device))
+    key = (B, value, device)
     t = _MASKS.get(key)
     if t is None:
         if len(_MASKS) >= 256:
@@ -167,7 +173,7 @@ _PARENTS: Dict[Tuple[int, int, torch.device], torch.Tensor] = {}
 def chain_parents(B: int, N: int, device: torch.device) -> torch.Tensor:
     """``[B, N]`` int32 parents of B chains of N nodes (node i's parent i - 1, the root's -1), kept per
     (B, N, device): the ops only read it. Callers must not write to it."""
-    key = (int(B), int(N), torch.device(device))
+    key = (B, N, device)
     t = _PARENTS.get(key)
     if t is None:
         if len(_PARENTS) >= 256:  # shapes vary with the batch; keep the cache bounded

@@ -228,21 +228,22 @@ def _greedy_uniform(draft_token_ids, B, S, W, target_probs, bonus_token_ids) -> 
 
 
 def _greedy_uniform_host(d: np.ndarray, bonus: np.ndarray, B, S, W, target_probs) -> torch.Tensor:
-    """:func:`_greedy_uniform` on the CPU, with NumPy views of the drafts and bonus tokens (from the
-    range checks): the op's input tokens go into a kept buffer and the [B, W] result is assembled
+    """:func:`_greedy_uniform` on the CPU, with NumPy views of the drafts ``d`` [B * S] and bonus tokens
+    [B, 1] (from the range checks): the op's input tokens go into a kept buffer and the [B, W] result is assembled
     in NumPy, so the call makes no tensor operation besides the op itself and two views (each small
     tensor operation costs microseconds, more after the op has streamed its rows through the
     caches). Input tokens: the drafts shifted right by one, so row b is (d_{b-1, S-1}, d_{b,0} ..
     d_{b,S-2}); its first entry is the root's token, which the op never checks."""
     rows = target_probs if target_probs.is_contiguous() else target_probs.contiguous()
     tokens, flat = _token_buffer(B, S)
-    flat[1:] = d.reshape(-1)[:-1]
+    flat[1:] = d[:-1]
     _, _, o = ops.greedy_verify(tokens, chain_parents(B, S, rows.device), rows.view(B, S, -1))
     o = o.numpy()
     out = np.empty((B, W), dtype=np.int32)
     out[:, :S] = o
-    out[:, S] = np.where(o[:, S - 1] == d.reshape(B, S)[:, S - 1], bonus.reshape(-1), PLACEHOLDER_TOKEN_ID)
-    out[:, S + 1:] = PLACEHOLDER_TOKEN_ID
+    out[:, S] = np.where(o[:, S - 1] == d[S - 1::S], bonus[:, 0], PLACEHOLDER_TOKEN_ID)
+    if W > S + 1:
+        out[:, S + 1:] = PLACEHOLDER_TOKEN_ID
     return torch.from_numpy(out)
 
 
