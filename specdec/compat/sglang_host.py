@@ -24,6 +24,7 @@ tensor form handles those.
 """
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from typing import NamedTuple, Optional
 
@@ -36,6 +37,7 @@ from specdec.compat.sglang_tree import err, walk_lists
 __all__ = ["sample_exact_host"]
 
 _SLACK = 1e-3  # relative margin of the reachability guess (only speed depends on it)
+SMALL = 128  # trees of at most this many children (all requests together) are mapped in Python lists
 
 
 class _Tree(NamedTuple):
@@ -49,6 +51,7 @@ class _Tree(NamedTuple):
     roots: np.ndarray        # b * N of each request
     root_rows: np.ndarray    # [B * N] bool: the roots that have children (read only)
     mask: list               # [B, N, N] float64 sibling masks of the tensor form, made when first needed
+    lists: tuple             # (kflat, pflat, earlier, has_kids) as Python lists, for small batches
 
 
 _TREES: "OrderedDict[tuple, Optional[_Tree]]" = OrderedDict()
@@ -82,8 +85,9 @@ def _tree(fn: str, next_token: torch.Tensor, next_sibling: torch.Tensor, N: int,
         roots = np.arange(B, dtype=np.int64) * N
         root_rows = np.zeros(B * N, dtype=bool)
         root_rows[roots] = True
-        tree = _Tree(torch.from_numpy(par), kb, ki, kb * N + ki, kb * N + kp, earlier, has_kids, roots,
-                     root_rows & has_kids, [])
+        kflat, pflat = kb * N + ki, kb * N + kp
+        tree = _Tree(torch.from_numpy(par), kb, ki, kflat, pflat, earlier, has_kids, roots, root_rows & has_kids,
+                     [], (kflat.tolist(), pflat.tolist(), groups, has_kids.tolist()))
     _TREES[key] = tree
     if len(_TREES) > 256:
         _TREES.pop(next(iter(_TREES)))
@@ -100,6 +104,12 @@ def sample_exact_host(fn, predicts, accept_index, accept_token_num, candidates, 
     tree = _tree(fn, retrive_next_token, retrive_next_sibling, N, S - 1)
     if tree is None:
         return False
+    probs = target_probs if target_probs.dtype == torch.float32 and target_probs.is_contiguous() \
+        else target_probs.to(torch.float32).contiguous()
+    if len(tree.lists[0]) <= SMALL:
+        _sample_lists(fn, tree, predicts, accept_index, accept_token_num, candidates, ri, uniform_samples,
+                      uniform_final, probs, B, N, V, S)
+        return True
     cand = candidates.numpy().reshape(-1)
     tk = cand[tree.kflat].astype(np.int64)
     if tk.size and (tk.min() < 0 or tk.max() >= V):  # padding may hold anything: only the tree's nodes
@@ -108,8 +118,6 @@ def sample_exact_host(fn, predicts, accept_index, accept_token_num, candidates, 
     tokens = np.full(B * N, -1, dtype=np.int64)
     tokens[tree.kflat] = tk
     tokens[tree.roots] = np.minimum(np.maximum(cand[tree.roots], 0), V - 1)
-    probs = target_probs if target_probs.dtype == torch.float32 and target_probs.is_contiguous() \
-        else target_probs.to(torch.float32).contiguous()
     p_child = probs.numpy().reshape(-1)[tree.pflat * V + tk].astype(np.float64)  # float32 values, exactly
     coin = uniform_samples.numpy().reshape(-1)[tree.pflat].astype(np.float64)
     if tree.earlier.shape[1]:
@@ -209,3 +217,98 @@ def _uniforms(tree: _Tree, coin, p_prev, sums, known, final, B: int, N: int) -> 
     u[tree.kflat] = np.where(known[tree.pflat], x, 1.0)
     u[tree.roots] = final
     return u
+
+
+def _sample_lists(fn, tree: _Tree, predicts, accept_index, accept_token_num, candidates, ri, uniform_samples,
+                  uniform_final, probs, B: int, N: int, V: int, S: int) -> None:
+    """The host form for small batches in Python lists: the same float64 operations, per child,
+    without an array operation per step (each costs microseconds, more right after the op)."""
+    kflat, pflat, earlier, has_kids = tree.lists
+    cand = candidates.numpy().ravel().tolist()
+    tk = [cand[k] for k in kflat]
+    if tk and (min(tk) < 0 or max(tk) >= V):  # padding may hold anything: only the tree's nodes
+        k = next(k for k, t in enumerate(tk) if not 0 <= t < V)
+        raise err(fn, f"candidates[{kflat[k] // N}, {kflat[k] % N}]", f"a token in [0, {V})", tk[k])
+    tokens = [-1] * (B * N)
+    for k, t in zip(kflat, tk):
+        tokens[k] = t
+    for r in range(0, B * N, N):
+        tokens[r] = min(max(cand[r], 0), V - 1)
+    p_child = probs.numpy().ravel()[[p * V + t for p, t in zip(pflat, tk)]].tolist()  # float32 values, exactly
+    coins = uniform_samples.numpy().ravel().tolist()
+    mass, p_prev, spread = [], [], False
+    for k, t in enumerate(tk):
+        s, nonzero, dup = 0.0, 0, False
+        for j in earlier[k]:
+            m = mass[j]
+            s += m
+            nonzero += m != 0.0
+            dup = dup or tk[j] == t
+        m = 0.0 if dup else p_child[k]
+        spread = spread or nonzero >= 3 or not m - m == 0.0  # torch's reduction decides, as in the array form
+        mass.append(m)
+        p_prev.append(s)
+    if spread:
+        p_prev = _earlier_mass(tree, np.array(mass), B, N).tolist()
+    likely = [False] * (B * N)
+    likely[::N] = [True] * B
+    for k, p in enumerate(pflat):
+        if likely[p] and not coins[p] - p_prev[k] > p_child[k] * (1.0 + _SLACK) + 1e-300:  # NaN: likely
+            likely[kflat[k]] = True
+    sums: dict = {}
+    _list_sums(probs, [r for r in range(B * N) if likely[r] and has_kids[r]], sums, B, N)
+    final = [min(max(x, 0.0), 1.0) for x in uniform_final.numpy().ravel().tolist()]
+    tok_t = torch.frombuffer(array("q", tokens), dtype=torch.int64).view(B, N)
+    while True:
+        u = [0.0] * (B * N)
+        for k, p in enumerate(pflat):
+            s = sums.get(p)
+            if s is None:  # never read unless the walk stands on row p (checked below)
+                u[kflat[k]] = 1.0
+                continue
+            pp = p_prev[k]
+            denom = s - pp
+            u[kflat[k]] = min(max((coins[p] - pp) / denom if denom > 0 else 1.0, 0.0), 1.0)
+        u[::N] = final
+        u_t = torch.frombuffer(array("d", u), dtype=torch.float64).view(B, N)
+        accepted, num, out = ops.rejection_sample(tok_t, tree.par_t, probs, None, u_t)
+        acc, nums = accepted.tolist(), num.tolist()
+        missing = [b * N + a for b in range(B) for a in acc[b][:nums[b] + 1]
+                   if has_kids[b * N + a] and b * N + a not in sums]
+        if not missing:
+            break
+        _list_sums(probs, [r for r in range(B * N) if has_kids[r] and r not in sums], sums, B, N)
+    _write_lists(acc, num, out.tolist(), ri.ravel().tolist(), predicts, accept_index, accept_token_num, B, N, S)
+
+
+def _list_sums(probs: torch.Tensor, rows: list, sums: dict, B: int, N: int) -> None:
+    """float32 sums of the given flat rows into ``sums`` (one call per node column every request
+    needs, else one per row: the same value either way)."""
+    by_node: dict = {}
+    for r in rows:
+        by_node.setdefault(r % N, []).append(r // N)
+    for node, bs in by_node.items():
+        if len(bs) == B:
+            for b, v in enumerate(probs[:, node].sum(-1).tolist()):
+                sums[b * N + node] = v
+        else:
+            for b in bs:
+                sums[b * N + node] = float(probs[b, node].sum())
+
+
+def _write_lists(acc, num, out, ri, predicts, accept_index, accept_token_num, B, N, S) -> None:
+    w = min(S, N)
+    ai, idx, vals = [], [], []
+    for b in range(B):
+        flat = [ri[b * N + a] if a >= 0 else -1 for a in acc[b]]
+        ai.extend(flat[:w])
+        ai.extend([-1] * (S - w))
+        for f, v in zip(flat, out[b]):
+            if f >= 0:
+                idx.append(f)
+                vals.append(v)
+    accept_index.copy_(torch.frombuffer(array("q", ai), dtype=torch.int64).view(B, S))
+    accept_token_num.copy_(num)
+    v = torch.frombuffer(array("q", vals), dtype=torch.int64)
+    predicts[torch.frombuffer(array("q", idx), dtype=torch.int64)] = v if predicts.dtype == torch.int64 \
+        else v.to(predicts.dtype)
