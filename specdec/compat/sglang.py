@@ -288,8 +288,8 @@ def tree_speculative_sampling_target_only(
                      draft_probs, threshold_single, threshold_acc)
         return
     host = HOST_FORM and ri is not None and draft_probs is None and _on_host(
-        candidates, retrive_next_token, retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling,
-        target_probs)
+        (predicts, accept_index, accept_token_num), candidates, retrive_next_token, retrive_next_sibling,
+        uniform_samples, uniform_samples_for_final_sampling, target_probs)
     if host and sample_exact_host(fn, predicts, accept_index, accept_token_num, candidates, ri, retrive_next_token,
                                   retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling,
                                   target_probs):
@@ -312,11 +312,13 @@ _NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
 HOST_FORM = True  # the exact sampler's CPU batches on the host (specdec.compat.sglang_host); False: tensor form
 
 
-def _on_host(candidates, next_token, next_sibling, uniform_samples, uniform_final, target_probs) -> bool:
-    """The host form applies: CPU tensors NumPy can view (no autograd, no bfloat16 coins)."""
-    ts = (candidates, next_token, next_sibling, uniform_samples, uniform_final, target_probs)
+def _on_host(outputs, candidates, next_token, next_sibling, uniform_samples, uniform_final, target_probs) -> bool:
+    """The host form applies: CPU tensors NumPy can view (no autograd, no bfloat16 coins), outputs int32 /
+    int64."""
+    ts = (candidates, next_token, next_sibling, uniform_samples, uniform_final, target_probs, *outputs)
     return all(t.device.type == "cpu" and not t.requires_grad for t in ts) \
-        and uniform_samples.dtype in _NUMPY_FLOATS and uniform_final.dtype in _NUMPY_FLOATS
+        and uniform_samples.dtype in _NUMPY_FLOATS and uniform_final.dtype in _NUMPY_FLOATS \
+        and all(t.dtype in (torch.int32, torch.int64) for t in outputs)
 
 
 def _exact_inputs(fn, candidates, order, par, identity, uniform_samples, uniform_final, target_probs):

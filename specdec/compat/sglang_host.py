@@ -297,18 +297,17 @@ def _list_sums(probs: torch.Tensor, rows: list, sums: dict, B: int, N: int) -> N
 
 
 def _write_lists(acc, num, out, ri, predicts, accept_index, accept_token_num, B, N, S) -> None:
+    """SGLang's outputs, written through NumPy views of the caller's CPU tensors (int32 / int64)."""
     w = min(S, N)
-    ai, idx, vals = [], [], []
+    ai = accept_index.numpy()
+    ai[:, w:] = -1
+    idx, vals = [], []
     for b in range(B):
         flat = [ri[b * N + a] if a >= 0 else -1 for a in acc[b]]
-        ai.extend(flat[:w])
-        ai.extend([-1] * (S - w))
+        ai[b, :w] = flat[:w]
         for f, v in zip(flat, out[b]):
             if f >= 0:
                 idx.append(f)
                 vals.append(v)
-    accept_index.copy_(torch.frombuffer(array("q", ai), dtype=torch.int64).view(B, S))
-    accept_token_num.copy_(num)
-    v = torch.frombuffer(array("q", vals), dtype=torch.int64)
-    predicts[torch.frombuffer(array("q", idx), dtype=torch.int64)] = v if predicts.dtype == torch.int64 \
-        else v.to(predicts.dtype)
+    accept_token_num.numpy()[:] = num.numpy()
+    predicts.numpy()[idx] = vals  # repeated indices: the last value, as index_put_ on the CPU
