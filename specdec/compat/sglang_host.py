@@ -3,8 +3,8 @@ batches on the CPU, computed on the host.
 
 The tensor form (``sglang._exact_inputs``) turns SGLang's coins into specdec's per-child uniforms
 with a few dozen small tensor operations and a float32 sum of every row that has children. Here
-the same numbers come from NumPy views of the same memory (no copies, no dispatcher), and only
-the rows the walk can reach are summed:
+the same numbers come from Python lists (batches of up to ``SMALL`` children) or NumPy views of the
+same memory (no copies, no dispatcher), and only the rows the walk can reach are summed:
 
 * the tree (first child / next sibling links) is walked once per distinct batch of links and kept
   (:func:`specdec.compat.sglang_tree.walk_lists`, a small LRU keyed by the links' bytes);
