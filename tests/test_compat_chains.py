@@ -335,6 +335,23 @@ def test_vllm_uniform_counts_wider_output(greedy_frac):
         assert torch.equal(wide[:, :5], narrow) and bool((wide[:, 5:] == -1).all())
 
 
+@pytest.mark.parametrize("width", [0, 2])
+def test_vllm_greedy_host_form_equals_tensor_form(width, monkeypatch):
+    """Every request at S drafts, all greedy, on the CPU: the NumPy form's rows equal the tensor
+    form's (the one GPUs take), drafts and bonus tokens int32 or int64, logits in each dtype."""
+    g = _gen(31 + width)
+    for i, (B, S, V) in enumerate([(1, 1, 5), (3, 4, 9), (40, 3, 6), (9, 6, 40)]):
+        d, n, cu, _, p, bonus, temp, _ = vllm_case(B, S, V, g, False, 1.0, uniform=True)
+        if i % 2:
+            d, bonus = d.long(), bonus.long()
+        p = p.to([torch.float32, torch.float16, torch.bfloat16, torch.float32][i])
+        got = vllm.rejection_sample(d, n, S + width, cu, None, p, bonus, temp)
+        monkeypatch.setattr(vllm, "HOST_FORM", False)
+        want = vllm.rejection_sample(d, n, S + width, cu, None, p, bonus, temp)
+        monkeypatch.setattr(vllm, "HOST_FORM", True)
+        assert got.dtype == want.dtype == torch.int32 and torch.equal(got, want), (B, S, V)
+
+
 def test_vllm_generators_and_structure():
     g = _gen(20)
     d, n, cu, q, p, bonus, temp, _ = vllm_case(40, 4, 6, g, True, 0.3)

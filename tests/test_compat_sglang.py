@@ -13,8 +13,9 @@ import re
 import pytest
 import torch
 
+from specdec import ops
 from specdec.compat import sglang as sg
-from specdec.compat import sglang_tree
+from specdec.compat import sglang_host, sglang_tree
 
 NUM_GREEDY = int(os.environ.get("SPECDEC_SGLANG_CASES", "2000"))
 
@@ -402,6 +403,67 @@ def test_sampling_matches_sglang_semantics(kind):
         rp, rai, ran = ref_sampling(*case, S)
         assert ai.tolist() == rai and an.tolist() == ran
         assert predicts.tolist() == rp
+
+
+def _both_forms(case, S, monkeypatch):
+    """The exact sampler's outputs from the host form (CPU default) and from the tensor form."""
+    got = run_sampling(*case, S)
+    monkeypatch.setattr(sg, "HOST_FORM", False)
+    want = run_sampling(*case, S)
+    monkeypatch.setattr(sg, "HOST_FORM", True)
+    return [t.tolist() for t in got], [t.tolist() for t in want]
+
+
+@pytest.mark.parametrize("lists", [True, False])
+@pytest.mark.parametrize("rows", ["normalised", "unnormalised", "negative", "infinite", "nan"])
+def test_sampling_host_form_equals_tensor_form(rows, lists, monkeypatch):
+    """The host form's integers equal the tensor form's on any rows: trees with three or more
+    siblings (the sibling masses summed by torch), rows that break its reachability guess (an
+    infinite or negative entry changes a row's sum; the walk then reaches a row it did not sum and
+    the op runs again) and rows with NaN; in Python lists (small batches) and in NumPy arrays."""
+    monkeypatch.setattr(sglang_host, "SMALL", 10 ** 9 if lists else -1)
+    rng = random.Random(len(rows))
+    g = torch.Generator().manual_seed(40 + len(rows))
+    for t in range(30):
+        B, N, V = rng.randint(1, 20), rng.randint(1, 9), rng.choice([6, 17, 40])
+        S = rng.randint(1, N + 1)
+        cand, ri, nt, ns, us, uf, probs = sample_case(rng, g, B, N, V, ["chain", "bushy", "mixed"][t % 3])
+        if rows == "unnormalised":
+            probs = probs * rng.choice([0.3, 2.5])
+        elif rows == "negative":
+            probs = probs - 0.2 * torch.rand(B, N, V, generator=g)
+        elif rows in ("infinite", "nan"):
+            hit = torch.rand(B, N, V, generator=g) < 0.03
+            probs = probs.masked_fill(hit, float("inf") if rows == "infinite" else float("nan"))
+        if t % 2:
+            us = us * 0.05  # small coins: many children accepted, deeper walks
+        if t % 5 == 4:
+            us = us.float()
+        got, want = _both_forms((cand, ri, nt, ns, us, uf, probs), S, monkeypatch)
+        assert got == want, (rows, t)
+
+
+@pytest.mark.parametrize("lists", [True, False])
+def test_sampling_host_form_resums_a_reached_row(lists, monkeypatch):
+    """An infinite entry in the root row makes its sum infinite, so every child with mass is
+    accepted whatever its coin: the host form's guess skips the child's row, the walk reaches it,
+    and the result still equals the tensor form's."""
+    monkeypatch.setattr(sglang_host, "SMALL", 10 ** 9 if lists else -1)
+    V = 6
+    nt = torch.tensor([[1, 2, -1]])
+    ns = torch.tensor([[-1, -1, -1]])
+    cand = torch.tensor([[0, 1, 2]])
+    probs = torch.full((1, 3, V), 1.0 / V)
+    probs[0, 0, 5] = float("inf")
+    us = torch.tensor([[0.99, 0.5, 0.5]], dtype=torch.float64)
+    uf = torch.tensor([0.3], dtype=torch.float64)
+    calls = []
+    op = ops.rejection_sample
+    monkeypatch.setattr(ops, "rejection_sample", lambda *a: calls.append(1) or op(*a))
+    got = [t.tolist() for t in run_sampling(cand, torch.arange(3)[None], nt, ns, us, uf, probs, 3)]
+    assert len(calls) == 2  # the guess missed row 1: its sum, then the op again
+    _, want = _both_forms((cand, torch.arange(3)[None], nt, ns, us, uf, probs), 3, monkeypatch)
+    assert got == want and got[1] == [[0, 1, -1]] and got[2] == [1]  # node 1 accepted (its coin ignored)
 
 
 def test_sampling_draft_probs_scratch_like_sglang():

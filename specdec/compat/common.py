@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 from typing import Dict, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 __all__ = ["fail", "check_tensor", "check_token_range", "FLOATS", "INTS", "resolve_sampling", "ragged_counts",
@@ -41,9 +42,10 @@ def ragged_counts(fn: str, num_draft_tokens, cu_num_draft_tokens: torch.Tensor, 
         num_draft_tokens = num_draft_tokens.tolist()
     if not isinstance(num_draft_tokens, (list, tuple)):
         fail(fn, "num_draft_tokens", "a list of ints", type(num_draft_tokens).__name__, TypeError)
-    if any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in num_draft_tokens):
-        fail(fn, "num_draft_tokens", "non-negative ints", repr(list(num_draft_tokens)))
     n = list(num_draft_tokens)
+    if not (all(type(x) is int for x in n) and (not n or min(n) >= 0)) and \
+            any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in n):  # the first test is the fast one
+        fail(fn, "num_draft_tokens", "non-negative ints", repr(n))
     if sum(n) != num_tokens:
         fail(fn, "num_draft_tokens", f"summing to num_tokens = {num_tokens} (draft_token_ids' length)",
              f"sum {sum(n)}")
@@ -71,23 +73,35 @@ def ragged_drafts(fn: str, draft_token_ids: torch.Tensor, num_draft_tokens, cu_n
 HOST_MAX = 2048  # a CPU tensor up to this size is checked as a Python list (cheaper than a tensor op)
 
 
-def check_token_range(fn: str, arg: str, t: torch.Tensor, V: int) -> None:
-    """Every entry of the integer tensor ``t`` is a token id in [0, V) (one reduction, one host read)."""
+def check_token_range(fn: str, arg: str, t: torch.Tensor, V: int) -> Optional[np.ndarray]:
+    """Every entry of the integer tensor ``t`` is a token id in [0, V) (one reduction, one host read).
+
+    Returns a NumPy view of ``t`` when it is a non-empty CPU tensor (checked there, with no tensor
+    operation; a caller may reuse the view instead of reading the values again), else None."""
     if not t.numel():
-        return
-    if t.device.type == "cpu" and t.numel() <= HOST_MAX:
-        vals = t.reshape(-1).tolist()
-        lo, hi = min(vals), max(vals)
+        return None
+    if t.device.type == "cpu":
+        vals = t.numpy()
+        unsigned = _UNSIGNED.get(vals.dtype.itemsize) if vals.dtype.kind == "i" else None
+        if unsigned is not None and int(vals.view(unsigned).max()) < V:  # one reduction: negatives wrap high
+            return vals
+        lo, hi = int(vals.min()), int(vals.max())
     else:
+        vals = None
         lo, hi = (int(x) for x in torch.aminmax(t))
     if lo < 0 or hi >= V:
         fail(fn, arg, f"token ids in [0, {V})", f"values in [{lo}, {hi}]")
+    return vals
+
+
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def resolve_sampling(fn: str, sampling_metadata, B: int, device: torch.device
                      ) -> Tuple[torch.Tensor, Dict[int, torch.Generator], int]:
     """vLLM's ``SamplingMetadata`` (or a bare temperature tensor) -> (greedy mask [B] bool,
-    generators, number of greedy rows).
+    generators, number of greedy rows). A batch of one kind of row gets a kept constant mask:
+    callers only read it.
 
     Accepts an object with vLLM's attributes ``temperature`` ([B] float or None), ``all_greedy``,
     ``all_random`` and ``generators`` (dict: batch index -> torch.Generator), or a [B] float
@@ -106,24 +120,38 @@ def resolve_sampling(fn: str, sampling_metadata, B: int, device: torch.device
         generators = dict(getattr(sampling_metadata, "generators", None) or {})
         all_greedy, all_random = bool(sampling_metadata.all_greedy), bool(sampling_metadata.all_random)
     if all_greedy:
-        return torch.ones(B, dtype=torch.bool, device=device), generators, B
+        return _const_mask(B, True, device), generators, B
     if all_random and temperature is None:
-        return torch.zeros(B, dtype=torch.bool, device=device), generators, 0
+        return _const_mask(B, False, device), generators, 0
     check_tensor(fn, "temperature", temperature, 1, FLOATS, (B,))
     for b in generators:
         if not isinstance(b, int) or not 0 <= b < B:
             fail(fn, "generators", f"keyed by batch indices in [0, {B})", f"key {b!r}")
-    greedy = (temperature <= 0).to(device)
     if B == 0:
-        return greedy, generators, 0
+        return _const_mask(B, False, device), generators, 0
     if temperature.device.type == "cpu" and B <= HOST_MAX:
-        return greedy, generators, sum(x <= 0 for x in temperature.tolist())  # NaN: not greedy, as above
-    lo, hi = (float(x) for x in torch.aminmax(temperature))  # one reduction tells the common all-one-kind batches
-    if hi <= 0:
-        return greedy, generators, B
-    if lo > 0:
-        return greedy, generators, 0
-    return greedy, generators, int(greedy.sum())
+        n_greedy = sum(x <= 0 for x in temperature.tolist())  # NaN: not greedy (NaN <= 0 is False)
+    else:
+        lo, hi = (float(x) for x in torch.aminmax(temperature))  # one reduction tells the common one-kind batches
+        n_greedy = B if hi <= 0 else 0 if lo > 0 else -1
+    if n_greedy in (0, B):  # one kind of row: the mask is a constant
+        return _const_mask(B, n_greedy == B, device), generators, n_greedy
+    greedy = (temperature <= 0).to(device)
+    return greedy, generators, n_greedy if n_greedy >= 0 else int(greedy.sum())
+
+
+_MASKS: Dict[Tuple[int, bool, torch.device], torch.Tensor] = {}
+
+
+def _const_mask(B: int, value: bool, device: torch.device) -> torch.Tensor:
+    """A kept ``[B]`` bool tensor of ``value`` (callers only read it)."""
+    key = (B, value, device)
+    t = _MASKS.get(key)
+    if t is None:
+        if len(_MASKS) >= 256:
+            _MASKS.clear()
+        t = _MASKS[key] = torch.full((B,), bool(value), dtype=torch.bool, device=device)
+    return t
 
 
 def draw_uniforms(B: int, N: int, counts: Sequence[int], device: torch.device,
@@ -145,7 +173,7 @@ _PARENTS: Dict[Tuple[int, int, torch.device], torch.Tensor] = {}
 def chain_parents(B: int, N: int, device: torch.device) -> torch.Tensor:
     """``[B, N]`` int32 parents of B chains of N nodes (node i's parent i - 1, the root's -1), kept per
     (B, N, device): the ops only read it. Callers must not write to it."""
-    key = (int(B), int(N), torch.device(device))
+    key = (B, N, device)
     t = _PARENTS.get(key)
     if t is None:
         if len(_PARENTS) >= 256:  # shapes vary with the batch; keep the cache bounded

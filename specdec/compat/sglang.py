@@ -26,6 +26,7 @@ from typing import Optional, Tuple
 import torch
 
 from specdec import ops
+from specdec.compat.sglang_host import sample_exact_host
 from specdec.compat.sglang_lossy import lossy_sample
 from specdec.compat.sglang_tree import err as _err
 from specdec.compat.sglang_tree import check_2d as _check_2d
@@ -134,11 +135,18 @@ def _check_common(fn, predicts, accept_index, accept_token_num, candidates, retr
             raise _err(fn, name, f"a tensor of shape {list(shape)}", got)
         if t.dtype.is_floating_point or t.dtype == torch.bool:
             raise _err(fn, name, "an integer dtype (int32 as SGLang uses)", t.dtype)
-    lo, hi = (int(v) for v in torch.aminmax(retrive_index)) if retrive_index.numel() else (0, 0)
+    ri = None
+    if not retrive_index.numel():
+        lo, hi = 0, 0
+    elif retrive_index.device.type == "cpu":  # a NumPy view, kept for the host form
+        ri = retrive_index.numpy()
+        lo, hi = int(ri.min()), int(ri.max())
+    else:
+        lo, hi = (int(v) for v in torch.aminmax(retrive_index))
     if lo < 0 or hi >= B * N:
         b, i = (int(v) for v in ((retrive_index < 0) | (retrive_index >= B * N)).nonzero()[0])
         raise _err(fn, f"retrive_index[{b}, {i}]", f"a flat index in [0, {B * N})", int(retrive_index[b, i]))
-    return B, N, accept_index.shape[1]
+    return B, N, accept_index.shape[1], ri
 
 
 def _write_outputs(accepted, num_acc, order, retrive_index, accept_index, accept_token_num):
@@ -178,8 +186,8 @@ def verify_tree_greedy(predicts: torch.Tensor, accept_index: torch.Tensor, accep
     the op's decisions exactly the ones above.
     """
     fn = "verify_tree_greedy"
-    B, N, S = _check_common(fn, predicts, accept_index, accept_token_num, candidates, retrive_index,
-                            retrive_next_token, retrive_next_sibling)
+    B, N, S, ri = _check_common(fn, predicts, accept_index, accept_token_num, candidates, retrive_index,
+                                retrive_next_token, retrive_next_sibling)
     if not isinstance(target_predict, torch.Tensor) or target_predict.numel() != B * N:
         got = (f"shape {list(target_predict.shape)}" if isinstance(target_predict, torch.Tensor)
                else type(target_predict))
@@ -248,8 +256,8 @@ def tree_speculative_sampling_target_only(
     counted again as there).
     """
     fn = "tree_speculative_sampling_target_only"
-    B, N, S = _check_common(fn, predicts, accept_index, accept_token_num, candidates, retrive_index,
-                            retrive_next_token, retrive_next_sibling)
+    B, N, S, ri = _check_common(fn, predicts, accept_index, accept_token_num, candidates, retrive_index,
+                                retrive_next_token, retrive_next_sibling)
     if not isinstance(target_probs, torch.Tensor) or target_probs.dim() != 3 or tuple(target_probs.shape[:2]) != (B, N):
         got = f"shape {list(target_probs.shape)}" if isinstance(target_probs, torch.Tensor) else type(target_probs)
         raise _err(fn, "target_probs", f"a float tensor of shape [{B}, {N}, V]", got)
@@ -279,6 +287,13 @@ def tree_speculative_sampling_target_only(
                      retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_probs,
                      draft_probs, threshold_single, threshold_acc)
         return
+    host = HOST_FORM and ri is not None and draft_probs is None and _on_host(
+        (predicts, accept_index, accept_token_num), candidates, retrive_next_token, retrive_next_sibling,
+        uniform_samples, uniform_samples_for_final_sampling, target_probs)
+    if host and sample_exact_host(fn, predicts, accept_index, accept_token_num, candidates, ri, retrive_next_token,
+                                  retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling,
+                                  target_probs):
+        return
     order, par, identity = tree_tensors(fn, retrive_next_token, retrive_next_sibling, S - 1)
     dev = candidates.device
     order, par = order.to(dev), par.to(dev)
@@ -291,6 +306,19 @@ def tree_speculative_sampling_target_only(
     predicts[flat[on]] = out_tokens[on].to(predicts.dtype)
     if draft_probs is not None:
         _write_scratch(draft_probs, target_probs, accepted, on, order, par, tokens)
+
+
+_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
+HOST_FORM = True  # the exact sampler's CPU batches on the host (specdec.compat.sglang_host); False: tensor form
+
+
+def _on_host(outputs, candidates, next_token, next_sibling, uniform_samples, uniform_final, target_probs) -> bool:
+    """The host form applies: CPU tensors NumPy can view (no autograd, no bfloat16 coins), outputs int32 /
+    int64."""
+    ts = (candidates, next_token, next_sibling, uniform_samples, uniform_final, target_probs, *outputs)
+    return all(t.device.type == "cpu" and not t.requires_grad for t in ts) \
+        and uniform_samples.dtype in _NUMPY_FLOATS and uniform_final.dtype in _NUMPY_FLOATS \
+        and all(t.dtype in (torch.int32, torch.int64) for t in outputs)
 
 
 def _exact_inputs(fn, candidates, order, par, identity, uniform_samples, uniform_final, target_probs):

@@ -9,7 +9,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-__all__ = ["err", "check_2d", "walk_tree", "tree_tensors", "FAST_MIN_BATCH"]
+__all__ = ["err", "check_2d", "walk_tree", "walk_lists", "tree_tensors", "FAST_MIN_BATCH"]
 
 
 def err(fn: str, arg: str, expected: str, got) -> ValueError:
@@ -36,14 +36,18 @@ def walk_tree(fn: str, next_token: torch.Tensor, next_sibling: torch.Tensor,
     if N < 1:
         raise err(fn, "retrive_next_token", "at least one node (the root) per request",
                    f"shape {list(next_token.shape)}")
-    for name, t in (("retrive_next_token", next_token), ("retrive_next_sibling", next_sibling)):
-        lo, hi = (int(v) for v in torch.aminmax(t)) if t.numel() else (-1, -1)
-        if lo < -1 or hi >= N:
-            b, i = (int(v) for v in ((t < -1) | (t >= N)).nonzero()[0])
-            raise err(fn, f"{name}[{b}, {i}]", f"-1 or a node index in [0, {N})", int(t[b, i]))
-    nt, ns = next_token.tolist(), next_sibling.tolist()
+    return walk_lists(fn, next_token.tolist(), next_sibling.tolist(), N, max_depth)
+
+
+def walk_lists(fn: str, nt: List[List[int]], ns: List[List[int]], N: int,
+               max_depth: Optional[int]) -> Tuple[List[List[int]], List[List[int]], List[List[int]]]:
+    """:func:`walk_tree` on the links already read as lists (``nt`` / ``ns``: B rows of N ints)."""
+    for name, rows in (("retrive_next_token", nt), ("retrive_next_sibling", ns)):
+        if rows and (min(map(min, rows)) < -1 or max(map(max, rows)) >= N):
+            b, i = next((b, i) for b, row in enumerate(rows) for i, v in enumerate(row) if v < -1 or v >= N)
+            raise err(fn, f"{name}[{b}, {i}]", f"-1 or a node index in [0, {N})", rows[b][i])
     orders, parents, depths = [], [], []
-    for b in range(B):
+    for b in range(len(nt)):
         ftok, fsib = nt[b], ns[b]
         par = [-1] * N
         dep = [0] * N

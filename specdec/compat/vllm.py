@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -43,6 +44,7 @@ __all__ = ["PLACEHOLDER_TOKEN_ID", "rejection_sample", "pad_chains", "tree_rejec
            "TreeSampleOutput", "commit_accepted_kv", "commit_accepted_kv_slots"]
 
 PLACEHOLDER_TOKEN_ID = -1
+HOST_FORM = True  # all-greedy equal-count CPU batches assembled in NumPy (_greedy_uniform_host); False: tensor form
 _LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what greedy_verify reads in place
 
 _FN = "specdec.compat.vllm.rejection_sample"
@@ -120,8 +122,8 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[i
     if draft_probs is not None:
         check_tensor(_FN, "draft_probs", draft_probs, 2, FLOATS, (T, V))
     check_tensor(_FN, "bonus_token_ids", bonus_token_ids, 2, INTS, (B, 1))
-    check_token_range(_FN, "draft_token_ids", draft_token_ids, V)
-    check_token_range(_FN, "bonus_token_ids", bonus_token_ids, V)
+    d_host = check_token_range(_FN, "draft_token_ids", draft_token_ids, V)
+    bonus_host = check_token_range(_FN, "bonus_token_ids", bonus_token_ids, V)
     dev = target_probs.device
     greedy, generators, n_greedy = resolve_sampling(_FN, sampling_metadata, B, dev)
     if uniforms is not None:
@@ -131,6 +133,8 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[i
     N = S + 1
     uniform = S > 0 and min(n) == S  # every request at S drafts: the stack's rows are already [B, S, V]
     if uniform and n_greedy == B and target_probs.dtype in _LOGIT_DTYPES:
+        if HOST_FORM and d_host is not None and bonus_host is not None and dev.type == "cpu":
+            return _greedy_uniform_host(d_host, bonus_host, B, S, W, target_probs)
         return _greedy_uniform(draft_token_ids, B, S, W, target_probs, bonus_token_ids)
     if uniform and n_greedy == 0 and target_probs.dtype == torch.float32:
         u = (draw_uniforms(B, N, n, dev, generator, generators) if uniforms is None
@@ -221,6 +225,42 @@ def _greedy_uniform(draft_token_ids, B, S, W, target_probs, bonus_token_ids) -> 
     if W > S + 1:
         parts.append(torch.full((B, W - S - 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=dev))
     return torch.cat(parts, 1).to(torch.int32)
+
+
+def _greedy_uniform_host(d: np.ndarray, bonus: np.ndarray, B, S, W, target_probs) -> torch.Tensor:
+    """:func:`_greedy_uniform` on the CPU, with NumPy views of the drafts ``d`` [B * S] and bonus tokens
+    [B, 1] (from the range checks): the op's input tokens go into a kept buffer and the [B, W] result is assembled
+    in NumPy, so the call makes no tensor operation besides the op itself and two views (each small
+    tensor operation costs microseconds, more after the op has streamed its rows through the
+    caches). Input tokens: the drafts shifted right by one, so row b is (d_{b-1, S-1}, d_{b,0} ..
+    d_{b,S-2}); its first entry is the root's token, which the op never checks."""
+    rows = target_probs if target_probs.is_contiguous() else target_probs.contiguous()
+    tokens, flat = _token_buffer(B, S)
+    flat[1:] = d[:-1]
+    _, _, o = ops.greedy_verify(tokens, chain_parents(B, S, rows.device), rows.view(B, S, -1))
+    o = o.numpy()
+    out = np.empty((B, W), dtype=np.int32)
+    out[:, :S] = o
+    out[:, S] = np.where(o[:, S - 1] == d[S - 1::S], bonus[:, 0], PLACEHOLDER_TOKEN_ID)
+    if W > S + 1:
+        out[:, S + 1:] = PLACEHOLDER_TOKEN_ID
+    return torch.from_numpy(out)
+
+
+_TOKENS: dict = {}
+
+
+def _token_buffer(B: int, S: int):
+    """A kept [B, S] int64 CPU tensor and a flat NumPy view of it, first entry 0 (the root's token of
+    row 0). Its contents are only valid during one call: not for concurrent calls from several
+    threads (like :func:`specdec.compat.common.workspace`)."""
+    got = _TOKENS.get((B, S))
+    if got is None:
+        if len(_TOKENS) >= 64:
+            _TOKENS.clear()
+        t = torch.zeros(B, S, dtype=torch.int64)
+        got = _TOKENS[(B, S)] = (t, t.numpy().reshape(-1))
+    return got
 
 
 def _on(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
