@@ -29,6 +29,7 @@ from an installed package. ``specdec bench --help`` lists the options.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,8 +45,9 @@ def _model_options(g: argparse.ArgumentParser) -> None:
                    help="drafter: auto (prompt lookup first, the w8 draft only where lookup is not trusted: "
                         "MultiDraft with escalation), int8 (dynamic-quantized) / w8 (weight-only int8) / bf16 copy "
                         "of the bundled model, prompt lookup (n-gram), suffix (suffix decoding), recycle (token "
-                        "recycling), docs FILE (retrieval from the text of FILE; see --docs), head PATH (a feature "
-                        "head folder: `specdec train-head` or a published EAGLE / EAGLE-3 head; see --head), model "
+                        "recycling), docs FILE (retrieval from the text of FILE; see --docs), head [PATH] (a feature "
+                        "head folder: `specdec train-head` or a published EAGLE / EAGLE-3 head; see --head; without "
+                        "PATH the bundled model's head that `specdec train-head` made), model "
                         "(--draft-model PATH), or none (plain decoding). Default: auto for the bundled model, model "
                         "with --draft-model, else lookup")
     g.add_argument("--draft-model", default=None, metavar="PATH",
@@ -291,7 +293,14 @@ def _check_draft_options(args: argparse.Namespace, bundled: bool) -> str:
     if doc_files and draft != "docs":
         raise ValueError(f"document files are only used with --draft docs (got --draft {draft})")
     if draft == "head" and not args.head_opt:
-        raise ValueError("--draft head needs a head folder: --draft head PATH (or --head PATH)")
+        if not bundled:
+            raise ValueError("--draft head needs a head folder: --draft head PATH (or --head PATH)")
+        from specdec.models.bundled import bundled_head_dir
+
+        args.head_opt = str(bundled_head_dir(args.model) / "head")  # made by `specdec train-head`
+        if not os.path.isfile(os.path.join(args.head_opt, "config.json")):
+            raise ValueError(f"--draft head: no trained head for {args.model} in {args.head_opt}; make it once with "
+                             f"`specdec train-head --model {args.model}` or give a head folder: --draft head PATH")
     if args.head_opt and draft not in ("head", "auto"):
         raise ValueError(f"--head is used with --draft head or --draft auto (got --draft {draft})")
     return draft

@@ -467,7 +467,7 @@ def test_smollm2_cli_generate_default_drafter(smol, capsys):
     assert rc == 0 and "draft=auto policy=goodput" in stats and "same text" in stats
 
 
-def test_smollm2_cli_generate_with_a_head(smol, capsys, tmp_path):
+def test_smollm2_cli_generate_with_a_head(smol, capsys, tmp_path, monkeypatch):
     """``--draft head PATH`` drafts with a feature head folder; ``--draft auto --head PATH`` puts it beside
     prompt lookup; --head without those presets and --draft head without a folder are refused."""
     from specdec.cli import main
@@ -489,5 +489,6 @@ def test_smollm2_cli_generate_with_a_head(smol, capsys, tmp_path):
         assert ("draft=head" if argv[0] == "--draft" else "draft=auto") in stats
     assert main(["generate", "hi", "--draft", "lookup", "--head", str(tmp_path / "head")]) != 0
     assert "--head is used with --draft head or --draft auto" in capsys.readouterr().err
-    assert main(["generate", "hi", "--draft", "head"]) != 0
-    assert "--draft head needs a head folder" in capsys.readouterr().err
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))  # checked before any model is loaded
+    assert main(["generate", "hi", "--draft", "head"]) != 0   # the bundled model's head was never trained
+    assert "specdec train-head --model smollm2-135m" in capsys.readouterr().err

