@@ -29,7 +29,7 @@ from specdec.drafters.eagle.lm import HeadLM
 from specdec.models import HFCausalLM
 from specdec.models.bundled import load_bundled
 
-FIXED = ("head_chain", "head_tree")  # run at their own k every step; the others under the goodput policy
+FIXED = ("head_chain", "head_tree", "head_k1", "head_k2", "head_k3")  # run at their own k every step; the others under the goodput policy
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -42,6 +42,9 @@ def _methods(target_model, draft_model, head_net, head_precision):
         "head_tree": lambda: EagleHead(head_net, k=5, top_k=4, tree="dynamic", node_budget=12,
                                        precision=head_precision),
         "head_goodput": lambda: EagleHead(head_net, k=6, precision=head_precision),
+        "head_k1": lambda: EagleHead(head_net, k=1, precision=head_precision),
+        "head_k2": lambda: EagleHead(head_net, k=2, precision=head_precision),
+        "head_k3": lambda: EagleHead(head_net, k=3, precision=head_precision),
     }
 
 
