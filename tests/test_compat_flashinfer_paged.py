@@ -3,6 +3,7 @@ kv_last_page_len, NHD and HND pages, flattened custom_mask) onto specdec's paged
 against the dense ops and the pure-torch paged references on shuffled pages."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -40,6 +41,36 @@ def _tree_mask(B, N, g):
     return m
 
 
+def _packbits_little(flat, indptr):
+    """Each request's segment packed 8 per byte, little bit order (NumPy's packbits), and the byte indptr."""
+    ip = indptr.tolist()
+    segs = [np.packbits(flat[ip[b]:ip[b + 1]].numpy(), bitorder="little") for b in range(len(ip) - 1)]
+    out = torch.from_numpy(np.concatenate(segs)) if segs else torch.zeros(0, dtype=torch.uint8)
+    return out, torch.tensor([0] + [len(x) for x in segs]).cumsum(0).to(torch.int32)
+
+
+def test_packed_custom_mask_unpacks_exactly():
+    """Random masks of odd sizes (pad bits in the last byte set to 1 to show they are ignored) round-trip."""
+    g = torch.Generator().manual_seed(7)
+    for trial in range(50):
+        B = int(torch.randint(1, 5, (1,), generator=g))
+        qo = int(torch.randint(1, 6, (1,), generator=g))
+        kv = torch.randint(qo, qo + 13, (B,), generator=g)
+        flat = torch.rand(int(qo * kv.sum()), generator=g) < 0.5
+        mptr = torch.tensor([0] + (qo * kv).tolist()).cumsum(0)
+        packed, pptr = _packbits_little(flat, mptr)
+        for b in range(B):  # fill the pad bits of each request's last byte
+            n = int(qo * kv[b])
+            if n % 8:
+                packed[int(pptr[b + 1]) - 1] |= (0xFF << (n % 8)) & 0xFF
+        got, gptr = fi.unpack_custom_mask(packed, pptr, qo, kv)
+        assert torch.equal(got, flat) and gptr.tolist() == mptr.tolist()
+    with pytest.raises(ValueError, match=r"packed_indptr\[0:2\] must be ceil\(qo_len \* kv_len / 8\)"):
+        fi.unpack_custom_mask(torch.zeros(8, dtype=torch.uint8), torch.tensor([0, 1]), 2, torch.tensor([5]))
+    with pytest.raises(TypeError, match="packed_custom_mask must be torch.uint8"):
+        fi.unpack_custom_mask(torch.zeros(8, dtype=torch.bool), torch.tensor([0, 1]), 2, torch.tensor([5]))
+
+
 @pytest.mark.parametrize("ps,layout", [(1, "NHD"), (4, "NHD"), (4, "HND"), (16, "HND")])
 def test_append_verify_commit_match_references(ps, layout):
     g = torch.Generator().manual_seed(ps)
@@ -69,6 +100,11 @@ def test_append_verify_commit_match_references(ps, layout):
                                     kv_layout=layout, custom_mask=flat, mask_indptr=mptr)
     want = reference_paged.verify_attention_paged(q.view(B, N, 4, D), rk, rv, table, lens, mask, D ** -0.5)
     torch.testing.assert_close(got, want.reshape(B * N, 4, D), rtol=1e-5, atol=1e-5)
+    # the same mask bit-packed as FlashInfer's segment_packbits(..., bitorder="little") makes it
+    packed, pptr = _packbits_little(flat, mptr)
+    got_p = fi.verify_attention_paged(q, cache, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, qo_len=N,
+                                      kv_layout=layout, packed_custom_mask=packed, mask_indptr=pptr)
+    assert torch.equal(got_p, got)
     # commit: node 0 is the root; accept path [0, 2] for request 0, [0, 1, 2] for 1, [0] for 2
     acc = torch.tensor([[0, 2, -1], [0, 1, 2], [0, -1, -1]], dtype=torch.int32)
     num = torch.tensor([1, 2, 0], dtype=torch.int32)

@@ -39,7 +39,7 @@ from specdec.sampling import mix_seed
 
 __all__ = ["chain_speculative_sampling", "chain_speculative_sampling_uniform", "PagedMetadata", "dense_as_paged",
            "to_block_table", "kv_lens_to_metadata", "tree_mask_from_custom", "verify_attention_paged",
-           "append_paged_kv_cache", "commit_paged_kv"]
+           "append_paged_kv_cache", "commit_paged_kv", "unpack_custom_mask"]
 
 _FN = "specdec.compat.flashinfer.chain_speculative_sampling"
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -218,4 +218,5 @@ def chain_speculative_sampling_uniform(draft_probs: torch.Tensor, draft_token_id
 
 from specdec.compat.flashinfer_paged import (PagedMetadata, append_paged_kv_cache,  # noqa: E402  (re-exported)
                                              commit_paged_kv, dense_as_paged, kv_lens_to_metadata,
-                                             to_block_table, tree_mask_from_custom, verify_attention_paged)
+                                             to_block_table, tree_mask_from_custom, unpack_custom_mask,
+                                             verify_attention_paged)

@@ -19,6 +19,7 @@ row (:func:`dense_as_paged`).
 """
 from __future__ import annotations
 
+import itertools
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -27,6 +28,7 @@ from specdec import paged_ops
 from specdec.compat.common import INTS, check_tensor, fail
 
 __all__ = ["PagedMetadata", "dense_as_paged", "to_block_table", "kv_lens_to_metadata", "tree_mask_from_custom",
+           "unpack_custom_mask",
            "verify_attention_paged", "append_paged_kv_cache", "commit_paged_kv"]
 
 
@@ -154,6 +156,37 @@ def tree_mask_from_custom(custom_mask: torch.Tensor, mask_indptr: torch.Tensor, 
     return torch.stack(out).contiguous()
 
 
+def unpack_custom_mask(packed_custom_mask: torch.Tensor, packed_indptr: torch.Tensor, qo_len: int,
+                       kv_lens: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer's bit-packed mask -> ``(custom_mask bool [sum qo_len * kv_len], mask_indptr [B + 1])``.
+
+    ``packed_custom_mask`` is uint8: request b's ``qo_len * kv_len[b]`` entries (row-major) packed
+    eight per byte with the little bit order (entry i is bit ``i % 8`` of byte ``i // 8``, as
+    FlashInfer's ``segment_packbits(..., bitorder="little")`` makes them), in bytes
+    ``packed_indptr[b] : packed_indptr[b + 1]`` (``ceil(qo_len * kv_len[b] / 8)`` bytes each; the
+    pad bits of a request's last byte are ignored)."""
+    fn = "specdec.compat.flashinfer.unpack_custom_mask"
+    check_tensor(fn, "packed_custom_mask", packed_custom_mask, 1, (torch.uint8,))
+    check_tensor(fn, "packed_indptr", packed_indptr, 1, INTS, (kv_lens.shape[0] + 1,))
+    ip = packed_indptr.to(torch.int64).cpu().tolist()
+    sizes = [qo_len * L for L in kv_lens.to(torch.int64).cpu().tolist()]
+    if ip and (ip[0] != 0 or ip[-1] > packed_custom_mask.numel()):
+        fail(fn, "packed_indptr", f"from 0 to at most the {packed_custom_mask.numel()} bytes given",
+             f"{ip[0]} .. {ip[-1]}")
+    bits = torch.arange(8, dtype=torch.uint8, device=packed_custom_mask.device)
+    parts = []
+    for b, n in enumerate(sizes):
+        nbytes = ip[b + 1] - ip[b]
+        if nbytes != (n + 7) // 8:
+            fail(fn, f"packed_indptr[{b}:{b + 2}]", f"ceil(qo_len * kv_len / 8) = {(n + 7) // 8} bytes "
+                 f"(qo_len {qo_len}, kv_len {n // max(qo_len, 1)})", f"{nbytes} bytes")
+        seg = packed_custom_mask[ip[b]:ip[b + 1]]
+        parts.append(((seg.unsqueeze(1) >> bits) & 1).to(torch.bool).reshape(-1)[:n])
+    mask = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool, device=packed_custom_mask.device)
+    indptr = torch.tensor([0] + list(itertools.accumulate(sizes)), dtype=torch.int64)
+    return mask, indptr
+
+
 def _nhd(fn, paged_kv_cache, kv_layout):
     """Per-layer (k, v) -> NHD page tensors, and whether they are copies (HND)."""
     if kv_layout not in ("NHD", "HND"):
@@ -178,13 +211,15 @@ def _nhd(fn, paged_kv_cache, kv_layout):
 def verify_attention_paged(q: torch.Tensor, paged_kv_cache, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                            kv_last_page_len: torch.Tensor, *, qo_len: int, kv_layout: str = "NHD",
                            custom_mask: Optional[torch.Tensor] = None, mask_indptr: Optional[torch.Tensor] = None,
-                           sm_scale: Optional[float] = None) -> torch.Tensor:
+                           sm_scale: Optional[float] = None,
+                           packed_custom_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Tree / chain verification attention with FlashInfer's inputs, by
     :func:`specdec.paged_ops.verify_attention_paged`.
 
     q [B * qo_len, Hq, D] (FlashInfer's ragged layout with every request at ``qo_len`` queries: the
     step's nodes, already appended, so ``kv_len >= qo_len``); ``custom_mask`` / ``mask_indptr`` as
-    FlashInfer's (None = causal). Returns [B * qo_len, Hq, D].
+    FlashInfer's (None = causal), or its bit-packed form ``packed_custom_mask`` (uint8, little bit
+    order) with ``mask_indptr`` in bytes (:func:`unpack_custom_mask`). Returns [B * qo_len, Hq, D].
     """
     fn = "specdec.compat.flashinfer.verify_attention_paged"
     k, v, _ = _nhd(fn, paged_kv_cache, kv_layout)
@@ -198,11 +233,15 @@ def verify_attention_paged(q: torch.Tensor, paged_kv_cache, kv_indptr: torch.Ten
     dev = kv_indices.device
     table = _table(ip, npages, kv_indices, max(max(npages, default=0), 1))
     mask = None
-    if custom_mask is not None:
+    if custom_mask is not None and packed_custom_mask is not None:
+        fail(fn, "packed_custom_mask", "None when custom_mask is given (one form of the mask)", "both")
+    if custom_mask is not None or packed_custom_mask is not None:
         if mask_indptr is None:
-            fail(fn, "mask_indptr", "given with custom_mask", "None")
-        mask = tree_mask_from_custom(custom_mask, mask_indptr, qo_len,
-                                     torch.tensor(lens, dtype=torch.int32, device=dev)).to(q.device)
+            fail(fn, "mask_indptr", "given with custom_mask / packed_custom_mask", "None")
+        kv = torch.tensor(lens, dtype=torch.int32, device=dev)
+        if packed_custom_mask is not None:
+            custom_mask, mask_indptr = unpack_custom_mask(packed_custom_mask, mask_indptr, qo_len, kv)
+        mask = tree_mask_from_custom(custom_mask, mask_indptr, qo_len, kv).to(q.device)
     cache_lens = torch.tensor([x - qo_len for x in lens], dtype=torch.int32, device=dev)
     out = paged_ops.verify_attention_paged(q.view(B, qo_len, q.shape[1], q.shape[2]), k, v, table, cache_lens,
                                            mask, sm_scale)
