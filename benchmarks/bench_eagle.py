@@ -29,7 +29,8 @@ from specdec.drafters.eagle.lm import HeadLM
 from specdec.models import HFCausalLM
 from specdec.models.bundled import load_bundled
 
-FIXED = ("head_chain", "head_tree", "head_k1", "head_k2", "head_k3")  # run at their own k every step; the others under the goodput policy
+# run at their own k every step; the others under the goodput policy
+FIXED = ("head_chain", "head_tree", "head_k1", "head_k2", "head_k3")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
