@@ -23,7 +23,7 @@ import torch
 
 from specdec import SpeculativeDecoder
 from specdec.bench.workloads import PROMPT_SETS
-from specdec.drafters import DraftModel, EagleHead, PromptLookup
+from specdec.drafters import DraftModel, EagleHead, MultiDraft, PromptLookup
 from specdec.drafters.eagle import load_head
 from specdec.drafters.eagle.lm import HeadLM
 from specdec.models import HFCausalLM
@@ -43,6 +43,10 @@ def _methods(target_model, draft_model, head_net, head_precision):
         "head_tree": lambda: EagleHead(head_net, k=5, top_k=4, tree="dynamic", node_budget=12,
                                        precision=head_precision),
         "head_goodput": lambda: EagleHead(head_net, k=6, precision=head_precision),
+        # what `specdec generate --draft auto --head PATH` builds: prompt lookup first, the head beside it
+        "lookup_head": lambda: MultiDraft([PromptLookup(ngram=3, k=10), EagleHead(head_net, k=5,
+                                                                                  precision=head_precision)],
+                                          escalate=2.0),
         "head_k1": lambda: EagleHead(head_net, k=1, precision=head_precision),
         "head_k2": lambda: EagleHead(head_net, k=2, precision=head_precision),
         "head_k3": lambda: EagleHead(head_net, k=3, precision=head_precision),
