@@ -35,17 +35,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus", default="mixed", choices=list(CORPORA),
                    help="prompt corpus: everyday requests (general), standard-library docstrings (stdlib) or both "
                         "alternating (mixed, the default); none of them holds a benchmark prompt")
-    p.add_argument("--prompts", type=int, default=256, help="prompts to answer (default 256)")
-    p.add_argument("--max-new-tokens", type=int, default=160, help="answer length cap (default 160)")
-    p.add_argument("--doc-chars", type=int, default=900, help="longest docstring paragraph in a prompt (default 900)")
-    p.add_argument("--batch", type=int, default=8, help="requests per generation batch (default 8)")
-    p.add_argument("--steps", type=int, default=600, help="training steps (default 600)")
+    # the defaults are the recorded recipe (docs/benchmarks.md, eagle_train_2026-12-06b.json): about an hour on 2 cores
+    p.add_argument("--prompts", type=int, default=1200, help="prompts to answer (default 1200)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="answer length cap (default 128)")
+    p.add_argument("--doc-chars", type=int, default=600, help="longest docstring paragraph in a prompt (default 600)")
+    p.add_argument("--batch", type=int, default=16, help="requests per generation batch (default 16)")
+    p.add_argument("--steps", type=int, default=1500, help="training steps (default 1500)")
     p.add_argument("--train-batch", type=int, default=8, help="sequences per training step (default 8)")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="reduced draft vocabulary (most frequent answer tokens; 0 = the target's LM head)")
-    p.add_argument("--unroll", type=int, default=1,
-                   help="drafting steps trained (> 1: training-time test on the head's own features; default 1)")
+    p.add_argument("--unroll", type=int, default=2,
+                   help="drafting steps trained (> 1: training-time test on the head's own features; default 2)")
     p.add_argument("--noise", type=float, default=0.0, help="uniform feature noise half-width (default 0)")
     p.add_argument("--val-fraction", type=float, default=0.05,
                    help="sequences held out to score the head's next-token accuracy on answers (default 0.05)")
