@@ -29,11 +29,12 @@ from an installed package. ``specdec bench --help`` lists the options.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
+
+from specdec.cli_drafters import (DRAFTER_PRESETS, DraftSource, check_draft_options, is_bundled,
+                                  load_hf_folder, preset_file_as_option)
 
 
 def _model_options(g: argparse.ArgumentParser) -> None:
@@ -149,163 +150,6 @@ def make_engine(args: argparse.Namespace, target, drafter):
                   prefix_caching=not args.no_prefix_caching)
 
 
-def _is_bundled(name: str) -> bool:
-    from specdec.models.bundled import BUNDLED
-
-    return name in BUNDLED
-
-
-def load_hf_folder(path: str):
-    """(model, tokenizer) from a local Hugging Face causal-LM folder, through transformers only."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder = Path(path)
-    if not folder.is_dir() or not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{path}: not a bundled model name ({', '.join(_bundled_names())}) nor a "
-                                f"Hugging Face model folder (no config.json)")
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True)
-    model.eval()
-    try:
-        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except (OSError, ValueError):
-        tok = None
-    return model, tok
-
-
-def _bundled_names():
-    from specdec.models.bundled import BUNDLED
-
-    return sorted(BUNDLED)
-
-
-#: (k, candidates per depth, stop threshold) of the bundled model's draft copies; docs/serving.md says where
-#: these defaults come from
-_BUNDLED_DRAFT_DEFAULTS = {"int8": (6, 4, 0.3), "w8": (6, 1, None), "bf16": (8, 1, None)}
-
-
-@dataclass
-class _DraftSource:
-    """What a drafter preset may build from: the options, the tokenizer, the bundled model's draft copy
-    (loaded for int8 / w8 / bf16 / auto) and the document files of ``--draft docs``."""
-
-    args: argparse.Namespace
-    name: str
-    tok: object
-    bundled_draft: object
-    doc_files: List[str]
-
-
-def _bundled_copy(src: _DraftSource):
-    from specdec.drafters import DraftModel
-    from specdec.models.hf import HFCausalLM
-
-    k, tree, stop = _BUNDLED_DRAFT_DEFAULTS[src.name]
-    stop = stop if src.args.stop is None else (src.args.stop or None)
-    return DraftModel(HFCausalLM(src.bundled_draft), k=src.args.k or k, top_k=src.args.tree or tree,
-                      stop_threshold=stop)
-
-
-def _auto(src: _DraftSource):
-    """Free candidates first; the w8 chain runs only for a request whose lookup is not trusted (MultiDraft
-    escalation: fewer than 2 accepted tokens per proposing step recently)."""
-    from specdec.drafters import DraftModel, MultiDraft, PromptLookup
-    from specdec.models.hf import HFCausalLM
-
-    a = src.args
-    if a.head_opt:  # the feature head beside prompt lookup (tokens lookup gets accepted reach the head too)
-        return MultiDraft([PromptLookup(ngram=a.ngram, k=10), _head(src)], escalate=2.0)
-    return MultiDraft([PromptLookup(ngram=a.ngram, k=10),
-                       DraftModel(HFCausalLM(src.bundled_draft), k=a.k or 6, top_k=a.tree or 1,
-                                  stop_threshold=a.stop or None)], escalate=2.0)
-
-
-def _head(src: _DraftSource):
-    from specdec.drafters import EagleHead
-    from specdec.drafters.eagle import load_head
-
-    a = src.args
-    return EagleHead(load_head(a.head_opt), k=a.k or 5, top_k=a.tree or 1, precision="q8_0",
-                     tree="dynamic" if (a.tree or 1) > 1 else "spine")
-
-
-def _folder_model(src: _DraftSource):
-    from specdec.drafters import DraftModel
-    from specdec.models.hf import HFCausalLM
-
-    a = src.args
-    dmodel, _ = load_hf_folder(a.draft_model)
-    return DraftModel(HFCausalLM(dmodel), k=a.k or 4, top_k=a.tree or 1, stop_threshold=a.stop or None)
-
-
-def _lookup(src: _DraftSource):
-    from specdec.drafters import PromptLookup
-
-    return PromptLookup(ngram=src.args.ngram, k=src.args.k or 10)
-
-
-def _suffix(src: _DraftSource):
-    from specdec.drafters import SuffixDrafter
-
-    return SuffixDrafter(max_spec=src.args.k or 16)
-
-
-def _recycle(src: _DraftSource):
-    from specdec.drafters import TokenRecycling
-
-    return TokenRecycling(max_depth=src.args.k or 6)
-
-
-def _documents(src: _DraftSource):
-    """Retrieval from the paragraphs (blank-line separated) of the ``--docs`` files."""
-    from specdec.drafters import DocumentDrafter
-
-    docs = []
-    for f in src.doc_files:
-        text = Path(f).read_text()
-        docs += [p for p in text.split("\n\n") if p.strip()]
-    if not docs:
-        raise ValueError(f"--draft docs: {', '.join(src.doc_files)} holds no text")
-    return DocumentDrafter(docs, tokenizer=src.tok, max_spec=src.args.k or 16)
-
-
-#: ``--draft`` name -> the factory of its drafter (None: plain decoding), in the order ``--help`` lists them
-DRAFTER_PRESETS: Dict[str, Callable[[_DraftSource], object]] = {
-    "auto": _auto, "int8": _bundled_copy, "w8": _bundled_copy, "bf16": _bundled_copy, "lookup": _lookup,
-    "suffix": _suffix, "recycle": _recycle, "docs": _documents, "head": _head, "model": _folder_model,
-    "none": lambda src: None,
-}
-
-
-def _check_draft_options(args: argparse.Namespace, bundled: bool) -> str:
-    """The ``--draft`` preset the options ask for (its default depends on the model), or ValueError."""
-    draft = args.draft or ("model" if args.draft_model else "auto" if bundled else "lookup")
-    if draft == "model" and not args.draft_model:
-        raise ValueError("--draft model needs --draft-model PATH (a Hugging Face model folder)")
-    if args.draft_model and draft != "model":
-        raise ValueError(f"--draft-model is used with --draft model (got --draft {draft})")
-    if draft in ("auto", "int8", "w8", "bf16") and not bundled:
-        raise ValueError(f"--draft {draft} derives a draft from the bundled model; for a model folder use "
-                         f"--draft-model PATH, lookup, suffix, recycle, docs or none")
-    doc_files = args.docs_opt or []
-    if draft == "docs" and not doc_files:
-        raise ValueError("--draft docs needs a document file: --draft docs FILE (or --docs FILE)")
-    if doc_files and draft != "docs":
-        raise ValueError(f"document files are only used with --draft docs (got --draft {draft})")
-    if draft == "head" and not args.head_opt:
-        if not bundled:
-            raise ValueError("--draft head needs a head folder: --draft head PATH (or --head PATH)")
-        from specdec.models.bundled import bundled_head_dir
-
-        args.head_opt = str(bundled_head_dir(args.model) / "head")  # made by `specdec train-head`
-        if not os.path.isfile(os.path.join(args.head_opt, "config.json")):
-            raise ValueError(f"--draft head: no trained head for {args.model} in {args.head_opt}; make it once with "
-                             f"`specdec train-head --model {args.model}` or give a head folder: --draft head PATH")
-    if args.head_opt and draft not in ("head", "auto"):
-        raise ValueError(f"--head is used with --draft head or --draft auto (got --draft {draft})")
-    return draft
-
-
 def _load(args: argparse.Namespace):
     """(target, drafter, tokenizer, draft name) from the shared options."""
     import torch
@@ -315,8 +159,8 @@ def _load(args: argparse.Namespace):
     from specdec.models.bundled import load_bundled
     from specdec.models.hf import HFCausalLM
 
-    bundled = _is_bundled(args.model)
-    draft = _check_draft_options(args, bundled)
+    bundled = is_bundled(args.model)
+    draft = check_draft_options(args, bundled)
     bundled_draft = None   # the bundled model's draft copy, loaded with it for int8 / w8 / bf16 / auto
     if bundled:
         model, tok, *rest = load_bundled(args.model, draft="w8" if draft == "auto" else
@@ -335,7 +179,7 @@ def _load(args: argparse.Namespace):
         target = tensor_parallel_target(args.model, args.tensor_parallel, model, threads=args.threads)
     else:
         target = HFCausalLM(model)
-    src = _DraftSource(args, draft, tok, bundled_draft, args.docs_opt or [])
+    src = DraftSource(args, draft, tok, bundled_draft, args.docs_opt or [])
     return target, DRAFTER_PRESETS[draft](src), tok, draft
 
 
@@ -427,7 +271,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError("--replicas needs --ray (replicas run on Ray Serve)")
     target, drafter, tok, draft = _load(args)
     engine = make_engine(args, target, drafter)
-    name = args.served_model_name or (args.model if _is_bundled(args.model) else Path(args.model).name)
+    name = args.served_model_name or (args.model if is_bundled(args.model) else Path(args.model).name)
     kv = engine.stats()
     pool = (f"paged KV: {kv['kv_blocks_total']} blocks of {kv['block_size']} positions, "
             f"{engine.kv.cache.nbytes / 2**20:.0f} MiB" if engine.kv.paged else
@@ -448,22 +292,11 @@ def _bench(argv: List[str]) -> int:
     return bench_main(list(argv))
 
 
-def _docs_file_as_option(argv: List[str]) -> List[str]:
-    """``--draft docs FILE`` -> ``--draft docs --docs FILE``, ``--draft head PATH`` -> ``--draft head --head
-    PATH`` (the token after the preset is its file)."""
-    out = list(argv)
-    for i in range(len(out) - 2):
-        if out[i] == "--draft" and out[i + 1] in ("docs", "head") and not out[i + 2].startswith("-"):
-            out.insert(i + 2, "--" + out[i + 1])
-            break
-    return out
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
-    args = _build_parser().parse_args(_docs_file_as_option(argv))
+    args = _build_parser().parse_args(preset_file_as_option(argv))
     if args.command in ("generate", "serve"):
         try:
             return _generate(args) if args.command == "generate" else _serve(args)
