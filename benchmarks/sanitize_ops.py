@@ -144,14 +144,7 @@ def run_paged(g):
     accepted = torch.tensor([[0, 2, 3, -1, -1, -1, -1, -1, -1], [0, -1, -1, -1, -1, -1, -1, -1, -1],
                              [0, 1, 4, 8, -1, -1, -1, -1, -1]], dtype=torch.int32)
     num = torch.tensor([2, 0, 3], dtype=torch.int32)
-    mask = torch.zeros(B, N, N, dtype=torch.bool)
-    parents = tree(B, N, g, ragged=False)
-    for b in range(B):
-        for i in range(N):
-            j = i
-            while j >= 0:
-                mask[b, i, j] = True
-                j = int(parents[b, j])
+    mask = reference.tree_attention_mask(tree(B, N, g, ragged=False))
     for ps in (1, 16):
         for dtype in (torch.float32, torch.bfloat16):
             per_row = -(-(int(lens.max()) + N) // ps)

@@ -45,6 +45,7 @@ class EagleHead(DraftModel):
         self.net = net
         self.precision = precision
         self.target = None
+        self._extra_foreign = 0  # room for other drafters' tokens (reserve_foreign, a MultiDraft member)
 
     def __repr__(self) -> str:
         return "EagleHead" + super().__repr__()[len("DraftModel"):]
@@ -53,7 +54,7 @@ class EagleHead(DraftModel):
         """Room for tokens accepted from other drafters' subtrees (a MultiDraft member): they are committed,
         so the target holds their states, and the next step's first head forward feeds them with the
         head's own accepted path, as the EAGLE catch-up does."""
-        self._extra_foreign = max(getattr(self, "_extra_foreign", 0), int(n))
+        self._extra_foreign = max(self._extra_foreign, int(n))
 
     def bind(self, target, max_batch: int, max_len: int) -> None:
         if not hasattr(target, "capture_hidden"):
@@ -72,7 +73,7 @@ class EagleHead(DraftModel):
         self.net.to(target.device)
         self.lm = HeadLM(self.net, target)
         # pending-token room: the accepted path is fed again after each step, then other drafters' tokens
-        self._foreign = self.k + getattr(self, "_extra_foreign", 0)
+        self._foreign = self.k + self._extra_foreign
         super().bind(target, max_batch, max_len)
 
     def start(self, prompts, params, generator) -> None:

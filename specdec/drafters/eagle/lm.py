@@ -134,7 +134,7 @@ class HeadLM:
         m = mask if mask is None or mask.is_contiguous() else mask.contiguous()
         if self.fused is not None:  # fc, then the decoder layer in one call (the layer's own residual = x)
             x = net.fc(torch.cat((emb, feat), dim=-1))
-            _, out = ops.decoder_layer(x, x.clone(), *self.fused, net.post_attention_layernorm, cfg.rms_eps,
+            _, out = ops.decoder_layer(x, x, *self.fused, net.post_attention_layernorm, cfg.rms_eps,
                                        self._unit, cfg.rms_eps, k_cache, v_cache, cl, cos, sin, m, kv_offset,
                                        cfg.head_dim ** -0.5, cfg.num_heads, cfg.num_kv_heads)
         else:
