@@ -7,9 +7,11 @@ The definition, step by step (the kernels compute exactly this; csrc/include/spe
    every division and product one float32 rounding; ``d`` stays float32.
 2. Integer dots per block g and lane l (elements 4l..4l+3): ``p = sum c * a`` with the weight codes
    ``c`` (Q8_0 ``q``, Q4_0 ``q - 8``, Q4_1 ``q``) and ``r = sum a``; exact integers.
-3. ``v = float(p) * (dw * d)`` (+ ``float(r) * (mw * d)`` for Q4_1), added to accumulator
-   ``(g % 2) * 8 + l`` in block order; the 16 accumulators fold in halves (8, 4, 2, 1) and the bias
-   (0 without one) is added last. Every step one float32 rounding, no fused multiply-add.
+3. ``v = float(p) * (dw * d)``, added to accumulator ``(g % 2) * 8 + l`` in block order. Q4_1's min
+   term per block: ``t = mw * s`` with ``s = float(R) * d`` (``R`` the block's code sum), added to a
+   second set of 16 accumulators at ``g % 16`` in block order. Each set folds in halves (8, 4, 2, 1);
+   ``y = fold(acc) (+ fold(macc) for Q4_1) + bias`` (bias 0 without one). Every step one float32
+   rounding, no fused multiply-add.
 
 Run on the CPU (torch's CUDA division by a scalar multiplies by a reciprocal): inputs on another
 device are computed on the CPU and the result moved back.
@@ -46,6 +48,14 @@ def weight_codes(qweight: torch.Tensor, mins: Optional[torch.Tensor], bits: int)
     return c if mins is not None else c - 8
 
 
+def _fold16(acc: torch.Tensor) -> torch.Tensor:
+    """The 16 accumulators [..., 16] summed in halves: 8, 4, 2, 1."""
+    h = acc[..., :8] + acc[..., 8:]
+    h = h[..., :4] + h[..., 4:]
+    h = h[..., :2] + h[..., 2:]
+    return h[..., 0] + h[..., 1]
+
+
 def qlinear_q8act(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor],
                   bias: Optional[torch.Tensor], bits: int) -> torch.Tensor:
     """The op's output [..., N] in x's dtype (float32 inside), bit-exact with the kernels."""
@@ -60,15 +70,16 @@ def qlinear_q8act(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     p = (a4 * c4).sum(-1).float()  # [M, N, G, 8]: exact integers (|p| < 2^17)
     dw = scales.cpu().float()  # [N, G], exact widening
     v = p * (dw.unsqueeze(0) * d.unsqueeze(1)).unsqueeze(-1)
-    if mins is not None:
-        r = a4.sum(-1).float()  # [M, 1, G, 8]
-        v = v + r * (mins.cpu().float().unsqueeze(0) * d.unsqueeze(1)).unsqueeze(-1)
-    acc = torch.zeros(M, N, 2, 8, dtype=torch.float32)
+    acc = torch.zeros(M, N, 16, dtype=torch.float32)
     for g in range(G):
-        acc[:, :, g % 2] = acc[:, :, g % 2] + v[:, :, g]
-    h = acc[:, :, 0] + acc[:, :, 1]
-    h = h[..., :4] + h[..., 4:]
-    h = h[..., :2] + h[..., 2:]
-    y = h[..., 0] + h[..., 1]
+        acc[:, :, (g % 2) * 8:(g % 2) * 8 + 8] = acc[:, :, (g % 2) * 8:(g % 2) * 8 + 8] + v[:, :, g]
+    y = _fold16(acc)
+    if mins is not None:
+        s = a.reshape(M, G, 32).to(torch.int64).sum(-1).float() * d  # [M, G]: float(R) * d
+        t = mins.cpu().float().unsqueeze(0) * s.unsqueeze(1)  # [M, N, G]
+        macc = torch.zeros(M, N, 16, dtype=torch.float32)
+        for g in range(G):
+            macc[:, :, g % 16] = macc[:, :, g % 16] + t[:, :, g]
+        y = y + _fold16(macc)
     y = y + b
     return y.reshape(*x.shape[:-1], N).to(device=x.device, dtype=x.dtype)

@@ -24,7 +24,7 @@ namespace specdec {
 namespace cpu {
 
 void q8_quantize_scalar(const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* a, float* d8, int32_t* r,
-                        float* rf) {
+                        float* s) {
   const int64_t G = K / kQ8Block;
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < G; ++g) {
@@ -38,11 +38,13 @@ void q8_quantize_scalar(const float* x, int64_t x_stride, int64_t M, int64_t K, 
         ab[j] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
       }
       const int64_t o = (m * G + g) * 8;
+      int32_t sum = 0;
       for (int l = 0; l < 8; ++l) {
         d8[o + l] = d;
         r[o + l] = ab[4 * l] + ab[4 * l + 1] + ab[4 * l + 2] + ab[4 * l + 3];
-        rf[o + l] = static_cast<float>(r[o + l]);
+        sum += r[o + l];
       }
+      s[m * G + g] = static_cast<float>(sum) * d;
     }
   }
 }
@@ -65,22 +67,27 @@ void q8act_rows_scalar(const Q8ActParams& P, int64_t n_begin, int64_t n_end) {
     for (int64_t m = 0; m < P.M; ++m) {
       float acc[16] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f,
                        0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+      float macc[16] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f,
+                        0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
       const int8_t* am = P.a + m * P.K;
       for (int64_t g = 0; g < G; ++g) {
         const float dw = half_to_float(P.scales[n * G + g]);
-        const float mw = P.mins ? half_to_float(P.mins[n * G + g]) : 0.0f;
         const int64_t o = (m * G + g) * 8;
         for (int l = 0; l < 8; ++l) {
           int32_t p = 0;
           for (int j = 4 * l; j < 4 * l + 4; ++j) p += weight_code(P, n, g, j) * am[g * kQ8Block + j];
-          const float da = P.d8[o + l];
-          float v = static_cast<float>(p) * (dw * da);
-          if (P.mins) v = v + P.rf[o + l] * (mw * da);
-          float& s = acc[(g & 1) * 8 + l];
-          s = s + v;
+          const float v = static_cast<float>(p) * (dw * P.d8[o + l]);
+          float& a = acc[(g & 1) * 8 + l];
+          a = a + v;
+        }
+        if (P.mins) {
+          const float t = half_to_float(P.mins[n * G + g]) * P.s[m * G + g];
+          macc[g & 15] = macc[g & 15] + t;
         }
       }
-      P.y[m * P.y_stride + n] = q8_fold16(acc) + (P.bias ? P.bias[n] : 0.0f);
+      float y = q8_fold16(acc);
+      if (P.mins) y = y + q8_fold16(macc);
+      P.y[m * P.y_stride + n] = y + (P.bias ? P.bias[n] : 0.0f);
     }
   }
 }
@@ -152,19 +159,19 @@ std::string q8act_tiers() {
 void qlinear_q8act_raw(const float* x, int64_t x_stride, const QLinearParams& Q) {
   const int64_t M = Q.M, K = Q.K, G = K / kQ8Block;
   const int tier = active_tier();
-  // one scratch: codes [M, K], then d8 / r / rf [M, G, 8] each (4-byte aligned: K % 32 == 0)
-  std::vector<int32_t> scratch(M * K / 4 + 3 * M * G * 8);
+  // one scratch: codes [M, K], then d8 / r [M, G, 8] and s [M, G] (4-byte aligned: K % 32 == 0)
+  std::vector<int32_t> scratch(M * K / 4 + 2 * M * G * 8 + M * G);
   int8_t* a = reinterpret_cast<int8_t*>(scratch.data());
   float* d8 = reinterpret_cast<float*>(scratch.data() + M * K / 4);
   int32_t* r = scratch.data() + M * K / 4 + M * G * 8;
-  float* rf = reinterpret_cast<float*>(r + M * G * 8);
-  if (tier == kQ8Scalar) q8_quantize_scalar(x, x_stride, M, K, a, d8, r, rf);
-  else q8_quantize_avx2(x, x_stride, M, K, a, d8, r, rf);
+  float* s = reinterpret_cast<float*>(r + M * G * 8);
+  if (tier == kQ8Scalar) q8_quantize_scalar(x, x_stride, M, K, a, d8, r, s);
+  else q8_quantize_avx2(x, x_stride, M, K, a, d8, r, s);
   Q8ActParams P;
   P.a = a;
   P.d8 = d8;
   P.r = r;
-  P.rf = rf;
+  P.s = s;
   P.qw = Q.qw;
   P.scales = Q.scales;
   P.mins = Q.mins;
@@ -181,8 +188,9 @@ void qlinear_q8act_raw(const float* x, int64_t x_stride, const QLinearParams& Q)
                                     : &q8act_rows_scalar;
   constexpr int64_t nr = 8;  // output rows per task unit
   const int64_t blocks = (P.N + nr - 1) / nr;
-  // tasks of >= ~512K integer multiply-adds (the int8 dots do ~2x the float kernel's work per cycle)
-  const int64_t grain = std::max<int64_t>(1, (int64_t(512) << 10) / std::max<int64_t>(1, nr * K * M));
+  // tasks of >= ~128K integer multiply-adds: a 576 x 576 decode-step weight splits over 2 threads (at
+  // 512K it ran on one thread)
+  const int64_t grain = std::max<int64_t>(1, (int64_t(128) << 10) / std::max<int64_t>(1, nr * K * M));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     rows(P, begin * nr, std::min(end * nr, P.N));
   });
@@ -227,13 +235,13 @@ std::tuple<at::Tensor, at::Tensor> quantize_q8_cpu(const at::Tensor& x) {
   const int64_t K = x.size(-1), M = checks::linear_rows(x), G = K / cpu::kQ8Block;
   const at::Tensor x2 = x.reshape({M, K}).to(at::kFloat).contiguous();
   at::Tensor a = at::empty({M, K}, x.options().dtype(at::kChar));
-  std::vector<float> d8(M * G * 8), rf(M * G * 8);
+  std::vector<float> d8(M * G * 8), s(M * G);
   std::vector<int32_t> r(M * G * 8);
   if (M > 0 && K > 0) {
     if (cpu::q8act_tier() == "scalar")
-      cpu::q8_quantize_scalar(x2.data_ptr<float>(), K, M, K, a.data_ptr<int8_t>(), d8.data(), r.data(), rf.data());
+      cpu::q8_quantize_scalar(x2.data_ptr<float>(), K, M, K, a.data_ptr<int8_t>(), d8.data(), r.data(), s.data());
     else
-      cpu::q8_quantize_avx2(x2.data_ptr<float>(), K, M, K, a.data_ptr<int8_t>(), d8.data(), r.data(), rf.data());
+      cpu::q8_quantize_avx2(x2.data_ptr<float>(), K, M, K, a.data_ptr<int8_t>(), d8.data(), r.data(), s.data());
   }
   at::Tensor d = at::empty({M, G}, x.options().dtype(at::kFloat));
   float* dp = d.data_ptr<float>();

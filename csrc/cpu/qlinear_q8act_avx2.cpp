@@ -12,9 +12,10 @@ namespace cpu {
 void q8act_rows_avx2(const Q8ActParams& P, int64_t n_begin, int64_t n_end) { avx2_q8::rows(P, n_begin, n_end); }
 
 // Step 1 of the definition with vectors: amax by max (exact in any order), d and id by scalar
-// divisions, the codes by vcvtps2dq (round half to even, the default MXCSR mode) after the clamp.
+// divisions, the codes by vcvtps2dq (round half to even, the default MXCSR mode) after the clamp; then
+// the lane sums r and the block's s = float(sum r) * d.
 void q8_quantize_avx2(const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* a, float* d8, int32_t* r,
-                      float* rf) {
+                      float* s) {
   const int64_t G = K / kQ8Block;
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -41,7 +42,10 @@ void q8_quantize_avx2(const float* x, int64_t x_stride, int64_t M, int64_t K, in
       const int64_t o = (m * G + g) * 8;
       const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, codes), ones16);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(r + o), sums);
-      _mm256_storeu_ps(rf + o, _mm256_cvtepi32_ps(sums));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+      s[m * G + g] = static_cast<float>(_mm_cvtsi128_si32(s4)) * d;
       _mm256_storeu_ps(d8 + o, _mm256_set1_ps(d));
     }
   }

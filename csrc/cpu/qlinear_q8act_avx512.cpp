@@ -23,11 +23,10 @@ inline __m512i load_pair(const Q8ActParams& P, int64_t n, int64_t g) {
   if constexpr (BITS == 8) {
     return _mm512_loadu_si512(static_cast<const int8_t*>(P.qw) + n * P.K + g * 32);
   } else {
-    const __m256i b = _mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(static_cast<const uint8_t*>(P.qw) + n * (P.K / 2) + g * 16));
-    const __m256i low4 = _mm256_set1_epi8(15);
-    const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, low4)),
-                                         _mm256_and_si256(_mm256_srli_epi16(b, 4), low4), 1);
+    // [b | b], the upper copy shifted to its high nibbles, masked: [lo g | lo g+1 | hi g | hi g+1]
+    const __m512i b = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(static_cast<const uint8_t*>(P.qw) + n * (P.K / 2) + g * 16)));
+    const __m512i z = _mm512_and_si512(_mm512_mask_srli_epi16(b, __mmask32(0xFFFF0000u), b, 4), _mm512_set1_epi8(15));
     return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));
   }
 }
@@ -46,7 +45,7 @@ inline __m256i load_one(const Q8ActParams& P, int64_t n, int64_t g) {
 }
 
 template <int BITS, bool MINS>
-inline __m512 pair_value(const Q8ActParams& P, __m512i w, __m512i wu, __m512 dw, __m512 mw, int64_t m, int64_t g) {
+inline __m512 pair_value(const Q8ActParams& P, __m512i w, __m512i wu, __m512 dw, int64_t m, int64_t g) {
   const int64_t G = P.K / kQ8Block, o = (m * G + g) * 8;
   const __m512i a = _mm512_loadu_si512(P.a + m * P.K + g * 32);
   __m512i p;
@@ -57,10 +56,7 @@ inline __m512 pair_value(const Q8ActParams& P, __m512i w, __m512i wu, __m512 dw,
     p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
     if constexpr (!MINS) p = _mm512_sub_epi32(p, _mm512_slli_epi32(_mm512_loadu_si512(P.r + o), 3));
   }
-  const __m512 da = _mm512_loadu_ps(P.d8 + o);
-  __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw, da));
-  if constexpr (MINS) v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_loadu_ps(P.rf + o), _mm512_mul_ps(mw, da)));
-  return v;
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw, _mm512_loadu_ps(P.d8 + o)));
 }
 
 template <int BITS, bool MINS>
@@ -76,14 +72,8 @@ inline __m256 one_value(const Q8ActParams& P, int64_t n, int64_t m, int64_t g) {
     if constexpr (!MINS)
       p = _mm256_sub_epi32(p, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(P.r + o)), 3));
   }
-  const __m256 da = _mm256_loadu_ps(P.d8 + o);
   const __m256 dw = _mm256_set1_ps(_cvtsh_ss(P.scales[n * G + g]));
-  __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, da));
-  if constexpr (MINS) {
-    const __m256 mw = _mm256_set1_ps(_cvtsh_ss(P.mins[n * G + g]));
-    v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(P.rf + o), _mm256_mul_ps(mw, da)));
-  }
-  return v;
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_loadu_ps(P.d8 + o)));
 }
 
 inline float fold(__m512 acc) {
@@ -93,6 +83,24 @@ inline float fold(__m512 acc) {
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
+// Q4_1's min terms of weight rows n0.. (NR) and activation rows m0.. (MR): macc lane i = the blocks
+// g = i (mod 16) in ascending order, 16 blocks per step (a masked tail).
+template <int NR, int MR>
+inline void min_terms(const Q8ActParams& P, int64_t n0, int64_t m0, __m512 (&macc)[NR][MR]) {
+  const int64_t G = P.K / kQ8Block;
+  for (int64_t g = 0; g < G; g += 16) {
+    const int64_t cnt = std::min<int64_t>(16, G - g);
+    const __mmask16 k = cnt == 16 ? __mmask16(0xFFFF) : __mmask16((1u << cnt) - 1);
+    __m512 sv[MR];
+    for (int m = 0; m < MR; ++m) sv[m] = _mm512_maskz_loadu_ps(k, P.s + (m0 + m) * G + g);
+    for (int r = 0; r < NR; ++r) {
+      const __m512 mw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, P.mins + (n0 + r) * G + g));
+      for (int m = 0; m < MR; ++m)
+        macc[r][m] = _mm512_mask_add_ps(macc[r][m], k, macc[r][m], _mm512_mul_ps(mw, sv[m]));
+    }
+  }
+}
+
 // Weight rows n0.. (NR) against activation rows m0.. (MR).
 template <int BITS, bool MINS, int NR, int MR>
 inline void tile(const Q8ActParams& P, int64_t n0, int64_t m0) {
@@ -100,8 +108,8 @@ inline void tile(const Q8ActParams& P, int64_t n0, int64_t m0) {
   __m512 acc[NR][MR];
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
-  // the float16 scales (mins) of 16 blocks widened at once; each pair's [d_g x 8 | d_g+1 x 8] by a permute
-  __m512 ds[NR], ms[NR];
+  // the float16 scales of 16 blocks widened at once; each pair's [d_g x 8 | d_g+1 x 8] by a permute
+  __m512 ds[NR];
   const __m512i idx0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   Q8Prefetch prefetch(P, n0, NR, m0, (G + 1) / 2);
   int64_t g = 0;
@@ -110,20 +118,15 @@ inline void tile(const Q8ActParams& P, int64_t n0, int64_t m0) {
     if ((g & 15) == 0) {
       const int64_t cnt = std::min<int64_t>(16, G - g);
       const __mmask16 k = cnt == 16 ? __mmask16(0xFFFF) : __mmask16((1u << cnt) - 1);
-      for (int r = 0; r < NR; ++r) {
-        ds[r] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, P.scales + (n0 + r) * G + g));
-        if constexpr (MINS) ms[r] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, P.mins + (n0 + r) * G + g));
-      }
+      for (int r = 0; r < NR; ++r) ds[r] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, P.scales + (n0 + r) * G + g));
     }
     const __m512i idx = _mm512_add_epi32(idx0, _mm512_set1_epi32(int(g & 15)));
     for (int r = 0; r < NR; ++r) {
-      const int64_t n = n0 + r;
-      const __m512i w = load_pair<BITS>(P, n, g);
+      const __m512i w = load_pair<BITS>(P, n0 + r, g);
       const __m512i wu = BITS == 8 ? _mm512_abs_epi8(w) : w;
       const __m512 dw = _mm512_permutexvar_ps(idx, ds[r]);
-      const __m512 mw = MINS ? _mm512_permutexvar_ps(idx, ms[r]) : _mm512_setzero_ps();
       for (int m = 0; m < MR; ++m)
-        acc[r][m] = _mm512_add_ps(acc[r][m], pair_value<BITS, MINS>(P, w, wu, dw, mw, m0 + m, g));
+        acc[r][m] = _mm512_add_ps(acc[r][m], pair_value<BITS, MINS>(P, w, wu, dw, m0 + m, g));
     }
   }
   if (g < G)
@@ -131,9 +134,19 @@ inline void tile(const Q8ActParams& P, int64_t n0, int64_t m0) {
       for (int m = 0; m < MR; ++m)
         acc[r][m] = _mm512_mask_add_ps(acc[r][m], 0x00FF, acc[r][m],
                                        _mm512_zextps256_ps512(one_value<BITS, MINS>(P, n0 + r, m0 + m, g)));
+  __m512 macc[NR][MR];
+  if constexpr (MINS) {
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < MR; ++m) macc[r][m] = _mm512_setzero_ps();
+    min_terms<NR, MR>(P, n0, m0, macc);
+  }
   for (int r = 0; r < NR; ++r) {
     const float b = P.bias ? P.bias[n0 + r] : 0.0f;
-    for (int m = 0; m < MR; ++m) P.y[(m0 + m) * P.y_stride + n0 + r] = fold(acc[r][m]) + b;
+    for (int m = 0; m < MR; ++m) {
+      float y = fold(acc[r][m]);
+      if constexpr (MINS) y = y + fold(macc[r][m]);
+      P.y[(m0 + m) * P.y_stride + n0 + r] = y + b;
+    }
   }
 }
 

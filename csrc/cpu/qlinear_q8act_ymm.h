@@ -44,18 +44,16 @@ inline __m256i load_codes(const Q8ActParams& P, int64_t n, int64_t g) {
 }
 
 // One block g of weight rows n0.. (NR) against MR activation rows from m0, into acc[.][.] (the
-// accumulators of g's parity).
-// ds / ms: the weight rows' scales / mins of blocks [g - g % 8, + 8) as float32.
+// accumulators of g's parity). ds: the weight rows' scales of blocks [g - g % 8, + 8) as float32.
 template <int BITS, bool MINS, int NR, int MR>
 inline void block(const Q8ActParams& P, int64_t n0, int64_t m0, int64_t g, const float (&ds)[NR][8],
-                  const float (&ms)[NR][8], __m256 (&acc)[NR][MR]) {
+                  __m256 (&acc)[NR][MR]) {
   const int64_t G = P.K / kQ8Block;
   for (int r = 0; r < NR; ++r) {
     const int64_t n = n0 + r;
     const __m256i w = load_codes<BITS>(P, n, g);
     const __m256i wu = BITS == 8 ? _mm256_abs_epi8(w) : w;
     const __m256 dw = _mm256_broadcast_ss(&ds[r][g & 7]);
-    const __m256 mw = MINS ? _mm256_broadcast_ss(&ms[r][g & 7]) : _mm256_setzero_ps();
     for (int m = 0; m < MR; ++m) {
       const int64_t o = ((m0 + m) * G + g) * 8;
       const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P.a + (m0 + m) * P.K + g * 32));
@@ -67,15 +65,14 @@ inline void block(const Q8ActParams& P, int64_t n0, int64_t m0, int64_t g, const
         if constexpr (!MINS)
           p = _mm256_sub_epi32(p, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(P.r + o)), 3));
       }
-      const __m256 da = _mm256_loadu_ps(P.d8 + o);
-      __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, da));
-      if constexpr (MINS) v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(P.rf + o), _mm256_mul_ps(mw, da)));
+      const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_loadu_ps(P.d8 + o)));
       acc[r][m] = _mm256_add_ps(acc[r][m], v);
     }
   }
 }
 
-// The scales (mins) of blocks [g, g + 8) of weight rows n0.. (fewer at the row's end), widened exactly.
+// The scales (mins) of blocks [g, g + 8) of weight rows n0.. (fewer at the row's end: the rest 0),
+// widened exactly.
 template <bool MINS, int NR>
 inline void load_scales(const Q8ActParams& P, int64_t n0, int64_t g, float (&ds)[NR][8], float (&ms)[NR][8]) {
   const int64_t G = P.K / kQ8Block, cnt = std::min<int64_t>(8, G - g);
@@ -86,11 +83,25 @@ inline void load_scales(const Q8ActParams& P, int64_t n0, int64_t g, float (&ds)
       if constexpr (MINS)
         _mm256_store_ps(ms[r], _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(P.mins + base))));
     } else {
-      for (int64_t j = 0; j < cnt; ++j) {
-        ds[r][j] = _cvtsh_ss(P.scales[base + j]);
-        if constexpr (MINS) ms[r][j] = _cvtsh_ss(P.mins[base + j]);
+      for (int64_t j = 0; j < 8; ++j) {
+        ds[r][j] = j < cnt ? _cvtsh_ss(P.scales[base + j]) : 0.0f;
+        if constexpr (MINS) ms[r][j] = j < cnt ? _cvtsh_ss(P.mins[base + j]) : 0.0f;
       }
     }
+  }
+}
+
+// Q4_1's min terms of blocks [g, g + 8) (g % 8 == 0) into macc, the accumulators g % 16 of those
+// blocks: t = mw * s per lane; a block past the row's end adds 0 * 0 = +0, which leaves any
+// accumulator unchanged (one started at +0 is never -0).
+template <int NR, int MR>
+inline void min_terms(const Q8ActParams& P, int64_t m0, int64_t g, const float (&ms)[NR][8], __m256 (&macc)[NR][MR]) {
+  const int64_t G = P.K / kQ8Block, cnt = std::min<int64_t>(8, G - g);
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(cnt)), lanes);
+  for (int m = 0; m < MR; ++m) {
+    const __m256 sv = _mm256_maskload_ps(P.s + (m0 + m) * G + g, keep);
+    for (int r = 0; r < NR; ++r) macc[r][m] = _mm256_add_ps(macc[r][m], _mm256_mul_ps(_mm256_load_ps(ms[r]), sv));
   }
 }
 
@@ -104,21 +115,28 @@ inline float fold(__m256 even, __m256 odd) {
 template <int BITS, bool MINS, int NR, int MR>
 inline void tile(const Q8ActParams& P, int64_t n0, int64_t m0) {
   const int64_t G = P.K / kQ8Block;
-  __m256 even[NR][MR], odd[NR][MR];
+  __m256 even[NR][MR], odd[NR][MR], mlo[NR][MR], mhi[NR][MR];  // mlo / mhi: Q4_1's macc 0-7 / 8-15
   for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MR; ++m) even[r][m] = odd[r][m] = _mm256_setzero_ps();
+    for (int m = 0; m < MR; ++m) even[r][m] = odd[r][m] = mlo[r][m] = mhi[r][m] = _mm256_setzero_ps();
   alignas(32) float ds[NR][8], ms[NR][8];
   Q8Prefetch prefetch(P, n0, NR, m0, (G + 1) / 2);
   int64_t g = 0;
   for (; g < G; g += 2) {
     prefetch.step();
-    if ((g & 7) == 0) load_scales<MINS, NR>(P, n0, g, ds, ms);
-    block<BITS, MINS, NR, MR>(P, n0, m0, g, ds, ms, even);
-    if (g + 1 < G) block<BITS, MINS, NR, MR>(P, n0, m0, g + 1, ds, ms, odd);
+    if ((g & 7) == 0) {
+      load_scales<MINS, NR>(P, n0, g, ds, ms);
+      if constexpr (MINS) min_terms<NR, MR>(P, m0, g, ms, (g & 8) ? mhi : mlo);
+    }
+    block<BITS, MINS, NR, MR>(P, n0, m0, g, ds, even);
+    if (g + 1 < G) block<BITS, MINS, NR, MR>(P, n0, m0, g + 1, ds, odd);
   }
   for (int r = 0; r < NR; ++r) {
     const float b = P.bias ? P.bias[n0 + r] : 0.0f;
-    for (int m = 0; m < MR; ++m) P.y[(m0 + m) * P.y_stride + n0 + r] = fold(even[r][m], odd[r][m]) + b;
+    for (int m = 0; m < MR; ++m) {
+      float y = fold(even[r][m], odd[r][m]);
+      if constexpr (MINS) y = y + fold(mlo[r][m], mhi[r][m]);
+      P.y[(m0 + m) * P.y_stride + n0 + r] = y + b;
+    }
   }
 }
 

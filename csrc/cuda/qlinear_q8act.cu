@@ -1,13 +1,15 @@
 // qlinear_q8act and quantize_q8, CUDA backend (definition: csrc/include/specdec/cpu_q8act.h).
 //
 // quantize: one warp per (row, block of 32): amax by a shuffle max, d and id by __fdiv_rn (correctly
-// rounded, never the fast reciprocal), codes by rintf(__fmul_rn(x, id)) (round half to even).
+// rounded, never the fast reciprocal), codes by rintf(__fmul_rn(x, id)) (round half to even), and
+// Q4_1's s = float(R) * d with R the codes' sum (an exact integer shuffle sum).
 // dot: one half-warp per output (row m, weight row n); thread t owns the canonical accumulator t:
 // lane l = t % 8 of the blocks of parity t / 8, in ascending order, one __dp4a per block (4 weight
 // codes x 4 activation codes: Q8_0 a signed word; Q4 a word of nibbles masked from the packed bytes);
 // every float step is an explicitly rounded __fmul_rn / __fadd_rn (no contraction into FMAs), and the
-// half-warp folds the 16 accumulators by shuffles 8, 4, 2, 1 -- the definition's order. So the outputs
-// equal the CPU tiers' and the torch reference's bit for bit.
+// half-warp folds the 16 accumulators by shuffles 8, 4, 2, 1 -- the definition's order. Q4_1: thread t
+// also owns min accumulator t (the blocks g = t mod 16, ascending: mw * s each), folded the same way
+// and added before the bias. So the outputs equal the CPU tiers' and the torch reference's bit for bit.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -21,7 +23,7 @@ namespace cuda {
 namespace {
 
 __global__ void q8_quantize_kernel(const float* __restrict__ x, int8_t* __restrict__ a, float* __restrict__ d,
-                                   int64_t K) {
+                                   float* __restrict__ s, int64_t K) {
   const int64_t G = K / 32, m = blockIdx.y, g = blockIdx.x;
   const int j = threadIdx.x;
   const float xv = x[m * K + g * 32 + j];
@@ -30,12 +32,18 @@ __global__ void q8_quantize_kernel(const float* __restrict__ x, int8_t* __restri
   const float inv = __fdiv_rn(127.0f, amax), id = isfinite(inv) ? inv : 0.0f;
   const float q = fminf(127.0f, fmaxf(-127.0f, rintf(__fmul_rn(xv, id))));
   a[m * K + g * 32 + j] = static_cast<int8_t>(static_cast<int>(q));
-  if (j == 0) d[m * G + g] = __fdiv_rn(amax, 127.0f);
+  int sum = static_cast<int>(q);
+  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(kFullMask, sum, off);
+  const float dv = __fdiv_rn(amax, 127.0f);
+  if (j == 0) {
+    d[m * G + g] = dv;
+    if (s != nullptr) s[m * G + g] = __fmul_rn(__int2float_rn(sum), dv);
+  }
 }
 
 template <int BITS, bool MINS>
 __global__ void q8act_dot_kernel(const int8_t* __restrict__ a, const float* __restrict__ d,
-                                 const uint8_t* __restrict__ qw, const __half* __restrict__ scales,
+                                 const float* __restrict__ s, const uint8_t* __restrict__ qw, const __half* __restrict__ scales,
                                  const __half* __restrict__ mins, const float* __restrict__ bias,
                                  float* __restrict__ y, int64_t M, int64_t N, int64_t K) {
   const int64_t G = K / 32;
@@ -43,7 +51,7 @@ __global__ void q8act_dot_kernel(const int8_t* __restrict__ a, const float* __re
   const int64_t out = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 4;
   const bool valid = out < M * N;
   const int64_t m = valid ? out / N : 0, n = valid ? out % N : 0;
-  float acc = 0.0f;
+  float acc = 0.0f, macc = 0.0f;
   if (valid) {
     for (int64_t g = t >> 3; g < G; g += 2) {
       const int av = *reinterpret_cast<const int*>(a + m * K + g * 32 + 4 * l);
@@ -56,34 +64,38 @@ __global__ void q8act_dot_kernel(const int8_t* __restrict__ a, const float* __re
       }
       int p = __dp4a(wv, av, 0);
       if constexpr (BITS == 4 && !MINS) p -= 8 * __dp4a(0x01010101, av, 0);
-      const float da = d[m * G + g];
-      float v = __fmul_rn(__int2float_rn(p), __fmul_rn(__half2float(scales[n * G + g]), da));
-      if constexpr (MINS)
-        v = __fadd_rn(v, __fmul_rn(__int2float_rn(__dp4a(0x01010101, av, 0)), __fmul_rn(__half2float(mins[n * G + g]), da)));
+      const float v = __fmul_rn(__int2float_rn(p), __fmul_rn(__half2float(scales[n * G + g]), d[m * G + g]));
       acc = __fadd_rn(acc, v);
     }
+    if constexpr (MINS)
+      for (int64_t g = t; g < G; g += 16)
+        macc = __fadd_rn(macc, __fmul_rn(__half2float(mins[n * G + g]), s[m * G + g]));
   }
   for (int off = 8; off > 0; off >>= 1) acc = __fadd_rn(acc, __shfl_down_sync(kFullMask, acc, off, 16));
+  if constexpr (MINS) {
+    for (int off = 8; off > 0; off >>= 1) macc = __fadd_rn(macc, __shfl_down_sync(kFullMask, macc, off, 16));
+    acc = __fadd_rn(acc, macc);
+  }
   if (valid && t == 0) y[m * N + n] = __fadd_rn(acc, bias != nullptr ? bias[n] : 0.0f);
 }
 
-// codes [M, K] int8 and d [M, G] float32 of x32 [M, K] (contiguous float32).
-void quantize(const at::Tensor& x32, at::Tensor& a, at::Tensor& d) {
+// codes [M, K] int8, d [M, G] float32 and (s non-null) s [M, G] of x32 [M, K] (contiguous float32).
+void quantize(const at::Tensor& x32, at::Tensor& a, at::Tensor& d, float* s) {
   const int64_t M = x32.size(0), K = x32.size(1);
   if (M == 0 || K == 0) return;
   const dim3 grid(unsigned(K / 32), unsigned(M));
   q8_quantize_kernel<<<grid, 32, 0, at::cuda::getCurrentCUDAStream()>>>(x32.data_ptr<float>(), a.data_ptr<int8_t>(),
-                                                                          d.data_ptr<float>(), K);
+                                                                          d.data_ptr<float>(), s, K);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <int BITS, bool MINS>
-void launch_dot(const at::Tensor& a, const at::Tensor& d, const at::Tensor& qw, const at::Tensor& scales,
+void launch_dot(const at::Tensor& a, const at::Tensor& d, const float* s, const at::Tensor& qw, const at::Tensor& scales,
                 const __half* mins, const float* bias, at::Tensor& y, int64_t M, int64_t N, int64_t K) {
   constexpr int kThreads = 256;
   const int64_t blocks = ceil_div(M * N * 16, kThreads);
   q8act_dot_kernel<BITS, MINS><<<unsigned(blocks), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      a.data_ptr<int8_t>(), d.data_ptr<float>(), static_cast<const uint8_t*>(qw.data_ptr()),
+      a.data_ptr<int8_t>(), d.data_ptr<float>(), s, static_cast<const uint8_t*>(qw.data_ptr()),
       reinterpret_cast<const __half*>(scales.data_ptr<at::Half>()), mins, bias, y.data_ptr<float>(), M, N, K);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -103,7 +115,8 @@ at::Tensor qlinear_q8act_cuda(const at::Tensor& x, const at::Tensor& qweight, co
   const at::Tensor x32 = x.reshape({M, K}).to(at::kFloat).contiguous();
   at::Tensor a = at::empty({M, K}, x.options().dtype(at::kChar));
   at::Tensor d = at::empty({M, G}, x.options().dtype(at::kFloat));
-  cuda::quantize(x32, a, d);
+  at::Tensor s = mins.has_value() ? at::empty({M, G}, x.options().dtype(at::kFloat)) : at::Tensor();
+  cuda::quantize(x32, a, d, mins.has_value() ? s.data_ptr<float>() : nullptr);
   // the kernel reads the codes as 4-byte words: a view at an odd offset is copied to a fresh allocation
   const at::Tensor w = (reinterpret_cast<uintptr_t>(qweight.data_ptr()) & 3u) == 0 ? qweight : qweight.clone();
   std::optional<at::Tensor> b32;
@@ -111,9 +124,10 @@ at::Tensor qlinear_q8act_cuda(const at::Tensor& x, const at::Tensor& qweight, co
   const float* bp = b32.has_value() ? b32->data_ptr<float>() : nullptr;
   const __half* mp = mins.has_value() ? reinterpret_cast<const __half*>(mins->data_ptr<at::Half>()) : nullptr;
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (bits == 8) cuda::launch_dot<8, false>(a, d, w, scales, mp, bp, y, M, N, K);
-  else if (mp != nullptr) cuda::launch_dot<4, true>(a, d, w, scales, mp, bp, y, M, N, K);
-  else cuda::launch_dot<4, false>(a, d, w, scales, mp, bp, y, M, N, K);
+  const float* sp = mins.has_value() ? s.data_ptr<float>() : nullptr;
+  if (bits == 8) cuda::launch_dot<8, false>(a, d, sp, w, scales, mp, bp, y, M, N, K);
+  else if (mp != nullptr) cuda::launch_dot<4, true>(a, d, sp, w, scales, mp, bp, y, M, N, K);
+  else cuda::launch_dot<4, false>(a, d, sp, w, scales, mp, bp, y, M, N, K);
   if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
   return y.view(out_shape);
 }
@@ -125,7 +139,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_q8_cuda(const at::Tensor& x) {
   const at::Tensor x32 = x.reshape({M, K}).to(at::kFloat).contiguous();
   at::Tensor a = at::empty({M, K}, x.options().dtype(at::kChar));
   at::Tensor d = at::empty({M, G}, x.options().dtype(at::kFloat));
-  cuda::quantize(x32, a, d);
+  cuda::quantize(x32, a, d, nullptr);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   std::vector<int64_t> dshape = shape;
   dshape.back() = G;

@@ -10,13 +10,17 @@
 //    each for d and id, one float32 product per element, round half to even. d stays float32
 //    (llama.cpp stores it as float16: the only intended difference).
 // 2. Integer dots: weight codes c_j (Q8_0: q; Q4_0: q - 8; Q4_1: q in 0..15). Lane l (0..7) of block
-//    g covers elements 4l..4l+3:  p[g][l] = sum_j c_j a_j  and  r[g][l] = sum_j a_j  (exact int32).
+//    g covers elements 4l..4l+3:  p[g][l] = sum_j c_j a_j  (exact int32). Q4_1 also needs the block's
+//    code sum R_g = sum of its 32 a_j (exact) and s_g = float(R_g) * d_g (one rounding, made once per
+//    activation row and block, at quantization).
 // 3. Floats (each step one float32 rounding, no fused multiply-add):
 //      v = float(p) * (dw_g * d_g)                         (dw, mw: the weight's float16 scale / min)
-//      Q4_1: v = v + float(r) * (mw_g * d_g)
 //      acc[(g % 2) * 8 + l] = acc[(g % 2) * 8 + l] + v      (16 accumulators from +0, g ascending)
-//    then the sum folds the 16 accumulators in halves: h_i = acc_i + acc_{i+8} (8), h_i + h_{i+4} (4),
-//    h_i + h_{i+2} (2), s = h_0 + h_1;  y = s + bias (0 without one).
+//      Q4_1: t = mw_g * s_g;  macc[g % 16] = macc[g % 16] + t   (16 more, from +0, g ascending)
+//    fold16 sums 16 accumulators in halves: h_i = acc_i + acc_{i+8} (8), h_i + h_{i+4} (4),
+//    h_i + h_{i+2} (2), h_0 + h_1.  y = fold16(acc) + bias; Q4_1: y = (fold16(acc) + fold16(macc)) + bias
+//    (bias 0 without one). The min term costs one product per block and weight row (llama.cpp's
+//    q8_1 scheme: its s is d * sum a), not 8 lanes per block and activation row.
 // So each output is one fixed sequence of operations whatever M, the tile and the instruction set:
 // a row's result does not depend on the other rows (verify rows equal decode steps) nor on the tier.
 // Non-finite activations give unspecified (but memory-safe) outputs.
@@ -39,8 +43,8 @@ constexpr int64_t kQ8Block = 32;
 struct Q8ActParams {
   const int8_t* a;         // [M, K] activation codes
   const float* d8;         // [M, G, 8] each block's scale d, repeated over its 8 lanes
-  const int32_t* r;        // [M, G, 8] lane sums of the codes (int32)
-  const float* rf;         // [M, G, 8] the same as float32
+  const int32_t* r;        // [M, G, 8] lane sums of the codes (int32; Q4_0's p - 8 r)
+  const float* s;          // [M, G] float(R_g) * d_g (Q4_1's min term)
   const void* qw;          // [N, K] int8 (Q8_0) or [N, K / 2] uint8 (Q4), contiguous (cpu_qlinear.h's layout)
   const uint16_t* scales;  // [N, G] float16 bits
   const uint16_t* mins;    // [N, G] float16 bits (Q4_1) or nullptr
@@ -54,11 +58,11 @@ struct Q8ActParams {
 // Tiers, best first; kQ8TierAuto: the best this CPU runs.
 enum Q8Tier : int { kQ8Avx512Vnni = 0, kQ8AvxVnni = 1, kQ8Avx2 = 2, kQ8Scalar = 3, kQ8TierAuto = -1 };
 
-// Quantizes x [M, K] (row stride x_stride) into a / d8 / r / rf (step 1 and the lane sums of step 2).
+// Quantizes x [M, K] (row stride x_stride) into a / d8 / r / s (step 1 and the sums of step 2).
 void q8_quantize_scalar(const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* a, float* d8, int32_t* r,
-                        float* rf);
+                        float* s);
 void q8_quantize_avx2(const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* a, float* d8, int32_t* r,
-                      float* rf);
+                      float* s);
 // Outputs y[:, n_begin:n_end] of one tier.
 void q8act_rows_scalar(const Q8ActParams& P, int64_t n_begin, int64_t n_end);
 void q8act_rows_avx2(const Q8ActParams& P, int64_t n_begin, int64_t n_end);
