@@ -159,16 +159,20 @@ std::string q8act_tiers() {
 void qlinear_q8act_raw(const float* x, int64_t x_stride, const QLinearParams& Q) {
   const int64_t M = Q.M, K = Q.K, G = K / kQ8Block;
   const int tier = active_tier();
-  // one scratch: codes [M, K], then d8 / r [M, G, 8] and s [M, G] (4-byte aligned: K % 32 == 0)
-  std::vector<int32_t> scratch(M * K / 4 + 2 * M * G * 8 + M * G);
+  // one scratch: codes [M, K], then d8 / r [M, G, 8], s / d [M, G] (4-byte aligned: K % 32 == 0)
+  std::vector<int32_t> scratch(M * K / 4 + 2 * M * G * 8 + 2 * M * G);
   int8_t* a = reinterpret_cast<int8_t*>(scratch.data());
   float* d8 = reinterpret_cast<float*>(scratch.data() + M * K / 4);
   int32_t* r = scratch.data() + M * K / 4 + M * G * 8;
   float* s = reinterpret_cast<float*>(r + M * G * 8);
+  float* d = s + M * G;
   if (tier == kQ8Scalar) q8_quantize_scalar(x, x_stride, M, K, a, d8, r, s);
   else q8_quantize_avx2(x, x_stride, M, K, a, d8, r, s);
+  for (int64_t i = 0; i < M * G; ++i) d[i] = d8[i * 8];
+  if (tier == kQ8Avx512Vnni && Q.bits == 4) q8_interleave_pairs_avx512(a, r, M, K);
   Q8ActParams P;
   P.a = a;
+  P.d = d;
   P.d8 = d8;
   P.r = r;
   P.s = s;

@@ -1,11 +1,16 @@
 // qlinear_q8act's AVX-512 VNNI tier (definition: csrc/include/specdec/cpu_q8act.h), compiled with
 // -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mavx2 -mfma -mf16c -ffp-contract=off (CMakeLists.txt).
 //
-// A zmm holds two blocks: lanes 0-7 block g (even), lanes 8-15 block g + 1, i.e. exactly the 16
-// canonical accumulators, so one vpdpbusd computes both blocks' 8 lane dots and one add accumulates
-// them; an odd last block adds to lanes 0-7 only. The sum folds the halves in the definition's order,
-// so the outputs are the ymm tiers' and the scalar tier's, bit for bit. Up to 8 activation rows share
-// each pair of weight blocks (decoded once: Q4 bytes split into nibbles and reordered per block).
+// A zmm holds two blocks g, g + 1: its 16 lanes are the 16 canonical accumulators, so one vpdpbusd
+// computes both blocks' 8 lane dots and one add accumulates them. Q8_0 keeps the canonical order
+// (lanes 0-7 block g, 8-15 block g + 1). Q4: the 32 packed bytes of a pair decode into
+// [lo g | lo g+1 | hi g | hi g+1] (16 bytes each: a broadcast, a masked shift, a mask), i.e. the
+// canonical 128-bit quarters in the order 0, 2, 1, 3; the activation codes (and Q4_0's lane sums)
+// of every full pair are permuted the same way once per call (q8_interleave_pairs_avx512), and the
+// accumulators are permuted back before the fold. Each pair's scale vector comes from dw * d of 16
+// blocks multiplied at once (the same products as the definition's) by one permute. An odd last block
+// adds to the canonical lanes 0-7; the sums fold in the definition's order, so the outputs are the
+// ymm tiers' and the scalar tier's, bit for bit. Up to 8 activation rows share each decoded pair.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -17,17 +22,16 @@ namespace specdec {
 namespace cpu {
 namespace {
 
-// Codes of blocks g, g + 1 of weight row n in element order (Q4: [lo g | hi g | lo g+1 | hi g+1]).
+// Codes of blocks g, g + 1 of weight row n (Q8_0: element order; Q4: [lo g | lo g+1 | hi g | hi g+1]).
 template <int BITS>
 inline __m512i load_pair(const Q8ActParams& P, int64_t n, int64_t g) {
   if constexpr (BITS == 8) {
     return _mm512_loadu_si512(static_cast<const int8_t*>(P.qw) + n * P.K + g * 32);
   } else {
-    // [b | b], the upper copy shifted to its high nibbles, masked: [lo g | lo g+1 | hi g | hi g+1]
+    // [b | b], the upper copy shifted to its high nibbles, masked
     const __m512i b = _mm512_broadcast_i64x4(_mm256_loadu_si256(
         reinterpret_cast<const __m256i*>(static_cast<const uint8_t*>(P.qw) + n * (P.K / 2) + g * 16)));
-    const __m512i z = _mm512_and_si512(_mm512_mask_srli_epi16(b, __mmask32(0xFFFF0000u), b, 4), _mm512_set1_epi8(15));
-    return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));
+    return _mm512_and_si512(_mm512_mask_srli_epi16(b, __mmask32(0xFFFF0000u), b, 4), _mm512_set1_epi8(15));
   }
 }
 
@@ -44,9 +48,12 @@ inline __m256i load_one(const Q8ActParams& P, int64_t n, int64_t g) {
   }
 }
 
+// quarters 0, 2, 1, 3 of a zmm (self-inverse: Q4's pair order <-> the canonical order)
+inline __m512i swap_quarters(__m512i z) { return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)); }
+
+// The pair's 16 lane values of activation row m: float(p) * (dw * d) with dd the pair's scale vector.
 template <int BITS, bool MINS>
-inline __m512 pair_value(const Q8ActParams& P, __m512i w, __m512i wu, __m512 dw, int64_t m, int64_t g) {
-  const int64_t G = P.K / kQ8Block, o = (m * G + g) * 8;
+inline __m512 pair_value(const Q8ActParams& P, __m512i w, __m512i wu, __m512 dd, int64_t m, int64_t g) {
   const __m512i a = _mm512_loadu_si512(P.a + m * P.K + g * 32);
   __m512i p;
   if constexpr (BITS == 8) {
@@ -54,9 +61,10 @@ inline __m512 pair_value(const Q8ActParams& P, __m512i w, __m512i wu, __m512 dw,
     p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, s);
   } else {
     p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
-    if constexpr (!MINS) p = _mm512_sub_epi32(p, _mm512_slli_epi32(_mm512_loadu_si512(P.r + o), 3));
+    if constexpr (!MINS)
+      p = _mm512_sub_epi32(p, _mm512_slli_epi32(_mm512_loadu_si512(P.r + (m * (P.K / kQ8Block) + g) * 8), 3));
   }
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw, _mm512_loadu_ps(P.d8 + o)));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(p), dd);
 }
 
 template <int BITS, bool MINS>
@@ -108,9 +116,11 @@ inline void tile(const Q8ActParams& P, int64_t n0, int64_t m0) {
   __m512 acc[NR][MR];
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
-  // the float16 scales of 16 blocks widened at once; each pair's [d_g x 8 | d_g+1 x 8] by a permute
-  __m512 ds[NR];
-  const __m512i idx0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  // dw * d of 16 blocks (float16 scales widened exactly) per weight and activation row; a pair's
+  // lanes take theirs by a permute
+  __m512 dd[NR][MR];
+  const __m512i idx0 = BITS == 8 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+                                 : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
   Q8Prefetch prefetch(P, n0, NR, m0, (G + 1) / 2);
   int64_t g = 0;
   for (; g + 2 <= G; g += 2) {
@@ -118,17 +128,25 @@ inline void tile(const Q8ActParams& P, int64_t n0, int64_t m0) {
     if ((g & 15) == 0) {
       const int64_t cnt = std::min<int64_t>(16, G - g);
       const __mmask16 k = cnt == 16 ? __mmask16(0xFFFF) : __mmask16((1u << cnt) - 1);
-      for (int r = 0; r < NR; ++r) ds[r] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, P.scales + (n0 + r) * G + g));
+      __m512 da[MR];
+      for (int m = 0; m < MR; ++m) da[m] = _mm512_maskz_loadu_ps(k, P.d + (m0 + m) * G + g);
+      for (int r = 0; r < NR; ++r) {
+        const __m512 ds = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, P.scales + (n0 + r) * G + g));
+        for (int m = 0; m < MR; ++m) dd[r][m] = _mm512_mul_ps(ds, da[m]);
+      }
     }
     const __m512i idx = _mm512_add_epi32(idx0, _mm512_set1_epi32(int(g & 15)));
     for (int r = 0; r < NR; ++r) {
       const __m512i w = load_pair<BITS>(P, n0 + r, g);
       const __m512i wu = BITS == 8 ? _mm512_abs_epi8(w) : w;
-      const __m512 dw = _mm512_permutexvar_ps(idx, ds[r]);
       for (int m = 0; m < MR; ++m)
-        acc[r][m] = _mm512_add_ps(acc[r][m], pair_value<BITS, MINS>(P, w, wu, dw, m0 + m, g));
+        acc[r][m] = _mm512_add_ps(acc[r][m],
+                                  pair_value<BITS, MINS>(P, w, wu, _mm512_permutexvar_ps(idx, dd[r][m]), m0 + m, g));
     }
   }
+  if constexpr (BITS == 4)  // back to the canonical lanes
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_castsi512_ps(swap_quarters(_mm512_castps_si512(acc[r][m])));
   if (g < G)
     for (int r = 0; r < NR; ++r)
       for (int m = 0; m < MR; ++m)
@@ -184,6 +202,17 @@ inline void rows_t(const Q8ActParams& P, int64_t n_begin, int64_t n_end) {
 }
 
 }  // namespace
+
+void q8_interleave_pairs_avx512(int8_t* a, int32_t* r, int64_t M, int64_t K) {
+  const int64_t G = K / kQ8Block;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g + 2 <= G; g += 2) {
+      int8_t* ap = a + m * K + g * 32;
+      _mm512_storeu_si512(ap, swap_quarters(_mm512_loadu_si512(ap)));
+      int32_t* rp = r + (m * G + g) * 8;
+      _mm512_storeu_si512(rp, swap_quarters(_mm512_loadu_si512(rp)));
+    }
+}
 
 void q8act_rows_avx512vnni(const Q8ActParams& P, int64_t n_begin, int64_t n_end) {
   if (P.bits == 8) rows_t<8, false>(P, n_begin, n_end);
