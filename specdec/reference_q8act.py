@@ -7,11 +7,11 @@ The definition, step by step (the kernels compute exactly this; csrc/include/spe
    every division and product one float32 rounding; ``d`` stays float32.
 2. Integer dots per block g and lane l (elements 4l..4l+3): ``p = sum c * a`` with the weight codes
    ``c`` (Q8_0 ``q``, Q4_0 ``q - 8``, Q4_1 ``q``) and ``r = sum a``; exact integers.
-3. ``v = float(p) * (dw * d)``, added to accumulator ``(g % 2) * 8 + l`` in block order. Q4_1's min
-   term per block: ``t = mw * s`` with ``s = float(R) * d`` (``R`` the block's code sum), added to a
-   second set of 16 accumulators at ``g % 16`` in block order. Each set folds in halves (8, 4, 2, 1);
+3. Accumulator ``(g % 2) * 8 + l``, in block order: ``acc = fma(float(p), dw * d, acc)``. Q4_1's min
+   term per block: ``macc[g % 16] = fma(mw, s, macc[g % 16])`` with ``s = float(R) * d`` (``R`` the
+   block's code sum), a second set of 16 accumulators. Each set folds in halves (8, 4, 2, 1);
    ``y = fold(acc) (+ fold(macc) for Q4_1) + bias`` (bias 0 without one). Every step one float32
-   rounding, no fused multiply-add.
+   rounding; ``fma(a, b, c)`` is ``a * b + c`` rounded once (emulated exactly: :func:`fma32`).
 
 Run on the CPU (torch's CUDA division by a scalar multiplies by a reciprocal): inputs on another
 device are computed on the CPU and the result moved back.
@@ -23,7 +23,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["quantize_q8", "qlinear_q8act", "weight_codes"]
+__all__ = ["quantize_q8", "qlinear_q8act", "weight_codes", "fma32"]
 
 
 def quantize_q8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -48,6 +48,26 @@ def weight_codes(qweight: torch.Tensor, mins: Optional[torch.Tensor], bits: int)
     return c if mins is not None else c - 8
 
 
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a * b + c`` rounded once to float32 (a hardware fused multiply-add), for float32 tensors.
+
+    The product of two float32 values is exact in float64 (48 significant bits); the float64 sum
+    ``s`` rounds once, and TwoSum gives its exact error ``e``. Rounding ``s`` to float32 is then the
+    correct rounding of the exact value unless ``s`` lies exactly halfway between two float32 values
+    and ``e != 0``: the exact value is past the midpoint on ``e``'s side, so that neighbour is taken.
+    """
+    x, c64 = a.double() * b.double(), c.double()
+    s = x + c64
+    bb = s - x
+    e = (x - (s - bb)) + (c64 - bb)
+    f = s.float()
+    other = torch.nextafter(f, torch.where(s > f.double(), torch.full_like(f, math.inf), torch.full_like(f, -math.inf)))
+    tie = (f.double() != s) & ((s - f.double()).abs() == (other.double() - s).abs()) & (e != 0)
+    up = torch.maximum(f, other)
+    down = torch.minimum(f, other)
+    return torch.where(tie, torch.where(e > 0, up, down), f)
+
+
 def _fold16(acc: torch.Tensor) -> torch.Tensor:
     """The 16 accumulators [..., 16] summed in halves: 8, 4, 2, 1."""
     h = acc[..., :8] + acc[..., 8:]
@@ -69,17 +89,19 @@ def qlinear_q8act(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     c4 = weight_codes(qweight, mins, bits).to(torch.float64).reshape(1, N, G, 8, 4)
     p = (a4 * c4).sum(-1).float()  # [M, N, G, 8]: exact integers (|p| < 2^17)
     dw = scales.cpu().float()  # [N, G], exact widening
-    v = p * (dw.unsqueeze(0) * d.unsqueeze(1)).unsqueeze(-1)
+    dd = (dw.unsqueeze(0) * d.unsqueeze(1)).unsqueeze(-1).expand(M, N, G, 8)
     acc = torch.zeros(M, N, 16, dtype=torch.float32)
     for g in range(G):
-        acc[:, :, (g % 2) * 8:(g % 2) * 8 + 8] = acc[:, :, (g % 2) * 8:(g % 2) * 8 + 8] + v[:, :, g]
+        lanes = slice((g % 2) * 8, (g % 2) * 8 + 8)
+        acc[:, :, lanes] = fma32(p[:, :, g], dd[:, :, g], acc[:, :, lanes])
     y = _fold16(acc)
     if mins is not None:
         s = a.reshape(M, G, 32).to(torch.int64).sum(-1).float() * d  # [M, G]: float(R) * d
-        t = mins.cpu().float().unsqueeze(0) * s.unsqueeze(1)  # [M, N, G]
+        mw = mins.cpu().float().unsqueeze(0).expand(M, N, G)
+        sv = s.unsqueeze(1).expand(M, N, G)
         macc = torch.zeros(M, N, 16, dtype=torch.float32)
         for g in range(G):
-            macc[:, :, g % 16] = macc[:, :, g % 16] + t[:, :, g]
+            macc[:, :, g % 16] = fma32(mw[:, :, g], sv[:, :, g], macc[:, :, g % 16])
         y = y + _fold16(macc)
     y = y + b
     return y.reshape(*x.shape[:-1], N).to(device=x.device, dtype=x.dtype)

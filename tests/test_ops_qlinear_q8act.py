@@ -101,6 +101,33 @@ def test_rows_do_not_depend_on_M_nor_on_the_tier(fmt):
         assert torch.equal(o, outs[0]), f"tier {t} differs from {TIERS[0]}"
 
 
+def test_fma32_is_a_correctly_rounded_fused_multiply_add():
+    """The reference's fma32 equals the C library's fmaf: on random values across magnitudes and on
+    the cases where rounding a * b + c first to float64 lands exactly between two float32 values."""
+    import ctypes
+    import ctypes.util
+
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    libm.fmaf.restype = ctypes.c_float
+    libm.fmaf.argtypes = [ctypes.c_float] * 3
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(3000, generator=g) * 2.0 ** torch.randint(-30, 30, (3000,), generator=g).float()
+    b = torch.randn(3000, generator=g) * 2.0 ** torch.randint(-30, 30, (3000,), generator=g).float()
+    c = torch.randn(3000, generator=g) * 2.0 ** torch.randint(-30, 30, (3000,), generator=g).float()
+    u = 2.0 ** -23
+    # exact 1 + u + u/2 - 2^-70 (below the midpoint; float64 rounds onto it, ties-to-even would go up)
+    # and its mirror above the midpoint, plus exact products (no tie)
+    ties = torch.tensor([[1 + u, 2.0 ** -24 * (1 - u), 1 + u], [1 + u, -(2.0 ** -24) * (1 - u), -(1 + u)],
+                         [1 + u, 2.0 ** -24 * (1 + u), 1.0], [3.0, 5.0, -15.0]], dtype=torch.float32)
+    a, b, c = torch.cat([a, ties[:, 0]]), torch.cat([b, ties[:, 1]]), torch.cat([c, ties[:, 2]])
+    want = torch.tensor([libm.fmaf(x, y, z) for x, y, z in zip(a.tolist(), b.tolist(), c.tolist())])
+    got = reference_q8act.fma32(a, b, c)
+    assert torch.equal(got, want)
+    assert got[-4].item() == 1 + u  # float64 then float32 would give 1 + 2u
+    naive = (a.double() * b.double() + c.double()).float()
+    assert not torch.equal(naive, want)  # the tie case does occur
+
+
 @pytest.mark.parametrize("fmt", list(FMTS))
 def test_close_to_float_activations(fmt):
     """|y_q8 - y| <= sum_g amax_g / 254 * sum_j |w_gj| (+ float rounding): each code is within d / 2."""

@@ -4,7 +4,8 @@
 // values), the scalar tier, the tier choice and the parallel split over output rows. The vector
 // tiers live in qlinear_q8act_avx2.cpp / _avxvnni.cpp / _avx512.cpp; all give the same bits.
 //
-// Compiled with -ffp-contract=off (CMakeLists.txt): the definition rounds every product and sum.
+// Compiled with -ffp-contract=off (CMakeLists.txt): the definition's fused multiply-adds are explicit
+// (std::fma here, fma intrinsics in the vector tiers); every other product and sum rounds on its own.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -76,13 +77,11 @@ void q8act_rows_scalar(const Q8ActParams& P, int64_t n_begin, int64_t n_end) {
         for (int l = 0; l < 8; ++l) {
           int32_t p = 0;
           for (int j = 4 * l; j < 4 * l + 4; ++j) p += weight_code(P, n, g, j) * am[g * kQ8Block + j];
-          const float v = static_cast<float>(p) * (dw * P.d8[o + l]);
           float& a = acc[(g & 1) * 8 + l];
-          a = a + v;
+          a = std::fma(static_cast<float>(p), dw * P.d8[o + l], a);
         }
         if (P.mins) {
-          const float t = half_to_float(P.mins[n * G + g]) * P.s[m * G + g];
-          macc[g & 15] = macc[g & 15] + t;
+          macc[g & 15] = std::fma(half_to_float(P.mins[n * G + g]), P.s[m * G + g], macc[g & 15]);
         }
       }
       float y = q8_fold16(acc);

@@ -51,9 +51,10 @@ inline __m256i load_one(const Q8ActParams& P, int64_t n, int64_t g) {
 // quarters 0, 2, 1, 3 of a zmm (self-inverse: Q4's pair order <-> the canonical order)
 inline __m512i swap_quarters(__m512i z) { return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)); }
 
-// The pair's 16 lane values of activation row m: float(p) * (dw * d) with dd the pair's scale vector.
+// acc + float(p) * (dw * d) (one fused multiply-add) over the pair's 16 lanes of activation row m, dd
+// the pair's scale vector.
 template <int BITS, bool MINS>
-inline __m512 pair_value(const Q8ActParams& P, __m512i w, __m512i wu, __m512 dd, int64_t m, int64_t g) {
+inline __m512 pair_fma(const Q8ActParams& P, __m512i w, __m512i wu, __m512 dd, __m512 acc, int64_t m, int64_t g) {
   const __m512i a = _mm512_loadu_si512(P.a + m * P.K + g * 32);
   __m512i p;
   if constexpr (BITS == 8) {
@@ -64,11 +65,12 @@ inline __m512 pair_value(const Q8ActParams& P, __m512i w, __m512i wu, __m512 dd,
     if constexpr (!MINS)
       p = _mm512_sub_epi32(p, _mm512_slli_epi32(_mm512_loadu_si512(P.r + (m * (P.K / kQ8Block) + g) * 8), 3));
   }
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(p), dd);
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), dd, acc);
 }
 
+// The odd last block's float(p) and dw * d (8 lanes each), as the ymm tiers compute them.
 template <int BITS, bool MINS>
-inline __m256 one_value(const Q8ActParams& P, int64_t n, int64_t m, int64_t g) {
+inline void one_block(const Q8ActParams& P, int64_t n, int64_t m, int64_t g, __m256& pf, __m256& dd) {
   const int64_t G = P.K / kQ8Block, o = (m * G + g) * 8;
   const __m256i w = load_one<BITS>(P, n, g);
   const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P.a + m * P.K + g * 32));
@@ -80,8 +82,8 @@ inline __m256 one_value(const Q8ActParams& P, int64_t n, int64_t m, int64_t g) {
     if constexpr (!MINS)
       p = _mm256_sub_epi32(p, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(P.r + o)), 3));
   }
-  const __m256 dw = _mm256_set1_ps(_cvtsh_ss(P.scales[n * G + g]));
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_loadu_ps(P.d8 + o)));
+  pf = _mm256_cvtepi32_ps(p);
+  dd = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(P.scales[n * G + g])), _mm256_loadu_ps(P.d8 + o));
 }
 
 inline float fold(__m512 acc) {
@@ -104,7 +106,7 @@ inline void min_terms(const Q8ActParams& P, int64_t n0, int64_t m0, __m512 (&mac
     for (int r = 0; r < NR; ++r) {
       const __m512 mw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, P.mins + (n0 + r) * G + g));
       for (int m = 0; m < MR; ++m)
-        macc[r][m] = _mm512_mask_add_ps(macc[r][m], k, macc[r][m], _mm512_mul_ps(mw, sv[m]));
+        macc[r][m] = _mm512_mask3_fmadd_ps(mw, sv[m], macc[r][m], k);
     }
   }
 }
@@ -140,8 +142,7 @@ inline void tile(const Q8ActParams& P, int64_t n0, int64_t m0) {
       const __m512i w = load_pair<BITS>(P, n0 + r, g);
       const __m512i wu = BITS == 8 ? _mm512_abs_epi8(w) : w;
       for (int m = 0; m < MR; ++m)
-        acc[r][m] = _mm512_add_ps(acc[r][m],
-                                  pair_value<BITS, MINS>(P, w, wu, _mm512_permutexvar_ps(idx, dd[r][m]), m0 + m, g));
+        acc[r][m] = pair_fma<BITS, MINS>(P, w, wu, _mm512_permutexvar_ps(idx, dd[r][m]), acc[r][m], m0 + m, g);
     }
   }
   if constexpr (BITS == 4)  // back to the canonical lanes
@@ -149,9 +150,11 @@ inline void tile(const Q8ActParams& P, int64_t n0, int64_t m0) {
       for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_castsi512_ps(swap_quarters(_mm512_castps_si512(acc[r][m])));
   if (g < G)
     for (int r = 0; r < NR; ++r)
-      for (int m = 0; m < MR; ++m)
-        acc[r][m] = _mm512_mask_add_ps(acc[r][m], 0x00FF, acc[r][m],
-                                       _mm512_zextps256_ps512(one_value<BITS, MINS>(P, n0 + r, m0 + m, g)));
+      for (int m = 0; m < MR; ++m) {
+        __m256 pf, dd1;
+        one_block<BITS, MINS>(P, n0 + r, m0 + m, g, pf, dd1);
+        acc[r][m] = _mm512_mask3_fmadd_ps(_mm512_zextps256_ps512(pf), _mm512_zextps256_ps512(dd1), acc[r][m], 0x00FF);
+      }
   __m512 macc[NR][MR];
   if constexpr (MINS) {
     for (int r = 0; r < NR; ++r)

@@ -65,8 +65,7 @@ inline void block(const Q8ActParams& P, int64_t n0, int64_t m0, int64_t g, const
         if constexpr (!MINS)
           p = _mm256_sub_epi32(p, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(P.r + o)), 3));
       }
-      const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_loadu_ps(P.d8 + o)));
-      acc[r][m] = _mm256_add_ps(acc[r][m], v);
+      acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_loadu_ps(P.d8 + o)), acc[r][m]);
     }
   }
 }
@@ -92,7 +91,7 @@ inline void load_scales(const Q8ActParams& P, int64_t n0, int64_t g, float (&ds)
 }
 
 // Q4_1's min terms of blocks [g, g + 8) (g % 8 == 0) into macc, the accumulators g % 16 of those
-// blocks: t = mw * s per lane; a block past the row's end adds 0 * 0 = +0, which leaves any
+// blocks: macc + mw * s per lane (fused); a block past the row's end adds 0 * 0 = +0, which leaves any
 // accumulator unchanged (one started at +0 is never -0).
 template <int NR, int MR>
 inline void min_terms(const Q8ActParams& P, int64_t m0, int64_t g, const float (&ms)[NR][8], __m256 (&macc)[NR][MR]) {
@@ -101,7 +100,7 @@ inline void min_terms(const Q8ActParams& P, int64_t m0, int64_t g, const float (
   const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(cnt)), lanes);
   for (int m = 0; m < MR; ++m) {
     const __m256 sv = _mm256_maskload_ps(P.s + (m0 + m) * G + g, keep);
-    for (int r = 0; r < NR; ++r) macc[r][m] = _mm256_add_ps(macc[r][m], _mm256_mul_ps(_mm256_load_ps(ms[r]), sv));
+    for (int r = 0; r < NR; ++r) macc[r][m] = _mm256_fmadd_ps(_mm256_load_ps(ms[r]), sv, macc[r][m]);
   }
 }
 

@@ -6,7 +6,8 @@
 // dot: one half-warp per output (row m, weight row n); thread t owns the canonical accumulator t:
 // lane l = t % 8 of the blocks of parity t / 8, in ascending order, one __dp4a per block (4 weight
 // codes x 4 activation codes: Q8_0 a signed word; Q4 a word of nibbles masked from the packed bytes);
-// every float step is an explicitly rounded __fmul_rn / __fadd_rn (no contraction into FMAs), and the
+// every float step is an explicitly rounded __fmul_rn / __fadd_rn / __fmaf_rn (the definition's fused
+// steps and no others), and the
 // half-warp folds the 16 accumulators by shuffles 8, 4, 2, 1 -- the definition's order. Q4_1: thread t
 // also owns min accumulator t (the blocks g = t mod 16, ascending: mw * s each), folded the same way
 // and added before the bias. So the outputs equal the CPU tiers' and the torch reference's bit for bit.
@@ -64,12 +65,11 @@ __global__ void q8act_dot_kernel(const int8_t* __restrict__ a, const float* __re
       }
       int p = __dp4a(wv, av, 0);
       if constexpr (BITS == 4 && !MINS) p -= 8 * __dp4a(0x01010101, av, 0);
-      const float v = __fmul_rn(__int2float_rn(p), __fmul_rn(__half2float(scales[n * G + g]), d[m * G + g]));
-      acc = __fadd_rn(acc, v);
+      acc = __fmaf_rn(__int2float_rn(p), __fmul_rn(__half2float(scales[n * G + g]), d[m * G + g]), acc);
     }
     if constexpr (MINS)
       for (int64_t g = t; g < G; g += 16)
-        macc = __fadd_rn(macc, __fmul_rn(__half2float(mins[n * G + g]), s[m * G + g]));
+        macc = __fmaf_rn(__half2float(mins[n * G + g]), s[m * G + g], macc);
   }
   for (int off = 8; off > 0; off >>= 1) acc = __fadd_rn(acc, __shfl_down_sync(kFullMask, acc, off, 16));
   if constexpr (MINS) {

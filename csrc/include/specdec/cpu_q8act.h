@@ -13,10 +13,10 @@
 //    g covers elements 4l..4l+3:  p[g][l] = sum_j c_j a_j  (exact int32). Q4_1 also needs the block's
 //    code sum R_g = sum of its 32 a_j (exact) and s_g = float(R_g) * d_g (one rounding, made once per
 //    activation row and block, at quantization).
-// 3. Floats (each step one float32 rounding, no fused multiply-add):
-//      v = float(p) * (dw_g * d_g)                         (dw, mw: the weight's float16 scale / min)
-//      acc[(g % 2) * 8 + l] = acc[(g % 2) * 8 + l] + v      (16 accumulators from +0, g ascending)
-//      Q4_1: t = mw_g * s_g;  macc[g % 16] = macc[g % 16] + t   (16 more, from +0, g ascending)
+// 3. Floats (each step one float32 rounding; fma(a, b, c) = a * b + c rounded once):
+//      acc[(g % 2) * 8 + l] = fma(float(p), dw_g * d_g, acc[(g % 2) * 8 + l])
+//                       (dw, mw: the weight's float16 scale / min; 16 accumulators from +0, g ascending)
+//      Q4_1: macc[g % 16] = fma(mw_g, s_g, macc[g % 16])   (16 more, from +0, g ascending)
 //    fold16 sums 16 accumulators in halves: h_i = acc_i + acc_{i+8} (8), h_i + h_{i+4} (4),
 //    h_i + h_{i+2} (2), h_0 + h_1.  y = fold16(acc) + bias; Q4_1: y = (fold16(acc) + fold16(macc)) + bias
 //    (bias 0 without one). The min term costs one product per block and weight row (llama.cpp's
