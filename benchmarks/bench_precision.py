@@ -2,9 +2,11 @@
 
     python benchmarks/bench_precision.py [--rounds 3] [--new 48] [--threads 2] [--llama-python PY]
 
-Targets: fp32 (the dequantized weights, 538 MB per forward), q8_0 (group-quantized 8-bit) and
-q4_1 (the GGUF's own Q4_1 layers + Q8_0 head, ~98 MB). For each: the latency of one forward
-of 1 and 8 new nodes over a 150-token prefix (medians), and greedy generation tokens/s with
+Targets: fp32 (the dequantized weights, 538 MB per forward), q8_0 (group-quantized 8-bit),
+q4_1 (the GGUF's own Q4_1 layers + Q8_0 head, ~98 MB) and q4_1+q8act (the same with activations
+quantized per block of 32, ``qlinear(act="q8")``: a different model; --no-q8act leaves it out).
+For each: the latency of one forward of 1 and 8 new nodes over a 150-token prefix (medians), and
+greedy generation tokens/s with
 plain decoding and with prompt lookup on grounded and open prompts — every configuration
 interleaved prompt by prompt, medians of per-prompt ratios against fp32 plain. Each
 quantized configuration's speculative output is checked equal to its own plain greedy output.
@@ -92,6 +94,8 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=48)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-q8act", action="store_true",
+                    help="leave out q4_1+q8act (the GGUF's Q4_1 with quantized activations, qlinear act='q8')")
     ap.add_argument("--llama-python", default=os.environ.get("SPECDEC_LLAMA_PYTHON"),
                     help="a Python with llama-cpp-python: adds llama.cpp rows on the same GGUF")
     a = ap.parse_args()
@@ -102,8 +106,9 @@ def main() -> int:
 
     models = {}
     tok = None
-    for prec in ("fp32", "q8_0", "q4_1"):
-        m, tok = load_bundled("smollm2-135m", precision=prec)
+    for prec in ("fp32", "q8_0", "q4_1") + (() if a.no_q8act else ("q4_1+q8act",)):
+        base, _, act = prec.partition("+")
+        m, tok = load_bundled("smollm2-135m", precision=base, act="q8" if act else None)
         models[prec] = specdec.HFCausalLM(m)
 
     # ---------------------------------------------------------------- forward latency

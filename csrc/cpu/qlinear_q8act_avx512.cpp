@@ -2,8 +2,8 @@
 // -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mavx2 -mfma -mf16c -ffp-contract=off (CMakeLists.txt).
 //
 // A zmm holds two blocks g, g + 1: its 16 lanes are the 16 canonical accumulators, so one vpdpbusd
-// computes both blocks' 8 lane dots and one add accumulates them. Q8_0 keeps the canonical order
-// (lanes 0-7 block g, 8-15 block g + 1). Q4: the 32 packed bytes of a pair decode into
+// computes both blocks' 8 lane dots and one fused multiply-add accumulates them. Q8_0 keeps the
+// canonical order (lanes 0-7 block g, 8-15 block g + 1). Q4: the 32 packed bytes of a pair decode into
 // [lo g | lo g+1 | hi g | hi g+1] (16 bytes each: a broadcast, a masked shift, a mask), i.e. the
 // canonical 128-bit quarters in the order 0, 2, 1, 3; the activation codes (and Q4_0's lane sums)
 // of every full pair are permuted the same way once per call (q8_interleave_pairs_avx512), and the
