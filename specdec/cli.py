@@ -37,6 +37,14 @@ from specdec.cli_drafters import (DRAFTER_PRESETS, DraftSource, check_draft_opti
                                   load_hf_folder, preset_file_as_option)
 
 
+
+def resolve_act(act: str, precision: str):
+    """--act's activation format for load_bundled: "auto" is q8 with a quantized precision, else none."""
+    if act == "auto":
+        return None if precision == "fp32" else "q8"
+    return None if act == "none" else act
+
+
 def _model_options(g: argparse.ArgumentParser) -> None:
     """Options shared by generate and serve: the model, the drafter and the policy."""
     g.add_argument("--model", default="smollm2-135m",
@@ -78,9 +86,11 @@ def _model_options(g: argparse.ArgumentParser) -> None:
                         "are spawned here, or joined under torchrun); docs/distributed.md")
     g.add_argument("--precision", default="fp32", choices=["fp32", "q8_0", "q4_1"],
                    help="the bundled model's linear weights: fp32 (default), q8_0, or q4_1 (the GGUF's own blocks)")
-    g.add_argument("--act", default="none", choices=["none", "q8"],
+    g.add_argument("--act", default="auto", choices=["auto", "none", "q8"],
                    help="with --precision q8_0 / q4_1: q8 quantizes the activations per block of 32 (integer dot "
-                        "products; a different target model, speculation exact against it); none (default)")
+                        "products, llama.cpp's scheme; a different target model, speculation exact against it), "
+                        "none keeps them float; auto (default): q8 with a quantized precision (the faster one, "
+                        "within 1 %% perplexity: docs/benchmarks.md), none with fp32")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -165,10 +175,10 @@ def _load(args: argparse.Namespace):
     if bundled:
         model, tok, *rest = load_bundled(args.model, draft="w8" if draft == "auto" else
                                          draft if draft in ("int8", "w8", "bf16") else None,
-                                         precision=args.precision, act=None if args.act == "none" else args.act)
+                                         precision=args.precision, act=resolve_act(args.act, args.precision))
         bundled_draft = rest[0] if rest else None
     else:
-        if args.precision != "fp32" or args.act != "none":
+        if args.precision != "fp32" or args.act == "q8":
             raise ValueError("--precision / --act apply to the bundled model only")
         model, tok = load_hf_folder(args.model)
         if tok is None:

@@ -121,3 +121,15 @@ def test_cli_switches(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{}")
     assert main(["generate", "hi", "--model", str(tmp_path), "--precision", "q4_1", "--act", "q8"]) == 2
     assert "--precision / --act apply to the bundled model only" in capsys.readouterr().err
+    assert main(["generate", "hi", "--model", str(tmp_path), "--act", "q8"]) == 2
+    assert "--precision / --act apply to the bundled model only" in capsys.readouterr().err
+
+
+def test_cli_act_default_follows_the_precision():
+    """--act auto (the default): q8 activations with a quantized precision, float with fp32."""
+    from specdec.cli import resolve_act, serve_options
+
+    args = serve_options(["--precision", "q4_1"])
+    assert args.act == "auto" and resolve_act(args.act, args.precision) == "q8"
+    assert resolve_act("auto", "q8_0") == "q8" and resolve_act("auto", "fp32") is None
+    assert resolve_act("none", "q4_1") is None and resolve_act("q8", "q4_1") == "q8"
