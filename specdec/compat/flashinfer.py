@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
+import numpy as np
 import torch
 
 from specdec import ops
@@ -64,21 +65,26 @@ def _check(fn, arg, t, dtypes, shape):
 
 
 def _validate(fn, draft_probs, draft_token_ids, target_probs):
+    """(B, N, V, a NumPy view of the drafts when they are a CPU tensor, else None)."""
     _check(fn, "draft_probs", draft_probs, _FLOATS, (None, None, None))
     B, N, V = draft_probs.shape
     _check(fn, "draft_token_ids", draft_token_ids, _INTS, (B, N))
     _check(fn, "target_probs", target_probs, _FLOATS, (B, N + 1, V))
     if V < 1:
         _fail(fn, "draft_probs", "of vocabulary size >= 1", f"shape {tuple(draft_probs.shape)}")
-    check_token_range(fn, "draft_token_ids", draft_token_ids, V)
+    d_host = check_token_range(fn, "draft_token_ids", draft_token_ids, V)
     for arg, t in (("draft_probs", draft_probs), ("target_probs", target_probs)):
         if t.device != draft_token_ids.device:
             _fail(fn, arg, f"on {draft_token_ids.device} (draft_token_ids' device)", str(t.device))
-    return B, N, V
+    return B, N, V, d_host
 
 
 def _in_unit(t):
-    lo, hi = (float(x) for x in torch.aminmax(t))
+    if t.device.type == "cpu" and t.dtype in _NUMPY_FLOATS and not t.requires_grad:
+        v = t.numpy()  # two NumPy reductions cost less than one tensor reduction here
+        lo, hi = v.min(), v.max()
+    else:
+        lo, hi = (float(x) for x in torch.aminmax(t))
     return lo >= 0 and hi <= 1  # False for NaN
 
 
@@ -91,11 +97,30 @@ def _check_counter(fn, arg, t, B, dev):
     return t
 
 
-def _run(fn, draft_probs, draft_token_ids, target_probs, uniform_samples, acc_buf, emit_buf):
+def _run(fn, draft_probs, draft_token_ids, target_probs, uniform_samples, acc_buf, emit_buf, d_host=None):
     B, N, V = draft_probs.shape
     dev = target_probs.device
     acc_buf = _check_counter(fn, "maybe_output_accepted_token_num", acc_buf, B, dev)
     emit_buf = _check_counter(fn, "maybe_output_emitted_draft_token_num", emit_buf, B, dev)
+    if HOST_FORM and d_host is not None and B and _host_ok(draft_probs, target_probs, uniform_samples):
+        out, num, accepted = _decide_host(draft_probs, d_host, target_probs, uniform_samples)
+    else:
+        out, num, accepted = _decide(draft_probs, draft_token_ids, target_probs, uniform_samples)
+    if acc_buf is None:
+        acc_buf = accepted.to(torch.int32)
+    else:
+        acc_buf.add_(accepted.to(acc_buf.dtype))
+    if emit_buf is None:
+        emit_buf = num  # the op's own new tensor
+    else:
+        emit_buf.add_(num.to(emit_buf.dtype))
+    return out.to(torch.int32), acc_buf, emit_buf
+
+
+def _decide(draft_probs, draft_token_ids, target_probs, uniform_samples):
+    """(out_tokens, num_accepted, accepted_num) by tensor operations (any device)."""
+    B, N, V = draft_probs.shape
+    dev = target_probs.device
     u_fi = uniform_samples.to(device=dev, dtype=torch.float64)
     d = draft_token_ids.to(torch.int64)
     # FlashInfer's independent test of every draft, in float32 (for accepted_num and for picking the
@@ -118,9 +143,7 @@ def _run(fn, draft_probs, draft_token_ids, target_probs, uniform_samples, acc_bu
         _, num, out = ops.rejection_sample(tokens, parents, p, q, u)
         equal = torch.equal(num.to(torch.int64), pos_fi)  # False: a decision at a float32 tie
     if not equal:  # stage every row
-        q = workspace("flashinfer.draft", (B, N + 1, V), torch.float32, dev)  # row 0 (the root) is unused
-        q[:, 0] = 0.0
-        q[:, 1:].copy_(draft_probs)
+        q = _stage_all_rows(draft_probs)
         _, num, out = ops.rejection_sample(tokens, parents, p, q, u)
 
     pos = num.to(torch.int64)
@@ -128,15 +151,76 @@ def _run(fn, draft_probs, draft_token_ids, target_probs, uniform_samples, acc_bu
         accepted = passes.sum(1)
     else:
         accepted = pos + (passes & (torch.arange(N, device=dev)[None, :] > pos[:, None])).sum(1)
-    if acc_buf is None:
-        acc_buf = accepted.to(torch.int32)
-    else:
-        acc_buf.add_(accepted.to(acc_buf.dtype))
-    if emit_buf is None:
-        emit_buf = num.clone()
-    else:
-        emit_buf.add_(num.to(emit_buf.dtype))
-    return out.to(torch.int32), acc_buf, emit_buf
+    return out, num, accepted
+
+
+def _stage_all_rows(draft_probs):
+    B, N, V = draft_probs.shape
+    q = workspace("flashinfer.draft", (B, N + 1, V), torch.float32, draft_probs.device)  # row 0 (the root) unused
+    q[:, 0] = 0.0
+    q[:, 1:].copy_(draft_probs)
+    return q
+
+
+HOST_FORM = True  # CPU batches decided and staged through NumPy views (_decide_host); False: tensor form
+_NUMPY_FLOATS = (torch.float32, torch.float16, torch.float64)
+
+
+def _host_ok(*ts) -> bool:
+    return all(t.device.type == "cpu" and t.dtype in _NUMPY_FLOATS and not t.requires_grad for t in ts)
+
+
+def _decide_host(draft_probs, d, target_probs, uniform_samples):
+    """:func:`_decide` for CPU tensors, with the same float32 test and the same staging done on NumPy
+    views of the caller's tensors and of kept buffers: on a batch of a few requests each tensor
+    operation costs several microseconds, most of them after the op has streamed its rows through
+    the caches. ``d``: a NumPy view of the drafts [B, N] (from the range check)."""
+    B, N, V = draft_probs.shape
+    cpu = target_probs.device
+    qv, uv = draft_probs.numpy(), uniform_samples.numpy()
+    rows, cols, tok_t, tok, u_t, u = _host_buffers(B, N)
+    q_d = qv[rows, cols, d].astype(np.float32, copy=False)
+    p_d = target_probs.numpy()[rows, cols, d].astype(np.float32, copy=False)
+    passes = uv[:, :N].astype(np.float32) * q_d < p_d  # FlashInfer's test, float32 as in _decide
+    pos = np.logical_and.accumulate(passes, 1).sum(1)
+    tok[:, 1:] = d
+    u[:, 0] = uv[rows[:, 0], np.minimum(pos + 1, N)]
+    u[:, 1:] = uv[:, :N]
+    p = target_probs if target_probs.dtype == torch.float32 and target_probs.is_contiguous() \
+        else target_probs.to(torch.float32).contiguous()
+    parents = chain_parents(B, N + 1, cpu)
+    if not ops.strict_checks():  # the entries and rows the op reads, as _stage_read_rows
+        q = workspace("flashinfer.draft_rows", (B, N + 1, V), torch.float32, cpu)
+        qn = q.numpy()
+        qn[rows, cols + 1, d] = q_d
+        pl = pos.tolist()
+        for b, j in enumerate(pl):
+            if j < N:
+                qn[b, j + 1] = qv[b, j]
+        _, num, out = ops.rejection_sample(tok_t, parents, p, q, u_t)
+        if num.tolist() == pl:  # the op stopped where FlashInfer's test did
+            return out, num, torch.from_numpy(passes.sum(1))
+    _, num, out = ops.rejection_sample(tok_t, parents, p, _stage_all_rows(draft_probs), u_t)
+    k = num.numpy().astype(np.int64)
+    return out, num, torch.from_numpy(k + (passes & (np.arange(N)[None, :] > k[:, None])).sum(1))
+
+
+_HOST: dict = {}
+
+
+def _host_buffers(B: int, N: int):
+    """Kept per (B, N): request and draft indices for NumPy gathers, and the op's tokens [B, N + 1]
+    int64 (column 0, the root, 0) and uniforms [B, N + 1] float64 as tensors and NumPy views. Their
+    contents are valid during one call: not for concurrent calls from several threads (like
+    :func:`specdec.compat.common.workspace`)."""
+    got = _HOST.get((B, N))
+    if got is None:
+        if len(_HOST) >= 64:
+            _HOST.clear()
+        tok_t = torch.zeros(B, N + 1, dtype=torch.int64)
+        u_t = torch.zeros(B, N + 1, dtype=torch.float64)
+        got = _HOST[(B, N)] = (np.arange(B)[:, None], np.arange(N)[None, :], tok_t, tok_t.numpy(), u_t, u_t.numpy())
+    return got
 
 
 def _stage_read_rows(draft_probs, d, q_d, pos_fi):
@@ -172,7 +256,7 @@ def chain_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch
     ``deterministic`` is accepted for compatibility: specdec's op is always deterministic.
     The counters default to new int32 zeros; given tensors are added to in place and returned.
     """
-    B, N, _ = _validate(_FN, draft_probs, draft_token_ids, target_probs)
+    B, N, _, d_host = _validate(_FN, draft_probs, draft_token_ids, target_probs)
     dev = target_probs.device
     if generator is not None and seed is not None:
         _fail(_FN, "generator / seed", "at most one of the two", "both")
@@ -182,7 +266,7 @@ def chain_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch
     gdev = generator.device if generator is not None else dev
     u = torch.rand(B, N + 1, dtype=torch.float64, device=gdev, generator=generator).to(dev)
     return _run(_FN, draft_probs, draft_token_ids, target_probs, u,
-                maybe_output_accepted_token_num, maybe_output_emitted_draft_token_num)
+                maybe_output_accepted_token_num, maybe_output_emitted_draft_token_num, d_host)
 
 
 def chain_speculative_sampling_uniform(draft_probs: torch.Tensor, draft_token_ids: torch.Tensor,
@@ -202,7 +286,7 @@ def chain_speculative_sampling_uniform(draft_probs: torch.Tensor, draft_token_id
     newer name is accepted as a keyword too.
     """
     fn = "specdec.compat.flashinfer.chain_speculative_sampling_uniform"
-    B, N, _ = _validate(fn, draft_probs, draft_token_ids, target_probs)
+    B, N, _, d_host = _validate(fn, draft_probs, draft_token_ids, target_probs)
     _check(fn, "uniform_samples", uniform_samples, _FLOATS, (B, N + 1))
     if uniform_samples.numel() and not _in_unit(uniform_samples):
         _fail(fn, "uniform_samples", "values in [0, 1]",
@@ -213,7 +297,7 @@ def chain_speculative_sampling_uniform(draft_probs: torch.Tensor, draft_token_id
     emitted = maybe_output_emitted_token_num if maybe_output_emitted_token_num is not None \
         else maybe_output_emitted_draft_token_num
     return _run(fn, draft_probs, draft_token_ids, target_probs, uniform_samples,
-                maybe_output_accepted_token_num, emitted)
+                maybe_output_accepted_token_num, emitted, d_host)
 
 
 from specdec.compat.flashinfer_paged import (PagedMetadata, append_paged_kv_cache,  # noqa: E402  (re-exported)
