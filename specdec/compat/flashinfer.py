@@ -65,18 +65,17 @@ def _check(fn, arg, t, dtypes, shape):
 
 
 def _validate(fn, draft_probs, draft_token_ids, target_probs):
-    """(B, N, V, a NumPy view of the drafts when they are a CPU tensor, else None)."""
     _check(fn, "draft_probs", draft_probs, _FLOATS, (None, None, None))
     B, N, V = draft_probs.shape
     _check(fn, "draft_token_ids", draft_token_ids, _INTS, (B, N))
     _check(fn, "target_probs", target_probs, _FLOATS, (B, N + 1, V))
     if V < 1:
         _fail(fn, "draft_probs", "of vocabulary size >= 1", f"shape {tuple(draft_probs.shape)}")
-    d_host = check_token_range(fn, "draft_token_ids", draft_token_ids, V)
+    check_token_range(fn, "draft_token_ids", draft_token_ids, V)
     for arg, t in (("draft_probs", draft_probs), ("target_probs", target_probs)):
         if t.device != draft_token_ids.device:
             _fail(fn, arg, f"on {draft_token_ids.device} (draft_token_ids' device)", str(t.device))
-    return B, N, V, d_host
+    return B, N, V
 
 
 def _in_unit(t):
@@ -97,13 +96,13 @@ def _check_counter(fn, arg, t, B, dev):
     return t
 
 
-def _run(fn, draft_probs, draft_token_ids, target_probs, uniform_samples, acc_buf, emit_buf, d_host=None):
+def _run(fn, draft_probs, draft_token_ids, target_probs, uniform_samples, acc_buf, emit_buf):
     B, N, V = draft_probs.shape
     dev = target_probs.device
     acc_buf = _check_counter(fn, "maybe_output_accepted_token_num", acc_buf, B, dev)
     emit_buf = _check_counter(fn, "maybe_output_emitted_draft_token_num", emit_buf, B, dev)
-    if HOST_FORM and d_host is not None and B and _host_ok(draft_probs, target_probs, uniform_samples):
-        out, num, accepted = _decide_host(draft_probs, d_host, target_probs, uniform_samples)
+    if HOST_FORM and B and draft_token_ids.is_cpu and _host_ok(draft_probs, target_probs, uniform_samples):
+        out, num, accepted = _decide_host(draft_probs, draft_token_ids.numpy(), target_probs, uniform_samples)
     else:
         out, num, accepted = _decide(draft_probs, draft_token_ids, target_probs, uniform_samples)
     if acc_buf is None:
@@ -174,7 +173,7 @@ def _decide_host(draft_probs, d, target_probs, uniform_samples):
     """:func:`_decide` for CPU tensors, with the same float32 test and the same staging done on NumPy
     views of the caller's tensors and of kept buffers: on a batch of a few requests each tensor
     operation costs several microseconds, most of them after the op has streamed its rows through
-    the caches. ``d``: a NumPy view of the drafts [B, N] (from the range check)."""
+    the caches. ``d``: a NumPy view of the drafts [B, N]."""
     B, N, V = draft_probs.shape
     cpu = target_probs.device
     qv, uv = draft_probs.numpy(), uniform_samples.numpy()
@@ -256,7 +255,7 @@ def chain_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch
     ``deterministic`` is accepted for compatibility: specdec's op is always deterministic.
     The counters default to new int32 zeros; given tensors are added to in place and returned.
     """
-    B, N, _, d_host = _validate(_FN, draft_probs, draft_token_ids, target_probs)
+    B, N, _ = _validate(_FN, draft_probs, draft_token_ids, target_probs)
     dev = target_probs.device
     if generator is not None and seed is not None:
         _fail(_FN, "generator / seed", "at most one of the two", "both")
@@ -266,7 +265,7 @@ def chain_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch
     gdev = generator.device if generator is not None else dev
     u = torch.rand(B, N + 1, dtype=torch.float64, device=gdev, generator=generator).to(dev)
     return _run(_FN, draft_probs, draft_token_ids, target_probs, u,
-                maybe_output_accepted_token_num, maybe_output_emitted_draft_token_num, d_host)
+                maybe_output_accepted_token_num, maybe_output_emitted_draft_token_num)
 
 
 def chain_speculative_sampling_uniform(draft_probs: torch.Tensor, draft_token_ids: torch.Tensor,
@@ -286,7 +285,7 @@ def chain_speculative_sampling_uniform(draft_probs: torch.Tensor, draft_token_id
     newer name is accepted as a keyword too.
     """
     fn = "specdec.compat.flashinfer.chain_speculative_sampling_uniform"
-    B, N, _, d_host = _validate(fn, draft_probs, draft_token_ids, target_probs)
+    B, N, _ = _validate(fn, draft_probs, draft_token_ids, target_probs)
     _check(fn, "uniform_samples", uniform_samples, _FLOATS, (B, N + 1))
     if uniform_samples.numel() and not _in_unit(uniform_samples):
         _fail(fn, "uniform_samples", "values in [0, 1]",
@@ -297,7 +296,7 @@ def chain_speculative_sampling_uniform(draft_probs: torch.Tensor, draft_token_id
     emitted = maybe_output_emitted_token_num if maybe_output_emitted_token_num is not None \
         else maybe_output_emitted_draft_token_num
     return _run(fn, draft_probs, draft_token_ids, target_probs, uniform_samples,
-                maybe_output_accepted_token_num, emitted, d_host)
+                maybe_output_accepted_token_num, emitted)
 
 
 from specdec.compat.flashinfer_paged import (PagedMetadata, append_paged_kv_cache,  # noqa: E402  (re-exported)

@@ -133,7 +133,7 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[i
     N = S + 1
     uniform = S > 0 and min(n) == S  # every request at S drafts: the stack's rows are already [B, S, V]
     if uniform and n_greedy == B and target_probs.dtype in _LOGIT_DTYPES:
-        if HOST_FORM and d_host is not None and bonus_host is not None and dev.type == "cpu":
+        if HOST_FORM and d_host is not None and bonus_host is not None:  # lists: CPU tensors
             return _greedy_uniform_host(d_host, bonus_host, B, S, W, target_probs)
         return _greedy_uniform(draft_token_ids, B, S, W, target_probs, bonus_token_ids)
     if uniform and n_greedy == 0 and target_probs.dtype == torch.float32:
@@ -227,26 +227,28 @@ def _greedy_uniform(draft_token_ids, B, S, W, target_probs, bonus_token_ids) -> 
     return torch.cat(parts, 1).to(torch.int32)
 
 
-def _greedy_uniform_host(d: np.ndarray, bonus: np.ndarray, B, S, W, target_probs) -> torch.Tensor:
-    """:func:`_greedy_uniform` on the CPU, with NumPy views of the drafts ``d`` [B * S] and bonus tokens
-    [B, 1] (from the range checks): the op's input tokens go into a kept buffer and the [B, W] result is assembled
-    in NumPy, so the call makes no tensor operation besides the op itself and two views (each small
-    tensor operation costs microseconds, more after the op has streamed its rows through the
-    caches). Input tokens: the drafts shifted right by one, so row b is (d_{b-1, S-1}, d_{b,0} ..
-    d_{b,S-2}); its first entry is the root's token, which the op never checks."""
+def _greedy_uniform_host(d: list, bonus: list, B, S, W, target_probs) -> torch.Tensor:
+    """:func:`_greedy_uniform` on the CPU, with the drafts ``d`` [B * S] and bonus tokens [B] as the
+    Python lists the range checks read: the op's input tokens go into a kept buffer and the [B, W]
+    result is assembled in Python, so the call makes few tensor operations besides the op (each
+    costs microseconds, more after the op has streamed its rows through the caches). Input tokens:
+    the drafts shifted right by one, so row b is (d_{b-1, S-1}, d_{b,0} .. d_{b,S-2}); its first
+    entry is the root's token, which the op never checks."""
     rows = target_probs if target_probs.is_contiguous() else target_probs.contiguous()
     tokens, flat = _token_buffer(B, S)
     flat[1:] = d[:-1]
-    _, _, o = ops.greedy_verify(tokens, chain_parents(B, S, rows.device), rows.view(B, S, -1))
-    o = o.numpy()
-    out = np.empty((B, W), dtype=np.int32)
-    out[:, :S] = o
-    out[:, S] = np.where(o[:, S - 1] == d[S - 1::S], bonus[:, 0], PLACEHOLDER_TOKEN_ID)
-    if W > S + 1:
-        out[:, S + 1:] = PLACEHOLDER_TOKEN_ID
-    return torch.from_numpy(out)
+    _, _, o = ops.greedy_verify(tokens, chain_parents(B, S, _CPU), rows.view(B, S, -1))
+    out = o.tolist()
+    pad = [PLACEHOLDER_TOKEN_ID] * (W - S)
+    last = S - 1
+    for b, row in enumerate(out):
+        row += pad
+        if row[last] == d[b * S + last]:  # d_{S-1} accepted (the op's -1 past its walk is never a draft)
+            row[S] = bonus[b]
+    return torch.from_numpy(np.array(out, dtype=np.int32))
 
 
+_CPU = torch.device("cpu")
 _TOKENS: dict = {}
 
 
