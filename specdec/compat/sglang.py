@@ -138,9 +138,9 @@ def _check_common(fn, predicts, accept_index, accept_token_num, candidates, retr
     ri = None
     if not retrive_index.numel():
         lo, hi = 0, 0
-    elif retrive_index.device.type == "cpu":  # a NumPy view, kept for the host form
-        ri = retrive_index.numpy()
-        lo, hi = int(ri.min()), int(ri.max())
+    elif retrive_index.is_cpu:  # one host read, kept for the host form
+        ri = retrive_index.reshape(-1).tolist()
+        lo, hi = min(ri), max(ri)
     else:
         lo, hi = (int(v) for v in torch.aminmax(retrive_index))
     if lo < 0 or hi >= B * N:
@@ -316,7 +316,7 @@ def _on_host(outputs, candidates, next_token, next_sibling, uniform_samples, uni
     """The host form applies: CPU tensors NumPy can view (no autograd, no bfloat16 coins), outputs int32 /
     int64."""
     ts = (candidates, next_token, next_sibling, uniform_samples, uniform_final, target_probs, *outputs)
-    return all(t.device.type == "cpu" and not t.requires_grad for t in ts) \
+    return all(t.is_cpu and not t.requires_grad for t in ts) \
         and uniform_samples.dtype in _NUMPY_FLOATS and uniform_final.dtype in _NUMPY_FLOATS \
         and all(t.dtype in (torch.int32, torch.int64) for t in outputs)
 
