@@ -265,7 +265,8 @@ def _sample_lists(fn, tree: _Tree, predicts, accept_index, accept_token_num, can
                 likely[kflat[k]] = True
     sums: dict = {}
     _list_sums(probs, [r for r in range(B * N) if likely[r] and has_kids[r]], sums, B, N)
-    final = [min(max(x, 0.0), 1.0) for x in uniform_final.reshape(-1).tolist()]
+    final = [min(max(x, 0.0), 1.0) for x in (uniform_final if uniform_final.dim() == 1 else
+                                             uniform_final.reshape(-1)).tolist()]
     tok_t, tok_np, u_t, u_np = _buffers(B, N)
     tok_np[:] = tokens
     while True:
@@ -328,9 +329,14 @@ def _write_lists(acc, num, out, ri, predicts, accept_index, accept_token_num, B,
     for b in range(B):
         k = num[b] + 1  # path length (root included), at most min(S, N)
         flat = [ri[b * N + a] for a in acc[b][:k]]
-        rows.append(flat + [-1] * (S - k))
+        rows += flat
+        rows += [-1] * (S - k)
         idx += flat
         vals += out[b][:k]  # at each path node the token after it: the next draft, then the final draw
-    accept_index.numpy()[:] = rows
+    ai = accept_index.numpy()
+    if accept_index.is_contiguous():
+        ai.reshape(B * S)[:] = rows  # a flat view: one write
+    else:
+        ai[:] = np.array(rows).reshape(B, S)
     accept_token_num.numpy()[:] = num
     predicts.numpy()[idx] = vals  # repeated indices: the last value, as index_put_ on the CPU

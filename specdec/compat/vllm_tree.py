@@ -35,6 +35,7 @@ from specdec.compat.common import (FLOATS, HOST_MAX, INTS, check_tensor, check_t
 __all__ = ["TreeSampleOutput", "tree_rejection_sample", "commit_accepted_kv", "commit_accepted_kv_slots"]
 
 PLACEHOLDER_TOKEN_ID = -1
+HOST_FORM = True  # CPU: parents checked as a list, full batches staged in kept buffers; False: tensor form
 
 
 class TreeSampleOutput(NamedTuple):
@@ -52,7 +53,7 @@ def _pad_tree(draft_token_ids, draft_parents, n, target_probs, draft_probs):
     B, S = len(n), max(n)
     N, V = S + 1, target_probs.shape[1]
     full = min(n) == S  # every request at S drafts: the ragged tensors are already [B, S] / [B, N, V]
-    if full and dev.type == "cpu" and draft_token_ids.is_cpu and draft_parents.is_cpu:
+    if full and HOST_FORM and dev.type == "cpu" and draft_token_ids.is_cpu and draft_parents.is_cpu:
         tokens, parents = _tree_buffers(B, N)  # through NumPy views: no tensor operation
         tokens.numpy()[:, 1:] = draft_token_ids.numpy().reshape(B, S)
         np.add(draft_parents.numpy().reshape(B, S), 1, out=parents.numpy()[:, 1:], casting="unsafe")
@@ -110,7 +111,7 @@ def _tree_buffers(B: int, N: int):
 
 def _check_parents(fn, draft_parents, n, T):
     """Every draft's local parent is -1 or an earlier draft of the same request."""
-    if draft_parents.is_cpu and T <= HOST_MAX:  # one host read and a bytecode loop (no tensor operation)
+    if HOST_FORM and draft_parents.is_cpu and T <= HOST_MAX:  # one host read and a bytecode loop
         dp, t = draft_parents.tolist(), 0
         for count in n:
             for i in range(count):
