@@ -380,6 +380,27 @@ def test_vllm_greedy_host_form_equals_tensor_form(width, monkeypatch):
         assert got.dtype == want.dtype == torch.int32 and torch.equal(got, want), (B, S, V)
 
 
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_vllm_sampled_host_form_equals_tensor_form(with_draft, monkeypatch):
+    """Every request at S drafts, all sampled, on the CPU: the host form's rows equal the tensor
+    form's, including the requests that reach d_{S-1} (decided in the second call)."""
+    g = _gen(35 + with_draft)
+    reached = False
+    for i, (B, S, V) in enumerate([(1, 1, 5), (3, 4, 9), (40, 3, 6), (9, 6, 40), (64, 2, 3)]):
+        d, n, cu, q, p, bonus, temp, u = vllm_case(B, S, V, g, with_draft, 0.0, uniform=True)
+        if i % 2:
+            d, bonus = d.long(), bonus.long()
+        width = i % 3
+        u = torch.cat([u, torch.rand(B, width, generator=g, dtype=torch.float64)], 1)
+        got = vllm.rejection_sample(d, n, S + width, cu, q, p, bonus, temp, uniforms=u)
+        monkeypatch.setattr(vllm, "HOST_FORM", False)
+        want = vllm.rejection_sample(d, n, S + width, cu, q, p, bonus, temp, uniforms=u)
+        monkeypatch.setattr(vllm, "HOST_FORM", True)
+        assert got.dtype == want.dtype == torch.int32 and torch.equal(got, want), (B, S, V)
+        reached |= bool((got[:, S] != -1).any())
+    assert reached  # some requests decided d_{S-1} in the second call
+
+
 def test_vllm_generators_and_structure():
     g = _gen(20)
     d, n, cu, q, p, bonus, temp, _ = vllm_case(40, 4, 6, g, True, 0.3)
