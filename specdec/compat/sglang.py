@@ -136,11 +136,11 @@ def _check_common(fn, predicts, accept_index, accept_token_num, candidates, retr
         if t.dtype.is_floating_point or t.dtype == torch.bool:
             raise _err(fn, name, "an integer dtype (int32 as SGLang uses)", t.dtype)
     ri = None
-    if not retrive_index.numel():
+    if retrive_index.is_cpu:  # one host read, kept (flat) for the host form
+        ri = [x for row in retrive_index.tolist() for x in row]
+        lo, hi = (min(ri), max(ri)) if ri else (0, 0)
+    elif not retrive_index.numel():
         lo, hi = 0, 0
-    elif retrive_index.is_cpu:  # one host read, kept for the host form
-        ri = retrive_index.reshape(-1).tolist()
-        lo, hi = min(ri), max(ri)
     else:
         lo, hi = (int(v) for v in torch.aminmax(retrive_index))
     if lo < 0 or hi >= B * N:
@@ -315,8 +315,9 @@ HOST_FORM = True  # the exact sampler's CPU batches on the host (specdec.compat.
 def _on_host(outputs, candidates, next_token, next_sibling, uniform_samples, uniform_final, target_probs) -> bool:
     """The host form applies: CPU tensors NumPy can view (no autograd, no bfloat16 coins), outputs int32 /
     int64."""
-    ts = (candidates, next_token, next_sibling, uniform_samples, uniform_final, target_probs, *outputs)
-    return all(t.is_cpu and not t.requires_grad for t in ts) \
+    floats = (uniform_samples, uniform_final, target_probs)  # read through NumPy: no autograd
+    return all(t.is_cpu for t in (candidates, next_token, next_sibling, *outputs)) \
+        and all(t.is_cpu and not t.requires_grad for t in floats) \
         and uniform_samples.dtype in _NUMPY_FLOATS and uniform_final.dtype in _NUMPY_FLOATS \
         and all(t.dtype in (torch.int32, torch.int64) for t in outputs)
 

@@ -225,20 +225,20 @@ def _sample_lists(fn, tree: _Tree, predicts, accept_index, accept_token_num, can
     without an array operation per step (each costs microseconds, more right after the op).
     ``ri``: ``retrive_index`` as a flat list."""
     kflat, pflat, earlier, has_kids = tree.lists
-    cand = candidates.reshape(-1).tolist()
+    cand = [x for row in candidates.tolist() for x in row]  # [B, N]: one host read, no reshape
     tokens = [-1] * (B * N)
     for r in range(0, B * N, N):
         tokens[r] = min(max(cand[r], 0), V - 1)
-    tk, where = [], []
+    flat_p = memoryview(probs.numpy()).cast("B").cast("f")  # contiguous float32: entries read as Python floats
+    tk, p_child = [], []
     for k, p in zip(kflat, pflat):
         t = cand[k]
         if not 0 <= t < V:  # padding may hold anything: only the tree's nodes
             raise err(fn, f"candidates[{k // N}, {k % N}]", f"a token in [0, {V})", t)
         tokens[k] = t
         tk.append(t)
-        where.append(p * V + t)
-    p_child = probs.numpy().ravel()[where].tolist()  # float32 values, exactly
-    coins = uniform_samples.reshape(-1).tolist()
+        p_child.append(flat_p[p * V + t])  # the float32 value, exactly
+    coins = [x for row in uniform_samples.tolist() for x in row]
     mass, p_prev, spread = [], [], False
     likely = [False] * (B * N)
     likely[::N] = [True] * B
