@@ -89,7 +89,9 @@ def check_token_range(fn: str, arg: str, t: torch.Tensor, V: int) -> Optional[li
         return None
     if t.is_cpu:
         if n <= HOST_MAX:
-            vals = t.tolist() if t.dim() == 1 else t.reshape(-1).tolist()
+            dim = t.dim()
+            vals = t.tolist() if dim == 1 else [x for row in t.tolist() for x in row] if dim == 2 \
+                else t.reshape(-1).tolist()
             if min(vals) >= 0 and max(vals) < V:
                 return vals
             fail(fn, arg, f"token ids in [0, {V})", f"values in [{min(vals)}, {max(vals)}]")

@@ -26,7 +26,7 @@ from typing import Optional, Tuple
 import torch
 
 from specdec import ops
-from specdec.compat.sglang_host import sample_exact_host
+from specdec.compat.sglang_host import sample_exact_host, verify_greedy_host
 from specdec.compat.sglang_lossy import lossy_sample
 from specdec.compat.sglang_tree import err as _err
 from specdec.compat.sglang_tree import check_2d as _check_2d
@@ -192,6 +192,12 @@ def verify_tree_greedy(predicts: torch.Tensor, accept_index: torch.Tensor, accep
         got = (f"shape {list(target_predict.shape)}" if isinstance(target_predict, torch.Tensor)
                else type(target_predict))
         raise _err(fn, "target_predict", f"a tensor of shape [{B}, {N}] (or [{B * N}])", got)
+    if HOST_FORM and ri is not None and \
+            all(t.is_cpu for t in (candidates, retrive_next_token, retrive_next_sibling, target_predict)) and \
+            all(t.dtype in (torch.int32, torch.int64) for t in (predicts, accept_index, accept_token_num)) and \
+            verify_greedy_host(fn, predicts, accept_index, accept_token_num, candidates, ri, retrive_next_token,
+                               retrive_next_sibling, target_predict):
+        return
     order, par, identity = tree_tensors(fn, retrive_next_token, retrive_next_sibling, S - 1)
     dev = candidates.device
     order, par = order.to(dev), par.to(dev)

@@ -33,7 +33,7 @@ import torch
 from specdec import ops
 from specdec.compat.sglang_tree import err, walk_lists
 
-__all__ = ["sample_exact_host"]
+__all__ = ["sample_exact_host", "verify_greedy_host"]
 
 _SLACK = 1e-3  # relative margin of the reachability guess (only speed depends on it)
 SMALL = 128  # trees of at most this many children (all requests together) are mapped in Python lists
@@ -153,6 +153,48 @@ def sample_exact_host(fn, predicts, accept_index, accept_token_num, candidates, 
     vals = torch.from_numpy(out.numpy()[sel])
     predicts[torch.from_numpy(flat[sel])] = vals if predicts.dtype == vals.dtype else vals.to(predicts.dtype)
     return True
+
+
+def verify_greedy_host(fn, predicts, accept_index, accept_token_num, candidates, ri: list, retrive_next_token,
+                       retrive_next_sibling, target_predict) -> bool:
+    """:func:`specdec.compat.sglang.verify_tree_greedy` on the host (CPU tensors, int32 / int64
+    outputs): the walked tree kept per distinct batch of links, each child's symbol (0: its
+    candidate equals the target's token at its parent) in Python, the op on kept buffers, the
+    outputs written with one NumPy assignment each. False (nothing written) for trees whose
+    numbering is not SGLang's builder order. ``ri``: ``retrive_index`` as a flat list."""
+    B, N = candidates.shape
+    S = accept_index.shape[1]
+    tree = _tree(fn, retrive_next_token, retrive_next_sibling, N, S - 1)
+    if tree is None:
+        return False
+    kflat, pflat = tree.lists[0], tree.lists[1]
+    cand = [x for row in candidates.tolist() for x in row]
+    tp = target_predict.tolist() if target_predict.dim() == 1 else target_predict.reshape(-1).tolist()
+    tokens = [-1] * (B * N)
+    tokens[::N] = [0] * B
+    for k, p in zip(kflat, pflat):
+        tokens[k] = 0 if cand[k] == tp[ri[p]] else 1
+    tok_t, tok_np, _, _ = _buffers(B, N)
+    tok_np[:] = tokens
+    accepted, num, _ = ops.greedy_verify(tok_t, tree.par_t, _two_symbol_logits(B, N))
+    acc, nums = accepted.tolist(), num.tolist()
+    out = [[tp[ri[b * N + a]] for a in acc[b][:nums[b] + 1]] for b in range(B)]  # predicts: the target's token
+    _write_lists(acc, nums, out, ri, predicts, accept_index, accept_token_num, B, N, S)
+    return True
+
+
+_LOGITS: dict = {}
+
+
+def _two_symbol_logits(B: int, N: int) -> torch.Tensor:
+    """A kept [B, N, 2] float32 tensor whose argmax is symbol 0 everywhere (the op only reads it)."""
+    t = _LOGITS.get((B, N))
+    if t is None:
+        if len(_LOGITS) >= 64:
+            _LOGITS.clear()
+        t = _LOGITS[(B, N)] = torch.zeros(B, N, 2)
+        t[:, :, 0] = 1.0
+    return t
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
