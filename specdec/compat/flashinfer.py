@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from specdec import ops
-from specdec.compat.common import chain_parents, check_token_range, workspace
+from specdec.compat.common import HOST_MAX, chain_parents, check_token_range, workspace
 from specdec.sampling import mix_seed
 
 __all__ = ["chain_speculative_sampling", "chain_speculative_sampling_uniform", "PagedMetadata", "dense_as_paged",
@@ -54,14 +54,18 @@ def _fail(fn, arg, expected, got, exc=ValueError):
 def _check(fn, arg, t, dtypes, shape):
     if not isinstance(t, torch.Tensor):
         _fail(fn, arg, "a torch.Tensor", type(t).__name__, TypeError)
-    exp = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-    if t.dim() != len(shape):
-        _fail(fn, arg, f"{len(shape)}-D of shape {exp}", f"shape {tuple(t.shape)}")
+    have = t.shape
+    if len(have) != len(shape):
+        _fail(fn, arg, f"{len(shape)}-D of shape {_shape(shape)}", f"shape {tuple(have)}")
     if t.dtype not in dtypes:
         _fail(fn, arg, " or ".join(str(d) for d in dtypes), str(t.dtype), TypeError)
-    for want, have in zip(shape, t.shape):
-        if want is not None and want != have:
-            _fail(fn, arg, f"of shape {exp}", f"{tuple(t.shape)}")
+    for want, got in zip(shape, have):
+        if want is not None and want != got:
+            _fail(fn, arg, f"of shape {_shape(shape)}", f"{tuple(have)}")
+
+
+def _shape(shape) -> str:
+    return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
 
 
 def _validate(fn, draft_probs, draft_token_ids, target_probs):
@@ -72,18 +76,17 @@ def _validate(fn, draft_probs, draft_token_ids, target_probs):
     if V < 1:
         _fail(fn, "draft_probs", "of vocabulary size >= 1", f"shape {tuple(draft_probs.shape)}")
     check_token_range(fn, "draft_token_ids", draft_token_ids, V)
+    dev = draft_token_ids.device
     for arg, t in (("draft_probs", draft_probs), ("target_probs", target_probs)):
-        if t.device != draft_token_ids.device:
-            _fail(fn, arg, f"on {draft_token_ids.device} (draft_token_ids' device)", str(t.device))
+        if t.device != dev:
+            _fail(fn, arg, f"on {dev} (draft_token_ids' device)", str(t.device))
     return B, N, V
 
 
 def _in_unit(t):
-    if t.device.type == "cpu" and t.dtype in _NUMPY_FLOATS and not t.requires_grad:
-        v = t.numpy()  # two NumPy reductions cost less than one tensor reduction here
-        lo, hi = v.min(), v.max()
-    else:
-        lo, hi = (float(x) for x in torch.aminmax(t))
+    if t.is_cpu and t.numel() <= HOST_MAX:  # one host read and a bytecode scan cost less than a reduction
+        return all(0.0 <= x <= 1.0 for row in t.tolist() for x in row)  # False for NaN
+    lo, hi = (float(x) for x in torch.aminmax(t))
     return lo >= 0 and hi <= 1  # False for NaN
 
 
@@ -106,7 +109,7 @@ def _run(fn, draft_probs, draft_token_ids, target_probs, uniform_samples, acc_bu
     else:
         out, num, accepted = _decide(draft_probs, draft_token_ids, target_probs, uniform_samples)
     if acc_buf is None:
-        acc_buf = accepted.to(torch.int32)
+        acc_buf = accepted if accepted.dtype == torch.int32 else accepted.to(torch.int32)
     else:
         acc_buf.add_(accepted.to(acc_buf.dtype))
     if emit_buf is None:
@@ -198,7 +201,7 @@ def _decide_host(draft_probs, d, target_probs, uniform_samples):
                 qn[b, j + 1] = qv[b, j]
         _, num, out = ops.rejection_sample(tok_t, parents, p, q, u_t)
         if num.tolist() == pl:  # the op stopped where FlashInfer's test did
-            return out, num, torch.from_numpy(passes.sum(1))
+            return out, num, torch.from_numpy(passes.sum(1, dtype=np.int32))
     _, num, out = ops.rejection_sample(tok_t, parents, p, _stage_all_rows(draft_probs), u_t)
     k = num.numpy().astype(np.int64)
     return out, num, torch.from_numpy(k + (passes & (np.arange(N)[None, :] > k[:, None])).sum(1))
