@@ -199,7 +199,7 @@ def chain_parents(B: int, N: int, device: torch.device) -> torch.Tensor:
     return t
 
 
-_WORKSPACES: Dict[Tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
+_WORKSPACES: Dict[tuple, list] = {}
 
 
 def workspace(name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -207,15 +207,24 @@ def workspace(name: str, shape: Sequence[int], dtype: torch.dtype, device: torch
 
     The adapters stage padded copies of a stack's tensors here instead of allocating them per call:
     a fresh multi-megabyte allocation costs its page faults on every call, a kept one does not
-    (FlashInfer keeps its workspaces the same way). A new buffer starts zeroed; afterwards it holds
-    whatever its last user wrote. Not for concurrent calls from several threads.
+    (FlashInfer keeps its workspaces the same way). The view of each shape asked for is kept too,
+    so a repeated shape costs a dictionary lookup (no tensor operation). A new buffer starts zeroed;
+    afterwards it holds whatever its last user wrote. Not for concurrent calls from several threads.
     """
+    shape = tuple(shape)
+    key = (name, device, dtype)
+    entry = _WORKSPACES.get(key)  # [buffer, {shape: view of it}]
+    if entry is not None:
+        view = entry[1].get(shape)
+        if view is not None:
+            return view
     numel = 1
     for s in shape:
         numel *= int(s)
-    key = (name, torch.device(device), dtype)
-    buf = _WORKSPACES.get(key)
-    if buf is None or buf.numel() < numel:
-        buf = torch.zeros(max(numel, 1), dtype=dtype, device=device)
-        _WORKSPACES[key] = buf
-    return buf[:numel].view(*shape)
+    if entry is None or entry[0].numel() < numel:
+        entry = _WORKSPACES[key] = [torch.zeros(max(numel, 1), dtype=dtype, device=device), {}]
+    views = entry[1]
+    if len(views) >= 16:  # shapes vary with the batch; keep the views bounded
+        views.clear()
+    view = views[shape] = entry[0][:numel].view(*shape)
+    return view

@@ -184,9 +184,9 @@ def _decide_host(draft_probs, d, target_probs, uniform_samples):
     q_d = qv[rows, cols, d].astype(np.float32, copy=False)
     p_d = target_probs.numpy()[rows, cols, d].astype(np.float32, copy=False)
     passes = uv[:, :N].astype(np.float32) * q_d < p_d  # FlashInfer's test, float32 as in _decide
-    pos = np.logical_and.accumulate(passes, 1).sum(1)
+    pl = [row.index(False) if False in row else N for row in passes.tolist()]  # the first failing position
     tok[:, 1:] = d
-    u[:, 0] = uv[rows[:, 0], np.minimum(pos + 1, N)]
+    u[:, 0] = [row[min(j + 1, N)] for row, j in zip(uv.tolist(), pl)]  # exact: float64 holds every value
     u[:, 1:] = uv[:, :N]
     p = target_probs if target_probs.dtype == torch.float32 and target_probs.is_contiguous() \
         else target_probs.to(torch.float32).contiguous()
@@ -195,7 +195,6 @@ def _decide_host(draft_probs, d, target_probs, uniform_samples):
         q = workspace("flashinfer.draft_rows", (B, N + 1, V), torch.float32, cpu)
         qn = q.numpy()
         qn[rows, cols + 1, d] = q_d
-        pl = pos.tolist()
         for b, j in enumerate(pl):
             if j < N:
                 qn[b, j + 1] = qv[b, j]
