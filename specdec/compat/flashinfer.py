@@ -169,7 +169,7 @@ _NUMPY_FLOATS = (torch.float32, torch.float16, torch.float64)
 
 
 def _host_ok(*ts) -> bool:
-    return all(t.device.type == "cpu" and t.dtype in _NUMPY_FLOATS and not t.requires_grad for t in ts)
+    return all(t.is_cpu and t.dtype in _NUMPY_FLOATS and not t.requires_grad for t in ts)
 
 
 def _decide_host(draft_probs, d, target_probs, uniform_samples):
