@@ -234,10 +234,11 @@ def _stage_read_rows(draft_probs, d, q_d, pos_fi):
     B, N, V = draft_probs.shape
     q = workspace("flashinfer.draft_rows", (B, N + 1, V), torch.float32, draft_probs.device)
     q[:, 1:].scatter_(2, d[:, :, None], q_d[:, :, None])
-    rows_q, rows_d = q.view(B * (N + 1), V), draft_probs.reshape(B * N, V)
-    for b, j in enumerate(pos_fi.tolist()):
-        if j < N:
-            rows_q[b * (N + 1) + j + 1].copy_(rows_d[b * N + j])
+    rej = (pos_fi < N).nonzero().flatten()  # the requests whose chain stops at a rejection
+    if rej.numel():  # one gather and one scatter of their rejected rows (no host read, no loop)
+        j = pos_fi[rej].to(torch.int64)
+        rows = draft_probs.reshape(B * N, V).index_select(0, rej * N + j)
+        q.view(B * (N + 1), V).index_copy_(0, rej * (N + 1) + j + 1, rows.to(torch.float32))
     return q
 
 
