@@ -24,15 +24,16 @@ def check_tensor(fn: str, arg: str, t, ndim: int, dtypes, shape: Optional[Sequen
     """``t`` is a tensor of ``ndim`` dims, one of ``dtypes``, and matches ``shape`` (None = any size)."""
     if not isinstance(t, torch.Tensor):
         fail(fn, arg, "a torch.Tensor", type(t).__name__, TypeError)
-    if t.dim() != ndim:
-        fail(fn, arg, f"{ndim}-D", f"shape {tuple(t.shape)}")
+    got = t.shape  # each tensor attribute read is a call: the shape is read once
+    if len(got) != ndim:
+        fail(fn, arg, f"{ndim}-D", f"shape {tuple(got)}")
     if t.dtype not in dtypes:
         fail(fn, arg, " or ".join(str(d) for d in dtypes), str(t.dtype), TypeError)
     if shape is not None:
-        for i, (want, have) in enumerate(zip(shape, t.shape)):
+        for i, (want, have) in enumerate(zip(shape, got)):
             if want is not None and want != have:
                 exp = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-                fail(fn, arg, f"of shape {exp}", f"{tuple(t.shape)} (dim {i})")
+                fail(fn, arg, f"of shape {exp}", f"{tuple(got)} (dim {i})")
 
 
 def ragged_counts(fn: str, num_draft_tokens, cu_num_draft_tokens: torch.Tensor, num_tokens: int) -> list:
@@ -84,12 +85,13 @@ def check_token_range(fn: str, arg: str, t: torch.Tensor, V: int) -> Optional[li
     operation costs microseconds; one host read and two list scans cost less); the flat list is
     returned for the caller to reuse. Otherwise one reduction (NumPy on the CPU, torch elsewhere)
     and None."""
-    n = t.numel()
+    shape = t.shape
+    n = shape.numel()
     if not n:
         return None
     if t.is_cpu:
         if n <= HOST_MAX:
-            dim = t.dim()
+            dim = len(shape)
             vals = t.tolist() if dim == 1 else [x for row in t.tolist() for x in row] if dim == 2 \
                 else t.reshape(-1).tolist()
             if min(vals) >= 0 and max(vals) < V:
