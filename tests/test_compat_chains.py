@@ -233,6 +233,34 @@ def test_flashinfer_staged_rows_equal_full_staging():
             assert torch.equal(w, h), i
 
 
+def test_flashinfer_host_form_equals_tensor_form(monkeypatch):
+    """CPU batches take the NumPy host form; its outputs and counters equal the tensor form's (the one
+    GPUs take) for float32 / float16 / float64 inputs, strided drafts, counters of either dtype and
+    drafts with zero draft mass (where the float32 test and the op part ways)."""
+    g = _gen(8)
+    for i in range(16):
+        B, N, V = [(1, 3, 5), (8, 4, 9), (5, 6, 3), (16, 2, 40)][i % 4]
+        q, d, p, u = fi_case(B, N, V, g)
+        if i % 3 == 0:
+            hit = torch.rand(B, N, generator=g) < 0.3
+            q = q.clone()
+            q[hit.nonzero(as_tuple=True) + (d.long()[hit],)] = 0.0
+        dtype = [torch.float32, torch.float16, torch.float64][i % 3]
+        q, p = q.to(dtype), p.to(dtype)
+        if i % 4 == 1:
+            q = torch.cat([q, q], 2)[:, :, :V]  # strided draft rows
+            d = d.long()
+        u = u.to([torch.float64, torch.float32][i % 2])
+        got, want = [], []
+        for host, res in ((True, got), (False, want)):
+            monkeypatch.setattr(fi, "HOST_FORM", host)
+            acc = torch.arange(B, dtype=[torch.int32, torch.int64][i % 2])
+            res.extend(fi.chain_speculative_sampling_uniform(q, d, u, p, acc, None))
+            res.extend(fi.chain_speculative_sampling_uniform(q, d, u, p))
+        for w, h in zip(want, got):
+            assert w.dtype == h.dtype and torch.equal(w, h), i
+
+
 # =========================================================================== vLLM v1
 def vllm_reference(draft_ids, num_draft, draft_probs, target_probs, bonus, temperature, uniforms):
     """vLLM v1's rejection sampler, per its documentation; uniforms[b, j + 1] decides draft j
@@ -350,6 +378,27 @@ def test_vllm_greedy_host_form_equals_tensor_form(width, monkeypatch):
         want = vllm.rejection_sample(d, n, S + width, cu, None, p, bonus, temp)
         monkeypatch.setattr(vllm, "HOST_FORM", True)
         assert got.dtype == want.dtype == torch.int32 and torch.equal(got, want), (B, S, V)
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_vllm_sampled_host_form_equals_tensor_form(with_draft, monkeypatch):
+    """Every request at S drafts, all sampled, on the CPU: the host form's rows equal the tensor
+    form's, including the requests that reach d_{S-1} (decided in the second call)."""
+    g = _gen(35 + with_draft)
+    reached = False
+    for i, (B, S, V) in enumerate([(1, 1, 5), (3, 4, 9), (40, 3, 6), (9, 6, 40), (64, 2, 3)]):
+        d, n, cu, q, p, bonus, temp, u = vllm_case(B, S, V, g, with_draft, 0.0, uniform=True)
+        if i % 2:
+            d, bonus = d.long(), bonus.long()
+        width = i % 3
+        u = torch.cat([u, torch.rand(B, width, generator=g, dtype=torch.float64)], 1)
+        got = vllm.rejection_sample(d, n, S + width, cu, q, p, bonus, temp, uniforms=u)
+        monkeypatch.setattr(vllm, "HOST_FORM", False)
+        want = vllm.rejection_sample(d, n, S + width, cu, q, p, bonus, temp, uniforms=u)
+        monkeypatch.setattr(vllm, "HOST_FORM", True)
+        assert got.dtype == want.dtype == torch.int32 and torch.equal(got, want), (B, S, V)
+        reached |= bool((got[:, S] != -1).any())
+    assert reached  # some requests decided d_{S-1} in the second call
 
 
 def test_vllm_generators_and_structure():

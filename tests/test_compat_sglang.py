@@ -193,6 +193,23 @@ def test_greedy_matches_sglang_semantics(kind):
         done += B
 
 
+def test_greedy_host_form_equals_tensor_form(monkeypatch):
+    """CPU batches take the host form (trees in SGLang's builder order); its outputs equal the tensor
+    form's, int32 and int64 target tokens, S above and below the tree depth."""
+    rng = random.Random(5)
+    for t in range(40):
+        B, N = rng.randint(1, 24), rng.randint(1, 12)
+        S = rng.randint(1, N + 2)
+        cand, ri, nt, ns, tp = random_batch(rng, B, N, rng.choice([2, 50]), ["chain", "bushy", "mixed"][t % 3])
+        if t % 2:
+            tp = tp.to(torch.int32)
+        got = [x.tolist() for x in run_greedy(cand, ri, nt, ns, tp, S)]
+        monkeypatch.setattr(sg, "HOST_FORM", False)
+        want = [x.tolist() for x in run_greedy(cand, ri, nt, ns, tp, S)]
+        monkeypatch.setattr(sg, "HOST_FORM", True)
+        assert got == want, t
+
+
 def test_greedy_small_example():
     # root 0 -> [1 -> 3, 2]; target after root = 7 (node 2's token), after node 2 = 1
     nt = torch.tensor([[1, 3, -1, -1]])

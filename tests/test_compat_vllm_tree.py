@@ -16,8 +16,8 @@ def _gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-def random_trees(B, S, V, g):
-    n = [int(x) for x in torch.randint(0, S + 1, (B,), generator=g)]
+def random_trees(B, S, V, g, n=None):
+    n = n or [int(x) for x in torch.randint(0, S + 1, (B,), generator=g)]
     d, par = [], []
     for k in n:
         for j in range(k):
@@ -183,6 +183,35 @@ def test_commit_block_table_and_slots(ps):
     qsl = torch.tensor([0] + [k + 1 for k in n]).cumsum(0).to(torch.int32)
     vllm.commit_accepted_kv_slots(got2, torch.cat(slots), qsl, res.accepted, res.num_accepted)
     assert all(torch.equal(torch.stack(a), b) for a, b in zip(got2, want))
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_tree_host_form_equals_tensor_form(uniform, monkeypatch):
+    """CPU batches check parents as a list and stage full batches in kept buffers; outputs and errors
+    equal the tensor form's (the one GPUs take), greedy and sampled, parents int32 or int64."""
+    from specdec.compat import vllm_tree
+    g = _gen(40 + uniform)
+    for i in range(6):
+        B, S, V = [(3, 4, 6), (8, 7, 11), (1, 2, 5)][i % 3]
+        d, par, n, cu, p = random_trees(B, S, V, g, [S] * B if uniform else None)  # uniform: full-batch staging
+        if i % 2:
+            par = par.long()
+        temp = torch.where(torch.rand(B, generator=g) < 0.5, torch.zeros(B), torch.ones(B)) if i % 3 \
+            else torch.zeros(B)
+        u = torch.rand(B, S + 1, generator=g, dtype=torch.float64)
+        outs = []
+        for host in (True, False):
+            monkeypatch.setattr(vllm_tree, "HOST_FORM", host)
+            outs.append(vllm.tree_rejection_sample(d, par, n, S, cu, None, p, temp, uniforms=u))
+        for w, h in zip(*outs):
+            assert w.dtype == h.dtype and torch.equal(w, h), i
+    bad = torch.tensor([-1, 0, 2, -1, 0], dtype=torch.int32)  # draft 2 of request 0 is its own parent
+    d = torch.tensor([1, 2, 0, 3, 1], dtype=torch.int32)
+    for host in (True, False):
+        monkeypatch.setattr(vllm_tree, "HOST_FORM", host)
+        with pytest.raises(ValueError, match=r"draft_parents\[2\] must be -1 or a local draft index in \[0, 2\)"):
+            vllm.tree_rejection_sample(d, bad, [3, 2], 3, torch.tensor([3, 5]), None, torch.full((7, 4), 0.25),
+                                       torch.zeros(2))
 
 
 def test_tree_errors():

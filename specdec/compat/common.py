@@ -4,7 +4,6 @@ Every error names the calling function, the argument, what was expected and what
 """
 from __future__ import annotations
 
-import itertools
 from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
@@ -25,15 +24,16 @@ def check_tensor(fn: str, arg: str, t, ndim: int, dtypes, shape: Optional[Sequen
     """``t`` is a tensor of ``ndim`` dims, one of ``dtypes``, and matches ``shape`` (None = any size)."""
     if not isinstance(t, torch.Tensor):
         fail(fn, arg, "a torch.Tensor", type(t).__name__, TypeError)
-    if t.dim() != ndim:
-        fail(fn, arg, f"{ndim}-D", f"shape {tuple(t.shape)}")
+    got = t.shape  # each tensor attribute read is a call: the shape is read once
+    if len(got) != ndim:
+        fail(fn, arg, f"{ndim}-D", f"shape {tuple(got)}")
     if t.dtype not in dtypes:
         fail(fn, arg, " or ".join(str(d) for d in dtypes), str(t.dtype), TypeError)
     if shape is not None:
-        for i, (want, have) in enumerate(zip(shape, t.shape)):
+        for i, (want, have) in enumerate(zip(shape, got)):
             if want is not None and want != have:
                 exp = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-                fail(fn, arg, f"of shape {exp}", f"{tuple(t.shape)} (dim {i})")
+                fail(fn, arg, f"of shape {exp}", f"{tuple(got)} (dim {i})")
 
 
 def ragged_counts(fn: str, num_draft_tokens, cu_num_draft_tokens: torch.Tensor, num_tokens: int) -> list:
@@ -43,14 +43,18 @@ def ragged_counts(fn: str, num_draft_tokens, cu_num_draft_tokens: torch.Tensor, 
     if not isinstance(num_draft_tokens, (list, tuple)):
         fail(fn, "num_draft_tokens", "a list of ints", type(num_draft_tokens).__name__, TypeError)
     n = list(num_draft_tokens)
-    if not (all(type(x) is int for x in n) and (not n or min(n) >= 0)) and \
-            any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in n):  # the first test is the fast one
-        fail(fn, "num_draft_tokens", "non-negative ints", repr(n))
-    if sum(n) != num_tokens:
+    want, total = [], 0  # the inclusive cumsum, and the checks, in one pass of plain bytecode
+    for x in n:
+        if type(x) is not int or x < 0:
+            if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+                fail(fn, "num_draft_tokens", "non-negative ints", repr(n))
+            x = int(x)  # an int subclass: counted by value
+        total += x
+        want.append(total)
+    if total != num_tokens:
         fail(fn, "num_draft_tokens", f"summing to num_tokens = {num_tokens} (draft_token_ids' length)",
-             f"sum {sum(n)}")
+             f"sum {total}")
     check_tensor(fn, "cu_num_draft_tokens", cu_num_draft_tokens, 1, INTS, (len(n),))
-    want = list(itertools.accumulate(n))
     got = cu_num_draft_tokens.tolist()  # one host read, compared in Python
     if got != want:
         fail(fn, "cu_num_draft_tokens", f"the inclusive cumsum of num_draft_tokens {want}", str(got))
@@ -73,25 +77,36 @@ def ragged_drafts(fn: str, draft_token_ids: torch.Tensor, num_draft_tokens, cu_n
 HOST_MAX = 2048  # a CPU tensor up to this size is checked as a Python list (cheaper than a tensor op)
 
 
-def check_token_range(fn: str, arg: str, t: torch.Tensor, V: int) -> Optional[np.ndarray]:
-    """Every entry of the integer tensor ``t`` is a token id in [0, V) (one reduction, one host read).
+def check_token_range(fn: str, arg: str, t: torch.Tensor, V: int) -> Optional[list]:
+    """Every entry of the integer tensor ``t`` is a token id in [0, V).
 
-    Returns a NumPy view of ``t`` when it is a non-empty CPU tensor (checked there, with no tensor
-    operation; a caller may reuse the view instead of reading the values again), else None."""
-    if not t.numel():
+    A non-empty CPU tensor of at most ``HOST_MAX`` entries is read once as a Python list and checked
+    there (right after an op has streamed its rows through the caches, each tensor or NumPy
+    operation costs microseconds; one host read and two list scans cost less); the flat list is
+    returned for the caller to reuse. Otherwise one reduction (NumPy on the CPU, torch elsewhere)
+    and None."""
+    shape = t.shape
+    n = shape.numel()
+    if not n:
         return None
-    if t.device.type == "cpu":
+    if t.is_cpu:
+        if n <= HOST_MAX:
+            dim = len(shape)
+            vals = t.tolist() if dim == 1 else [x for row in t.tolist() for x in row] if dim == 2 \
+                else t.reshape(-1).tolist()
+            if min(vals) >= 0 and max(vals) < V:
+                return vals
+            fail(fn, arg, f"token ids in [0, {V})", f"values in [{min(vals)}, {max(vals)}]")
         vals = t.numpy()
         unsigned = _UNSIGNED.get(vals.dtype.itemsize) if vals.dtype.kind == "i" else None
         if unsigned is not None and int(vals.view(unsigned).max()) < V:  # one reduction: negatives wrap high
-            return vals
+            return None
         lo, hi = int(vals.min()), int(vals.max())
     else:
-        vals = None
         lo, hi = (int(x) for x in torch.aminmax(t))
     if lo < 0 or hi >= V:
         fail(fn, arg, f"token ids in [0, {V})", f"values in [{lo}, {hi}]")
-    return vals
+    return None
 
 
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -129,8 +144,11 @@ def resolve_sampling(fn: str, sampling_metadata, B: int, device: torch.device
             fail(fn, "generators", f"keyed by batch indices in [0, {B})", f"key {b!r}")
     if B == 0:
         return _const_mask(B, False, device), generators, 0
-    if temperature.device.type == "cpu" and B <= HOST_MAX:
-        n_greedy = sum(x <= 0 for x in temperature.tolist())  # NaN: not greedy (NaN <= 0 is False)
+    if temperature.is_cpu and B <= HOST_MAX:
+        n_greedy = 0
+        for x in temperature.tolist():
+            if x <= 0:  # NaN: not greedy (NaN <= 0 is False)
+                n_greedy += 1
     else:
         lo, hi = (float(x) for x in torch.aminmax(temperature))  # one reduction tells the common one-kind batches
         n_greedy = B if hi <= 0 else 0 if lo > 0 else -1
@@ -183,7 +201,7 @@ def chain_parents(B: int, N: int, device: torch.device) -> torch.Tensor:
     return t
 
 
-_WORKSPACES: Dict[Tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
+_WORKSPACES: Dict[tuple, list] = {}
 
 
 def workspace(name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -191,15 +209,24 @@ def workspace(name: str, shape: Sequence[int], dtype: torch.dtype, device: torch
 
     The adapters stage padded copies of a stack's tensors here instead of allocating them per call:
     a fresh multi-megabyte allocation costs its page faults on every call, a kept one does not
-    (FlashInfer keeps its workspaces the same way). A new buffer starts zeroed; afterwards it holds
-    whatever its last user wrote. Not for concurrent calls from several threads.
+    (FlashInfer keeps its workspaces the same way). The view of each shape asked for is kept too,
+    so a repeated shape costs a dictionary lookup (no tensor operation). A new buffer starts zeroed;
+    afterwards it holds whatever its last user wrote. Not for concurrent calls from several threads.
     """
+    shape = tuple(shape)
+    key = (name, device, dtype)
+    entry = _WORKSPACES.get(key)  # [buffer, {shape: view of it}]
+    if entry is not None:
+        view = entry[1].get(shape)
+        if view is not None:
+            return view
     numel = 1
     for s in shape:
         numel *= int(s)
-    key = (name, torch.device(device), dtype)
-    buf = _WORKSPACES.get(key)
-    if buf is None or buf.numel() < numel:
-        buf = torch.zeros(max(numel, 1), dtype=dtype, device=device)
-        _WORKSPACES[key] = buf
-    return buf[:numel].view(*shape)
+    if entry is None or entry[0].numel() < numel:
+        entry = _WORKSPACES[key] = [torch.zeros(max(numel, 1), dtype=dtype, device=device), {}]
+    views = entry[1]
+    if len(views) >= 16:  # shapes vary with the batch; keep the views bounded
+        views.clear()
+    view = views[shape] = entry[0][:numel].view(*shape)
+    return view

@@ -31,10 +31,11 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
+import numpy as np
 import torch
 
 from specdec import ops
-from specdec.compat.common import chain_parents, check_token_range, workspace
+from specdec.compat.common import HOST_MAX, chain_parents, check_token_range, workspace
 from specdec.sampling import mix_seed
 
 __all__ = ["chain_speculative_sampling", "chain_speculative_sampling_uniform", "PagedMetadata", "dense_as_paged",
@@ -53,14 +54,18 @@ def _fail(fn, arg, expected, got, exc=ValueError):
 def _check(fn, arg, t, dtypes, shape):
     if not isinstance(t, torch.Tensor):
         _fail(fn, arg, "a torch.Tensor", type(t).__name__, TypeError)
-    exp = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-    if t.dim() != len(shape):
-        _fail(fn, arg, f"{len(shape)}-D of shape {exp}", f"shape {tuple(t.shape)}")
+    have = t.shape
+    if len(have) != len(shape):
+        _fail(fn, arg, f"{len(shape)}-D of shape {_shape(shape)}", f"shape {tuple(have)}")
     if t.dtype not in dtypes:
         _fail(fn, arg, " or ".join(str(d) for d in dtypes), str(t.dtype), TypeError)
-    for want, have in zip(shape, t.shape):
-        if want is not None and want != have:
-            _fail(fn, arg, f"of shape {exp}", f"{tuple(t.shape)}")
+    for want, got in zip(shape, have):
+        if want is not None and want != got:
+            _fail(fn, arg, f"of shape {_shape(shape)}", f"{tuple(have)}")
+
+
+def _shape(shape) -> str:
+    return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
 
 
 def _validate(fn, draft_probs, draft_token_ids, target_probs):
@@ -71,13 +76,16 @@ def _validate(fn, draft_probs, draft_token_ids, target_probs):
     if V < 1:
         _fail(fn, "draft_probs", "of vocabulary size >= 1", f"shape {tuple(draft_probs.shape)}")
     check_token_range(fn, "draft_token_ids", draft_token_ids, V)
+    dev = draft_token_ids.device
     for arg, t in (("draft_probs", draft_probs), ("target_probs", target_probs)):
-        if t.device != draft_token_ids.device:
-            _fail(fn, arg, f"on {draft_token_ids.device} (draft_token_ids' device)", str(t.device))
+        if t.device != dev:
+            _fail(fn, arg, f"on {dev} (draft_token_ids' device)", str(t.device))
     return B, N, V
 
 
 def _in_unit(t):
+    if t.is_cpu and t.numel() <= HOST_MAX:  # one host read and a bytecode scan cost less than a reduction
+        return all(0.0 <= x <= 1.0 for row in t.tolist() for x in row)  # False for NaN
     lo, hi = (float(x) for x in torch.aminmax(t))
     return lo >= 0 and hi <= 1  # False for NaN
 
@@ -96,6 +104,25 @@ def _run(fn, draft_probs, draft_token_ids, target_probs, uniform_samples, acc_bu
     dev = target_probs.device
     acc_buf = _check_counter(fn, "maybe_output_accepted_token_num", acc_buf, B, dev)
     emit_buf = _check_counter(fn, "maybe_output_emitted_draft_token_num", emit_buf, B, dev)
+    if HOST_FORM and B and draft_token_ids.is_cpu and _host_ok(draft_probs, target_probs, uniform_samples):
+        out, num, accepted = _decide_host(draft_probs, draft_token_ids.numpy(), target_probs, uniform_samples)
+    else:
+        out, num, accepted = _decide(draft_probs, draft_token_ids, target_probs, uniform_samples)
+    if acc_buf is None:
+        acc_buf = accepted if accepted.dtype == torch.int32 else accepted.to(torch.int32)
+    else:
+        acc_buf.add_(accepted.to(acc_buf.dtype))
+    if emit_buf is None:
+        emit_buf = num  # the op's own new tensor
+    else:
+        emit_buf.add_(num.to(emit_buf.dtype))
+    return out.to(torch.int32), acc_buf, emit_buf
+
+
+def _decide(draft_probs, draft_token_ids, target_probs, uniform_samples):
+    """(out_tokens, num_accepted, accepted_num) by tensor operations (any device)."""
+    B, N, V = draft_probs.shape
+    dev = target_probs.device
     u_fi = uniform_samples.to(device=dev, dtype=torch.float64)
     d = draft_token_ids.to(torch.int64)
     # FlashInfer's independent test of every draft, in float32 (for accepted_num and for picking the
@@ -118,9 +145,7 @@ def _run(fn, draft_probs, draft_token_ids, target_probs, uniform_samples, acc_bu
         _, num, out = ops.rejection_sample(tokens, parents, p, q, u)
         equal = torch.equal(num.to(torch.int64), pos_fi)  # False: a decision at a float32 tie
     if not equal:  # stage every row
-        q = workspace("flashinfer.draft", (B, N + 1, V), torch.float32, dev)  # row 0 (the root) is unused
-        q[:, 0] = 0.0
-        q[:, 1:].copy_(draft_probs)
+        q = _stage_all_rows(draft_probs)
         _, num, out = ops.rejection_sample(tokens, parents, p, q, u)
 
     pos = num.to(torch.int64)
@@ -128,15 +153,75 @@ def _run(fn, draft_probs, draft_token_ids, target_probs, uniform_samples, acc_bu
         accepted = passes.sum(1)
     else:
         accepted = pos + (passes & (torch.arange(N, device=dev)[None, :] > pos[:, None])).sum(1)
-    if acc_buf is None:
-        acc_buf = accepted.to(torch.int32)
-    else:
-        acc_buf.add_(accepted.to(acc_buf.dtype))
-    if emit_buf is None:
-        emit_buf = num.clone()
-    else:
-        emit_buf.add_(num.to(emit_buf.dtype))
-    return out.to(torch.int32), acc_buf, emit_buf
+    return out, num, accepted
+
+
+def _stage_all_rows(draft_probs):
+    B, N, V = draft_probs.shape
+    q = workspace("flashinfer.draft", (B, N + 1, V), torch.float32, draft_probs.device)  # row 0 (the root) unused
+    q[:, 0] = 0.0
+    q[:, 1:].copy_(draft_probs)
+    return q
+
+
+HOST_FORM = True  # CPU batches decided and staged through NumPy views (_decide_host); False: tensor form
+_NUMPY_FLOATS = (torch.float32, torch.float16, torch.float64)
+
+
+def _host_ok(*ts) -> bool:
+    return all(t.is_cpu and t.dtype in _NUMPY_FLOATS and not t.requires_grad for t in ts)
+
+
+def _decide_host(draft_probs, d, target_probs, uniform_samples):
+    """:func:`_decide` for CPU tensors, with the same float32 test and the same staging done on NumPy
+    views of the caller's tensors and of kept buffers: on a batch of a few requests each tensor
+    operation costs several microseconds, most of them after the op has streamed its rows through
+    the caches. ``d``: a NumPy view of the drafts [B, N]."""
+    B, N, V = draft_probs.shape
+    cpu = target_probs.device
+    qv, uv = draft_probs.numpy(), uniform_samples.numpy()
+    rows, cols, tok_t, tok, u_t, u = _host_buffers(B, N)
+    q_d = qv[rows, cols, d].astype(np.float32, copy=False)
+    p_d = target_probs.numpy()[rows, cols, d].astype(np.float32, copy=False)
+    passes = uv[:, :N].astype(np.float32) * q_d < p_d  # FlashInfer's test, float32 as in _decide
+    pl = [row.index(False) if False in row else N for row in passes.tolist()]  # the first failing position
+    tok[:, 1:] = d
+    u[:, 0] = [row[min(j + 1, N)] for row, j in zip(uv.tolist(), pl)]  # exact: float64 holds every value
+    u[:, 1:] = uv[:, :N]
+    p = target_probs if target_probs.dtype == torch.float32 and target_probs.is_contiguous() \
+        else target_probs.to(torch.float32).contiguous()
+    parents = chain_parents(B, N + 1, cpu)
+    if not ops.strict_checks():  # the entries and rows the op reads, as _stage_read_rows
+        q = workspace("flashinfer.draft_rows", (B, N + 1, V), torch.float32, cpu)
+        qn = q.numpy()
+        qn[rows, cols + 1, d] = q_d
+        for b, j in enumerate(pl):
+            if j < N:
+                qn[b, j + 1] = qv[b, j]
+        _, num, out = ops.rejection_sample(tok_t, parents, p, q, u_t)
+        if num.tolist() == pl:  # the op stopped where FlashInfer's test did
+            return out, num, torch.from_numpy(passes.sum(1, dtype=np.int32))
+    _, num, out = ops.rejection_sample(tok_t, parents, p, _stage_all_rows(draft_probs), u_t)
+    k = num.numpy().astype(np.int64)
+    return out, num, torch.from_numpy(k + (passes & (np.arange(N)[None, :] > k[:, None])).sum(1))
+
+
+_HOST: dict = {}
+
+
+def _host_buffers(B: int, N: int):
+    """Kept per (B, N): request and draft indices for NumPy gathers, and the op's tokens [B, N + 1]
+    int64 (column 0, the root, 0) and uniforms [B, N + 1] float64 as tensors and NumPy views. Their
+    contents are valid during one call: not for concurrent calls from several threads (like
+    :func:`specdec.compat.common.workspace`)."""
+    got = _HOST.get((B, N))
+    if got is None:
+        if len(_HOST) >= 64:
+            _HOST.clear()
+        tok_t = torch.zeros(B, N + 1, dtype=torch.int64)
+        u_t = torch.zeros(B, N + 1, dtype=torch.float64)
+        got = _HOST[(B, N)] = (np.arange(B)[:, None], np.arange(N)[None, :], tok_t, tok_t.numpy(), u_t, u_t.numpy())
+    return got
 
 
 def _stage_read_rows(draft_probs, d, q_d, pos_fi):
@@ -149,10 +234,11 @@ def _stage_read_rows(draft_probs, d, q_d, pos_fi):
     B, N, V = draft_probs.shape
     q = workspace("flashinfer.draft_rows", (B, N + 1, V), torch.float32, draft_probs.device)
     q[:, 1:].scatter_(2, d[:, :, None], q_d[:, :, None])
-    rows_q, rows_d = q.view(B * (N + 1), V), draft_probs.reshape(B * N, V)
-    for b, j in enumerate(pos_fi.tolist()):
-        if j < N:
-            rows_q[b * (N + 1) + j + 1].copy_(rows_d[b * N + j])
+    rej = (pos_fi < N).nonzero().flatten()  # the requests whose chain stops at a rejection
+    if rej.numel():  # one gather and one scatter of their rejected rows (no host read, no loop)
+        j = pos_fi[rej].to(torch.int64)
+        rows = draft_probs.reshape(B * N, V).index_select(0, rej * N + j)
+        q.view(B * (N + 1), V).index_copy_(0, rej * (N + 1) + j + 1, rows.to(torch.float32))
     return q
 
 

@@ -26,7 +26,7 @@ from typing import Optional, Tuple
 import torch
 
 from specdec import ops
-from specdec.compat.sglang_host import sample_exact_host
+from specdec.compat.sglang_host import sample_exact_host, verify_greedy_host
 from specdec.compat.sglang_lossy import lossy_sample
 from specdec.compat.sglang_tree import err as _err
 from specdec.compat.sglang_tree import check_2d as _check_2d
@@ -136,11 +136,11 @@ def _check_common(fn, predicts, accept_index, accept_token_num, candidates, retr
         if t.dtype.is_floating_point or t.dtype == torch.bool:
             raise _err(fn, name, "an integer dtype (int32 as SGLang uses)", t.dtype)
     ri = None
-    if not retrive_index.numel():
+    if retrive_index.is_cpu:  # one host read, kept (flat) for the host form
+        ri = [x for row in retrive_index.tolist() for x in row]
+        lo, hi = (min(ri), max(ri)) if ri else (0, 0)
+    elif not retrive_index.numel():
         lo, hi = 0, 0
-    elif retrive_index.device.type == "cpu":  # a NumPy view, kept for the host form
-        ri = retrive_index.numpy()
-        lo, hi = int(ri.min()), int(ri.max())
     else:
         lo, hi = (int(v) for v in torch.aminmax(retrive_index))
     if lo < 0 or hi >= B * N:
@@ -192,6 +192,12 @@ def verify_tree_greedy(predicts: torch.Tensor, accept_index: torch.Tensor, accep
         got = (f"shape {list(target_predict.shape)}" if isinstance(target_predict, torch.Tensor)
                else type(target_predict))
         raise _err(fn, "target_predict", f"a tensor of shape [{B}, {N}] (or [{B * N}])", got)
+    if HOST_FORM and ri is not None and \
+            all(t.is_cpu for t in (candidates, retrive_next_token, retrive_next_sibling, target_predict)) and \
+            all(t.dtype in (torch.int32, torch.int64) for t in (predicts, accept_index, accept_token_num)) and \
+            verify_greedy_host(fn, predicts, accept_index, accept_token_num, candidates, ri, retrive_next_token,
+                               retrive_next_sibling, target_predict):
+        return
     order, par, identity = tree_tensors(fn, retrive_next_token, retrive_next_sibling, S - 1)
     dev = candidates.device
     order, par = order.to(dev), par.to(dev)
@@ -315,8 +321,9 @@ HOST_FORM = True  # the exact sampler's CPU batches on the host (specdec.compat.
 def _on_host(outputs, candidates, next_token, next_sibling, uniform_samples, uniform_final, target_probs) -> bool:
     """The host form applies: CPU tensors NumPy can view (no autograd, no bfloat16 coins), outputs int32 /
     int64."""
-    ts = (candidates, next_token, next_sibling, uniform_samples, uniform_final, target_probs, *outputs)
-    return all(t.device.type == "cpu" and not t.requires_grad for t in ts) \
+    floats = (uniform_samples, uniform_final, target_probs)  # read through NumPy: no autograd
+    return all(t.is_cpu for t in (candidates, next_token, next_sibling, *outputs)) \
+        and all(t.is_cpu and not t.requires_grad for t in floats) \
         and uniform_samples.dtype in _NUMPY_FLOATS and uniform_final.dtype in _NUMPY_FLOATS \
         and all(t.dtype in (torch.int32, torch.int64) for t in outputs)
 

@@ -24,7 +24,6 @@ tensor form handles those.
 """
 from __future__ import annotations
 
-from array import array
 from collections import OrderedDict
 from typing import NamedTuple, Optional
 
@@ -34,7 +33,7 @@ import torch
 from specdec import ops
 from specdec.compat.sglang_tree import err, walk_lists
 
-__all__ = ["sample_exact_host"]
+__all__ = ["sample_exact_host", "verify_greedy_host"]
 
 _SLACK = 1e-3  # relative margin of the reachability guess (only speed depends on it)
 SMALL = 128  # trees of at most this many children (all requests together) are mapped in Python lists
@@ -94,10 +93,11 @@ def _tree(fn: str, next_token: torch.Tensor, next_sibling: torch.Tensor, N: int,
     return tree
 
 
-def sample_exact_host(fn, predicts, accept_index, accept_token_num, candidates, ri: np.ndarray,
+def sample_exact_host(fn, predicts, accept_index, accept_token_num, candidates, ri: list,
                       retrive_next_token, retrive_next_sibling, uniform_samples, uniform_final,
                       target_probs) -> bool:
-    """Run the exact form; False (nothing written) when the tree numbering is not the identity."""
+    """Run the exact form; False (nothing written) when the tree numbering is not the identity.
+    ``ri``: ``retrive_index`` as a flat list (read by the range check)."""
     B, N = candidates.shape
     V = target_probs.shape[2]
     S = accept_index.shape[1]
@@ -143,7 +143,7 @@ def sample_exact_host(fn, predicts, accept_index, accept_token_num, candidates, 
         if not (on & tree.has_kids[node] & ~known[node]).any():
             break  # every row the walks stood on was summed
         _row_sums(probs, tree.has_kids & ~known, sums, known, N)  # now u is the tensor form's everywhere
-    flat = np.where(on, ri.reshape(-1)[node], -1).reshape(B, N)
+    flat = np.where(on, np.array(ri)[node], -1).reshape(B, N)
     w = min(S, N)
     ai = np.full((B, S), -1, dtype=np.int64)
     ai[:, :w] = flat[:, :w]
@@ -153,6 +153,48 @@ def sample_exact_host(fn, predicts, accept_index, accept_token_num, candidates, 
     vals = torch.from_numpy(out.numpy()[sel])
     predicts[torch.from_numpy(flat[sel])] = vals if predicts.dtype == vals.dtype else vals.to(predicts.dtype)
     return True
+
+
+def verify_greedy_host(fn, predicts, accept_index, accept_token_num, candidates, ri: list, retrive_next_token,
+                       retrive_next_sibling, target_predict) -> bool:
+    """:func:`specdec.compat.sglang.verify_tree_greedy` on the host (CPU tensors, int32 / int64
+    outputs): the walked tree kept per distinct batch of links, each child's symbol (0: its
+    candidate equals the target's token at its parent) in Python, the op on kept buffers, the
+    outputs written with one NumPy assignment each. False (nothing written) for trees whose
+    numbering is not SGLang's builder order. ``ri``: ``retrive_index`` as a flat list."""
+    B, N = candidates.shape
+    S = accept_index.shape[1]
+    tree = _tree(fn, retrive_next_token, retrive_next_sibling, N, S - 1)
+    if tree is None:
+        return False
+    kflat, pflat = tree.lists[0], tree.lists[1]
+    cand = [x for row in candidates.tolist() for x in row]
+    tp = target_predict.tolist() if target_predict.dim() == 1 else target_predict.reshape(-1).tolist()
+    tokens = [-1] * (B * N)
+    tokens[::N] = [0] * B
+    for k, p in zip(kflat, pflat):
+        tokens[k] = 0 if cand[k] == tp[ri[p]] else 1
+    tok_t, tok_np, _, _ = _buffers(B, N)
+    tok_np[:] = tokens
+    accepted, num, _ = ops.greedy_verify(tok_t, tree.par_t, _two_symbol_logits(B, N))
+    acc, nums = accepted.tolist(), num.tolist()
+    out = [[tp[ri[b * N + a]] for a in acc[b][:nums[b] + 1]] for b in range(B)]  # predicts: the target's token
+    _write_lists(acc, nums, out, ri, predicts, accept_index, accept_token_num, B, N, S)
+    return True
+
+
+_LOGITS: dict = {}
+
+
+def _two_symbol_logits(B: int, N: int) -> torch.Tensor:
+    """A kept [B, N, 2] float32 tensor whose argmax is symbol 0 everywhere (the op only reads it)."""
+    t = _LOGITS.get((B, N))
+    if t is None:
+        if len(_LOGITS) >= 64:
+            _LOGITS.clear()
+        t = _LOGITS[(B, N)] = torch.zeros(B, N, 2)
+        t[:, :, 0] = 1.0
+    return t
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
@@ -219,24 +261,29 @@ def _uniforms(tree: _Tree, coin, p_prev, sums, known, final, B: int, N: int) -> 
     return u
 
 
-def _sample_lists(fn, tree: _Tree, predicts, accept_index, accept_token_num, candidates, ri, uniform_samples,
+def _sample_lists(fn, tree: _Tree, predicts, accept_index, accept_token_num, candidates, ri: list, uniform_samples,
                   uniform_final, probs, B: int, N: int, V: int, S: int) -> None:
     """The host form for small batches in Python lists: the same float64 operations, per child,
-    without an array operation per step (each costs microseconds, more right after the op)."""
+    without an array operation per step (each costs microseconds, more right after the op).
+    ``ri``: ``retrive_index`` as a flat list."""
     kflat, pflat, earlier, has_kids = tree.lists
-    cand = candidates.numpy().ravel().tolist()
-    tk = [cand[k] for k in kflat]
-    if tk and (min(tk) < 0 or max(tk) >= V):  # padding may hold anything: only the tree's nodes
-        k = next(k for k, t in enumerate(tk) if not 0 <= t < V)
-        raise err(fn, f"candidates[{kflat[k] // N}, {kflat[k] % N}]", f"a token in [0, {V})", tk[k])
+    cand = [x for row in candidates.tolist() for x in row]  # [B, N]: one host read, no reshape
     tokens = [-1] * (B * N)
-    for k, t in zip(kflat, tk):
-        tokens[k] = t
     for r in range(0, B * N, N):
         tokens[r] = min(max(cand[r], 0), V - 1)
-    p_child = probs.numpy().ravel()[[p * V + t for p, t in zip(pflat, tk)]].tolist()  # float32 values, exactly
-    coins = uniform_samples.numpy().ravel().tolist()
+    flat_p = memoryview(probs.numpy()).cast("B").cast("f")  # contiguous float32: entries read as Python floats
+    tk, p_child = [], []
+    for k, p in zip(kflat, pflat):
+        t = cand[k]
+        if not 0 <= t < V:  # padding may hold anything: only the tree's nodes
+            raise err(fn, f"candidates[{k // N}, {k % N}]", f"a token in [0, {V})", t)
+        tokens[k] = t
+        tk.append(t)
+        p_child.append(flat_p[p * V + t])  # the float32 value, exactly
+    coins = [x for row in uniform_samples.tolist() for x in row]
     mass, p_prev, spread = [], [], False
+    likely = [False] * (B * N)
+    likely[::N] = [True] * B
     for k, t in enumerate(tk):
         s, nonzero, dup = 0.0, 0, False
         for j in earlier[k]:
@@ -248,17 +295,22 @@ def _sample_lists(fn, tree: _Tree, predicts, accept_index, accept_token_num, can
         spread = spread or nonzero >= 3 or not m - m == 0.0  # torch's reduction decides, as in the array form
         mass.append(m)
         p_prev.append(s)
+        p = pflat[k]  # parents come before their children: likely[p] is final here
+        if likely[p] and not coins[p] - s > p_child[k] * (1.0 + _SLACK) + 1e-300:  # NaN: likely
+            likely[kflat[k]] = True
     if spread:
         p_prev = _earlier_mass(tree, np.array(mass), B, N).tolist()
-    likely = [False] * (B * N)
-    likely[::N] = [True] * B
-    for k, p in enumerate(pflat):
-        if likely[p] and not coins[p] - p_prev[k] > p_child[k] * (1.0 + _SLACK) + 1e-300:  # NaN: likely
-            likely[kflat[k]] = True
+        likely[:] = [False] * (B * N)
+        likely[::N] = [True] * B
+        for k, p in enumerate(pflat):
+            if likely[p] and not coins[p] - p_prev[k] > p_child[k] * (1.0 + _SLACK) + 1e-300:
+                likely[kflat[k]] = True
     sums: dict = {}
     _list_sums(probs, [r for r in range(B * N) if likely[r] and has_kids[r]], sums, B, N)
-    final = [min(max(x, 0.0), 1.0) for x in uniform_final.numpy().ravel().tolist()]
-    tok_t = torch.frombuffer(array("q", tokens), dtype=torch.int64).view(B, N)
+    final = [min(max(x, 0.0), 1.0) for x in (uniform_final if uniform_final.dim() == 1 else
+                                             uniform_final.reshape(-1)).tolist()]
+    tok_t, tok_np, u_t, u_np = _buffers(B, N)
+    tok_np[:] = tokens
     while True:
         u = [0.0] * (B * N)
         for k, p in enumerate(pflat):
@@ -270,7 +322,7 @@ def _sample_lists(fn, tree: _Tree, predicts, accept_index, accept_token_num, can
             denom = s - pp
             u[kflat[k]] = min(max((coins[p] - pp) / denom if denom > 0 else 1.0, 0.0), 1.0)
         u[::N] = final
-        u_t = torch.frombuffer(array("d", u), dtype=torch.float64).view(B, N)
+        u_np[:] = u
         accepted, num, out = ops.rejection_sample(tok_t, tree.par_t, probs, None, u_t)
         acc, nums = accepted.tolist(), num.tolist()
         missing = [b * N + a for b in range(B) for a in acc[b][:nums[b] + 1]
@@ -278,7 +330,23 @@ def _sample_lists(fn, tree: _Tree, predicts, accept_index, accept_token_num, can
         if not missing:
             break
         _list_sums(probs, [r for r in range(B * N) if has_kids[r] and r not in sums], sums, B, N)
-    _write_lists(acc, num, out.tolist(), ri.ravel().tolist(), predicts, accept_index, accept_token_num, B, N, S)
+    _write_lists(acc, nums, out.tolist(), ri, predicts, accept_index, accept_token_num, B, N, S)
+
+
+_BUFFERS: "OrderedDict[tuple, tuple]" = OrderedDict()
+
+
+def _buffers(B: int, N: int):
+    """Kept CPU tensors for the op's tokens [B, N] int64 and uniforms [B, N] float64, with flat NumPy
+    views, per (B, N). Their contents are valid during one call: not for concurrent calls from
+    several threads (like :func:`specdec.compat.common.workspace`)."""
+    got = _BUFFERS.get((B, N))
+    if got is None:
+        if len(_BUFFERS) >= 64:
+            _BUFFERS.popitem(last=False)
+        tok, u = torch.zeros(B, N, dtype=torch.int64), torch.zeros(B, N, dtype=torch.float64)
+        got = _BUFFERS[(B, N)] = (tok, tok.numpy().reshape(-1), u, u.numpy().reshape(-1))
+    return got
 
 
 def _list_sums(probs: torch.Tensor, rows: list, sums: dict, B: int, N: int) -> None:
@@ -297,17 +365,20 @@ def _list_sums(probs: torch.Tensor, rows: list, sums: dict, B: int, N: int) -> N
 
 
 def _write_lists(acc, num, out, ri, predicts, accept_index, accept_token_num, B, N, S) -> None:
-    """SGLang's outputs, written through NumPy views of the caller's CPU tensors (int32 / int64)."""
-    w = min(S, N)
-    ai = accept_index.numpy()
-    ai[:, w:] = -1
-    idx, vals = [], []
+    """SGLang's outputs, written through NumPy views of the caller's CPU tensors (int32 / int64): one
+    write per output. ``acc`` / ``num`` / ``out``: the op's outputs as lists; ``ri``: flat list."""
+    rows, idx, vals = [], [], []
     for b in range(B):
-        flat = [ri[b * N + a] if a >= 0 else -1 for a in acc[b]]
-        ai[b, :w] = flat[:w]
-        for f, v in zip(flat, out[b]):
-            if f >= 0:
-                idx.append(f)
-                vals.append(v)
-    accept_token_num.numpy()[:] = num.numpy()
+        k = num[b] + 1  # path length (root included), at most min(S, N)
+        flat = [ri[b * N + a] for a in acc[b][:k]]
+        rows += flat
+        rows += [-1] * (S - k)
+        idx += flat
+        vals += out[b][:k]  # at each path node the token after it: the next draft, then the final draw
+    ai = accept_index.numpy()
+    if accept_index.is_contiguous():
+        ai.reshape(B * S)[:] = rows  # a flat view: one write
+    else:
+        ai[:] = np.array(rows).reshape(B, S)
+    accept_token_num.numpy()[:] = num
     predicts.numpy()[idx] = vals  # repeated indices: the last value, as index_put_ on the CPU

@@ -19,12 +19,15 @@ def err(fn: str, arg: str, expected: str, got) -> ValueError:
 def check_2d(fn: str, name: str, t, shape: Optional[Tuple[int, int]] = None, integer: bool = True) -> None:
     if not isinstance(t, torch.Tensor):
         raise err(fn, name, "a torch.Tensor", type(t).__name__)
-    if t.dim() != 2:
-        raise err(fn, name, "a 2-D tensor" + (f" of shape {list(shape)}" if shape else ""), f"shape {list(t.shape)}")
-    if shape is not None and tuple(t.shape) != tuple(shape):
-        raise err(fn, name, f"shape {list(shape)}", f"shape {list(t.shape)}")
-    if integer and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
-        raise err(fn, name, "an integer dtype (int64 as SGLang uses)", t.dtype)
+    have = t.shape  # read once: each tensor attribute read costs a call
+    if len(have) != 2:
+        raise err(fn, name, "a 2-D tensor" + (f" of shape {list(shape)}" if shape else ""), f"shape {list(have)}")
+    if shape is not None and tuple(have) != tuple(shape):
+        raise err(fn, name, f"shape {list(shape)}", f"shape {list(have)}")
+    if integer:
+        dt = t.dtype
+        if dt.is_floating_point or dt.is_complex or dt == torch.bool:
+            raise err(fn, name, "an integer dtype (int64 as SGLang uses)", dt)
 
 
 def walk_tree(fn: str, next_token: torch.Tensor, next_sibling: torch.Tensor,

@@ -133,12 +133,14 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[i
     N = S + 1
     uniform = S > 0 and min(n) == S  # every request at S drafts: the stack's rows are already [B, S, V]
     if uniform and n_greedy == B and target_probs.dtype in _LOGIT_DTYPES:
-        if HOST_FORM and d_host is not None and bonus_host is not None and dev.type == "cpu":
+        if HOST_FORM and d_host is not None and bonus_host is not None:  # lists: CPU tensors
             return _greedy_uniform_host(d_host, bonus_host, B, S, W, target_probs)
         return _greedy_uniform(draft_token_ids, B, S, W, target_probs, bonus_token_ids)
     if uniform and n_greedy == 0 and target_probs.dtype == torch.float32:
         u = (draw_uniforms(B, N, n, dev, generator, generators) if uniforms is None
              else uniforms[:, :N].to(dev))
+        if HOST_FORM and d_host is not None and bonus_host is not None and u.is_cpu and not u.requires_grad:
+            return _sampled_uniform_host(d_host, bonus_host, B, S, W, target_probs, draft_probs, u)
         return _sampled_uniform(draft_token_ids, B, S, W, target_probs, draft_probs, bonus_token_ids, u)
     out = torch.full((B, W), PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=dev)
     g_idx = greedy.nonzero().flatten()
@@ -227,26 +229,28 @@ def _greedy_uniform(draft_token_ids, B, S, W, target_probs, bonus_token_ids) -> 
     return torch.cat(parts, 1).to(torch.int32)
 
 
-def _greedy_uniform_host(d: np.ndarray, bonus: np.ndarray, B, S, W, target_probs) -> torch.Tensor:
-    """:func:`_greedy_uniform` on the CPU, with NumPy views of the drafts ``d`` [B * S] and bonus tokens
-    [B, 1] (from the range checks): the op's input tokens go into a kept buffer and the [B, W] result is assembled
-    in NumPy, so the call makes no tensor operation besides the op itself and two views (each small
-    tensor operation costs microseconds, more after the op has streamed its rows through the
-    caches). Input tokens: the drafts shifted right by one, so row b is (d_{b-1, S-1}, d_{b,0} ..
-    d_{b,S-2}); its first entry is the root's token, which the op never checks."""
+def _greedy_uniform_host(d: list, bonus: list, B, S, W, target_probs) -> torch.Tensor:
+    """:func:`_greedy_uniform` on the CPU, with the drafts ``d`` [B * S] and bonus tokens [B] as the
+    Python lists the range checks read: the op's input tokens go into a kept buffer and the [B, W]
+    result is assembled in Python, so the call makes few tensor operations besides the op (each
+    costs microseconds, more after the op has streamed its rows through the caches). Input tokens:
+    the drafts shifted right by one, so row b is (d_{b-1, S-1}, d_{b,0} .. d_{b,S-2}); its first
+    entry is the root's token, which the op never checks."""
     rows = target_probs if target_probs.is_contiguous() else target_probs.contiguous()
     tokens, flat = _token_buffer(B, S)
     flat[1:] = d[:-1]
-    _, _, o = ops.greedy_verify(tokens, chain_parents(B, S, rows.device), rows.view(B, S, -1))
-    o = o.numpy()
-    out = np.empty((B, W), dtype=np.int32)
-    out[:, :S] = o
-    out[:, S] = np.where(o[:, S - 1] == d[S - 1::S], bonus[:, 0], PLACEHOLDER_TOKEN_ID)
-    if W > S + 1:
-        out[:, S + 1:] = PLACEHOLDER_TOKEN_ID
-    return torch.from_numpy(out)
+    _, _, o = ops.greedy_verify(tokens, chain_parents(B, S, _CPU), rows.view(B, S, -1))
+    out = o.tolist()
+    pad = [PLACEHOLDER_TOKEN_ID] * (W - S)
+    last = S - 1
+    for b, row in enumerate(out):
+        row += pad
+        if row[last] == d[b * S + last]:  # d_{S-1} accepted (the op's -1 past its walk is never a draft)
+            row[S] = bonus[b]
+    return torch.from_numpy(np.array(out, dtype=np.int32))
 
 
+_CPU = torch.device("cpu")
 _TOKENS: dict = {}
 
 
@@ -293,21 +297,77 @@ def _sampled_uniform(draft_token_ids, B, S, W, target_probs, draft_probs, bonus_
     reached = o[:, S - 1] >= 0  # out token S - 1 is set exactly when d_0 .. d_{S-2} were all accepted
     if int(reached.sum()):
         full = reached.nonzero().flatten()
-        n_full = full.numel()
-        p2 = workspace("vllm.last", (n_full, 2, V), torch.float32, dev)
-        p2[:, 0].copy_(rows_p[full, S - 1])
-        p2[:, 1] = 0.0
-        p2[torch.arange(n_full, device=dev), 1, bonus_token_ids.reshape(B)[full].to(dev, torch.int64)] = 1.0
-        q2 = None
-        if draft_probs is not None:
-            q2 = workspace("vllm.last_draft", (n_full, 2, V), torch.float32, dev)
-            q2[:, 0] = 0.0
-            q2[:, 1].copy_(draft_probs.view(B, S, V)[full, S - 1])
-        t2 = torch.stack([torch.zeros_like(full), d[full, S - 1].to(torch.int64)], 1)
-        u2 = torch.stack([u[full, 0], u[full, S]], 1).contiguous()
-        _, _, o2 = ops.rejection_sample(t2, chain_parents(n_full, 2, dev), p2, q2, u2)
-        out[full, S - 1:S + 1] = o2.to(torch.int32)
+        out[full, S - 1:S + 1] = _last_draft(full, d[full, S - 1].to(torch.int64),
+                                             bonus_token_ids.reshape(B)[full].to(dev, torch.int64), rows_p,
+                                             draft_probs, u, S).to(torch.int32)
     return out
+
+
+def _sampled_uniform_host(d: list, bonus: list, B, S, W, target_probs, draft_probs, u) -> torch.Tensor:
+    """:func:`_sampled_uniform` on the CPU, with the drafts ``d`` [B * S] and bonus tokens [B] as the
+    lists the range checks read: the op's tokens and uniforms go into kept buffers, the result is
+    assembled in Python (as :func:`_greedy_uniform_host`; the op's root tokens are never read)."""
+    V = target_probs.shape[1]
+    rows_p = (target_probs if target_probs.is_contiguous() else target_probs.contiguous()).view(B, S, V)
+    tokens, flat = _token_buffer(B, S)
+    flat[1:] = d[:-1]
+    u_t, u_np = _uniform_buffer(B, S)
+    u_np[:] = u.numpy()[:, :S]
+    q = None
+    if draft_probs is not None:
+        q = workspace("vllm.draft", (B, S, V), torch.float32, _CPU)
+        q[:, 0] = 0.0
+        q[:, 1:].copy_(draft_probs.view(B, S, V)[:, :S - 1])
+    _, _, o = ops.rejection_sample(tokens, chain_parents(B, S, _CPU), rows_p, q, u_t)
+    out = o.tolist()
+    pad = [PLACEHOLDER_TOKEN_ID] * (W - S)
+    full = []
+    for b, row in enumerate(out):
+        if row[S - 1] >= 0:  # d_0 .. d_{S-2} all accepted: d_{S-1} is decided below
+            full.append(b)
+        row += pad
+    if full:
+        last = _last_draft(torch.tensor(full), torch.tensor([d[b * S + S - 1] for b in full]),
+                           torch.tensor([bonus[b] for b in full]), rows_p, draft_probs, u, S)
+        for b, pair in zip(full, last.tolist()):
+            out[b][S - 1:S + 1] = pair
+    return torch.from_numpy(np.array(out, dtype=np.int32))
+
+
+def _last_draft(full, d_last, bonus_full, rows_p, draft_probs, u, S) -> torch.Tensor:
+    """The requests ``full`` that accepted d_0 .. d_{S-2} decide d_{S-1} (int64 ``d_last``) on two
+    rows each: row S - 1 and a one-hot row on the bonus token (``bonus_full``), so that a full
+    acceptance emits the bonus token; ``u[:, 0]`` drives the draw, ``u[:, S]`` decides. [n, 2]."""
+    B, _, V = rows_p.shape
+    dev = rows_p.device
+    n_full = full.numel()
+    p2 = workspace("vllm.last", (n_full, 2, V), torch.float32, dev)
+    p2[:, 0].copy_(rows_p[full, S - 1])
+    p2[:, 1] = 0.0
+    p2[torch.arange(n_full, device=dev), 1, bonus_full] = 1.0
+    q2 = None
+    if draft_probs is not None:
+        q2 = workspace("vllm.last_draft", (n_full, 2, V), torch.float32, dev)
+        q2[:, 0] = 0.0
+        q2[:, 1].copy_(draft_probs.view(B, S, V)[full, S - 1])
+    t2 = torch.stack([torch.zeros_like(full), d_last], 1)
+    u2 = torch.stack([u[full, 0], u[full, S]], 1).contiguous()
+    _, _, o2 = ops.rejection_sample(t2, chain_parents(n_full, 2, dev), p2, q2, u2)
+    return o2
+
+
+_UNIFORMS: dict = {}
+
+
+def _uniform_buffer(B: int, S: int):
+    """A kept [B, S] float64 CPU tensor and a NumPy view of it (as :func:`_token_buffer`)."""
+    got = _UNIFORMS.get((B, S))
+    if got is None:
+        if len(_UNIFORMS) >= 64:
+            _UNIFORMS.clear()
+        t = torch.zeros(B, S, dtype=torch.float64)
+        got = _UNIFORMS[(B, S)] = (t, t.numpy())
+    return got
 
 
 def _stage_chains(draft_token_ids, n, target_probs, bonus_token_ids, draft_probs):

@@ -25,15 +25,17 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional, Sequence
 
+import numpy as np
 import torch
 
 from specdec import ops, paged_ops
-from specdec.compat.common import (FLOATS, INTS, check_tensor, check_token_range, draw_uniforms, fail,
+from specdec.compat.common import (FLOATS, HOST_MAX, INTS, check_tensor, check_token_range, draw_uniforms, fail,
                                    ragged_drafts, resolve_sampling, workspace)
 
 __all__ = ["TreeSampleOutput", "tree_rejection_sample", "commit_accepted_kv", "commit_accepted_kv_slots"]
 
 PLACEHOLDER_TOKEN_ID = -1
+HOST_FORM = True  # CPU: parents checked as a list, full batches staged in kept buffers; False: tensor form
 
 
 class TreeSampleOutput(NamedTuple):
@@ -51,7 +53,11 @@ def _pad_tree(draft_token_ids, draft_parents, n, target_probs, draft_probs):
     B, S = len(n), max(n)
     N, V = S + 1, target_probs.shape[1]
     full = min(n) == S  # every request at S drafts: the ragged tensors are already [B, S] / [B, N, V]
-    if full:
+    if full and HOST_FORM and dev.type == "cpu" and draft_token_ids.is_cpu and draft_parents.is_cpu:
+        tokens, parents = _tree_buffers(B, N)  # through NumPy views: no tensor operation
+        tokens.numpy()[:, 1:] = draft_token_ids.numpy().reshape(B, S)
+        np.add(draft_parents.numpy().reshape(B, S), 1, out=parents.numpy()[:, 1:], casting="unsafe")
+    elif full:
         tokens = torch.empty(B, N, dtype=torch.int64, device=dev)
         tokens[:, 0] = 0
         tokens[:, 1:] = draft_token_ids.reshape(B, S)
@@ -87,8 +93,33 @@ def _pad_tree(draft_token_ids, draft_parents, n, target_probs, draft_probs):
     return tokens, parents, p, q
 
 
+_TREE_BUFFERS: dict = {}
+
+
+def _tree_buffers(B: int, N: int):
+    """Kept CPU tensors for the op's tokens [B, N] int64 (column 0, the root, 0) and parents [B, N]
+    int32 (column 0 -1), per (B, N). The op only reads them; their contents are valid during one
+    call: not for concurrent calls from several threads (like :func:`specdec.compat.common.workspace`)."""
+    got = _TREE_BUFFERS.get((B, N))
+    if got is None:
+        if len(_TREE_BUFFERS) >= 64:
+            _TREE_BUFFERS.clear()
+        got = _TREE_BUFFERS[(B, N)] = (torch.zeros(B, N, dtype=torch.int64),
+                                       torch.full((B, N), -1, dtype=torch.int32))
+    return got
+
+
 def _check_parents(fn, draft_parents, n, T):
     """Every draft's local parent is -1 or an earlier draft of the same request."""
+    if HOST_FORM and draft_parents.is_cpu and T <= HOST_MAX:  # one host read and a bytecode loop
+        dp, t = draft_parents.tolist(), 0
+        for count in n:
+            for i in range(count):
+                if not -1 <= dp[t] < i:
+                    fail(fn, f"draft_parents[{t}]", f"-1 or a local draft index in [0, {i}) "
+                         "(parents come before their children)", str(dp[t]))
+                t += 1
+        return
     B, S = len(n), max(n)
     dev = draft_parents.device
     if min(n) == S:
@@ -163,8 +194,13 @@ def _run_rows(is_greedy, tokens, parents, p, q, B, N, n, dev, generator, generat
     """The op on the given rows (all B when ``idx`` is None); sampled rows draw (or take) their uniforms."""
     if is_greedy:
         return ops.greedy_verify(tokens, parents, p)
-    u = draw_uniforms(B, N, n, dev, generator, generators) if uniforms is None else uniforms[:, :N].to(dev)
-    return ops.rejection_sample(tokens, parents, p, q, (u if idx is None else u[idx]).contiguous())
+    if uniforms is None:
+        u = draw_uniforms(B, N, n, dev, generator, generators)
+    else:
+        u = uniforms if uniforms.shape[1] == N and uniforms.device == dev else uniforms[:, :N].to(dev)
+    if idx is not None:
+        u = u[idx]
+    return ops.rejection_sample(tokens, parents, p, q, u if u.is_contiguous() else u.contiguous())
 
 
 def _kv_pairs(fn: str, kv_caches):
