@@ -9,7 +9,7 @@ import torch
 
 from specdec.distributed.shard import ShardedLlama
 from specdec.models.hf import HFCausalLM
-from specdec.models.quant import quantize_linear_groups, quantize_linear_int8
+from specdec.models.quant import quantize_linear_groups, quantize_linear_int8, set_activation_quant
 
 bundled = pytest.importorskip("specdec.models.bundled")
 
@@ -82,16 +82,35 @@ def small():
     return model
 
 
-@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_1"])
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_1", "q4_1+q8act"])
 def test_quantized_split_matches_single_process(small, fmt):
+    """Each rank's slices run the layer's own format; q4_1+q8act: the shards quantize their
+    activations too (a row-split layer's input blocks are the full row's, a column split keeps whole
+    blocks), so they match the single-process q8-activation model, not the float-activation one."""
     q = copy.deepcopy(small)
     skip = ["lm_head"]  # a vocabulary slice is a row slice, as q / k / v / gate / up are (quantizing it is slow)
+    fmt, _, act = fmt.partition("+")
     q = quantize_linear_int8(q, skip) if fmt == "int8" else quantize_linear_groups(q, fmt, skip)
+    if act:
+        set_activation_quant(q, "q8")
     prompt, tokens = [1, 504, 3458, 282, 4649, 314], [504, 3458, 282]
     ref = HFCausalLM(q)
     cache = ref.new_cache(1, 32)
     ref.prefill(cache, [prompt])
     want = ref.forward(cache, torch.tensor([tokens]), torch.arange(3).view(1, -1))
     got = _run_tp2(q, prompt, tokens)
-    torch.testing.assert_close(got, want, atol=5e-3, rtol=1e-4)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+    if not act:
+        torch.testing.assert_close(got, want, atol=5e-3, rtol=1e-4)
+        return
+    # Quantized activations are not continuous: the 2-rank sum of the o / down projections rounds in
+    # another order, which moves an activation code of a later layer by one step here and there (the
+    # logits then differ by ~0.1). The float-activation model is ~4x further away: the shards quantize.
+    f = copy.deepcopy(q)
+    set_activation_quant(f, None)
+    ref_f = HFCausalLM(f)
+    cache_f = ref_f.new_cache(1, 32)
+    ref_f.prefill(cache_f, [prompt])
+    other = ref_f.forward(cache_f, torch.tensor([tokens]), torch.arange(3).view(1, -1))
+    assert (got - want).abs().max() < 0.15
+    assert (got - other).abs().max() > 2 * (got - want).abs().max()

@@ -70,7 +70,7 @@ def _slice(module: torch.nn.Module, rows: Optional[Tuple[int, int]], cols: Optio
         gc = slice(cols[0] // 32, cols[1] // 32) if cols else slice(None)
         mins = None if module.mins is None else module.mins[r, gc].contiguous()
         return "group", (module.qweight[r, qc].contiguous(), module.scales[r, gc].contiguous(), mins, bias,
-                         module.bits)
+                         module.bits, module.act)
     raise TypeError(f"tensor parallel: cannot split a {type(module).__name__} layer (nn.Linear, Int8Linear or "
                     f"GroupQuantLinear expected)")
 
@@ -83,7 +83,10 @@ def _concat(parts):
     cols = list(zip(*[p[1] for p in parts]))
     cat = [None if col[0] is None or not isinstance(col[0], torch.Tensor) else torch.cat(col, 0) for col in cols]
     if kind == "group":
-        cat[4] = parts[0][1][4]
+        if any(p[1][5] != parts[0][1][5] for p in parts):
+            raise ValueError("tensor parallel: the projections merged into one (q / k / v, gate / up) must share "
+                             f"one activation format, got {[p[1][5] for p in parts]}")
+        cat[4], cat[5] = parts[0][1][4], parts[0][1][5]
     return kind, tuple(cat)
 
 
@@ -95,8 +98,8 @@ def _fn(spec) -> _Fn:
     if kind == "int8":
         w, s, b = t
         return lambda x: ops.linear(x, w, None if b is None else b.to(x.dtype), s)
-    w, s, m, b, bits = t
-    return lambda x: ops.qlinear(x, w, s, m, None if b is None else b.to(x.dtype), bits)
+    w, s, m, b, bits, act = t  # act: the layer's activation format (None or "q8", qlinear's act)
+    return lambda x: ops.qlinear(x, w, s, m, None if b is None else b.to(x.dtype), bits, act=act)
 
 
 class _Layer:
