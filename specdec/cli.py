@@ -186,7 +186,9 @@ def _load(args: argparse.Namespace):
     if args.tensor_parallel > 1:
         from specdec.distributed.cli import tensor_parallel_target
 
-        target = tensor_parallel_target(args.model, args.tensor_parallel, model, threads=args.threads)
+        target = tensor_parallel_target(args.model, args.tensor_parallel, model, threads=args.threads,
+                                        precision=args.precision if bundled else "fp32",
+                                        act=resolve_act(args.act, args.precision) if bundled else None)
     else:
         target = HFCausalLM(model)
     src = DraftSource(args, draft, tok, bundled_draft, args.docs_opt or [])

@@ -133,3 +133,16 @@ def test_cli_act_default_follows_the_precision():
     assert args.act == "auto" and resolve_act(args.act, args.precision) == "q8"
     assert resolve_act("auto", "q8_0") == "q8" and resolve_act("auto", "fp32") is None
     assert resolve_act("none", "q4_1") is None and resolve_act("q8", "q4_1") == "q8"
+
+
+def test_tensor_parallel_ranks_load_the_same_variant():
+    """Every rank of a GPU / torchrun split loads ModelSource: it carries precision and act."""
+    from specdec.distributed import ModelSource
+    from specdec.models.quant import GroupQuantLinear
+
+    try:
+        model = ModelSource("smollm2-135m", precision="q4_1", act="q8").load()
+    except ModuleNotFoundError as e:
+        pytest.skip(f"the bundled model is not installed: {e}")
+    acts = {m.act for m in model.modules() if isinstance(m, GroupQuantLinear)}
+    assert acts == {"q8"}

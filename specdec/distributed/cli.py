@@ -25,11 +25,13 @@ def under_torchrun() -> bool:
 
 
 def tensor_parallel_target(name: str, world_size: int, model: Optional[torch.nn.Module] = None,
-                           threads: Optional[int] = None, timeout: float = 300.0):
-    """Rank 0's TensorParallelLM of the bundled model ``name`` or a Hugging Face folder, closed at exit.
-    Under torchrun a rank other than 0 serves rank 0 here and then exits the process."""
+                           threads: Optional[int] = None, timeout: float = 300.0, precision: str = "fp32",
+                           act: Optional[str] = None):
+    """Rank 0's TensorParallelLM of the bundled model ``name`` (at ``precision`` / ``act``, as every rank
+    loads it) or a Hugging Face folder, closed at exit. Under torchrun a rank other than 0 serves rank 0
+    here and then exits the process."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    source = ModelSource(name)
+    source = ModelSource(name, precision=precision, act=act)
     if under_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world_size:
             raise ValueError(f"--tensor-parallel {world_size} under torchrun with WORLD_SIZE="

@@ -35,19 +35,21 @@ IDLE_TIMEOUT = datetime.timedelta(days=7)
 
 @dataclass(frozen=True)
 class ModelSource:
-    """What every rank loads: a bundled model's name (``load_bundled``, with ``precision``) or a local
-    Hugging Face folder; ``dtype`` "float32" / "bfloat16" / "float16" (bundled: float32 weights cast)."""
+    """What every rank loads: a bundled model's name (``load_bundled``, with ``precision`` and ``act``)
+    or a local Hugging Face folder; ``dtype`` "float32" / "bfloat16" / "float16" (bundled: float32
+    weights cast)."""
 
     name: str = "smollm2-135m"
     precision: str = "fp32"
     dtype: str = "float32"
+    act: Optional[str] = None
 
     def load(self, device: torch.device | str = "cpu") -> torch.nn.Module:
         from specdec.models.bundled import BUNDLED, load_bundled
 
         dtype = getattr(torch, self.dtype)
         if self.name in BUNDLED:
-            model, _ = load_bundled(self.name, dtype=dtype, precision=self.precision, hugepages=False)
+            model, _ = load_bundled(self.name, dtype=dtype, precision=self.precision, hugepages=False, act=self.act)
         else:
             from specdec.cli import load_hf_folder
 
