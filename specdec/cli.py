@@ -172,10 +172,11 @@ def _load(args: argparse.Namespace):
     bundled = is_bundled(args.model)
     draft = check_draft_options(args, bundled)
     bundled_draft = None   # the bundled model's draft copy, loaded with it for int8 / w8 / bf16 / auto
+    act = resolve_act(args.act, args.precision)
     if bundled:
         model, tok, *rest = load_bundled(args.model, draft="w8" if draft == "auto" else
                                          draft if draft in ("int8", "w8", "bf16") else None,
-                                         precision=args.precision, act=resolve_act(args.act, args.precision))
+                                         precision=args.precision, act=act)
         bundled_draft = rest[0] if rest else None
     else:
         if args.precision != "fp32" or args.act == "q8":
@@ -187,8 +188,7 @@ def _load(args: argparse.Namespace):
         from specdec.distributed.cli import tensor_parallel_target
 
         target = tensor_parallel_target(args.model, args.tensor_parallel, model, threads=args.threads,
-                                        precision=args.precision if bundled else "fp32",
-                                        act=resolve_act(args.act, args.precision) if bundled else None)
+                                        precision=args.precision, act=act)  # a folder: fp32 / None (checked)
     else:
         target = HFCausalLM(model)
     src = DraftSource(args, draft, tok, bundled_draft, args.docs_opt or [])

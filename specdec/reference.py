@@ -337,8 +337,13 @@ def dequantize_groups(qweight: torch.Tensor, scales: torch.Tensor, mins: Optiona
 
 
 def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor],
-            bias: Optional[torch.Tensor], bits: int) -> torch.Tensor:
-    """x [..., K] @ dequantize_groups(...).T (+ bias), float64, rounded once to x's dtype."""
+            bias: Optional[torch.Tensor], bits: int, act: Optional[str] = None) -> torch.Tensor:
+    """x [..., K] @ dequantize_groups(...).T (+ bias), float64, rounded once to x's dtype; act="q8":
+    the quantized-activation definition (specdec.reference_q8act)."""
+    if act == "q8":
+        from specdec.reference_q8act import qlinear_q8act
+
+        return qlinear_q8act(x, qweight, scales, mins, bias, bits)
     y = x.double() @ dequantize_groups(qweight, scales, mins, bits).T
     if bias is not None:
         y = y + bias.double()
@@ -405,7 +410,8 @@ def decoder_layer_with(impl, x, h, weights, scales, mins, biases, bits, post_nor
     def proj(i, inp):
         if bits[i] == 0:
             return impl.linear(inp, weights[i], biases[i], scales[i])
-        return impl.qlinear(inp, weights[i], scales[i], mins[i], biases[i], bits[i])
+        q8 = bits[i] & 32  # decoder_layer's flag: the slot quantizes its activations
+        return impl.qlinear(inp, weights[i], scales[i], mins[i], biases[i], bits[i] & ~32, act="q8" if q8 else None)
 
     if seven:
         q, k, v = proj(0, x), proj(1, x), proj(2, x)

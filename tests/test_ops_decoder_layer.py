@@ -34,9 +34,11 @@ def _layer(layout, dtype, g, bias=False):
         elif layout == "int8":
             qw, sc = ops.quantize_weight_int8(w)
             weights.append(qw), scales.append(sc), mins.append(None), bits.append(0)
-        else:
-            qw, d, m = ops.quantize_weight_groups(w, layout)
-            weights.append(qw), scales.append(d), mins.append(m), bits.append(8 if layout == "q8_0" else 4)
+        else:  # "fmt+q8": quantized activations, decoder_layer's bits | 32
+            fmt, _, act = layout.partition("+")
+            qw, d, m = ops.quantize_weight_groups(w, fmt)
+            weights.append(qw), scales.append(d), mins.append(m)
+            bits.append((8 if fmt == "q8_0" else 4) | (32 if act else 0))
         biases.append(b)
     return weights, scales, mins, biases, bits
 
@@ -73,7 +75,7 @@ def _with_caches(args):
     return out
 
 
-LAYOUTS = ["float7", "int8", "q4_1", "q8_0", "q4_0"]
+LAYOUTS = ["float7", "int8", "q4_1", "q8_0", "q4_0", "q4_1+q8", "q8_0+q8"]
 
 
 @pytest.mark.parametrize("device", DEVICES)

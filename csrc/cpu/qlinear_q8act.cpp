@@ -24,7 +24,7 @@
 namespace specdec {
 namespace cpu {
 
-void q8_quantize_scalar(const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* a, float* d8, int32_t* r,
+void q8_quantize_scalar(const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* a, float* dq, int32_t* r,
                         float* s) {
   const int64_t G = K / kQ8Block;
   for (int64_t m = 0; m < M; ++m) {
@@ -41,10 +41,10 @@ void q8_quantize_scalar(const float* x, int64_t x_stride, int64_t M, int64_t K, 
       const int64_t o = (m * G + g) * 8;
       int32_t sum = 0;
       for (int l = 0; l < 8; ++l) {
-        d8[o + l] = d;
         r[o + l] = ab[4 * l] + ab[4 * l + 1] + ab[4 * l + 2] + ab[4 * l + 3];
         sum += r[o + l];
       }
+      dq[m * G + g] = d;
       s[m * G + g] = static_cast<float>(sum) * d;
     }
   }
@@ -72,13 +72,12 @@ void q8act_rows_scalar(const Q8ActParams& P, int64_t n_begin, int64_t n_end) {
                         0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
       const int8_t* am = P.a + m * P.K;
       for (int64_t g = 0; g < G; ++g) {
-        const float dw = half_to_float(P.scales[n * G + g]);
-        const int64_t o = (m * G + g) * 8;
+        const float dd = half_to_float(P.scales[n * G + g]) * P.d[m * G + g];
         for (int l = 0; l < 8; ++l) {
           int32_t p = 0;
           for (int j = 4 * l; j < 4 * l + 4; ++j) p += weight_code(P, n, g, j) * am[g * kQ8Block + j];
           float& a = acc[(g & 1) * 8 + l];
-          a = std::fma(static_cast<float>(p), dw * P.d8[o + l], a);
+          a = std::fma(static_cast<float>(p), dd, a);
         }
         if (P.mins) {
           macc[g & 15] = std::fma(half_to_float(P.mins[n * G + g]), P.s[m * G + g], macc[g & 15]);
@@ -158,21 +157,21 @@ std::string q8act_tiers() {
 void qlinear_q8act_raw(const float* x, int64_t x_stride, const QLinearParams& Q) {
   const int64_t M = Q.M, K = Q.K, G = K / kQ8Block;
   const int tier = active_tier();
-  // one scratch: codes [M, K], then d8 / r [M, G, 8], s / d [M, G] (4-byte aligned: K % 32 == 0)
-  std::vector<int32_t> scratch(M * K / 4 + 2 * M * G * 8 + 2 * M * G);
+  // one scratch per calling thread, kept across calls (no allocation per decode step once it has grown):
+  // codes [M, K], then r [M, G, 8], d / s [M, G] (4-byte aligned: K % 32 == 0)
+  thread_local std::vector<int32_t> scratch;
+  const size_t need = size_t(M * K / 4 + M * G * 8 + 2 * M * G);
+  if (scratch.size() < need) scratch.resize(need);
   int8_t* a = reinterpret_cast<int8_t*>(scratch.data());
-  float* d8 = reinterpret_cast<float*>(scratch.data() + M * K / 4);
-  int32_t* r = scratch.data() + M * K / 4 + M * G * 8;
-  float* s = reinterpret_cast<float*>(r + M * G * 8);
-  float* d = s + M * G;
-  if (tier == kQ8Scalar) q8_quantize_scalar(x, x_stride, M, K, a, d8, r, s);
-  else q8_quantize_avx2(x, x_stride, M, K, a, d8, r, s);
-  for (int64_t i = 0; i < M * G; ++i) d[i] = d8[i * 8];
-  if (tier == kQ8Avx512Vnni && Q.bits == 4) q8_interleave_pairs_avx512(a, r, M, K);
+  int32_t* r = scratch.data() + M * K / 4;
+  float* d = reinterpret_cast<float*>(r + M * G * 8);
+  float* s = d + M * G;
+  if (tier == kQ8Scalar) q8_quantize_scalar(x, x_stride, M, K, a, d, r, s);
+  else q8_quantize_avx2(x, x_stride, M, K, a, d, r, s);
+  if (tier == kQ8Avx512Vnni && Q.bits == 4) q8_interleave_pairs_avx512(a, Q.mins ? nullptr : r, M, K);
   Q8ActParams P;
   P.a = a;
   P.d = d;
-  P.d8 = d8;
   P.r = r;
   P.s = s;
   P.qw = Q.qw;
@@ -238,17 +237,17 @@ std::tuple<at::Tensor, at::Tensor> quantize_q8_cpu(const at::Tensor& x) {
   const int64_t K = x.size(-1), M = checks::linear_rows(x), G = K / cpu::kQ8Block;
   const at::Tensor x2 = x.reshape({M, K}).to(at::kFloat).contiguous();
   at::Tensor a = at::empty({M, K}, x.options().dtype(at::kChar));
-  std::vector<float> d8(M * G * 8), s(M * G);
+  at::Tensor d = at::empty({M, G}, x.options().dtype(at::kFloat));
+  std::vector<float> s(M * G);
   std::vector<int32_t> r(M * G * 8);
   if (M > 0 && K > 0) {
     if (cpu::q8act_tier() == "scalar")
-      cpu::q8_quantize_scalar(x2.data_ptr<float>(), K, M, K, a.data_ptr<int8_t>(), d8.data(), r.data(), s.data());
+      cpu::q8_quantize_scalar(x2.data_ptr<float>(), K, M, K, a.data_ptr<int8_t>(), d.data_ptr<float>(), r.data(),
+                              s.data());
     else
-      cpu::q8_quantize_avx2(x2.data_ptr<float>(), K, M, K, a.data_ptr<int8_t>(), d8.data(), r.data(), s.data());
+      cpu::q8_quantize_avx2(x2.data_ptr<float>(), K, M, K, a.data_ptr<int8_t>(), d.data_ptr<float>(), r.data(),
+                            s.data());
   }
-  at::Tensor d = at::empty({M, G}, x.options().dtype(at::kFloat));
-  float* dp = d.data_ptr<float>();
-  for (int64_t i = 0; i < M * G; ++i) dp[i] = d8[i * 8];
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   std::vector<int64_t> dshape = shape;
   dshape.back() = G;

@@ -14,7 +14,7 @@ void q8act_rows_avx2(const Q8ActParams& P, int64_t n_begin, int64_t n_end) { avx
 // Step 1 of the definition with vectors: amax by max (exact in any order), d and id by scalar
 // divisions, the codes by vcvtps2dq (round half to even, the default MXCSR mode) after the clamp; then
 // the lane sums r and the block's s = float(sum r) * d.
-void q8_quantize_avx2(const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* a, float* d8, int32_t* r,
+void q8_quantize_avx2(const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* a, float* dq, int32_t* r,
                       float* s) {
   const int64_t G = K / kQ8Block;
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -46,7 +46,7 @@ void q8_quantize_avx2(const float* x, int64_t x_stride, int64_t M, int64_t K, in
       s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
       s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
       s[m * G + g] = static_cast<float>(_mm_cvtsi128_si32(s4)) * d;
-      _mm256_storeu_ps(d8 + o, _mm256_set1_ps(d));
+      dq[m * G + g] = d;
     }
   }
 }

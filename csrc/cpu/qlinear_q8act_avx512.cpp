@@ -83,7 +83,7 @@ inline void one_block(const Q8ActParams& P, int64_t n, int64_t m, int64_t g, __m
       p = _mm256_sub_epi32(p, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(P.r + o)), 3));
   }
   pf = _mm256_cvtepi32_ps(p);
-  dd = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(P.scales[n * G + g])), _mm256_loadu_ps(P.d8 + o));
+  dd = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(P.scales[n * G + g])), _mm256_broadcast_ss(P.d + m * G + g));
 }
 
 inline float fold(__m512 acc) {
@@ -93,14 +93,19 @@ inline float fold(__m512 acc) {
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
+// Lanes of the 16 blocks from g that exist (a masked tail at the row's end).
+inline __mmask16 chunk_mask(int64_t G, int64_t g) {
+  const int64_t cnt = std::min<int64_t>(16, G - g);
+  return cnt == 16 ? __mmask16(0xFFFF) : __mmask16((1u << cnt) - 1);
+}
+
 // Q4_1's min terms of weight rows n0.. (NR) and activation rows m0.. (MR): macc lane i = the blocks
 // g = i (mod 16) in ascending order, 16 blocks per step (a masked tail).
 template <int NR, int MR>
 inline void min_terms(const Q8ActParams& P, int64_t n0, int64_t m0, __m512 (&macc)[NR][MR]) {
   const int64_t G = P.K / kQ8Block;
   for (int64_t g = 0; g < G; g += 16) {
-    const int64_t cnt = std::min<int64_t>(16, G - g);
-    const __mmask16 k = cnt == 16 ? __mmask16(0xFFFF) : __mmask16((1u << cnt) - 1);
+    const __mmask16 k = chunk_mask(G, g);
     __m512 sv[MR];
     for (int m = 0; m < MR; ++m) sv[m] = _mm512_maskz_loadu_ps(k, P.s + (m0 + m) * G + g);
     for (int r = 0; r < NR; ++r) {
@@ -128,8 +133,7 @@ inline void tile(const Q8ActParams& P, int64_t n0, int64_t m0) {
   for (; g + 2 <= G; g += 2) {
     prefetch.step();
     if ((g & 15) == 0) {
-      const int64_t cnt = std::min<int64_t>(16, G - g);
-      const __mmask16 k = cnt == 16 ? __mmask16(0xFFFF) : __mmask16((1u << cnt) - 1);
+      const __mmask16 k = chunk_mask(G, g);
       __m512 da[MR];
       for (int m = 0; m < MR; ++m) da[m] = _mm512_maskz_loadu_ps(k, P.d + (m0 + m) * G + g);
       for (int r = 0; r < NR; ++r) {
@@ -212,6 +216,7 @@ void q8_interleave_pairs_avx512(int8_t* a, int32_t* r, int64_t M, int64_t K) {
     for (int64_t g = 0; g + 2 <= G; g += 2) {
       int8_t* ap = a + m * K + g * 32;
       _mm512_storeu_si512(ap, swap_quarters(_mm512_loadu_si512(ap)));
+      if (r == nullptr) continue;
       int32_t* rp = r + (m * G + g) * 8;
       _mm512_storeu_si512(rp, swap_quarters(_mm512_loadu_si512(rp)));
     }

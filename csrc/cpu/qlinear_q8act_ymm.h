@@ -65,7 +65,7 @@ inline void block(const Q8ActParams& P, int64_t n0, int64_t m0, int64_t g, const
         if constexpr (!MINS)
           p = _mm256_sub_epi32(p, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(P.r + o)), 3));
       }
-      acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_loadu_ps(P.d8 + o)), acc[r][m]);
+      acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_broadcast_ss(P.d + (m0 + m) * G + g)), acc[r][m]);
     }
   }
 }

@@ -43,7 +43,6 @@ constexpr int64_t kQ8Block = 32;
 struct Q8ActParams {
   const int8_t* a;         // [M, K] activation codes
   const float* d;          // [M, G] each block's scale d
-  const float* d8;         // [M, G, 8] the same, repeated over the block's 8 lanes
   const int32_t* r;        // [M, G, 8] lane sums of the codes (int32; Q4_0's p - 8 r)
   const float* s;          // [M, G] float(R_g) * d_g (Q4_1's min term)
   const void* qw;          // [N, K] int8 (Q8_0) or [N, K / 2] uint8 (Q4), contiguous (cpu_qlinear.h's layout)
@@ -59,10 +58,10 @@ struct Q8ActParams {
 // Tiers, best first; kQ8TierAuto: the best this CPU runs.
 enum Q8Tier : int { kQ8Avx512Vnni = 0, kQ8AvxVnni = 1, kQ8Avx2 = 2, kQ8Scalar = 3, kQ8TierAuto = -1 };
 
-// Quantizes x [M, K] (row stride x_stride) into a / d8 / r / s (step 1 and the sums of step 2).
-void q8_quantize_scalar(const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* a, float* d8, int32_t* r,
+// Quantizes x [M, K] (row stride x_stride) into a / d / r / s (step 1 and the sums of step 2).
+void q8_quantize_scalar(const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* a, float* d, int32_t* r,
                         float* s);
-void q8_quantize_avx2(const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* a, float* d8, int32_t* r,
+void q8_quantize_avx2(const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* a, float* d, int32_t* r,
                       float* s);
 // Outputs y[:, n_begin:n_end] of one tier.
 void q8act_rows_scalar(const Q8ActParams& P, int64_t n_begin, int64_t n_end);
@@ -70,7 +69,8 @@ void q8act_rows_avx2(const Q8ActParams& P, int64_t n_begin, int64_t n_end);
 void q8act_rows_avxvnni(const Q8ActParams& P, int64_t n_begin, int64_t n_end);
 void q8act_rows_avx512vnni(const Q8ActParams& P, int64_t n_begin, int64_t n_end);
 // The AVX-512 tier's Q4 layout: for every full pair of blocks of every row, the codes a and lane sums
-// r in the 128-bit quarter order 0, 2, 1, 3 (the order a pair of packed Q4 blocks decodes into).
+// r (nullptr: Q4_1, which reads no lane sums) in the 128-bit quarter order 0, 2, 1, 3 (the order a pair of
+// packed Q4 blocks decodes into).
 void q8_interleave_pairs_avx512(int8_t* a, int32_t* r, int64_t M, int64_t K);
 
 // Software prefetch for a tile of weight rows [n0, n0 + nr): the codes of the rows max(8, 2 nr) ahead
