@@ -67,9 +67,12 @@ struct Slots {
   at::IntArrayRef bits;
   size_t n;
   const char* name(size_t i) const { return n == 7 ? kSlots7[i] : kSlots4[i]; }
+  // Whether slot i holds qlinear_q8act's packed CPU layout (3-D; its scales give the shape).
+  bool packed(size_t i) const { return (bits[i] & kQ8ActFlag) && weights[i].dim() == 3; }
   // The weight's (out, in) features.
   std::pair<int64_t, int64_t> shape(size_t i) const {
     const at::Tensor& w = weights[i];
+    if (packed(i)) return {scales[i].has_value() ? scales[i]->size(0) : -1, w.size(1) * 32};
     return {w.size(0), (bits[i] & ~kQ8ActFlag) == 4 ? w.size(1) * 2 : w.size(1)};
   }
 };
@@ -78,7 +81,9 @@ struct Slots {
 void check_slot(const Slots& S, size_t i, const at::Tensor& probe, int64_t out) {
   const int64_t in = probe.size(-1);
   const at::Tensor& w = S.weights[i];
-  TORCH_CHECK(w.dim() == 2, kOp, ": weights[", i, "] (", S.name(i), ") must be a 2-D weight, got ", w.sizes());
+  TORCH_CHECK(w.dim() == 2 || S.packed(i), kOp, ": weights[", i, "] (", S.name(i),
+              ") must be a 2-D weight (or, for a q8-activation slot on the CPU, pack_q8act's 3-D layout), got ",
+              w.sizes());
   const auto [n, k] = S.shape(i);
   TORCH_CHECK(n == out && k == in, kOp, ": weights[", i, "] (", S.name(i), ") must map ", in, " to ", out,
               " features, got a weight of ", w.sizes(), ((S.bits[i] & ~kQ8ActFlag) == 4 ? " (4-bit: [out, in / 2])" : ""));
@@ -87,7 +92,8 @@ void check_slot(const Slots& S, size_t i, const at::Tensor& probe, int64_t out) 
       checks::linear(probe, w, S.biases[i], S.scales[i]);
     } else {
       TORCH_CHECK(S.scales[i].has_value(), "the group scales are missing (bits ", S.bits[i], ")");
-      checks::qlinear(probe, w, *S.scales[i], S.mins[i], S.biases[i], S.bits[i] & ~kQ8ActFlag);
+      if (S.bits[i] & kQ8ActFlag) checks::qlinear_q8act(probe, w, *S.scales[i], S.mins[i], S.biases[i], S.bits[i] & ~kQ8ActFlag);
+      else checks::qlinear(probe, w, *S.scales[i], S.mins[i], S.biases[i], S.bits[i]);
     }
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, kOp, ": projection ", S.name(i), " (slot ", i, "): ", e.what_without_backtrace());
@@ -160,14 +166,15 @@ void project_raw(const Slots& S, size_t i, const float* x, int64_t M, int64_t K,
   P.x = x;
   P.x_stride = K;
   P.xsum = nullptr;
-  P.qw = w.data_ptr();
+  P.qw = S.packed(i) ? nullptr : w.data_ptr();
+  P.q8packed = S.packed(i) ? w.data_ptr<uint8_t>() : nullptr;
   P.scales = reinterpret_cast<const uint16_t*>(S.scales[i]->data_ptr<at::Half>());
   P.mins = S.mins[i].has_value() ? reinterpret_cast<const uint16_t*>(S.mins[i]->data_ptr<at::Half>()) : nullptr;
   P.bias = S.biases[i].has_value() ? S.biases[i]->data_ptr<float>() : nullptr;
   P.y = y;
   P.y_stride = y_stride;
   P.M = M;
-  P.N = w.size(0);
+  P.N = S.shape(i).first;
   P.K = K;
   P.bits = int(S.bits[i] & ~kQ8ActFlag);
   if (S.bits[i] & kQ8ActFlag) return cpu::qlinear_q8act_raw(x, K, P);
@@ -182,7 +189,7 @@ void project_all_raw(const Slots& S, size_t i0, size_t count, const float* x, in
   for (size_t i = i0; i < i0 + count; ++i)
     plain = plain && S.bits[i] == 0 && !S.scales[i].has_value() && S.weights[i].scalar_type() == at::kFloat;
   if (!plain || M > cpu::kLinearRowsPerPass) {
-    for (size_t j = 0; j < count; ++j) project_raw(S, i0 + j, x, M, K, out[j], S.weights[i0 + j].size(0));
+    for (size_t j = 0; j < count; ++j) project_raw(S, i0 + j, x, M, K, out[j], S.shape(i0 + j).first);
     return;
   }
   std::vector<cpu::LinearParams> P;

@@ -6,6 +6,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include <ATen/ATen.h>
 
@@ -18,6 +19,11 @@ at::Tensor qlinear_q8act_cpu(const at::Tensor& x, const at::Tensor& qweight, con
                              int64_t bits);
 // (codes int8 [..., K], d float32 [..., K / 32]): step 1 of the definition, for the exactness tests.
 std::tuple<at::Tensor, at::Tensor> quantize_q8_cpu(const at::Tensor& x);
+// The CPU tiers' packed layout of a weight (csrc/include/specdec/cpu_q8act.h): uint8 [ceil(N / 16), K / 32,
+// bytes per group and block]. qlinear_q8act's CPU form takes it in place of qweight (scales / mins still
+// give N, K and the format).
+at::Tensor pack_q8act_cpu(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                          int64_t bits);
 #ifdef SPECDEC_WITH_CUDA
 at::Tensor qlinear_q8act_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                               const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
@@ -39,17 +45,73 @@ std::string q8act_tiers();  // the tiers this CPU runs, comma-separated, best fi
 
 namespace checks {
 
-// qlinear's argument rules, the errors naming this op.
-inline void qlinear_q8act(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                          const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
-                          int64_t bits) {
+// qlinear's argument rules with the errors renamed to `op`.
+inline void qlinear_as(const char* op, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits) {
   try {
     qlinear(x, qweight, scales, mins, bias, bits);
   } catch (const c10::Error& e) {
     std::string msg = e.what_without_backtrace();
     if (msg.rfind("qlinear:", 0) == 0) msg = msg.substr(8);
-    TORCH_CHECK(false, "qlinear_q8act:", msg);
+    TORCH_CHECK(false, op, ":", msg);
   }
+}
+
+// The packed layout's shape for scales [N, G] (N rows, G blocks).
+inline std::vector<int64_t> q8_packed_shape(const at::Tensor& scales, int64_t bits, bool mins) {
+  const int64_t N = scales.dim() == 2 ? scales.size(0) : 0, G = scales.dim() == 2 ? scales.size(1) : 0;
+  return {(N + 15) / 16, G, (bits == 8 ? 512 : 256) + 32 + (mins ? 32 : 0)};
+}
+
+// qlinear's argument rules, the errors naming this op; qweight may also be the CPU's packed layout
+// (3-D uint8, pack_q8act's output for these scales / mins / bits).
+inline void qlinear_q8act(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                          const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
+                          int64_t bits) {
+  if (qweight.dim() != 3) return qlinear_as("qlinear_q8act", x, qweight, scales, mins, bias, bits);
+  const char* op = "qlinear_q8act";
+  TORCH_CHECK(qweight.device().is_cpu(), op, ": a packed (3-D) qweight is the CPU tiers' layout; on ",
+              qweight.device(), " pass the [N, K] / [N, K / 2] weight");
+  TORCH_CHECK(scales.dim() == 2, op, ": scales must be float16 [N, K / 32], got ", scales.sizes());
+  TORCH_CHECK(bits == 8 || bits == 4, op, ": bits must be 8 (Q8_0) or 4 (Q4_0 / Q4_1), got ", bits);
+  const auto want = q8_packed_shape(scales, bits, mins.has_value());
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.sizes() == at::IntArrayRef(want) && qweight.is_contiguous(),
+              op, ": a packed qweight must be contiguous uint8 ", at::IntArrayRef(want),
+              " (pack_q8act of these scales / mins / bits), got ", qweight.scalar_type(), " ", qweight.sizes());
+  // the remaining rules are qlinear's (with the weight's usual [N, K] shape)
+  TORCH_CHECK(x.dim() >= 1, op, ": x must be [..., K], got a 0-d tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, op,
+              ": x must be float32, float16 or bfloat16, got ", x.scalar_type());
+  const int64_t N = scales.size(0), G = scales.size(1);
+  TORCH_CHECK(x.size(-1) == G * 32, op, ": x's K = ", x.size(-1), " must be 32 x the ", G,
+              " blocks of scales [N, K / 32]");
+  TORCH_CHECK(bits == 4 || !mins.has_value(), op, ": mins are only for 4-bit weights (Q4_1), got mins with bits = 8");
+  auto group_tensor = [&](const char* name, const at::Tensor& t) {
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == N && t.size(1) == G && t.scalar_type() == at::kHalf, op, ": ", name,
+                " must be float16 [N, K / 32] = [", N, ", ", G, "], got ", t.scalar_type(), " ", t.sizes());
+    TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous, got strides ", t.strides());
+    TORCH_CHECK(t.device() == x.device(), op, ": ", name, " must be on x's device ", x.device(), ", got ", t.device());
+  };
+  group_tensor("scales", scales);
+  if (mins.has_value()) group_tensor("mins", *mins);
+  TORCH_CHECK(x.device() == qweight.device(), op, ": qweight must be on x's device ", x.device(), ", got ",
+              qweight.device());
+  if (bias.has_value()) {
+    const at::Tensor& b = *bias;
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == N && b.scalar_type() == x.scalar_type(), op, ": bias must be ",
+                x.scalar_type(), " [", N, "], got ", b.scalar_type(), " ", b.sizes());
+    TORCH_CHECK(b.device() == x.device(), op, ": bias must be on x's device ", x.device(), ", got ", b.device());
+  }
+}
+
+// pack_q8act's arguments: qlinear's rules for the weight (x stands in as a zero-row probe of width K).
+inline void pack_q8act(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                       int64_t bits) {
+  TORCH_CHECK(scales.dim() == 2, "pack_q8act: scales must be float16 [N, K / 32], got ", scales.sizes());
+  TORCH_CHECK(qweight.device().is_cpu(), "pack_q8act: the packed layout is the CPU tiers'; qweight is on ",
+              qweight.device());
+  const at::Tensor probe = at::empty({0, scales.size(1) * 32}, scales.options().dtype(at::kFloat));
+  qlinear_as("pack_q8act", probe, qweight, scales, mins, std::nullopt, bits);
 }
 
 inline void quantize_q8(const at::Tensor& x) {

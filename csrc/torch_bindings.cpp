@@ -46,6 +46,8 @@ TORCH_LIBRARY(specdec, m) {
   // qlinear with activations quantized per row and block of 32 to int8 (csrc/include/specdec/cpu_q8act.h)
   m.def("qlinear_q8act(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int bits) -> Tensor");
   m.def("quantize_q8(Tensor x) -> (Tensor, Tensor)");
+  // the CPU tiers' packed weight layout for qlinear_q8act (made once per model; csrc/include/specdec/cpu_q8act.h)
+  m.def("pack_q8act(Tensor qweight, Tensor scales, Tensor? mins, int bits) -> Tensor");
   // The fused small ops of a Llama-style layer (transformers' rounding steps, one call each).
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   // (rms_norm(x + residual), x + residual)
@@ -72,6 +74,7 @@ TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("qlinear", &specdec::qlinear_cpu);
   m.impl("qlinear_q8act", &specdec::qlinear_q8act_cpu);
   m.impl("quantize_q8", &specdec::quantize_q8_cpu);
+  m.impl("pack_q8act", &specdec::pack_q8act_cpu);
   m.impl("rms_norm", &specdec::rms_norm_cpu);
   m.impl("add_rms_norm", &specdec::add_rms_norm_cpu);
   m.impl("rope", &specdec::rope_cpu);
@@ -90,6 +93,7 @@ TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
   m.impl("qlinear", &specdec::qlinear_cuda);
   m.impl("qlinear_q8act", &specdec::qlinear_q8act_cuda);
   m.impl("quantize_q8", &specdec::quantize_q8_cuda);
+  m.impl("pack_q8act", &specdec::pack_q8act_cpu);  // refuses CUDA tensors with a message naming the layout
   m.impl("rms_norm", &specdec::rms_norm_cuda);
   m.impl("add_rms_norm", &specdec::add_rms_norm_cuda);
   m.impl("rope", &specdec::rope_cuda);

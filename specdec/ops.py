@@ -25,6 +25,7 @@ __all__ = [
     "linear",
     "qlinear",
     "quantize_q8",
+    "pack_q8act",
     "rms_norm",
     "add_rms_norm",
     "rope",
@@ -255,7 +256,8 @@ def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: 
 
     act = "q8" (opt-in, a different model): x quantized per row and block of 32 to int8 (:func:`quantize_q8`),
     integer dots with the weight codes (llama.cpp's Q8 scheme); exact definition in docs/ops.md: every form
-    and CPU tier gives the same bits, a row's result independent of M.
+    and CPU tier gives the same bits, a row's result independent of M. On the CPU ``qweight`` may be
+    :func:`pack_q8act`'s layout of the weight (the CPU tiers' own; the usual layout is packed per call).
     """
     if act is None:
         return _ops.qlinear(x, qweight, scales, mins, bias, int(bits))
@@ -389,4 +391,4 @@ def quantize_weight_int8(weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tens
 
 
 from specdec import ops_fake  # noqa: E402,F401  (the fake impls of the ops above, for torch.compile / meta)
-from specdec.ops_q8act import quantize_q8  # noqa: E402  (the act="q8" helpers and their fake impls)
+from specdec.ops_q8act import pack_q8act, quantize_q8  # noqa: E402  (the act="q8" helpers and their fake impls)

@@ -80,6 +80,7 @@ ARGS: Dict[str, Sequence[str]] = {
     "qlinear": ("x", "qweight", "scales", "mins", "bias", "bits", "K"),
     "qlinear_q8act": ("x", "qweight", "scales", "mins", "bias", "bits", "K"),
     "quantize_q8": ("x", "K"),
+    "pack_q8act": ("qweight", "scales", "mins", "bits", "K"),
     "rms_norm": ("x", "weight", "eps"),
     "add_rms_norm": ("x", "residual", "weight", "eps"),
     "rope": ("q", "k", "cos", "sin", "head dim"),
@@ -1071,8 +1072,9 @@ def _q8_finite_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).float()).all(-1)
 
 
-@given(qlinear_case())
-def fuzz_qlinear_q8act(args):
+@given(qlinear_case(), st.booleans())
+def fuzz_qlinear_q8act(args, packed):
+    args = dict(args, packed=packed)
     def check(out, before):
         x = before["x"].cpu()
         mins = None if before["mins"] is None else before["mins"].cpu()
@@ -1091,7 +1093,26 @@ def fuzz_qlinear_q8act(args):
         except RuntimeError as e:  # the op's own name opens its errors
             assert str(e).startswith("qlinear_q8act:"), str(e)
             raise
+    if args.pop("packed"):  # the CPU tiers' layout in place of the weight, where it packs (else the usual one)
+        try:
+            w = args["qweight"]
+            args["qweight"] = place(ops.pack_q8act(w.cpu(), args["scales"].cpu(),
+                                                   None if args["mins"] is None else args["mins"].cpu(),
+                                                   args["bits"]), "contig")
+        except RuntimeError:
+            pass
     run_property("qlinear_q8act", fn, args, check, list(args))
+
+
+@given(qlinear_case())
+def fuzz_pack_q8act(args):
+    args = {k: args[k] for k in ("qweight", "scales", "mins", "bits")}
+
+    def check(out, before):
+        mins = None if before["mins"] is None else before["mins"].cpu()
+        want = reference_q8act.pack_q8act(before["qweight"].cpu(), before["scales"].cpu(), mins, before["bits"])
+        assert out.dtype == torch.uint8 and torch.equal(out.cpu(), want), "pack_q8act differs from the reference"
+    run_property("pack_q8act", ops.pack_q8act, args, check, list(args))
 
 
 @st.composite
@@ -1359,6 +1380,7 @@ FUZZERS = {
     "qlinear": fuzz_qlinear,
     "qlinear_q8act": fuzz_qlinear_q8act,
     "quantize_q8": fuzz_quantize_q8,
+    "pack_q8act": fuzz_pack_q8act,
     "rms_norm": fuzz_rms_norm,
     "add_rms_norm": fuzz_add_rms_norm,
     "rope": fuzz_rope,

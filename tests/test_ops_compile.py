@@ -131,6 +131,12 @@ def _linear_args(device, dtype, quantized, M=5):
     return [x.to(device), w.to(dtype).to(device), bias.to(device), None]
 
 
+def _packed_args(args):
+    """qlinear_q8act's arguments with the weight in pack_q8act's layout."""
+    x, qw, d, m, b, bits = args
+    return [x, ops.pack_q8act(qw, d, m, bits), d, m, b, bits]
+
+
 def _qlinear_args(device, fmt, M=3):
     g = gen(6)
     qw, d, m = ops.quantize_weight_groups(torch.randn(24, 64, generator=g), fmt)
@@ -201,6 +207,9 @@ OPCHECK_CASES = {
     "qlinear-q4_0-prefill": lambda d: (SD.qlinear.default, _qlinear_args(d, "q4_0", M=40)),
     "qlinear_q8act-q4_1": lambda d: (SD.qlinear_q8act.default, _qlinear_args(d, "q4_1")),
     "qlinear_q8act-q8_0": lambda d: (SD.qlinear_q8act.default, _qlinear_args(d, "q8_0", M=9)),
+    "qlinear_q8act-packed": lambda d: (SD.qlinear_q8act.default, _packed_args(_qlinear_args(d, "q4_1"))),
+    "pack_q8act-q4_1": lambda d: (SD.pack_q8act.default, _qlinear_args(d, "q4_1")[1:4] + [4]),
+    "pack_q8act-q8_0": lambda d: (SD.pack_q8act.default, _qlinear_args(d, "q8_0")[1:4] + [8]),
     "quantize_q8-fp32": lambda d: (SD.quantize_q8.default, [torch.randn(2, 3, 64, generator=gen(7)).to(d)]),
     "rms_norm-fp32": lambda d: (SD.rms_norm.default, _fused_args(d, "rms_norm", torch.float32)),
     "add_rms_norm-bf16": lambda d: (SD.add_rms_norm.default, _fused_args(d, "add_rms_norm", torch.bfloat16)),
@@ -217,6 +226,8 @@ OPCHECK_CASES = {
 @pytest.mark.parametrize("case", list(OPCHECK_CASES))
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device, case):
+    if ("pack" in case) and device != "cpu":
+        pytest.skip("pack_q8act's layout is the CPU tiers' (CUDA takes the usual weight)")
     op, args = OPCHECK_CASES[case](device)
     torch.library.opcheck(op, tuple(args))  # default test_utils; raises on any failure
 

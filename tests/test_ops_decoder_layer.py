@@ -96,6 +96,29 @@ def test_decoder_layer_equals_the_separate_ops(device, dtype, layout, shape):
     assert not torch.equal(a["k_cache"], args["k_cache"])  # the new K were written
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("layout", ["q4_1+q8", "q8_0+q8"])
+@pytest.mark.parametrize("shape", ["decode", "tree", "prefill"])
+def test_decoder_layer_takes_packed_q8act_weights(dtype, layout, shape):
+    """On the CPU a q8-activation slot may hold pack_q8act's layout (what the lean forward passes): the same
+    bits and caches as the usual weights; a packed weight in a float-activation slot is refused."""
+    kw = dict(decode=dict(B=1, N=1), tree=dict(B=2, N=5), prefill=dict(B=1, N=36))[shape]
+    args = _case("cpu", dtype, layout, seed=7, bias=True, **kw)
+    packed = dict(args)
+    packed["weights"] = [ops.pack_q8act(w, d, m, b & ~32) for w, d, m, b in
+                         zip(args["weights"], args["scales"], args["mins"], args["bits"])]
+    a, b = _with_caches(packed), _with_caches(args)
+    for t, w in zip(ops.decoder_layer(**a), ops.decoder_layer(**b)):
+        assert torch.equal(t, w)
+    assert torch.equal(a["k_cache"], b["k_cache"]) and torch.equal(a["v_cache"], b["v_cache"])
+    bad = _with_caches(packed)
+    bad["bits"] = [bits & ~32 for bits in args["bits"]]
+    with pytest.raises(RuntimeError, match=r"decoder_layer: weights\[0\] \(qkv\) must be a 2-D weight \(or, for a "
+                                           r"q8-activation slot on the CPU, pack_q8act's 3-D layout\)"):
+        ops.decoder_layer(**bad)
+    assert torch.equal(bad["k_cache"], args["k_cache"])  # refused before any cache write
+
+
 @pytest.mark.skipif(not __import__("specdec")._C.build_info().get("cpu_avx512", False),
                     reason="the CPU has no AVX-512 F / DQ / VL")
 @pytest.mark.parametrize("layout", LAYOUTS)

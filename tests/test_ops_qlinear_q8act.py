@@ -71,6 +71,9 @@ def test_quantize_q8_matches_reference(device, dtype, tier):
 @pytest.mark.parametrize("K,N", [(32, 5), (96, 13), (544, 9), (576, 70), (1056, 7)])
 def test_qlinear_q8act_bit_exact(device, fmt, M, K, N, tier):
     qw, d, m = case(N, K, fmt, seed=M * 7 + K + N)
+    if fmt == "q8_0":  # the extreme codes, -128 included (GGUF allows it; the quantizer never makes it)
+        qw.view(-1)[:: 7] = -128
+        qw.view(-1)[3:: 11] = 127
     x = activations(M, K, seed=M + K)
     bias = torch.randn(N, generator=gen(M)) if M % 2 else None
     y = ops.qlinear(x.to(device), qw.to(device), d.to(device), put(m, device), put(bias, device), FMTS[fmt],
@@ -78,6 +81,40 @@ def test_qlinear_q8act_bit_exact(device, fmt, M, K, N, tier):
     want = reference_q8act.qlinear_q8act(x, qw, d, m, bias, FMTS[fmt])
     assert y.device.type == device and y.dtype == torch.float32 and y.shape == (M, N)
     assert torch.equal(y.cpu(), want), f"max diff {(y.cpu() - want).abs().max().item():.3e}"
+    if device == "cpu":  # the packed layout gives the same bits
+        packed = ops.pack_q8act(qw, d, m, FMTS[fmt])
+        assert torch.equal(ops.qlinear(x, packed, d, m, bias, FMTS[fmt], act="q8"), want)
+
+
+@pytest.mark.parametrize("fmt", list(FMTS))
+@pytest.mark.parametrize("N", [1, 16, 17, 45])
+def test_pack_layout(fmt, N):
+    """pack_q8act's bytes equal the reference's, every code and scale sits where docs/ops.md says, rows past N
+    are zero codes with zero scales, and unpacking gives the weight back."""
+    bits = FMTS[fmt]
+    qw, d, m = case(N, 96, fmt, seed=N)
+    packed = ops.pack_q8act(qw, d, m, bits)
+    T, G = (N + 15) // 16, 3
+    per = (512 if bits == 8 else 256) + 32 + 32 * (m is not None)
+    assert packed.dtype == torch.uint8 and packed.shape == (T, G, per)
+    assert torch.equal(packed, reference_q8act.pack_q8act(qw, d, m, bits))
+    raw = qw.view(torch.uint8).reshape(N, G, -1)
+    for n, g, byte in ((0, 0, 0), (N - 1, G - 1, raw.shape[-1] - 1), (N // 2, 1, 5)):
+        t, j, k, i = n // 16, n % 16, byte // 4, byte % 4
+        want = int(raw[n, g, byte]) ^ (0x80 if bits == 8 else 0)
+        assert int(packed[t, g, 64 * k + 4 * j + i]) == want
+        code = 512 if bits == 8 else 256
+        assert packed[t, g, code + 2 * j: code + 2 * j + 2].view(torch.float16).item() == d[n, g].item()
+        if m is not None:
+            assert packed[t, g, code + 32 + 2 * j: code + 34 + 2 * j].view(torch.float16).item() == m[n, g].item()
+    if N % 16:
+        tail = packed[-1].reshape(G, -1)
+        pad = 128 if bits == 8 else 0
+        codes = tail[:, : (512 if bits == 8 else 256)].reshape(G, -1, 16, 4)[:, :, N % 16:]
+        assert bool((codes == pad).all())
+    back = reference_q8act.unpack_q8act(packed, N, bits, m is not None)
+    assert torch.equal(back[0], qw) and torch.equal(back[1], d)
+    assert (back[2] is None) == (m is None) and (m is None or torch.equal(back[2], m))
 
 
 @pytest.mark.parametrize("fmt", list(FMTS))
@@ -176,3 +213,15 @@ def test_errors():
         _C.set_q8act_tier("sse")
     empty = ops.qlinear(torch.randn(0, 64), qw, d, m, None, 4, act="q8")
     assert empty.shape == (0, 8)
+    packed = ops.pack_q8act(qw, d, m, 4)
+    assert torch.equal(ops.qlinear(torch.randn(0, 64), packed, d, m, None, 4, act="q8"), empty)
+    with pytest.raises(RuntimeError, match=r"contiguous uint8 \[1, 2, 288\] \(pack_q8act.*got Byte \[1, 2, 320\]"):
+        ops.qlinear(x, packed, d, None, None, 4, act="q8")  # packed with mins, called as Q4_0
+    with pytest.raises(RuntimeError, match=r"qlinear_q8act: a packed qweight must be contiguous uint8"):
+        ops.qlinear(x, packed[:, :1].contiguous(), d, m, None, 4, act="q8")
+    with pytest.raises(RuntimeError, match=r"qlinear_q8act: x's K = 96 must be 32 x the 2 blocks"):
+        ops.qlinear(torch.randn(2, 96), packed, d, m, None, 4, act="q8")
+    with pytest.raises(RuntimeError, match=r"pack_q8act: a 4-bit qweight must be uint8 \[N, K / 2\]"):
+        ops.pack_q8act(qw[:, :16].contiguous(), d, m, 4)
+    with pytest.raises(RuntimeError, match=r"pack_q8act: mins are only for 4-bit weights"):
+        ops.pack_q8act(torch.zeros(8, 64, dtype=torch.int8), d, m, 8)

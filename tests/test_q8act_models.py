@@ -146,3 +146,32 @@ def test_tensor_parallel_ranks_load_the_same_variant():
         pytest.skip(f"the bundled model is not installed: {e}")
     acts = {m.act for m in model.modules() if isinstance(m, GroupQuantLinear)}
     assert acts == {"q8"}
+
+
+def test_the_packed_weight_is_made_once_and_follows_the_buffers():
+    """GroupQuantLinear.op_weight(): on the CPU the packed layout, made once, remade after an in-place change
+    of the buffers; deep copies and pickles of the module carry no stale copy; float activations use qweight."""
+    import copy
+    import io
+
+    from specdec import ops
+    from specdec.models.quant import GroupQuantLinear
+
+    torch.manual_seed(0)
+    layer = GroupQuantLinear.from_linear(torch.nn.Linear(64, 40), "q4_1")
+    assert layer.op_weight() is layer.qweight  # act None
+    layer.act = "q8"
+    x = torch.randn(3, 64)
+    y = layer(x)
+    packed = layer.op_weight()
+    assert packed.shape == (3, 2, 320) and packed is layer.op_weight()
+    assert torch.equal(y, ops.qlinear(x, layer.qweight, layer.scales, layer.mins, layer.bias, 4, act="q8"))
+    twin = copy.deepcopy(layer)
+    buf = io.BytesIO()
+    torch.save(layer, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert torch.equal(twin(x), y) and torch.equal(loaded(x), y) and "_q8" not in str(layer.state_dict().keys())
+    layer.scales.mul_(2)  # in place: the packed copy is remade
+    assert layer.op_weight() is not packed
+    assert torch.equal(layer(x), ops.qlinear(x, layer.qweight, layer.scales, layer.mins, layer.bias, 4, act="q8"))

@@ -24,7 +24,7 @@
 namespace specdec {
 namespace cpu {
 
-void q8_quantize_scalar(const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* a, float* dq, int32_t* r,
+void q8_quantize_scalar(const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* a, float* dq, int32_t* R,
                         float* s) {
   const int64_t G = K / kQ8Block;
   for (int64_t m = 0; m < M; ++m) {
@@ -34,60 +34,75 @@ void q8_quantize_scalar(const float* x, int64_t x_stride, int64_t M, int64_t K, 
       float amax = 0.0f;
       for (int64_t j = 0; j < kQ8Block; ++j) amax = std::max(amax, std::fabs(xb[j]));
       const float d = amax / 127.0f, inv = 127.0f / amax, id = std::isfinite(inv) ? inv : 0.0f;
+      int32_t sum = 0;
       for (int64_t j = 0; j < kQ8Block; ++j) {
         const float q = std::nearbyint(xb[j] * id);  // the default rounding mode: half to even
         ab[j] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
-      }
-      const int64_t o = (m * G + g) * 8;
-      int32_t sum = 0;
-      for (int l = 0; l < 8; ++l) {
-        r[o + l] = ab[4 * l] + ab[4 * l + 1] + ab[4 * l + 2] + ab[4 * l + 3];
-        sum += r[o + l];
+        sum += ab[j];
       }
       dq[m * G + g] = d;
+      R[m * G + g] = sum;
       s[m * G + g] = static_cast<float>(sum) * d;
     }
   }
 }
 
+void q8_pack(const void* qw, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K, int bits,
+             uint8_t* out) {
+  const int64_t G = K / kQ8Block, T = (N + kQ8Rows - 1) / kQ8Rows, row_bytes = bits == 8 ? K : K / 2;
+  const int64_t code = kQ8CodeBytes(bits), blk = kQ8PackBytes(bits, mins != nullptr), vecs = code / 64;
+  const uint8_t* w = static_cast<const uint8_t*>(qw);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      uint8_t* b = out + (t * G + g) * blk;
+      uint16_t* sc = reinterpret_cast<uint16_t*>(b + code);
+      uint16_t* mn = mins ? sc + kQ8Rows : nullptr;
+      for (int64_t j = 0; j < kQ8Rows; ++j) {
+        const int64_t n = t * kQ8Rows + j;
+        const bool real = n < N;
+        for (int64_t k = 0; k < vecs; ++k)
+          for (int i = 0; i < 4; ++i) {
+            const uint8_t v = real ? w[n * row_bytes + g * (code / kQ8Rows) + 4 * k + i] : 0;
+            b[64 * k + 4 * j + i] = bits == 8 ? uint8_t(v ^ 0x80u) : v;
+          }
+        sc[j] = real ? scales[n * G + g] : 0;
+        if (mn) mn[j] = real ? mins[n * G + g] : 0;
+      }
+    }
+}
+
 namespace {
 
-// Weight code j of block g of row n (Q8_0: q; Q4_0: q - 8; Q4_1: q).
-inline int32_t weight_code(const Q8ActParams& P, int64_t n, int64_t g, int j) {
-  if (P.bits == 8) return static_cast<const int8_t*>(P.qw)[n * P.K + g * kQ8Block + j];
-  const uint8_t b = static_cast<const uint8_t*>(P.qw)[n * (P.K / 2) + g * 16 + (j & 15)];
-  const int32_t q = j < 16 ? (b & 15) : (b >> 4);
+// Code e (0..31) of block g of weight row n, read from the packed layout (Q8_0: q; Q4_0: q - 8; Q4_1: q).
+inline int32_t packed_code(const Q8ActParams& P, const uint8_t* b, int64_t j, int e) {
+  if (P.bits == 8) return int32_t(b[64 * (e / 4) + 4 * j + e % 4]) - 128;
+  const int i = e & 15;
+  const uint8_t v = b[64 * (i / 4) + 4 * j + i % 4];
+  const int32_t q = e < 16 ? (v & 15) : (v >> 4);
   return P.mins ? q : q - 8;
 }
 
 }  // namespace
 
-void q8act_rows_scalar(const Q8ActParams& P, int64_t n_begin, int64_t n_end) {
-  const int64_t G = P.K / kQ8Block;
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    for (int64_t m = 0; m < P.M; ++m) {
-      float acc[16] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f,
-                       0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-      float macc[16] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f,
-                        0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-      const int8_t* am = P.a + m * P.K;
-      for (int64_t g = 0; g < G; ++g) {
-        const float dd = half_to_float(P.scales[n * G + g]) * P.d[m * G + g];
-        for (int l = 0; l < 8; ++l) {
+void q8act_rows_scalar(const Q8ActParams& P, int64_t t_begin, int64_t t_end) {
+  const int64_t G = P.K / kQ8Block, blk = kQ8PackBytes(P.bits, P.mins), code = kQ8CodeBytes(P.bits);
+  for (int64_t t = t_begin; t < t_end; ++t)
+    for (int64_t j = 0; j < kQ8Rows && t * kQ8Rows + j < P.N; ++j) {
+      const int64_t n = t * kQ8Rows + j;
+      for (int64_t m = 0; m < P.M; ++m) {
+        const int8_t* am = P.a + m * P.K;
+        float acc = 0.0f;
+        for (int64_t g = 0; g < G; ++g) {
+          const uint8_t* b = P.packed + (t * G + g) * blk;
+          const uint16_t* sc = reinterpret_cast<const uint16_t*>(b + code);
           int32_t p = 0;
-          for (int j = 4 * l; j < 4 * l + 4; ++j) p += weight_code(P, n, g, j) * am[g * kQ8Block + j];
-          float& a = acc[(g & 1) * 8 + l];
-          a = std::fma(static_cast<float>(p), dd, a);
+          for (int e = 0; e < kQ8Block; ++e) p += packed_code(P, b, j, e) * am[g * kQ8Block + e];
+          acc = std::fma(static_cast<float>(p), half_to_float(sc[j]) * P.d[m * G + g], acc);
+          if (P.mins) acc = std::fma(half_to_float(sc[kQ8Rows + j]), P.s[m * G + g], acc);
         }
-        if (P.mins) {
-          macc[g & 15] = std::fma(half_to_float(P.mins[n * G + g]), P.s[m * G + g], macc[g & 15]);
-        }
+        P.y[m * P.y_stride + n] = acc + (P.bias ? P.bias[n] : 0.0f);
       }
-      float y = q8_fold16(acc);
-      if (P.mins) y = y + q8_fold16(macc);
-      P.y[m * P.y_stride + n] = y + (P.bias ? P.bias[n] : 0.0f);
     }
-  }
 }
 
 namespace {
@@ -155,28 +170,34 @@ std::string q8act_tiers() {
 }
 
 void qlinear_q8act_raw(const float* x, int64_t x_stride, const QLinearParams& Q) {
-  const int64_t M = Q.M, K = Q.K, G = K / kQ8Block;
+  const int64_t M = Q.M, K = Q.K, G = K / kQ8Block, T = (Q.N + kQ8Rows - 1) / kQ8Rows;
   const int tier = active_tier();
+  const bool mins = Q.mins != nullptr;
   // one scratch per calling thread, kept across calls (no allocation per decode step once it has grown):
-  // codes [M, K], then r [M, G, 8], d / s [M, G] (4-byte aligned: K % 32 == 0)
+  // codes [M, K], then R [M, G], d / s [M, G] (4-byte aligned: K % 32 == 0), then the packed weight when
+  // the caller passes the usual layout
   thread_local std::vector<int32_t> scratch;
-  const size_t need = size_t(M * K / 4 + M * G * 8 + 2 * M * G);
-  if (scratch.size() < need) scratch.resize(need);
+  const size_t act = size_t(M * K / 4 + 3 * M * G);
+  const size_t pack = Q.q8packed ? 0 : size_t(T * G * kQ8PackBytes(Q.bits, mins) / 4);
+  if (scratch.size() < act + pack) scratch.resize(act + pack);
   int8_t* a = reinterpret_cast<int8_t*>(scratch.data());
-  int32_t* r = scratch.data() + M * K / 4;
-  float* d = reinterpret_cast<float*>(r + M * G * 8);
+  int32_t* R = scratch.data() + M * K / 4;
+  float* d = reinterpret_cast<float*>(R + M * G);
   float* s = d + M * G;
-  if (tier == kQ8Scalar) q8_quantize_scalar(x, x_stride, M, K, a, d, r, s);
-  else q8_quantize_avx2(x, x_stride, M, K, a, d, r, s);
-  if (tier == kQ8Avx512Vnni && Q.bits == 4) q8_interleave_pairs_avx512(a, Q.mins ? nullptr : r, M, K);
+  const uint8_t* packed = Q.q8packed;
+  if (packed == nullptr) {
+    uint8_t* out = reinterpret_cast<uint8_t*>(scratch.data() + act);
+    q8_pack(Q.qw, Q.scales, Q.mins, Q.N, K, Q.bits, out);
+    packed = out;
+  }
+  if (tier == kQ8Scalar) q8_quantize_scalar(x, x_stride, M, K, a, d, R, s);
+  else q8_quantize_avx2(x, x_stride, M, K, a, d, R, s);
   Q8ActParams P;
   P.a = a;
   P.d = d;
-  P.r = r;
+  P.R = R;
   P.s = s;
-  P.qw = Q.qw;
-  P.scales = Q.scales;
-  P.mins = Q.mins;
+  P.packed = packed;
   P.bias = Q.bias;
   P.y = Q.y;
   P.y_stride = Q.y_stride;
@@ -184,18 +205,14 @@ void qlinear_q8act_raw(const float* x, int64_t x_stride, const QLinearParams& Q)
   P.N = Q.N;
   P.K = K;
   P.bits = Q.bits;
+  P.mins = mins;
   auto rows = tier == kQ8Avx512Vnni ? &q8act_rows_avx512vnni
               : tier == kQ8AvxVnni  ? &q8act_rows_avxvnni
               : tier == kQ8Avx2     ? &q8act_rows_avx2
                                     : &q8act_rows_scalar;
-  constexpr int64_t nr = 8;  // output rows per task unit
-  const int64_t blocks = (P.N + nr - 1) / nr;
-  // tasks of >= ~128K integer multiply-adds: a 576 x 576 decode-step weight splits over 2 threads (at
-  // 512K it ran on one thread)
-  const int64_t grain = std::max<int64_t>(1, (int64_t(128) << 10) / std::max<int64_t>(1, nr * K * M));
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    rows(P, begin * nr, std::min(end * nr, P.N));
-  });
+  // tasks of >= ~128K integer multiply-adds: a 576 x 576 decode-step weight splits over 2 threads
+  const int64_t grain = std::max<int64_t>(1, (int64_t(128) << 10) / std::max<int64_t>(1, kQ8Rows * K * M));
+  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) { rows(P, begin, end); });
 }
 
 }  // namespace cpu
@@ -204,8 +221,8 @@ at::Tensor qlinear_q8act_cpu(const at::Tensor& x, const at::Tensor& qweight, con
                              const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
                              int64_t bits) {
   checks::qlinear_q8act(x, qweight, scales, mins, bias, bits);
-  if (auto y = checks::linear_trivial(x, qweight, bias)) return *y;
-  const int64_t K = x.size(-1), N = qweight.size(0);
+  if (auto y = checks::linear_trivial(x, scales, bias)) return *y;  // scales: [N, K / 32]
+  const int64_t K = x.size(-1), N = scales.size(0);
   const int64_t M = checks::linear_rows(x);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
@@ -213,11 +230,13 @@ at::Tensor qlinear_q8act_cpu(const at::Tensor& x, const at::Tensor& qweight, con
   std::optional<at::Tensor> b32;
   if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const bool packed = qweight.dim() == 3;
   cpu::QLinearParams Q;
   Q.x = nullptr;
   Q.x_stride = K;
   Q.xsum = nullptr;
-  Q.qw = qweight.data_ptr();
+  Q.qw = packed ? nullptr : qweight.data_ptr();
+  Q.q8packed = packed ? qweight.data_ptr<uint8_t>() : nullptr;
   Q.scales = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   Q.mins = mins.has_value() ? reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>()) : nullptr;
   Q.bias = b32.has_value() ? b32->data_ptr<float>() : nullptr;
@@ -232,6 +251,19 @@ at::Tensor qlinear_q8act_cpu(const at::Tensor& x, const at::Tensor& qweight, con
   return y.view(out_shape);
 }
 
+at::Tensor pack_q8act_cpu(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                          int64_t bits) {
+  checks::pack_q8act(qweight, scales, mins, bits);
+  const int64_t N = qweight.size(0), G = scales.size(1), K = G * cpu::kQ8Block;
+  const int64_t T = (N + cpu::kQ8Rows - 1) / cpu::kQ8Rows;
+  at::Tensor out = at::empty({T, G, cpu::kQ8PackBytes(int(bits), mins.has_value())}, qweight.options().dtype(at::kByte));
+  if (out.numel() > 0)
+    cpu::q8_pack(qweight.data_ptr(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+                 mins.has_value() ? reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>()) : nullptr, N, K,
+                 int(bits), out.data_ptr<uint8_t>());
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor> quantize_q8_cpu(const at::Tensor& x) {
   checks::quantize_q8(x);
   const int64_t K = x.size(-1), M = checks::linear_rows(x), G = K / cpu::kQ8Block;
@@ -239,13 +271,13 @@ std::tuple<at::Tensor, at::Tensor> quantize_q8_cpu(const at::Tensor& x) {
   at::Tensor a = at::empty({M, K}, x.options().dtype(at::kChar));
   at::Tensor d = at::empty({M, G}, x.options().dtype(at::kFloat));
   std::vector<float> s(M * G);
-  std::vector<int32_t> r(M * G * 8);
+  std::vector<int32_t> R(M * G);
   if (M > 0 && K > 0) {
     if (cpu::q8act_tier() == "scalar")
-      cpu::q8_quantize_scalar(x2.data_ptr<float>(), K, M, K, a.data_ptr<int8_t>(), d.data_ptr<float>(), r.data(),
+      cpu::q8_quantize_scalar(x2.data_ptr<float>(), K, M, K, a.data_ptr<int8_t>(), d.data_ptr<float>(), R.data(),
                               s.data());
     else
-      cpu::q8_quantize_avx2(x2.data_ptr<float>(), K, M, K, a.data_ptr<int8_t>(), d.data_ptr<float>(), r.data(),
+      cpu::q8_quantize_avx2(x2.data_ptr<float>(), K, M, K, a.data_ptr<int8_t>(), d.data_ptr<float>(), R.data(),
                             s.data());
   }
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());

@@ -9,12 +9,12 @@
 namespace specdec {
 namespace cpu {
 
-void q8act_rows_avx2(const Q8ActParams& P, int64_t n_begin, int64_t n_end) { avx2_q8::rows(P, n_begin, n_end); }
+void q8act_rows_avx2(const Q8ActParams& P, int64_t t_begin, int64_t t_end) { avx2_q8::rows(P, t_begin, t_end); }
 
 // Step 1 of the definition with vectors: amax by max (exact in any order), d and id by scalar
 // divisions, the codes by vcvtps2dq (round half to even, the default MXCSR mode) after the clamp; then
-// the lane sums r and the block's s = float(sum r) * d.
-void q8_quantize_avx2(const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* a, float* dq, int32_t* r,
+// the block's code sum R and s = float(R) * d.
+void q8_quantize_avx2(const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* a, float* dq, int32_t* R,
                       float* s) {
   const int64_t G = K / kQ8Block;
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -39,13 +39,12 @@ void q8_quantize_avx2(const float* x, int64_t x_stride, int64_t M, int64_t K, in
       const __m256i p01 = _mm256_packs_epi32(q[0], q[1]), p23 = _mm256_packs_epi32(q[2], q[3]);
       const __m256i codes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), perm);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a + m * K + g * kQ8Block), codes);
-      const int64_t o = (m * G + g) * 8;
       const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, codes), ones16);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r + o), sums);
       __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
       s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
       s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-      s[m * G + g] = static_cast<float>(_mm_cvtsi128_si32(s4)) * d;
+      R[m * G + g] = _mm_cvtsi128_si32(s4);
+      s[m * G + g] = static_cast<float>(R[m * G + g]) * d;
       dq[m * G + g] = d;
     }
   }

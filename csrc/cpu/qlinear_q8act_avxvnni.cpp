@@ -7,8 +7,8 @@
 namespace specdec {
 namespace cpu {
 
-void q8act_rows_avxvnni(const Q8ActParams& P, int64_t n_begin, int64_t n_end) {
-  avxvnni_q8::rows(P, n_begin, n_end);
+void q8act_rows_avxvnni(const Q8ActParams& P, int64_t t_begin, int64_t t_end) {
+  avxvnni_q8::rows(P, t_begin, t_end);
 }
 
 }  // namespace cpu

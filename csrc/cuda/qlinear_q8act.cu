@@ -3,14 +3,14 @@
 // quantize: one warp per (row, block of 32): amax by a shuffle max, d and id by __fdiv_rn (correctly
 // rounded, never the fast reciprocal), codes by rintf(__fmul_rn(x, id)) (round half to even), and
 // Q4_1's s = float(R) * d with R the codes' sum (an exact integer shuffle sum).
-// dot: one half-warp per output (row m, weight row n); thread t owns the canonical accumulator t:
-// lane l = t % 8 of the blocks of parity t / 8, in ascending order, one __dp4a per block (4 weight
-// codes x 4 activation codes: Q8_0 a signed word; Q4 a word of nibbles masked from the packed bytes);
-// every float step is an explicitly rounded __fmul_rn / __fadd_rn / __fmaf_rn (the definition's fused
-// steps and no others), and the
-// half-warp folds the 16 accumulators by shuffles 8, 4, 2, 1 -- the definition's order. Q4_1: thread t
-// also owns min accumulator t (the blocks g = t mod 16, ascending: mw * s each), folded the same way
-// and added before the bias. So the outputs equal the CPU tiers' and the torch reference's bit for bit.
+// dot: one warp per output (row m, weight row n), four blocks per step: thread t takes word t % 8 of block
+// 4 i + t / 8 (one __dp4a: 4 weight codes x 4 activation codes; Q8_0 a signed word, Q4 a word of nibbles
+// masked from the usual packed bytes, Q4_0's offset as 8 x the word's code sum), the 8 threads of a block
+// sum their words by xor shuffles (exact integers), and every thread then runs the definition's chain
+// over the four blocks in ascending order: acc = __fmaf_rn(float(P), __fmul_rn(dw, d), acc) and, for Q4_1,
+// acc = __fmaf_rn(mw, s, acc) -- explicitly rounded steps, the definition's fused ones and no others. So the
+// outputs equal the CPU tiers' and the torch reference's bit for bit. (The CPU's packed layout is not
+// read here: CUDA takes the usual [N, K] / [N, K / 2] weight.)
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -48,13 +48,15 @@ __global__ void q8act_dot_kernel(const int8_t* __restrict__ a, const float* __re
                                  const __half* __restrict__ mins, const float* __restrict__ bias,
                                  float* __restrict__ y, int64_t M, int64_t N, int64_t K) {
   const int64_t G = K / 32;
-  const int t = threadIdx.x & 15, l = t & 7;
-  const int64_t out = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 4;
-  const bool valid = out < M * N;
-  const int64_t m = valid ? out / N : 0, n = valid ? out % N : 0;
-  float acc = 0.0f, macc = 0.0f;
-  if (valid) {
-    for (int64_t g = t >> 3; g < G; g += 2) {
+  const int lane = threadIdx.x & 31, l = lane & 7, q = lane >> 3;
+  const int64_t out = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  if (out >= M * N) return;  // a whole warp: the shuffles below see all 32 threads
+  const int64_t m = out / N, n = out % N;
+  float acc = 0.0f;
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const int64_t g = g0 + q;
+    int p = 0;
+    if (g < G) {
       const int av = *reinterpret_cast<const int*>(a + m * K + g * 32 + 4 * l);
       int wv;
       if constexpr (BITS == 8) {
@@ -63,20 +65,18 @@ __global__ void q8act_dot_kernel(const int8_t* __restrict__ a, const float* __re
         const int raw = *reinterpret_cast<const int*>(qw + n * (K / 2) + g * 16 + 4 * (l & 3));
         wv = (l < 4 ? raw : (raw >> 4)) & 0x0F0F0F0F;
       }
-      int p = __dp4a(wv, av, 0);
+      p = __dp4a(wv, av, 0);
       if constexpr (BITS == 4 && !MINS) p -= 8 * __dp4a(0x01010101, av, 0);
-      acc = __fmaf_rn(__int2float_rn(p), __fmul_rn(__half2float(scales[n * G + g]), d[m * G + g]), acc);
     }
-    if constexpr (MINS)
-      for (int64_t g = t; g < G; g += 16)
-        macc = __fmaf_rn(__half2float(mins[n * G + g]), s[m * G + g], macc);
+    for (int off = 1; off < 8; off <<= 1) p += __shfl_xor_sync(kFullMask, p, off);
+    for (int j = 0; j < 4 && g0 + j < G; ++j) {
+      const int pj = __shfl_sync(kFullMask, p, 8 * j);
+      const int64_t gj = g0 + j;
+      acc = __fmaf_rn(__int2float_rn(pj), __fmul_rn(__half2float(scales[n * G + gj]), d[m * G + gj]), acc);
+      if constexpr (MINS) acc = __fmaf_rn(__half2float(mins[n * G + gj]), s[m * G + gj], acc);
+    }
   }
-  for (int off = 8; off > 0; off >>= 1) acc = __fadd_rn(acc, __shfl_down_sync(kFullMask, acc, off, 16));
-  if constexpr (MINS) {
-    for (int off = 8; off > 0; off >>= 1) macc = __fadd_rn(macc, __shfl_down_sync(kFullMask, macc, off, 16));
-    acc = __fadd_rn(acc, macc);
-  }
-  if (valid && t == 0) y[m * N + n] = __fadd_rn(acc, bias != nullptr ? bias[n] : 0.0f);
+  if (lane == 0) y[m * N + n] = __fadd_rn(acc, bias != nullptr ? bias[n] : 0.0f);
 }
 
 // codes [M, K] int8, d [M, G] float32 and (s non-null) s [M, G] of x32 [M, K] (contiguous float32).
@@ -93,7 +93,7 @@ template <int BITS, bool MINS>
 void launch_dot(const at::Tensor& a, const at::Tensor& d, const float* s, const at::Tensor& qw, const at::Tensor& scales,
                 const __half* mins, const float* bias, at::Tensor& y, int64_t M, int64_t N, int64_t K) {
   constexpr int kThreads = 256;
-  const int64_t blocks = ceil_div(M * N * 16, kThreads);
+  const int64_t blocks = ceil_div(M * N * 32, kThreads);
   q8act_dot_kernel<BITS, MINS><<<unsigned(blocks), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
       a.data_ptr<int8_t>(), d.data_ptr<float>(), s, static_cast<const uint8_t*>(qw.data_ptr()),
       reinterpret_cast<const __half*>(scales.data_ptr<at::Half>()), mins, bias, y.data_ptr<float>(), M, N, K);

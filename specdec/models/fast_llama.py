@@ -70,7 +70,7 @@ def _linear_spec(module: torch.nn.Module, fast_linear: bool, dtype: torch.dtype)
             return None
         return (w, None, None, b, 0)
     if type(module) is GroupQuantLinear:
-        return (module.qweight, module.scales, module.mins, _as_dtype(module.bias, dtype), _bits(module))
+        return (module.op_weight(), module.scales, module.mins, _as_dtype(module.bias, dtype), _bits(module))
     if type(module) is Int8Linear:
         return (module.qweight, module.scale, None, _as_dtype(module.bias, dtype), 0)
     return None
@@ -87,7 +87,7 @@ def _linear_fn(module: torch.nn.Module, fast_linear: bool) -> Callable[[torch.Te
             return lambda x: F.linear(x, w, b)
         return lambda x: ops.linear(x, w, b)
     if type(module) is GroupQuantLinear:  # its tensors bound once, not read from the module on every call
-        qw, d, m, b, bits, act = module.qweight, module.scales, module.mins, module.bias, module.bits, module.act
+        qw, d, m, b, bits, act = module.op_weight(), module.scales, module.mins, module.bias, module.bits, module.act
         return lambda x: ops.qlinear(x, qw, d, m, b if b is None or b.dtype == x.dtype else b.to(x.dtype), bits,
                                      act=act)
     if type(module) is Int8Linear:
@@ -120,7 +120,7 @@ def _merged_spec(modules) -> Optional[_Spec]:
     buffers are concatenated along N once and each module's buffers become views of the merged
     ones (no extra memory; the modules compute what they did). None when they are not all
     specdec-quantized layers of one format (float nn.Linear weights stay the user's tensors)."""
-    from specdec.models.quant import GroupQuantLinear, Int8Linear
+    from specdec.models.quant import GroupQuantLinear, Int8Linear, q8act_weight
 
     kind = type(modules[0])
     if kind not in (GroupQuantLinear, Int8Linear) or any(type(m) is not kind for m in modules):
@@ -150,7 +150,10 @@ def _merged_spec(modules) -> Optional[_Spec]:
             setattr(m, name, whole[start:start + t.shape[0]])  # a view: the model keeps working unchanged
             start += t.shape[0]
     if kind is GroupQuantLinear:
-        return (merged["qweight"], merged["scales"], merged["mins"], merged["bias"], _bits(modules[0]))
+        bits, qw = _bits(modules[0]), merged["qweight"]
+        if bits & _Q8ACT:  # the CPU's packed layout of the merged weight, kept on the first module
+            qw = q8act_weight(modules[0], qw, merged["scales"], merged["mins"], bits & ~_Q8ACT, slot="merged")
+        return (qw, merged["scales"], merged["mins"], merged["bias"], bits)
     return (merged["qweight"], merged["scale"], None, merged["bias"], 0)
 
 

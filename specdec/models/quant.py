@@ -8,6 +8,7 @@ the original model closely (a good draft), and it runs on CPU and CUDA.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Iterable, Optional
 
 import torch
@@ -87,13 +88,48 @@ class GroupQuantLinear(torch.nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(qw, d, m, bias, 8 if fmt == "q8_0" else 4)
 
+    def op_weight(self) -> torch.Tensor:
+        """The weight operand of this layer's op: with act="q8" on the CPU the packed layout
+        (:func:`q8act_weight`), else ``qweight``."""
+        if self.act != "q8":
+            return self.qweight
+        return q8act_weight(self, self.qweight, self.scales, self.mins, self.bits)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.bias is None or self.bias.dtype == x.dtype else self.bias.to(x.dtype)
-        return ops.qlinear(x, self.qweight, self.scales, self.mins, bias, self.bits, act=self.act)
+        return ops.qlinear(x, self.op_weight(), self.scales, self.mins, bias, self.bits, act=self.act)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "
                 f"bias={self.bias is not None}" + (f", act={self.act}" if self.act else ""))
+
+
+# owner module -> {slot: (weak refs to the source tensors, their versions, packed weight)}: kept beside the
+# modules, so that pickling, deep copies and state dicts never see it
+_Q8ACT_PACKS: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+
+
+def q8act_weight(owner: object, qweight: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor], bits: int,
+                 slot: str = "module") -> torch.Tensor:
+    """``qlinear(..., act="q8")``'s fastest weight operand on qweight's device: on the CPU its packed layout
+    (:func:`specdec.ops.pack_q8act`, made once and kept for ``owner`` under ``slot`` while these very tensors
+    are unchanged: same objects, same in-place version), elsewhere ``qweight`` itself. The packed copy is
+    the CPU tiers' working layout beside the module's buffers (state dicts, slicing and device moves keep
+    using ``qweight``); it lives as long as ``owner``."""
+    if qweight.device.type != "cpu":
+        return qweight
+    parts = (qweight, scales, mins)
+    versions = tuple(None if t is None else t._version for t in parts)
+    packs = _Q8ACT_PACKS.setdefault(owner, {})
+    cached = packs.get(slot)
+    if cached is not None:
+        refs, was, packed = cached
+        same = all((r is None and t is None) or (r is not None and r() is t) for r, t in zip(refs, parts))
+        if same and was == versions:
+            return packed
+    packed = ops.pack_q8act(qweight, scales, mins, bits)
+    packs[slot] = (tuple(None if t is None else weakref.ref(t) for t in parts), versions, packed)
+    return packed
 
 
 def quantize_linear_groups(model: torch.nn.Module, fmt: str, skip: Iterable[str] = ()) -> torch.nn.Module:

@@ -52,6 +52,9 @@ struct QLinearParams {
   int64_t y_stride;
   int64_t M, N, K;
   int bits;
+  // qlinear_q8act only: the weight in the CPU tiers' packed layout (cpu_q8act.h, q8_pack), or nullptr
+  // (then qw / scales / mins are packed per call)
+  const uint8_t* q8packed = nullptr;
 };
 
 namespace SPECDEC_CPU_ISA {
