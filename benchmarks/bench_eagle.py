@@ -1,11 +1,11 @@
 """Feature head (EagleHead) vs plain decoding, prompt lookup and the w8 draft on the bundled model.
 
-Greedy, batch 1, the target at ``--precision`` (default q4_1, the checkpoint's own). Methods run
-interleaved per prompt (every method on prompt 1, then on prompt 2, ...), ``--rounds`` times; each
-run is checked token-identical to plain decoding. Recorded per method: tokens/s (median over runs
-and the ratio to plain on the same prompt and round), mean accepted length (tokens per target pass),
-and the draft cost: the median seconds of one head / w8 draft forward of one token against one
-target forward of one token at the same cache length (a micro-timing in the same process).
+Greedy, batch 1, the target at ``--precision`` (default q4_1, the checkpoint's own) with ``--act`` activations
+(auto: q8 at q8_0 / q4_1, as the CLI). Methods run interleaved per prompt (every method on prompt 1, then on
+prompt 2, ...), ``--rounds`` times; each run is checked token-identical to plain decoding. Recorded per
+method: tokens/s (median over runs and the ratio to plain on the same prompt and round), mean accepted length
+(tokens per target pass), and the draft cost: the median seconds of one head / w8 draft forward of one token
+against one target forward of one token at the same cache length (a micro-timing in the same process).
 
     python benchmarks/bench_eagle.py --head DIR [--precision q4_1] [--set open] [--max-new-tokens 96]
 """
@@ -90,6 +90,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--head", required=True, help="head folder (specdec train-head --out DIR: DIR/head)")
     ap.add_argument("--precision", default="q4_1", choices=["fp32", "q8_0", "q4_1"])
+    ap.add_argument("--act", default="auto", choices=["auto", "none", "q8"],
+                    help="the target's activations (auto: q8 with q8_0 / q4_1, as specdec generate's default)")
     ap.add_argument("--head-precision", default="q8_0", choices=["fp32", "q8_0"])
     ap.add_argument("--set", default="open", choices=sorted(PROMPT_SETS))
     ap.add_argument("--prompts", type=int, default=6)
@@ -100,7 +102,9 @@ def main() -> None:
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model, tok, draft = load_bundled(precision=args.precision, draft="w8")
+    from specdec.cli import resolve_act
+
+    model, tok, draft = load_bundled(precision=args.precision, draft="w8", act=resolve_act(args.act, args.precision))
     net = load_head(args.head)
     makers = _methods(model, draft, net, args.head_precision)
     names = args.methods.split(",")
@@ -145,7 +149,8 @@ def main() -> None:
                notes="2 shared CPU cores (load average recorded); greedy, batch 1; head_chain and head_tree run the "
                      "fixed policy (their k every step), head_goodput (a chain of up to 6), lookup and w8 the "
                      "goodput policy")
-    name = args.name or f"eagle_{args.set}_{args.precision}_{date.today().isoformat()}"
+    act = resolve_act(args.act, args.precision)
+    name = args.name or f"eagle_{args.set}_{args.precision}{'_q8act' if act else ''}_{date.today().isoformat()}"
     path = os.path.join(RESULTS, name + ".json")
     with open(path, "w") as f:
         json.dump(rec, f, indent=1)
