@@ -99,6 +99,28 @@ def test_speculative_equals_plain_greedy(q8):
         assert not bad, f"{type(drafter).__name__}: differs from the q8-activation model's plain greedy on {bad}"
 
 
+def test_tree_speculation_equals_plain_greedy(q8):
+    """Trees (siblings between a node and its ancestors) stay token-exact with quantized activations: a tree
+    node's attention equals its decode step's bit for bit (tests/test_tree_attention_exact.py); a rounding
+    step off there can move an activation code, and the greedy token with it."""
+    import specdec
+
+    tok = q8["tok"]
+    target = specdec.HFCausalLM(q8["model"])
+    prompts = [tok(t)["input_ids"] for t in TEXTS[:3]]
+    new = 40
+    ref = specdec.SpeculativeDecoder(target, None, max_batch=3, max_len=160).generate(
+        prompts, max_new_tokens=new, eos_token_id=tok.eos_token_id).tokens
+    drafter = specdec.MultiDraft([specdec.PromptLookup(ngram=2, k=4),
+                                  specdec.DraftModel(specdec.HFCausalLM(q8["draft"]), k=3, top_k=2,
+                                                     tree="dynamic", node_budget=8)])
+    got = specdec.SpeculativeDecoder(target, drafter, max_batch=3, max_len=160, policy="fixed").generate(
+        prompts, max_new_tokens=new, eos_token_id=tok.eos_token_id)
+    assert got.metrics["mean_accepted_length"] > 1.2  # trees were drafted and taken
+    bad = [i for i, (g, r) in enumerate(zip(got.tokens, ref)) if g != r]
+    assert not bad, f"tree speculation differs from plain greedy on prompts {bad}"
+
+
 def test_act_errors():
     from specdec.models.bundled import load_bundled
     from specdec.models.quant import set_activation_quant

@@ -77,6 +77,8 @@ struct AttentionScratch {
   std::vector<float> q, acc, kt, v, s, row;
   std::vector<float> m, l, corr;
   std::vector<int64_t> tile_end;  // per row tile: the end of the keys any of its rows can see
+  std::vector<float> kt2, v2;     // a tree node's key blocks past the first (attention_tree_tail)
+  std::vector<int64_t> keys;      // a tree node's visible new keys (slots)
 };
 
 constexpr int64_t kRowTile = 3;     // query rows per micro-kernel call (3 x 4 accumulators)
@@ -174,6 +176,39 @@ inline void transpose8x8(const float* src, int64_t sstride, float* dst, int64_t 
 }
 #endif
 
+// One row's online-softmax step over a key block whose invisible keys already score -inf:
+// s <- p = exp(s - m_new) (0 for -inf), l = l * corr + sum p (8 lanes, key k in lane k % 8, folded
+// at the end), m = m_new; corr = exp(m_old - m_new) for the P V step (1 while nothing is visible).
+inline void softmax_block_row(float* s, float& m, float& l, float& corr) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  v8f vmax = v8_load(s);
+  for (int c = 1; c < 8; ++c) {
+    const v8f x = v8_load(s + 8 * c);
+    vmax = x > vmax ? x : vmax;
+  }
+  const float bmax = v8_hmax(vmax);
+  const float m_old = m;
+  const float m_new = bmax > m_old ? bmax : m_old;
+  if (m_new == ninf) {  // nothing visible yet: keep acc and l as they are
+    for (int64_t k = 0; k < kKeyBlock; ++k) s[k] = 0.f;
+    corr = 1.f;
+    return;
+  }
+  const float c_old = m_old == ninf ? 0.f : std::exp(m_old - m_new);
+  const v8f mv = v8_set1(m_new);
+  v8f psum = v8_set1(0.f);
+  for (int c = 0; c < 8; ++c) {
+    const v8f x = v8_load(s + 8 * c);
+    v8f p = v8_exp(x - mv);
+    p = x == v8_set1(ninf) ? v8_set1(0.f) : p;  // masked keys contribute exactly 0
+    psum += p;
+    v8_store(s + 8 * c, p);
+  }
+  l = l * c_old + v8_hsum(psum);
+  m = m_new;
+  corr = c_old;
+}
+
 // Query rows [r_begin, r_end) of the G * N rows (row r = query head h * G + r / N, node r % N)
 // of request b, KV head h.
 inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, int64_t r_begin, int64_t r_end,
@@ -248,7 +283,10 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, int64
   const int64_t vs = direct_v || run_v ? rs : Dp;  // V row stride (in place or the scratch's)
   VRun runs[kKeyBlock];
   int64_t nruns = 0;
-  for (int64_t s0 = 0; s0 < keys_end; s0 += kKeyBlock) {
+  // With a tree mask the rows share only the prefix's full key blocks; the rest is each node's own
+  // (below), so that a node sees its visible keys at the positions a decode step would.
+  const int64_t joint_end = P.mask ? std::min(keys_end, len / kKeyBlock * kKeyBlock) : keys_end;
+  for (int64_t s0 = 0; s0 < joint_end; s0 += kKeyBlock) {
     const int64_t nk = std::min(kKeyBlock, total - s0);
     // K block -> transposed fp32 Kt[d, k]; V block -> fp32 V[k, d], keys k < nk (the lanes of
     // the keys past nk hold earlier values: their scores are overwritten with -inf below).
@@ -301,32 +339,7 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, int64
           if (!visible) s[k] = ninf;
         }
       }
-      v8f vmax = v8_load(s);
-      for (int c = 1; c < 8; ++c) {
-        const v8f x = v8_load(s + 8 * c);
-        vmax = x > vmax ? x : vmax;
-      }
-      const float bmax = v8_hmax(vmax);
-      const float m_old = W.m[r];
-      const float m_new = bmax > m_old ? bmax : m_old;
-      if (m_new == ninf) {  // nothing visible yet: keep acc and l as they are
-        for (int64_t k = 0; k < kKeyBlock; ++k) s[k] = 0.f;
-        W.corr[r] = 1.f;
-        continue;
-      }
-      const float corr = m_old == ninf ? 0.f : std::exp(m_old - m_new);
-      const v8f mv = v8_set1(m_new);
-      v8f psum = v8_set1(0.f);
-      for (int c = 0; c < 8; ++c) {
-        const v8f x = v8_load(s + 8 * c);
-        v8f p = v8_exp(x - mv);
-        p = x == v8_set1(ninf) ? v8_set1(0.f) : p;  // masked keys contribute exactly 0
-        psum += p;
-        v8_store(s + 8 * c, p);
-      }
-      W.l[r] = W.l[r] * corr + v8_hsum(psum);
-      W.m[r] = m_new;
-      W.corr[r] = corr;
+      softmax_block_row(s, W.m[r], W.l[r], W.corr[r]);
     }
     // 3) acc = acc * corr + P V
     for (int64_t r0 = 0; r0 < Rp; r0 += kRowTile) {
@@ -335,6 +348,88 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, int64
       const float* p = W.s.data() + r0 * kKeyBlock;
       const float* corr = W.corr.data() + r0;
       pv_rows(acc, Dp, p, runs, nruns, vs, corr);
+    }
+  }
+
+  // Tree nodes (a mask): a node's keys from the last full prefix block on are the prefix's rest, then
+  // the new keys it sees in slot order, laid out in blocks of kKeyBlock by that order -- exactly the
+  // blocks (lanes, runs and block boundaries) of the decode step whose cache holds the prefix and the
+  // node's visible keys, so every node gives its decode step's bits, however its ancestors sit among
+  // the other nodes. Block 0 keeps the prefix's rest in its first keys for every node; each node
+  // writes its own keys after them (and, past kKeyBlock keys, into a second scratch). The rows of a
+  // node (its G query heads) run together in tiles of kRowTile.
+  if (P.mask) {
+    const int64_t base = len / kKeyBlock * kKeyBlock, shared = len - base;
+    for (int64_t k = 0; k < shared; ++k) {
+      load_row(kv_row(P.k_cache, base + k), P.dtype, D, W.row.data());
+      for (int64_t d = 0; d < D; ++d) W.kt[d * kKeyBlock + k] = W.row[d];
+      load_row(kv_row(P.v_cache, base + k), P.dtype, D, W.v.data() + k * Dp);
+    }
+    if (W.kt2.size() < size_t(Dp * kKeyBlock)) W.kt2.resize(Dp * kKeyBlock);
+    if (W.v2.size() < size_t(kKeyBlock * Dp)) W.v2.resize(kKeyBlock * Dp);
+    float qt[kRowTile * 64], at[kRowTile * 64];  // one tile's q / acc rows when Dp <= 64
+    std::vector<float> qbig, abig;
+    float* qtile = qt;
+    float* atile = at;
+    if (Dp > 64) {
+      qbig.assign(kRowTile * Dp, 0.f), abig.assign(kRowTile * Dp, 0.f);
+      qtile = qbig.data(), atile = abig.data();
+    }
+    float st[kRowTile * kKeyBlock], mt[kRowTile], lt[kRowTile], ct[kRowTile];
+    std::vector<int64_t> rows;
+    for (int64_t i = 0; i < N; ++i) {
+      rows.clear();
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = g * N + i - r_begin;
+        if (r >= 0 && r < R) rows.push_back(r);
+      }
+      const int64_t nr = int64_t(rows.size());
+      if (nr == 0) continue;
+      const uint64_t* mrow = P.mask + (b * N + i) * P.W;
+      W.keys.clear();
+      for (int64_t j = 0; j < P.Nkv; ++j)
+        if ((mrow[j >> 6] >> (j & 63)) & 1u) W.keys.push_back(len + j);
+      const int64_t total_i = shared + int64_t(W.keys.size());
+      for (int64_t t0 = 0; t0 < nr; t0 += kRowTile) {
+        const int64_t nt = std::min<int64_t>(kRowTile, nr - t0);
+        for (int64_t t = 0; t < kRowTile; ++t) {
+          float* qd = qtile + t * Dp;
+          float* ad = atile + t * Dp;
+          if (t < nt) {
+            std::copy(W.q.data() + rows[t0 + t] * Dp, W.q.data() + (rows[t0 + t] + 1) * Dp, qd);
+            std::copy(W.acc.data() + rows[t0 + t] * Dp, W.acc.data() + (rows[t0 + t] + 1) * Dp, ad);
+            mt[t] = W.m[rows[t0 + t]], lt[t] = W.l[rows[t0 + t]];
+          } else {
+            std::fill(qd, qd + Dp, 0.f), std::fill(ad, ad + Dp, 0.f);
+            mt[t] = ninf, lt[t] = 0.f;
+          }
+        }
+        for (int64_t j0 = 0; j0 < total_i; j0 += kKeyBlock) {
+          const int64_t nk = std::min(kKeyBlock, total_i - j0);
+          float* kt = j0 == 0 ? W.kt.data() : W.kt2.data();
+          float* vb = j0 == 0 ? W.v.data() : W.v2.data();
+          if (t0 == 0 || j0 > 0)  // the node's own keys of this block (block 0's stay for its next tiles)
+            for (int64_t k = j0 == 0 ? shared : 0; k < nk; ++k) {
+              const int64_t slot = W.keys[j0 + k - shared];
+              load_row(kv_row(P.k_cache, slot), P.dtype, D, W.row.data());
+              for (int64_t d = 0; d < D; ++d) kt[d * kKeyBlock + k] = W.row[d];
+              load_row(kv_row(P.v_cache, slot), P.dtype, D, vb + k * Dp);
+            }
+          qk_tile(qtile, Dp, kt, D, st);
+          for (int64_t t = 0; t < kRowTile; ++t) {
+            float* srow = st + t * kKeyBlock;
+            for (int64_t k = nk; k < kKeyBlock; ++k) srow[k] = ninf;
+            if (t < nt) softmax_block_row(srow, mt[t], lt[t], ct[t]);
+            else std::fill(srow, srow + kKeyBlock, 0.f), ct[t] = 0.f;
+          }
+          const VRun run{vb, 0, nk};
+          pv_rows(atile, Dp, st, &run, 1, Dp, ct);
+        }
+        for (int64_t t = 0; t < nt; ++t) {
+          std::copy(atile + t * Dp, atile + (t + 1) * Dp, W.acc.data() + rows[t0 + t] * Dp);
+          W.m[rows[t0 + t]] = mt[t], W.l[rows[t0 + t]] = lt[t];
+        }
+      }
     }
   }
 
