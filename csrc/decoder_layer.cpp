@@ -92,8 +92,10 @@ void check_slot(const Slots& S, size_t i, const at::Tensor& probe, int64_t out) 
       checks::linear(probe, w, S.biases[i], S.scales[i]);
     } else {
       TORCH_CHECK(S.scales[i].has_value(), "the group scales are missing (bits ", S.bits[i], ")");
-      if (S.bits[i] & kQ8ActFlag) checks::qlinear_q8act(probe, w, *S.scales[i], S.mins[i], S.biases[i], S.bits[i] & ~kQ8ActFlag);
-      else checks::qlinear(probe, w, *S.scales[i], S.mins[i], S.biases[i], S.bits[i]);
+      if (S.bits[i] & kQ8ActFlag)
+        checks::qlinear_q8act(probe, w, *S.scales[i], S.mins[i], S.biases[i], S.bits[i] & ~kQ8ActFlag);
+      else
+        checks::qlinear(probe, w, *S.scales[i], S.mins[i], S.biases[i], S.bits[i]);
     }
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, kOp, ": projection ", S.name(i), " (slot ", i, "): ", e.what_without_backtrace());

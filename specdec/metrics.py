@@ -228,7 +228,8 @@ def static_memory_bytes(target, drafter, caches: Sequence) -> int:
 
 
 def state_bytes(lm) -> int:
-    """Bytes of a model's weights (parameters, buffers and packed quantized weights), each storage once."""
+    """Bytes of a model's weights (parameters, buffers and packed quantized weights, the CPU's packed copies of
+    q8-activation weights included), each storage once."""
     module = getattr(lm, "model", lm)
     if not isinstance(module, torch.nn.Module):
         return 0
@@ -251,6 +252,10 @@ def state_bytes(lm) -> int:
                 visit(x)
 
     for v in module.state_dict(keep_vars=True).values():
+        visit(v)
+    from specdec.models.quant import q8act_packed
+
+    for v in q8act_packed(module):  # the CPU's packed copies of q8-activation weights
         visit(v)
     return total
 

@@ -197,3 +197,27 @@ def test_the_packed_weight_is_made_once_and_follows_the_buffers():
     layer.scales.mul_(2)  # in place: the packed copy is remade
     assert layer.op_weight() is not packed
     assert torch.equal(layer(x), ops.qlinear(x, layer.qweight, layer.scales, layer.mins, layer.bias, 4, act="q8"))
+
+
+def test_memory_accounting_counts_the_packed_copies():
+    """state_bytes (static memory, peak-memory metrics) counts the CPU's packed copies of q8-activation weights,
+    each weight packed once (the merged projections' modules keep no copy of their own)."""
+    import specdec
+    from specdec.metrics import state_bytes
+    from specdec.models.bundled import load_bundled
+    from specdec.models.quant import GroupQuantLinear, q8act_packed
+
+    model, _ = load_bundled("smollm2-135m", precision="q4_1", act="q8")
+    lm = specdec.HFCausalLM(model)  # the lean forward packs the merged projections, o, down and the head
+    specdec.HFCausalLM(model)  # a second adapter on the same model packs nothing more
+    packs = list(q8act_packed(model))
+    extra = sum(t.numel() for t in packs)
+    weights = sum(m.qweight.numel() + m.scales.numel() * 2 + (0 if m.mins is None else m.mins.numel() * 2)
+                  for m in model.modules() if isinstance(m, GroupQuantLinear))
+    assert weights <= extra <= weights * 1.02  # the usual bytes per row, rows padded to 16
+    seen, plain = set(), 0
+    for v in model.state_dict(keep_vars=True).values():
+        if v.untyped_storage().data_ptr() not in seen:
+            seen.add(v.untyped_storage().data_ptr())
+            plain += v.untyped_storage().nbytes()
+    assert state_bytes(lm) == plain + extra

@@ -87,9 +87,15 @@ def _linear_fn(module: torch.nn.Module, fast_linear: bool) -> Callable[[torch.Te
             return lambda x: F.linear(x, w, b)
         return lambda x: ops.linear(x, w, b)
     if type(module) is GroupQuantLinear:  # its tensors bound once, not read from the module on every call
-        qw, d, m, b, bits, act = module.op_weight(), module.scales, module.mins, module.bias, module.bits, module.act
-        return lambda x: ops.qlinear(x, qw, d, m, b if b is None or b.dtype == x.dtype else b.to(x.dtype), bits,
-                                     act=act)
+        d, m, b, bits, act = module.scales, module.mins, module.bias, module.bits, module.act
+        bound = [None if act == "q8" else module.qweight]  # q8: the CPU's packed copy, made at the first call only
+
+        def call(x: torch.Tensor) -> torch.Tensor:
+            if bound[0] is None:
+                bound[0] = module.op_weight()
+            return ops.qlinear(x, bound[0], d, m, b if b is None or b.dtype == x.dtype else b.to(x.dtype), bits,
+                               act=act)
+        return call
     if type(module) is Int8Linear:
         qw, sc, b = module.qweight, module.scale, module.bias
         return lambda x: ops.linear(x, qw, b if b is None or b.dtype == x.dtype else b.to(x.dtype), sc)
@@ -120,7 +126,7 @@ def _merged_spec(modules) -> Optional[_Spec]:
     buffers are concatenated along N once and each module's buffers become views of the merged
     ones (no extra memory; the modules compute what they did). None when they are not all
     specdec-quantized layers of one format (float nn.Linear weights stay the user's tensors)."""
-    from specdec.models.quant import GroupQuantLinear, Int8Linear, q8act_weight
+    from specdec.models.quant import GroupQuantLinear, Int8Linear, q8act_forget, q8act_weight
 
     kind = type(modules[0])
     if kind not in (GroupQuantLinear, Int8Linear) or any(type(m) is not kind for m in modules):
@@ -153,6 +159,8 @@ def _merged_spec(modules) -> Optional[_Spec]:
         bits, qw = _bits(modules[0]), merged["qweight"]
         if bits & _Q8ACT:  # the CPU's packed layout of the merged weight, kept on the first module
             qw = q8act_weight(modules[0], qw, merged["scales"], merged["mins"], bits & ~_Q8ACT, slot="merged")
+            for m in modules:  # their own packed copies (a module forward made them) would only take memory
+                q8act_forget(m)
         return (qw, merged["scales"], merged["mins"], merged["bias"], bits)
     return (merged["qweight"], merged["scale"], None, merged["bias"], 0)
 

@@ -132,6 +132,19 @@ def q8act_weight(owner: object, qweight: torch.Tensor, scales: torch.Tensor, min
     return packed
 
 
+def q8act_forget(module: torch.nn.Module) -> None:
+    """Drop the packed copy :func:`q8act_weight` keeps for ``module`` itself (e.g. once a merged projection
+    serves it)."""
+    _Q8ACT_PACKS.get(module, {}).pop("module", None)
+
+
+def q8act_packed(module: torch.nn.Module):
+    """The packed weights :func:`q8act_weight` keeps for ``module`` and its submodules (memory accounting)."""
+    for m in module.modules():
+        for _, _, packed in _Q8ACT_PACKS.get(m, {}).values():
+            yield packed
+
+
 def quantize_linear_groups(model: torch.nn.Module, fmt: str, skip: Iterable[str] = ()) -> torch.nn.Module:
     """Replace every plain ``nn.Linear`` whose input width is a multiple of 32 by a
     :class:`GroupQuantLinear` of format ``fmt`` ("q8_0", "q4_0", "q4_1"), in place. Returns the model."""
