@@ -47,6 +47,9 @@ def _methods(target_model, draft_model, head_net, head_precision):
         "lookup_head": lambda: MultiDraft([PromptLookup(ngram=3, k=10), EagleHead(head_net, k=5,
                                                                                   precision=head_precision)],
                                           escalate=2.0),
+        # what `specdec generate --draft auto` builds with an fp32 target (and, before, at every precision)
+        "lookup_w8": lambda: MultiDraft([PromptLookup(ngram=3, k=10), DraftModel(HFCausalLM(draft_model), k=6)],
+                                        escalate=2.0),
         "head_k1": lambda: EagleHead(head_net, k=1, precision=head_precision),
         "head_k2": lambda: EagleHead(head_net, k=2, precision=head_precision),
         "head_k3": lambda: EagleHead(head_net, k=3, precision=head_precision),

@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from specdec.cli_drafters import (DRAFTER_PRESETS, DraftSource, check_draft_options, is_bundled,
+from specdec.cli_drafters import (DRAFTER_PRESETS, DraftSource, auto_uses_w8, check_draft_options, is_bundled,
                                   load_hf_folder, preset_file_as_option)
 
 
@@ -51,10 +51,11 @@ def _model_options(g: argparse.ArgumentParser) -> None:
                    help="the bundled model's name (smollm2-135m, the default) or a local Hugging Face causal-LM "
                         "folder")
     g.add_argument("--draft", default=None, choices=list(DRAFTER_PRESETS),
-                   help="drafter: auto (prompt lookup first, the w8 draft only where lookup is not trusted: "
-                        "MultiDraft with escalation), int8 (dynamic-quantized) / w8 (weight-only int8) / bf16 copy "
-                        "of the bundled model, prompt lookup (n-gram), suffix (suffix decoding), recycle (token "
-                        "recycling), docs FILE (retrieval from the text of FILE; see --docs), head [PATH] (a feature "
+                   help="drafter: auto (prompt lookup first, and with an fp32 target the w8 draft where lookup "
+                        "is not trusted: MultiDraft with escalation; with q8_0 / q4_1 prompt lookup alone), int8 "
+                        "(dynamic-quantized) / w8 (weight-only int8) / bf16 copy of the bundled model, prompt lookup "
+                        "(n-gram), suffix (suffix decoding), recycle (token recycling), docs FILE (retrieval from "
+                        "the text of FILE; see --docs), head [PATH] (a feature "
                         "head folder: `specdec train-head` or a published EAGLE / EAGLE-3 head; see --head; without "
                         "PATH the bundled model's head that `specdec train-head` made), model "
                         "(--draft-model PATH), or none (plain decoding). Default: auto for the bundled model, model "
@@ -171,11 +172,12 @@ def _load(args: argparse.Namespace):
 
     bundled = is_bundled(args.model)
     draft = check_draft_options(args, bundled)
-    bundled_draft = None   # the bundled model's draft copy, loaded with it for int8 / w8 / bf16 / auto
+    bundled_draft = None   # the bundled model's draft copy, loaded with it for int8 / w8 / bf16 (/ auto at fp32)
     act = resolve_act(args.act, args.precision)
     if bundled:
-        model, tok, *rest = load_bundled(args.model, draft="w8" if draft == "auto" else
-                                         draft if draft in ("int8", "w8", "bf16") else None,
+        with_draft = ("w8" if auto_uses_w8(args) else None) if draft == "auto" else \
+            draft if draft in ("int8", "w8", "bf16") else None
+        model, tok, *rest = load_bundled(args.model, draft=with_draft,
                                          precision=args.precision, act=act)
         bundled_draft = rest[0] if rest else None
     else:

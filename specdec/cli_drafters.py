@@ -71,13 +71,17 @@ def _bundled_copy(src: DraftSource):
 
 def _auto(src: DraftSource):
     """Free candidates first; the w8 chain runs only for a request whose lookup is not trusted (MultiDraft
-    escalation: fewer than 2 accepted tokens per proposing step recently)."""
+    escalation: fewer than 2 accepted tokens per proposing step recently). With a quantized target (q8_0 /
+    q4_1) there is no w8 copy (``auto_uses_w8``): it reads about as many bytes per token as the target, so it
+    cannot pay there, and auto is prompt lookup alone."""
     from specdec.drafters import DraftModel, MultiDraft, PromptLookup
     from specdec.models.hf import HFCausalLM
 
     a = src.args
     if a.head_opt:  # the feature head beside prompt lookup (tokens lookup gets accepted reach the head too)
         return MultiDraft([PromptLookup(ngram=a.ngram, k=10), _head(src)], escalate=2.0)
+    if src.bundled_draft is None:
+        return PromptLookup(ngram=a.ngram, k=a.k or 10)
     return MultiDraft([PromptLookup(ngram=a.ngram, k=10),
                        DraftModel(HFCausalLM(src.bundled_draft), k=a.k or 6, top_k=a.tree or 1,
                                   stop_threshold=a.stop or None)], escalate=2.0)
@@ -138,6 +142,13 @@ DRAFTER_PRESETS: Dict[str, Callable[[DraftSource], object]] = {
     "suffix": _suffix, "recycle": _recycle, "docs": _documents, "head": _head, "model": _folder_model,
     "none": lambda src: None,
 }
+
+
+def auto_uses_w8(args: argparse.Namespace) -> bool:
+    """Whether ``--draft auto`` drafts with the bundled model's w8 copy: with an fp32 target (a w8 forward
+    costs a fraction of it), not with a q8_0 / q4_1 one (it costs as much: precision_2026-12-06b / the
+    eagle_open_q4_1_q8act records), nor beside a feature head."""
+    return args.precision == "fp32" and not args.head_opt
 
 
 def check_draft_options(args: argparse.Namespace, bundled: bool) -> str:

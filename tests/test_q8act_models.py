@@ -221,3 +221,20 @@ def test_memory_accounting_counts_the_packed_copies():
             seen.add(v.untyped_storage().data_ptr())
             plain += v.untyped_storage().nbytes()
     assert state_bytes(lm) == plain + extra
+
+
+def test_cli_auto_drafter_follows_the_precision():
+    """--draft auto: prompt lookup with the w8 copy behind it for an fp32 target; prompt lookup alone (no w8 copy
+    loaded) for a q8_0 / q4_1 target, where a w8 forward costs as much as the target's."""
+    import specdec
+    from specdec.cli import _build_parser, load_target
+
+    def drafter(*extra):
+        args = _build_parser().parse_args(["generate", "hi", *extra])
+        return load_target(args)[1]
+
+    quantized = drafter("--precision", "q4_1")
+    assert type(quantized) is specdec.PromptLookup
+    full = drafter()
+    assert type(full) is specdec.MultiDraft
+    assert [type(m).__name__ for m in full.members] == ["PromptLookup", "DraftModel"]
