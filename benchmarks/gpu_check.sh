@@ -20,7 +20,7 @@
 #              the gguf package)
 #   fuzz       tests/fuzz_ops.py on CUDA, ~30 examples per op, harness subprocesses in parallel
 #   memcheck   compute-sanitizer memcheck on a small case set (benchmarks/sanitize_ops.py:
-#              invalid values with strict checks off, attention, kv_commit, the paged ops)
+#              invalid values with strict checks off, attention, kv_commit, the paged ops, qlinear_q8act)
 #   roofline   kernel benchmarks (benchmarks/bench_ops.py --quick): time, GB/s, % of copy bandwidth
 # A failed gate stops the stages after it (recorded as "blocked"). Other failures do not.
 #
@@ -142,7 +142,7 @@ stage_command() {
                tests/test_fuzz_ops.py::test_fuzz_op) ;;
     memcheck) CMD=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "${SAN:-compute-sanitizer}" --tool memcheck
                    --error-exitcode 1 --print-limit 20 "$PY" benchmarks/sanitize_ops.py --quick
-                   --ops bad_values verify_attention kv_commit paged) ;;
+                   --ops bad_values verify_attention kv_commit paged qlinear_q8act) ;;
     roofline) CMD=("$PY" benchmarks/bench_ops.py --device cuda --quick --out "$LOGDIR/roofline.json") ;;
   esac
 }

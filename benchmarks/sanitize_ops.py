@@ -205,6 +205,22 @@ def run_qlinear(g):
                       bool(torch.allclose(y.cpu().float(), ref.float(), atol=5e-2, rtol=5e-2)))
 
 
+def run_qlinear_q8act(g):
+    print("qlinear_q8act")
+    from specdec import reference_q8act
+
+    for fmt, bits in (("q8_0", 8), ("q4_0", 4), ("q4_1", 4)):
+        for M in (1, 17):
+            for K, N in ((32, 13), (544, 70)):  # G = 1 and 17 blocks (an odd tail of the four-block step)
+                qw, d, m = ops.quantize_weight_groups(torch.randn(N, K, generator=g), fmt)
+                x = torch.randn(M, K, generator=g)
+                bias = torch.randn(N, generator=g)
+                y = ops.qlinear(x.to(DEV), qw.to(DEV), d.to(DEV), None if m is None else m.to(DEV), bias.to(DEV), bits,
+                                act="q8")
+                check(f"qlinear_q8act {fmt} M={M} K={K} N={N}",
+                      bool(torch.equal(y.cpu(), reference_q8act.qlinear_q8act(x, qw, d, m, bias, bits))))
+
+
 def run_fused(g):
     print("rms_norm / add_rms_norm / rope / silu_mul")
     for dt in (torch.float32, torch.float16, torch.bfloat16):
@@ -293,9 +309,9 @@ def run_bad_values(g):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ops", nargs="*", default=["verify_attention", "sampling", "kv_commit", "linear", "qlinear",
-                                                 "fused", "decoder_layer", "paged", "bad_values"],
-                    help="subset of: verify_attention sampling kv_commit linear qlinear fused decoder_layer paged "
-                         "bad_values")
+                                                 "qlinear_q8act", "fused", "decoder_layer", "paged", "bad_values"],
+                    help="subset of: verify_attention sampling kv_commit linear qlinear qlinear_q8act fused "
+                         "decoder_layer paged bad_values")
     ap.add_argument("--quick", action="store_true", help="attention: one case per head dim x dtype (for racecheck)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself (bad_values skipped)")
     args = ap.parse_args(argv)
@@ -308,7 +324,8 @@ def main(argv=None) -> int:
         args.ops.remove("bad_values")  # CPU always value-checks: those inputs raise there
     g = torch.Generator().manual_seed(0)
     steps = {"verify_attention": run_attention, "sampling": run_sampling, "kv_commit": run_commit, "linear": run_linear,
-             "qlinear": run_qlinear, "fused": run_fused, "decoder_layer": run_decoder_layer, "paged": run_paged,
+             "qlinear": run_qlinear, "qlinear_q8act": run_qlinear_q8act,
+             "fused": run_fused, "decoder_layer": run_decoder_layer, "paged": run_paged,
              "bad_values": run_bad_values}
     for name in args.ops:
         steps[name](g)

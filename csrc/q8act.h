@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 
 #include "checks.h"
+#include "specdec/cpu_q8act.h"
 
 namespace specdec {
 
@@ -60,7 +61,7 @@ inline void qlinear_as(const char* op, const at::Tensor& x, const at::Tensor& qw
 // The packed layout's shape for scales [N, G] (N rows, G blocks).
 inline std::vector<int64_t> q8_packed_shape(const at::Tensor& scales, int64_t bits, bool mins) {
   const int64_t N = scales.dim() == 2 ? scales.size(0) : 0, G = scales.dim() == 2 ? scales.size(1) : 0;
-  return {(N + 15) / 16, G, (bits == 8 ? 512 : 256) + 32 + (mins ? 32 : 0)};
+  return {(N + cpu::kQ8Rows - 1) / cpu::kQ8Rows, G, cpu::kQ8PackBytes(int(bits), mins)};
 }
 
 // qlinear's argument rules, the errors naming this op; qweight may also be the CPU's packed layout

@@ -37,7 +37,6 @@ from specdec.cli_drafters import (DRAFTER_PRESETS, DraftSource, auto_uses_w8, ch
                                   load_hf_folder, preset_file_as_option)
 
 
-
 def resolve_act(act: str, precision: str):
     """--act's activation format for load_bundled: "auto" is q8 with a quantized precision, else none."""
     if act == "auto":

@@ -77,8 +77,9 @@ struct AttentionScratch {
   std::vector<float> q, acc, kt, v, s, row;
   std::vector<float> m, l, corr;
   std::vector<int64_t> tile_end;  // per row tile: the end of the keys any of its rows can see
-  std::vector<float> kt2, v2;     // a tree node's key blocks past the first (attention_tree_tail)
-  std::vector<int64_t> keys;      // a tree node's visible new keys (slots)
+  std::vector<float> kt2, v2;     // a tree node's key blocks past the first (the tree tail below)
+  std::vector<float> qt, at, st;  // one tile of a tree node's rows: q, acc, scores
+  std::vector<int64_t> keys, rows;  // a tree node's visible new keys (slots) and its rows in the task
 };
 
 constexpr int64_t kRowTile = 3;     // query rows per micro-kernel call (3 x 4 accumulators)
@@ -271,6 +272,12 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, int64
     const int64_t page = P.block_table[b * P.max_blocks + s / P.page_size];
     return base + ((page * P.page_size + s % P.page_size) * P.Hkv + h) * D * es;
   };
+  // key s as column k of a transposed fp32 block kt [D, kKeyBlock]; value s as row k of a block [k, Dp]
+  auto put_key = [&](float* kt, int64_t k, int64_t s) {
+    load_row(kv_row(P.k_cache, s), P.dtype, D, W.row.data());
+    for (int64_t d = 0; d < D; ++d) kt[d * kKeyBlock + k] = W.row[d];
+  };
+  auto put_value = [&](float* v, int64_t k, int64_t s) { load_row(kv_row(P.v_cache, s), P.dtype, D, v + k * Dp); };
 
   // A float32 cache with D % 8 == 0 is read in place for V, and its K blocks are transposed in
   // 8 x 8 tiles with AVX2 (the same values: data movement only). Paged: K in place when every run
@@ -299,10 +306,7 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, int64
       }
     }
 #endif
-    for (; k < nk; ++k) {
-      load_row(kv_row(P.k_cache, s0 + k), P.dtype, D, W.row.data());
-      for (int64_t d = 0; d < D; ++d) W.kt[d * kKeyBlock + k] = W.row[d];
-    }
+    for (; k < nk; ++k) put_key(W.kt.data(), k, s0 + k);
     // V block: fp32 rows in place (one run, or one per page), else copied to the scratch (one run).
     if (run_v) {
       for (nruns = 0, k = 0; k < nk; k += runs[nruns++].n) {
@@ -313,7 +317,7 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, int64
       runs[0] = {reinterpret_cast<const float*>(kv_row(P.v_cache, s0)), 0, nk};
       nruns = 1;
     } else {
-      for (k = 0; k < nk; ++k) load_row(kv_row(P.v_cache, s0 + k), P.dtype, D, W.v.data() + k * Dp);
+      for (k = 0; k < nk; ++k) put_value(W.v.data(), k, s0 + k);
       runs[0] = {W.v.data(), 0, nk};
       nruns = 1;
     }
@@ -360,23 +364,16 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, int64
   // node (its G query heads) run together in tiles of kRowTile.
   if (P.mask) {
     const int64_t base = len / kKeyBlock * kKeyBlock, shared = len - base;
-    for (int64_t k = 0; k < shared; ++k) {
-      load_row(kv_row(P.k_cache, base + k), P.dtype, D, W.row.data());
-      for (int64_t d = 0; d < D; ++d) W.kt[d * kKeyBlock + k] = W.row[d];
-      load_row(kv_row(P.v_cache, base + k), P.dtype, D, W.v.data() + k * Dp);
-    }
+    for (int64_t k = 0; k < shared; ++k) put_key(W.kt.data(), k, base + k), put_value(W.v.data(), k, base + k);
     if (W.kt2.size() < size_t(Dp * kKeyBlock)) W.kt2.resize(Dp * kKeyBlock);
     if (W.v2.size() < size_t(kKeyBlock * Dp)) W.v2.resize(kKeyBlock * Dp);
-    float qt[kRowTile * 64], at[kRowTile * 64];  // one tile's q / acc rows when Dp <= 64
-    std::vector<float> qbig, abig;
-    float* qtile = qt;
-    float* atile = at;
-    if (Dp > 64) {
-      qbig.assign(kRowTile * Dp, 0.f), abig.assign(kRowTile * Dp, 0.f);
-      qtile = qbig.data(), atile = abig.data();
-    }
-    float st[kRowTile * kKeyBlock], mt[kRowTile], lt[kRowTile], ct[kRowTile];
-    std::vector<int64_t> rows;
+    if (W.qt.size() < size_t(kRowTile * Dp)) W.qt.resize(kRowTile * Dp), W.at.resize(kRowTile * Dp);
+    if (W.st.size() < size_t(kRowTile * kKeyBlock)) W.st.resize(kRowTile * kKeyBlock);
+    float* qtile = W.qt.data();
+    float* atile = W.at.data();
+    float* st = W.st.data();
+    float mt[kRowTile], lt[kRowTile], ct[kRowTile];
+    std::vector<int64_t>& rows = W.rows;
     for (int64_t i = 0; i < N; ++i) {
       rows.clear();
       for (int64_t g = 0; g < G; ++g) {
@@ -409,12 +406,8 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, int64
           float* kt = j0 == 0 ? W.kt.data() : W.kt2.data();
           float* vb = j0 == 0 ? W.v.data() : W.v2.data();
           if (t0 == 0 || j0 > 0)  // the node's own keys of this block (block 0's stay for its next tiles)
-            for (int64_t k = j0 == 0 ? shared : 0; k < nk; ++k) {
-              const int64_t slot = W.keys[j0 + k - shared];
-              load_row(kv_row(P.k_cache, slot), P.dtype, D, W.row.data());
-              for (int64_t d = 0; d < D; ++d) kt[d * kKeyBlock + k] = W.row[d];
-              load_row(kv_row(P.v_cache, slot), P.dtype, D, vb + k * Dp);
-            }
+            for (int64_t k = j0 == 0 ? shared : 0; k < nk; ++k)
+              put_key(kt, k, W.keys[j0 + k - shared]), put_value(vb, k, W.keys[j0 + k - shared]);
           qk_tile(qtile, Dp, kt, D, st);
           for (int64_t t = 0; t < kRowTile; ++t) {
             float* srow = st + t * kKeyBlock;
