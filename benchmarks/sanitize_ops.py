@@ -134,8 +134,9 @@ def run_commit(g):
 
 
 def run_paged(g):
-    """The paged ops on shuffled, non-contiguous pages (page sizes 1 and 16): append_kv_paged of a step's
-    nodes, verify_attention_paged with a tree mask, kv_commit_paged with real moves."""
+    """The paged ops on shuffled, non-contiguous pages (page sizes 1 and 16), as NHD pools and as the
+    strided halves of one combined HND pool [pages, 2, Hkv, ps, D] (no copy): append_kv_paged of a
+    step's nodes, verify_attention_paged with a tree mask, kv_commit_paged with real moves."""
     from specdec import paged_ops, reference_paged
 
     print("paged ops")
@@ -145,30 +146,33 @@ def run_paged(g):
                              [0, 1, 4, 8, -1, -1, -1, -1, -1]], dtype=torch.int32)
     num = torch.tensor([2, 0, 3], dtype=torch.int32)
     mask = reference.tree_attention_mask(tree(B, N, g, ragged=False))
-    for ps in (1, 16):
-        for dtype in (torch.float32, torch.bfloat16):
-            per_row = -(-(int(lens.max()) + N) // ps)
-            pages = B * per_row + 2
-            table = torch.randperm(pages, generator=g)[:B * per_row].view(B, per_row).to(torch.int32)
-            kp = torch.randn(pages, ps, Hkv, D, generator=g).to(dtype)
-            vp = torch.randn(pages, ps, Hkv, D, generator=g).to(dtype)
-            kn = torch.randn(B, Hkv, N, D, generator=g).to(dtype)
-            vn = torch.randn(B, Hkv, N, D, generator=g).to(dtype)
-            q = torch.randn(B, N, Hq, D, generator=g).to(dtype)
-            kd, vd, td, ld = kp.to(DEV, copy=True), vp.to(DEV, copy=True), table.to(DEV), lens.to(DEV, copy=True)
-            paged_ops.append_kv_paged(kd, vd, kn.to(DEV), vn.to(DEV), td, ld)
-            reference_paged.append_kv_paged(kp, vp, kn, vn, table, lens)
-            out = paged_ops.verify_attention_paged(q.to(DEV), kd, vd, td, ld, mask.to(DEV), D ** -0.5)
-            ref = reference_paged.verify_attention_paged(q, kp, vp, table, lens, mask, D ** -0.5)
-            tol = 2e-2 if dtype != torch.float32 else 1e-4
-            check(f"append_kv_paged + verify_attention_paged ps={ps} {dtype}",
-                  torch.equal(kd.cpu(), kp) and bool(torch.allclose(out.cpu().float(), ref.float(), atol=tol,
-                                                                    rtol=tol)))
-            paged_ops.kv_commit_paged([kd], [vd], td, ld, accepted.to(DEV), num.to(DEV))
-            lr = lens.clone()
-            reference_paged.kv_commit_paged([kp], [vp], table, lr, accepted, num)
-            check(f"kv_commit_paged ps={ps} {dtype}",
-                  torch.equal(ld.cpu(), lr) and torch.equal(kd.cpu(), kp) and torch.equal(vd.cpu(), vp))
+    for ps, dtype, layout in [(ps, dt, lay) for ps in (1, 16) for dt in (torch.float32, torch.bfloat16)
+                              for lay in ("nhd", "combined_hnd")]:
+        per_row = -(-(int(lens.max()) + N) // ps)
+        pages = B * per_row + 2
+        table = torch.randperm(pages, generator=g)[:B * per_row].view(B, per_row).to(torch.int32)
+        kp = torch.randn(pages, ps, Hkv, D, generator=g).to(dtype)
+        vp = torch.randn(pages, ps, Hkv, D, generator=g).to(dtype)
+        kn = torch.randn(B, Hkv, N, D, generator=g).to(dtype)
+        vn = torch.randn(B, Hkv, N, D, generator=g).to(dtype)
+        q = torch.randn(B, N, Hq, D, generator=g).to(dtype)
+        kd, vd, td, ld = kp.to(DEV, copy=True), vp.to(DEV, copy=True), table.to(DEV), lens.to(DEV, copy=True)
+        if layout == "combined_hnd":  # one buffer, K and V interleaved per page, heads before slots
+            pool = torch.stack([kd, vd], 1).transpose(2, 3).contiguous()
+            kd, vd = pool[:, 0].transpose(1, 2), pool[:, 1].transpose(1, 2)
+        paged_ops.append_kv_paged(kd, vd, kn.to(DEV), vn.to(DEV), td, ld)
+        reference_paged.append_kv_paged(kp, vp, kn, vn, table, lens)
+        out = paged_ops.verify_attention_paged(q.to(DEV), kd, vd, td, ld, mask.to(DEV), D ** -0.5)
+        ref = reference_paged.verify_attention_paged(q, kp, vp, table, lens, mask, D ** -0.5)
+        tol = 2e-2 if dtype != torch.float32 else 1e-4
+        check(f"append_kv_paged + verify_attention_paged ps={ps} {dtype} {layout}",
+              torch.equal(kd.cpu(), kp) and bool(torch.allclose(out.cpu().float(), ref.float(), atol=tol,
+                                                                rtol=tol)))
+        paged_ops.kv_commit_paged([kd], [vd], td, ld, accepted.to(DEV), num.to(DEV))
+        lr = lens.clone()
+        reference_paged.kv_commit_paged([kp], [vp], table, lr, accepted, num)
+        check(f"kv_commit_paged ps={ps} {dtype} {layout}",
+              torch.equal(ld.cpu(), lr) and torch.equal(kd.cpu(), kp) and torch.equal(vd.cpu(), vp))
 
 
 def run_linear(g):

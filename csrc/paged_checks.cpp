@@ -1,5 +1,7 @@
 #include "paged_checks.h"
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -27,12 +29,36 @@ void check_same_device(const char* op, const Name& name, const at::Tensor& t, co
               t.device());
 }
 
+// A page pool's strides: D contiguous (stride 1, or D == 1), and the other three dims non-overlapping: sorted by
+// stride (dims of size 1 ignored), each stride at least the extent of the dims below it. NHD, HND's
+// transpose(1, 2) and a pool's half of [num_pages, 2, page_size, Hkv, D] pass; an expand()ed view does not.
+bool page_strides_ok(const at::Tensor& p) {
+  if (p.size(3) > 1 && p.stride(3) != 1) return false;
+  std::array<std::pair<int64_t, int64_t>, 3> dims{};  // (stride, size)
+  int n = 0;
+  for (int d = 0; d < 3; ++d)
+    if (p.size(d) > 1) {
+      if (p.stride(d) <= 0) return false;
+      dims[n++] = {p.stride(d), p.size(d)};
+    }
+  std::sort(dims.begin(), dims.begin() + n);
+  int64_t extent = p.size(3);  // elements the dims below span
+  for (int i = 0; i < n; ++i) {
+    if (dims[i].first < extent) return false;
+    extent = dims[i].first * dims[i].second;
+  }
+  return true;
+}
+
 template <typename Name>
 void check_pages(const char* op, const Name& name, const at::Tensor& p) {
   TORCH_CHECK(p.dim() == 4, op, ": ", name, " must be [num_pages, page_size, Hkv, D], got ", p.sizes());
   TORCH_CHECK(is_float_dtype(p.scalar_type()), op, ": ", name, " must be float32, float16 or bfloat16, got ",
               p.scalar_type());
-  TORCH_CHECK(p.is_contiguous(), op, ": ", name, " must be contiguous, got strides ", p.strides());
+  TORCH_CHECK(page_strides_ok(p), op, ": ", name,
+              " must have its head dim D contiguous and no two elements at one address (NHD pages, or a strided view "
+              "such as HND pages' transpose(1, 2) or one half of a [num_pages, 2, ...] pool), got strides ",
+              p.strides(), " for sizes ", p.sizes());
   TORCH_CHECK(p.size(0) >= 1 && p.size(1) >= 1, op, ": ", name, " must hold at least one page of at least one slot, got ",
               p.sizes());
 }
@@ -57,12 +83,38 @@ Span span_of(const at::Tensor& t) {
   return Span{base + lo * es, base + (hi + 1) * es};
 }
 
+// Whether r = sum_d j_d * stride_d for some |j_d| < size_d over dims[i..] (sorted by stride, largest first,
+// non-overlapping: the dims below one stride span less than it, so only j = floor(r / s) or that + 1 can
+// leave a remainder the lower dims reach).
+bool lattice_hit(int64_t r, const std::array<std::pair<int64_t, int64_t>, 4>& dims, int n, int i) {
+  if (i == n) return r == 0;
+  const int64_t s = dims[i].first, size = dims[i].second;
+  const int64_t f = r >= 0 ? r / s : -((-r + s - 1) / s);  // floor(r / s)
+  for (int64_t j = f; j <= f + 1; ++j)
+    if (j > -size && j < size && lattice_hit(r - j * s, dims, n, i + 1)) return true;
+  return false;
+}
+
 // Whether two tensors touch a common byte: views of one buffer that are byte-disjoint (vLLM's
-// per-layer [2, num_blocks, block_size, Hkv, D] cache, K = [0], V = [1]) do not. The byte ranges
-// are compared first; the storage is asked only when they meet.
+// per-layer [2, num_blocks, block_size, Hkv, D] cache, K = [0], V = [1]) do not, nor do two
+// interleaved page pools of one layout (FlashInfer's [num_pages, 2, page_size, Hkv, D] pool, K =
+// [:, 0], V = [:, 1]): same sizes and strides, and their offset is no difference of two indices. The
+// byte ranges are compared first; the storage is asked only when they meet.
 bool bytes_overlap(const at::Tensor& a, const Span& sa, const at::Tensor& b, const Span& sb) {
-  return sa.begin < sa.end && sb.begin < sb.end && sa.begin < sb.end && sb.begin < sa.end &&
-         a.device() == b.device() && a.is_alias_of(b);
+  if (!(sa.begin < sa.end && sb.begin < sb.end && sa.begin < sb.end && sb.begin < sa.end &&
+        a.device() == b.device() && a.is_alias_of(b)))
+    return false;
+  const int64_t es = a.element_size();
+  const int64_t delta = int64_t(sb.begin) - int64_t(sa.begin);
+  if (a.dim() != 4 || a.sizes() != b.sizes() || a.strides() != b.strides() || b.element_size() != es ||
+      delta % es != 0 || !page_strides_ok(a))
+    return true;  // conservatively: they may share a byte
+  std::array<std::pair<int64_t, int64_t>, 4> dims{};  // (stride, size), largest stride first
+  int n = 0;
+  for (int d = 0; d < 4; ++d)
+    if (a.size(d) > 1) dims[n++] = {a.stride(d), a.size(d)};
+  std::sort(dims.begin(), dims.begin() + n, [](const auto& x, const auto& y) { return x.first > y.first; });
+  return lattice_hit(delta / es, dims, n, 0);
 }
 
 template <typename A, typename B>
@@ -136,6 +188,8 @@ void verify_attention_paged(const at::Tensor& q, const at::Tensor& k_pages, cons
   check_pages(op, "v_pages", v_pages);
   TORCH_CHECK(v_pages.sizes() == k_pages.sizes(), op, ": v_pages must have the shape of k_pages ", k_pages.sizes(),
               ", got ", v_pages.sizes());
+  TORCH_CHECK(v_pages.strides() == k_pages.strides(), op, ": v_pages must have the strides of k_pages ",
+              k_pages.strides(), " (one page layout), got ", v_pages.strides());
   TORCH_CHECK(k_pages.scalar_type() == q.scalar_type() && v_pages.scalar_type() == q.scalar_type(), op,
               ": k_pages and v_pages must have q's dtype ", q.scalar_type(), ", got ", k_pages.scalar_type(), " and ",
               v_pages.scalar_type());
@@ -169,6 +223,8 @@ void append_kv_paged(const at::Tensor& k_pages, const at::Tensor& v_pages, const
   TORCH_CHECK(v_pages.sizes() == k_pages.sizes() && v_pages.scalar_type() == k_pages.scalar_type(), op,
               ": v_pages must match k_pages ", k_pages.scalar_type(), " ", k_pages.sizes(), ", got ",
               v_pages.scalar_type(), " ", v_pages.sizes());
+  TORCH_CHECK(v_pages.strides() == k_pages.strides(), op, ": v_pages must have the strides of k_pages ",
+              k_pages.strides(), " (one page layout), got ", v_pages.strides());
   const int64_t Hkv = k_pages.size(2), D = k_pages.size(3);
   TORCH_CHECK(k_new.dim() == 4 && k_new.size(1) == Hkv && k_new.size(3) == D, op, ": k_new must be [B, Hkv, N, D] = [B, ",
               Hkv, ", N, ", D, "], got ", k_new.sizes());

@@ -4,8 +4,11 @@ pool at page size 1, FlashInfer's NHD page layout).
 
 Layout (NHD)
 ------------
-k_pages, v_pages : [num_pages, page_size, Hkv, D], contiguous, one dtype (float32 / float16 /
-    bfloat16). One pair per layer; every layer of a model shares the block tables.
+k_pages, v_pages : [num_pages, page_size, Hkv, D], one dtype (float32 / float16 / bfloat16), D
+    contiguous; the other strides are free as long as no two elements share an address, so NHD
+    pools, HND pools passed as ``pages.transpose(1, 2)`` and the halves of a combined
+    ``[num_pages, 2, page_size, Hkv, D]`` pool are used in place (no copy). K and V of a call share
+    one set of strides. One pair per layer; every layer of a model shares the block tables.
 block_tables : [B, max_blocks] int32. Position ``s`` of request ``b`` lives in page
     ``block_tables[b, s // page_size]``, slot ``s % page_size``. A row's capacity is
     ``max_blocks * page_size``; entries past the blocks a call touches are never read

@@ -1,6 +1,7 @@
 """Pure-torch oracles of the paged KV ops (``specdec.paged_ops``).
 
-Layout (NHD): ``k_pages`` / ``v_pages`` [num_pages, page_size, Hkv, D]; ``block_tables``
+Layout (NHD): ``k_pages`` / ``v_pages`` [num_pages, page_size, Hkv, D] (any strides: HND pages'
+``transpose(1, 2)`` views are read and written in place); ``block_tables``
 [B, max_blocks] int32; position ``s`` of request ``b`` sits in page
 ``block_tables[b, s // page_size]``, slot ``s % page_size``. Each oracle gathers a request's
 positions into the dense layout and runs :mod:`specdec.reference` on it, so paged and dense
@@ -27,9 +28,9 @@ def slots(block_tables: torch.Tensor, b: int, positions: torch.Tensor, page_size
 
 def gather_dense(pages: torch.Tensor, block_tables: torch.Tensor, b: int, length: int) -> torch.Tensor:
     """Positions [0, length) of request ``b`` as a dense [Hkv, length, D] tensor."""
-    P, ps, H, D = pages.shape
+    ps = pages.shape[1]
     idx = slots(block_tables, b, torch.arange(length, device=pages.device), ps)
-    return pages.reshape(P * ps, H, D)[idx].transpose(0, 1)
+    return pages[idx // ps, idx % ps].transpose(0, 1)
 
 
 def verify_attention_paged(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
@@ -51,14 +52,13 @@ def verify_attention_paged(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torc
 def append_kv_paged(k_pages: torch.Tensor, v_pages: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                     block_tables: torch.Tensor, cache_lens: torch.Tensor, offset: int = 0) -> None:
     """Write k_new / v_new [B, Hkv, N, D] at positions cache_lens[b] + offset + j (in place)."""
-    P, ps, H, D = k_pages.shape
+    ps = k_pages.shape[1]
     B, _, N, _ = k_new.shape
-    kf, vf = k_pages.view(P * ps, H, D), v_pages.view(P * ps, H, D)
     for b in range(B):
         pos = int(cache_lens[b]) + int(offset) + torch.arange(N, device=k_pages.device)
         idx = slots(block_tables, b, pos, ps)
-        kf[idx] = k_new[b].transpose(0, 1)
-        vf[idx] = v_new[b].transpose(0, 1)
+        k_pages[idx // ps, idx % ps] = k_new[b].transpose(0, 1)  # index_put_ on the pools' own memory
+        v_pages[idx // ps, idx % ps] = v_new[b].transpose(0, 1)
 
 
 def kv_commit_paged(k_pages: Sequence[torch.Tensor], v_pages: Sequence[torch.Tensor], block_tables: torch.Tensor,
@@ -67,14 +67,13 @@ def kv_commit_paged(k_pages: Sequence[torch.Tensor], v_pages: Sequence[torch.Ten
     for b in range(cache_lens.shape[0]):
         L, n = int(cache_lens[b]), int(num_accepted[b])
         for pages in list(k_pages) + list(v_pages):
-            P, ps, H, D = pages.shape
-            flat = pages.view(P * ps, H, D)
+            ps = pages.shape[1]
             # ascending order is overlap-safe: accepted is increasing and accepted[b, i] >= i
             for i in range(1, n + 1):
                 src = int(accepted[b, i])
                 if src != i:
                     dst_slot, src_slot = slots(block_tables, b, torch.tensor([L + i, L + src]), ps).tolist()
-                    flat[dst_slot] = flat[src_slot]
+                    pages[dst_slot // ps, dst_slot % ps] = pages[src_slot // ps, src_slot % ps]
         cache_lens[b] = L + n + 1
 
 

@@ -131,6 +131,21 @@ def place(t: torch.Tensor, how: str) -> torch.Tensor:
     return t.contiguous()
 
 
+def pools(k: torch.Tensor, v: torch.Tensor, how: str):
+    """Page pools k, v [P, ps, H, D] on DEVICE, in place in a stack's layout: "nhd" (contiguous), "hnd"
+    (views of [P, H, ps, D] tensors) or "combined" (the halves of one [P, 2, ps, H, D] buffer)."""
+    if how == "hnd":
+        return tuple(t.transpose(1, 2).to(DEVICE).clone(memory_format=torch.contiguous_format).transpose(1, 2)
+                     for t in (k, v))
+    if how == "combined" and k.shape == v.shape and k.dtype == v.dtype:
+        pool = torch.stack([k, v], 1).to(DEVICE)
+        return pool[:, 0], pool[:, 1]
+    return place(k, "contig"), place(v, "contig")
+
+
+POOL_LAYOUTS = st.sampled_from(("nhd",) * 4 + ("hnd", "combined"))
+
+
 def layouts(*extra: str):
     return st.sampled_from(("contig",) * 4 + ("offset1", "offset4", "transposed", "strided") + extra)
 
@@ -765,7 +780,12 @@ def paged_attention_case(draw):
     scale = draw(st.sampled_from([None] * 6 + [0.3, 2.0]))
     if special == "scale":
         scale = draw(st.sampled_from([float("nan"), float("inf"), -float("inf")]))
-    return dict(q=qd, k_pages=kp, v_pages=place(v, draw(st.sampled_from(("contig", "contig", "offset1")))),
+    vp = place(v, draw(st.sampled_from(("contig", "contig", "offset1"))))
+    if special == "none":
+        layout = draw(POOL_LAYOUTS)
+        if layout != "nhd":
+            kp, vp = pools(k, v, layout)
+    return dict(q=qd, k_pages=kp, v_pages=vp,
                 block_tables=place(table, draw(st.sampled_from(("contig",) * 3 + ("offset1", "transposed",
                                                                                   "strided")))),
                 cache_lens=place(lens_t, draw(st.sampled_from(("contig", "strided", "offset1")))), tree_mask=mask,
@@ -851,6 +871,10 @@ def paged_append_case(draw):
         lens_t = lens_t[:-1] if B else torch.zeros(1, dtype=torch.int32)
     kp = noncontig(k) if special == "noncontig" else place(k, draw(st.sampled_from(("contig",) * 3 + ("offset4",))))
     vp = kp if special == "v_is_k" else place(v, "contig")
+    if special == "none":
+        layout = draw(POOL_LAYOUTS)
+        if layout != "nhd":
+            kp, vp = pools(k, v, layout)
     knd = place(kn, draw(layouts()))
     if special == "new_in_pages" and P >= B and ps >= N:  # k_new a [B, Hkv, N, D] view of k_pages
         knd = kp[:B, :N].transpose(1, 2)
@@ -939,6 +963,11 @@ def paged_commit_case(draw):
     kc = [noncontig(t) if special == "noncontig" and i == len(kc) - 1 else
           place(t, draw(st.sampled_from(("contig", "contig", "offset4")))) for i, t in enumerate(kc)]
     vc = [place(t, "contig") for t in vc]
+    if special == "none":
+        layout = draw(POOL_LAYOUTS)
+        if layout != "nhd":
+            pairs = [pools(a, b, layout) for a, b in zip(kc, vc)]
+            kc, vc = [p[0] for p in pairs], [p[1] for p in pairs]
     table_d = place(table, draw(st.sampled_from(("contig", "contig", "offset1", "transposed"))))
     cache_lens = place(lens_t, draw(st.sampled_from(("contig", "strided"))))
     num_t = place(num, draw(st.sampled_from(("contig", "strided"))))

@@ -10,6 +10,7 @@ import torch
 from specdec import ops, reference_paged
 from specdec.cache import StaticKVCache
 from specdec.compat import flashinfer as fi
+from specdec.compat import flashinfer_paged as fi_paged
 
 
 def _setup(ps, g, B=3, H=2, D=8, P=40, prefix=(5, 0, 11), N=3):
@@ -71,8 +72,9 @@ def test_packed_custom_mask_unpacks_exactly():
         fi.unpack_custom_mask(torch.zeros(8, dtype=torch.bool), torch.tensor([0, 1]), 2, torch.tensor([5]))
 
 
+@pytest.mark.parametrize("combined", [False, True], ids=["pair", "combined"])
 @pytest.mark.parametrize("ps,layout", [(1, "NHD"), (4, "NHD"), (4, "HND"), (16, "HND")])
-def test_append_verify_commit_match_references(ps, layout):
+def test_append_verify_commit_match_references(ps, layout, combined):
     g = torch.Generator().manual_seed(ps)
     B, H, D, N = 3, 2, 8, 3
     k, v, meta, lens = _setup(ps, g, B=B, H=H, D=D, N=N)
@@ -83,13 +85,21 @@ def test_append_verify_commit_match_references(ps, layout):
     kn, vn = torch.randn(B * N, H, D, generator=g), torch.randn(B * N, H, D, generator=g)
     hnd = layout == "HND"
     cache = (k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()) if hnd else (k.clone(), v.clone())
+    if combined:  # FlashInfer's one-tensor form [num_pages, 2, ...]: K and V interleaved page by page
+        cache = torch.stack(cache, 1)
+    halves = (cache[:, 0], cache[:, 1]) if combined else cache
+    kk, vv, copied = fi_paged._nhd("test", cache, layout)  # the pools the ops get
+    assert not copied
+    for view, pool in zip((kk, vv), halves):
+        assert view.data_ptr() == pool.data_ptr()  # the caller's memory, no copy
+        assert torch.equal(view, pool.transpose(1, 2) if hnd else pool)
     fi.append_paged_kv_cache(kn, vn, cache, meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len, num_new=N,
                              kv_layout=layout)
     rk, rv = k.clone(), v.clone()
     reference_paged.append_kv_paged(rk, rv, kn.view(B, N, H, D).transpose(1, 2), vn.view(B, N, H, D).transpose(1, 2),
                                     table, lens)
     nhd = (lambda t: t.transpose(1, 2)) if layout == "HND" else (lambda t: t)
-    assert torch.equal(nhd(cache[0]), rk) and torch.equal(nhd(cache[1]), rv)
+    assert torch.equal(nhd(halves[0]), rk) and torch.equal(nhd(halves[1]), rv)
     # verify attention with a tree mask given as FlashInfer's flattened custom mask
     mask = _tree_mask(B, N, g)
     flat = torch.cat([torch.cat([torch.ones(N, int(lens[b]), dtype=torch.bool), mask[b]], 1).flatten()
@@ -113,7 +123,7 @@ def test_append_verify_commit_match_references(ps, layout):
     rl = lens.clone()
     reference_paged.kv_commit_paged([rk], [rv], table, rl, acc, num)
     assert new.tolist() == rl.tolist()
-    assert torch.equal(nhd(cache[0]), rk) and torch.equal(nhd(cache[1]), rv)
+    assert torch.equal(nhd(halves[0]), rk) and torch.equal(nhd(halves[1]), rv)
 
 
 def test_dense_cache_as_paged():

@@ -183,6 +183,23 @@ def test_commit_block_table_and_slots(ps):
     qsl = torch.tensor([0] + [k + 1 for k in n]).cumsum(0).to(torch.int32)
     vllm.commit_accepted_kv_slots(got2, torch.cat(slots), qsl, res.accepted, res.num_accepted)
     assert all(torch.equal(torch.stack(a), b) for a, b in zip(got2, want))
+    # vLLM's FlashInfer layout [num_blocks, 2, block_size, H, D] (K, V interleaved per block) and HND
+    # blocks: the block-table form commits them in place, through strided views
+    for hnd in (False, True):
+        pools = [c.transpose(0, 1).clone(memory_format=torch.contiguous_format) for c in kv]  # [P, 2, ps, H, D]
+        if hnd:
+            pools = [c.transpose(2, 3).clone(memory_format=torch.contiguous_format).transpose(2, 3) for c in pools]
+        ptrs = [c.data_ptr() for c in pools]
+        vllm.commit_accepted_kv([(c[:, 0], c[:, 1]) for c in pools], table, rows, lens, res.accepted,
+                                res.num_accepted)
+        assert [c.data_ptr() for c in pools] == ptrs
+        assert all(torch.equal(c.transpose(0, 1), w) for c, w in zip(pools, want))
+        if ps > 1:  # blocks and offsets of these pools make no flat slot index: refused, nothing written
+            before = [c.clone() for c in pools]
+            with pytest.raises(ValueError, match=r"commit_accepted_kv_slots: kv_caches must be pools whose blocks"):
+                vllm.commit_accepted_kv_slots([(c[:, 0], c[:, 1]) for c in pools], torch.cat(slots), qsl,
+                                              res.accepted, res.num_accepted)
+            assert all(torch.equal(a, b) for a, b in zip(pools, before))
 
 
 @pytest.mark.parametrize("uniform", [False, True])

@@ -229,8 +229,8 @@ def test_verify_attention_paged_errors():
     lens[0] = c["tables"].shape[1] * 16
     with pytest.raises(RuntimeError, match=r"verify_attention_paged: cache_lens\[0\] = \d+ leaves no room"):
         f(c["q"], c["kp"], c["vp"], c["tables"], lens, c["mask"])
-    with pytest.raises(RuntimeError, match=r"verify_attention_paged: k_pages must be contiguous"):
-        f(c["q"], c["kp"].transpose(0, 1), c["vp"].transpose(0, 1), c["tables"], c["lens"], c["mask"])
+    with pytest.raises(RuntimeError, match=r"verify_attention_paged: k_pages must have its head dim D contiguous"):
+        f(c["q"], c["kp"][:1].expand_as(c["kp"]), c["vp"], c["tables"], c["lens"], c["mask"])
     with pytest.raises(RuntimeError, match=r"verify_attention_paged: k_pages must be \[num_pages, page_size, Hkv, D\]"):
         f(c["q"], c["kp"][0], c["vp"][0], c["tables"], c["lens"], c["mask"])
     with pytest.raises(RuntimeError, match=r"verify_attention_paged: q heads Hq = 6 must be a multiple"):

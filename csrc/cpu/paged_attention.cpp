@@ -66,6 +66,9 @@ at::Tensor verify_attention_paged_cpu(const at::Tensor& q_in, const at::Tensor& 
   P.block_table = table->data_ptr<int32_t>();
   P.page_size = page_size;
   P.max_blocks = table->size(1);
+  P.page_stride = k_pages.stride(0);  // v_pages has the same strides (checked)
+  P.slot_stride = k_pages.stride(1);
+  P.head_stride = k_pages.stride(2);
 
   cpu::verify_attention_raw(P);
   return out;
@@ -86,7 +89,9 @@ void append_kv_paged_cpu(at::Tensor& k_pages, at::Tensor& v_pages, const at::Ten
   char* vc = static_cast<char*>(v_pages.data_ptr());
   const char* kn = static_cast<const char*>(k_new->data_ptr());
   const char* vn = static_cast<const char*>(v_new->data_ptr());
-  const int64_t row = D * es, slot_bytes = H * row;  // a slot holds the H heads' rows
+  const int64_t row = D * es;
+  // page / slot / head strides of the pools in bytes (v_pages has k_pages' strides: checked)
+  const int64_t pstr = k_pages.stride(0) * es, sstr = k_pages.stride(1) * es, hstr = k_pages.stride(2) * es;
   const int64_t ks0 = k_new->stride(0), ks1 = k_new->stride(1), ks2 = k_new->stride(2);
   const int64_t vs0 = v_new->stride(0), vs1 = v_new->stride(1), vs2 = v_new->stride(2);
   // Tasks = (request, KV head) as in the dense append_kv; position s goes to its page's slot s % ps,
@@ -98,12 +103,12 @@ void append_kv_paged_cpu(at::Tensor& k_pages, at::Tensor& v_pages, const at::Ten
       for (int64_t j = 0, n; j < N; j += n) {
         const int64_t slot = (s + j) % ps;
         n = std::min(N - j, ps - slot);
-        const int64_t dst = (int64_t(table[b * M + (s + j) / ps]) * ps + slot) * slot_bytes + h * row;
+        const int64_t dst = int64_t(table[b * M + (s + j) / ps]) * pstr + slot * sstr + h * hstr;
         const char* ksrc = kn + (b * ks0 + h * ks1 + j * ks2) * es;
         const char* vsrc = vn + (b * vs0 + h * vs1 + j * vs2) * es;
         for (int64_t i = 0; i < n; ++i) {
-          std::memcpy(kc + dst + i * slot_bytes, ksrc + i * ks2 * es, row);
-          std::memcpy(vc + dst + i * slot_bytes, vsrc + i * vs2 * es, row);
+          std::memcpy(kc + dst + i * sstr, ksrc + i * ks2 * es, row);
+          std::memcpy(vc + dst + i * sstr, vsrc + i * vs2 * es, row);
         }
       }
     }

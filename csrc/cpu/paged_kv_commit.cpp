@@ -36,27 +36,33 @@ void kv_commit_paged_cpu(at::TensorList k_pages, at::TensorList v_pages, const a
       if (acc[b * N + i] != i) { any_move = true; break; }
 
   if (any_move) {
-    std::vector<char*> bases(2 * L);
-    std::vector<int64_t> heads(2 * L), dims(2 * L);
-    for (int64_t l = 0; l < L; ++l) {
-      bases[2 * l] = static_cast<char*>(k_pages[l].data_ptr());
-      bases[2 * l + 1] = static_cast<char*>(v_pages[l].data_ptr());
-      heads[2 * l] = k_pages[l].size(2);
-      heads[2 * l + 1] = v_pages[l].size(2);
-      dims[2 * l] = k_pages[l].size(3);
-      dims[2 * l + 1] = v_pages[l].size(3);
-    }
+    // per pool (layer l's K at 2l, V at 2l + 1): base, heads, row bytes and page / slot / head strides in bytes
+    struct Pool {
+      char* base;
+      int64_t H, row, pstr, sstr, hstr;
+    };
+    std::vector<Pool> pools(2 * L);
     const int64_t es = k_pages[0].element_size();
+    for (int64_t c = 0; c < 2 * L; ++c) {
+      const at::Tensor& p = c % 2 == 0 ? k_pages[c / 2] : v_pages[c / 2];
+      pools[c] = Pool{static_cast<char*>(p.data_ptr()), p.size(2), p.size(3) * es, p.stride(0) * es, p.stride(1) * es,
+                      p.stride(2) * es};
+    }
     at::parallel_for(0, 2 * L * B, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        const int64_t c = t / B, b = t % B;
-        const int64_t H = heads[c], row = dims[c] * es, slot = H * row;  // a slot holds H rows
-        const int64_t len = lens(b);
-        auto at_pos = [&](int64_t s) { return bases[c] + (int64_t(table[b * M + s / ps]) * ps + s % ps) * slot; };
+        const Pool& pl = pools[t / B];
+        const int64_t b = t % B, len = lens(b);
+        auto at_pos = [&](int64_t s) { return pl.base + int64_t(table[b * M + s / ps]) * pl.pstr + s % ps * pl.sstr; };
+        // NHD: a slot's H heads are contiguous, one copy per accepted node; other layouts one per head
+        const bool whole = pl.H == 1 || pl.hstr == pl.row;
         for (int32_t i = 1; i <= num[b]; ++i) {
           const int64_t src = acc[b * N + i];
-          // the slot's H heads are contiguous: one copy per accepted node
-          if (src != i) std::memcpy(at_pos(len + i), at_pos(len + src), slot);
+          if (src == i) continue;
+          char* d = at_pos(len + i);
+          const char* s = at_pos(len + src);
+          if (whole) std::memcpy(d, s, pl.H * pl.row);
+          else
+            for (int64_t h = 0; h < pl.H; ++h) std::memcpy(d + h * pl.hstr, s + h * pl.hstr, pl.row);
         }
       }
     });

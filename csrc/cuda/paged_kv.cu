@@ -1,8 +1,10 @@
 // verify_attention / append_kv / kv_commit over a paged cache, CUDA backend.
 //
-// Layout: k_pages / v_pages [num_pages, page_size, Hkv, D] (NHD), block_tables [B, max_blocks]
-// int32, cache_lens [B] int32 (csrc/paged_checks.h). Position s of request b sits in page
-// block_tables[b, s / page_size], slot s % page_size.
+// Layout: k_pages / v_pages [num_pages, page_size, Hkv, D] with D contiguous and any non-overlapping
+// strides otherwise (NHD, or views such as HND's transpose(1, 2); csrc/paged_checks.h), block_tables
+// [B, max_blocks] int32, cache_lens [B] int32. Position s of request b, head h sits in page
+// block_tables[b, s / page_size], slot s % page_size, at element page * stride(0) + slot * stride(1)
+// + h * stride(2).
 //
 // Design (a first, simple form; the dense kernels of attention.cu stay the fast path):
 //   verify: one warp per (request, query head, query node); the lanes split the head dim, a
@@ -40,11 +42,13 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 struct PagedTable {
   const int32_t* table;  // [B, M]
   int64_t M, page_size, num_pages;
+  int64_t page_stride, slot_stride, head_stride;  // the pool's strides, in elements
+  // The element offset of position s's slot (head 0) in the pool, or -1 when it has none.
   __device__ __forceinline__ int64_t slot(int64_t b, int64_t s) const {
     if (s < 0 || s >= M * page_size) return -1;
     const int64_t page = table[b * M + s / page_size];
     if (page < 0 || page >= num_pages) return -1;
-    return page * page_size + s % page_size;
+    return page * page_stride + s % page_size * slot_stride;
   }
 };
 
@@ -79,8 +83,8 @@ __global__ void __launch_bounds__(kWarps * 32) paged_verify_kernel(
     }
     const int64_t slot = pt.slot(b, s);
     if (slot < 0) continue;
-    const T* kr = kp + (slot * Hkv + h) * D;
-    const T* vr = vp + (slot * Hkv + h) * D;
+    const T* kr = kp + slot + h * pt.head_stride;  // v_pages has k_pages' strides (checked)
+    const T* vr = vp + slot + h * pt.head_stride;
     float part = 0.f;
 #pragma unroll
     for (int c = 0; c < kMaxDimPerLane; ++c) {
@@ -123,13 +127,13 @@ __global__ void paged_append_kernel(T* __restrict__ kp, T* __restrict__ vp, cons
   const int64_t slot = pt.slot(b, start + j);
   if (slot < 0) return;
   const int64_t src = b * n_sb + h * n_sh + j * n_sn + d;
-  kp[(slot * H + h) * D + d] = kn[src];
-  vp[(slot * H + h) * D + d] = vn[src];
+  kp[slot + h * pt.head_stride + d] = kn[src];  // v_pages has k_pages' strides (checked)
+  vp[slot + h * pt.head_stride + d] = vn[src];
 }
 
 // U: an unsigned type of the element size (the copy moves bits).
 template <typename U>
-__global__ void paged_commit_kernel(U* __restrict__ pages, int64_t slot_elems, const int32_t* __restrict__ lens,
+__global__ void paged_commit_kernel(U* __restrict__ pages, int64_t H, int64_t D, const int32_t* __restrict__ lens,
                                     int64_t lens_stride, const int32_t* __restrict__ accepted,
                                     const int32_t* __restrict__ num_accepted, int64_t N, PagedTable pt) {
   const int64_t b = blockIdx.x;
@@ -140,7 +144,10 @@ __global__ void paged_commit_kernel(U* __restrict__ pages, int64_t slot_elems, c
     if (src == i || src < 0 || src >= N) continue;
     const int64_t ds = pt.slot(b, len + i), ss = pt.slot(b, len + src);
     if (ds < 0 || ss < 0) continue;
-    for (int64_t e = threadIdx.x; e < slot_elems; e += blockDim.x) pages[ds * slot_elems + e] = pages[ss * slot_elems + e];
+    for (int64_t e = threadIdx.x; e < H * D; e += blockDim.x) {
+      const int64_t o = e / D * pt.head_stride + e % D;
+      pages[ds + o] = pages[ss + o];
+    }
   }
 }
 
@@ -151,7 +158,8 @@ __global__ void paged_advance_lens_kernel(int32_t* __restrict__ lens, int64_t le
 }
 
 PagedTable make_table(const at::Tensor& table, const at::Tensor& pages) {
-  return PagedTable{table.data_ptr<int32_t>(), table.size(1), pages.size(1), pages.size(0)};
+  return PagedTable{table.data_ptr<int32_t>(), table.size(1), pages.size(1), pages.size(0),
+                    pages.stride(0), pages.stride(1), pages.stride(2)};
 }
 
 }  // namespace
@@ -220,15 +228,15 @@ void kv_commit_paged_cuda(at::TensorList k_pages, at::TensorList v_pages, const 
   for (size_t l = 0; l < k_pages.size(); ++l) {
     for (int kv = 0; kv < 2; ++kv) {
       const at::Tensor& pages = kv == 0 ? k_pages[l] : v_pages[l];
-      const int64_t slot_elems = pages.size(2) * pages.size(3);
+      const int64_t H = pages.size(2), D = pages.size(3);
       const cuda::PagedTable pt = cuda::make_table(table, pages);
       if (es == 4) {
         cuda::paged_commit_kernel<uint32_t><<<B, 256, 0, stream>>>(
-            reinterpret_cast<uint32_t*>(pages.data_ptr()), slot_elems, cache_lens.data_ptr<int32_t>(),
+            reinterpret_cast<uint32_t*>(pages.data_ptr()), H, D, cache_lens.data_ptr<int32_t>(),
             cache_lens.stride(0), accepted.data_ptr<int32_t>(), num_accepted.data_ptr<int32_t>(), N, pt);
       } else {
         cuda::paged_commit_kernel<uint16_t><<<B, 256, 0, stream>>>(
-            reinterpret_cast<uint16_t*>(pages.data_ptr()), slot_elems, cache_lens.data_ptr<int32_t>(),
+            reinterpret_cast<uint16_t*>(pages.data_ptr()), H, D, cache_lens.data_ptr<int32_t>(),
             cache_lens.stride(0), accepted.data_ptr<int32_t>(), num_accepted.data_ptr<int32_t>(), N, pt);
       }
       C10_CUDA_KERNEL_LAUNCH_CHECK();

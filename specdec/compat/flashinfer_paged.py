@@ -12,8 +12,10 @@ request a bool ``[qo_len, kv_len]`` matrix, flattened and concatenated, request 
 
 specdec's paged ops take NHD pages, a block table and the committed length; this module converts:
 row b of the block table is request b's page list (padded with -1), ``cache_lens = kv_len -
-num_new``. NHD pages are used in place; HND pages are transposed to NHD for the call (a copy of
-the pools, and back for the writes: correct, but a cost the NHD layout avoids). A dense
+num_new``. Every pool is used in place, whatever its layout: NHD pages as they are, HND pages as
+their ``transpose(1, 2)`` view, a combined ``[num_pages, 2, ...]`` pool as its two halves (specdec's
+paged ops take any strides with D contiguous; only a pool whose D is strided is copied, and written
+back after a write). A dense
 :class:`specdec.cache.StaticKVCache` ``[B, Hkv, S, D]`` is exactly HND with one page of S slots per
 row (:func:`dense_as_paged`).
 """
@@ -188,7 +190,8 @@ def unpack_custom_mask(packed_custom_mask: torch.Tensor, packed_indptr: torch.Te
 
 
 def _nhd(fn, paged_kv_cache, kv_layout):
-    """Per-layer (k, v) -> NHD page tensors, and whether they are copies (HND)."""
+    """Per-layer (k, v) -> NHD views of the caller's pools (no copy), and whether they are copies
+    (only when D is not contiguous: the ops need it)."""
     if kv_layout not in ("NHD", "HND"):
         fail(fn, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
     if isinstance(paged_kv_cache, torch.Tensor):
@@ -203,9 +206,10 @@ def _nhd(fn, paged_kv_cache, kv_layout):
             got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             fail(fn, f"paged_kv_cache ({name})", f"a 4-D {kv_layout} page tensor", got)
     if kv_layout == "HND":
-        return k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(), True
-    copy = not (k.is_contiguous() and v.is_contiguous())
-    return k.contiguous(), v.contiguous(), copy
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    if k.stride(-1) == 1 and v.stride(-1) == 1 and k.stride() == v.stride():
+        return k, v, False
+    return k.contiguous(), v.contiguous(), True
 
 
 def verify_attention_paged(q: torch.Tensor, paged_kv_cache, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,

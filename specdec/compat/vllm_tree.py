@@ -207,7 +207,9 @@ def _kv_pairs(fn: str, kv_caches):
     """vLLM per-layer caches -> (k pages list, v pages list), each [num_blocks, block_size, H, D].
 
     Each entry: a [2, num_blocks, block_size, H, D] tensor (vLLM's FlashAttention layout, K = [0],
-    V = [1]) or a (k, v) pair of [num_blocks, block_size, H, D] tensors.
+    V = [1]) or a (k, v) pair of [num_blocks, block_size, H, D] tensors: NHD, or views with other
+    strides and D contiguous (the halves of FlashInfer's [num_blocks, 2, ...] layout, HND pages'
+    ``transpose(1, 2)``), used in place.
     """
     ks, vs = [], []
     for i, c in enumerate(kv_caches):
@@ -219,9 +221,10 @@ def _kv_pairs(fn: str, kv_caches):
         else:
             k, v = c
         for name, t in (("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.is_contiguous():
-                got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                fail(fn, f"kv_caches[{i}] ({name})", "a contiguous [num_blocks, block_size, Hkv, D] tensor", got)
+            if not isinstance(t, torch.Tensor) or t.dim() != 4 or (t.shape[3] > 1 and t.stride(3) != 1):
+                got = (f"shape {tuple(t.shape)}, strides {t.stride()}" if isinstance(t, torch.Tensor)
+                       else type(t).__name__)
+                fail(fn, f"kv_caches[{i}] ({name})", "a [num_blocks, block_size, Hkv, D] tensor with D contiguous", got)
         ks.append(k)
         vs.append(v)
     if not ks:
@@ -305,7 +308,11 @@ def commit_accepted_kv_slots(kv_caches, slot_mapping: torch.Tensor, query_start_
     pos = torch.arange(width)[None, :]
     idx = starts[:-1, None] + torch.minimum(pos, counts[:, None] - 1)  # pad with the last query token
     table = slot_mapping.to(torch.int64).cpu()[idx].to(torch.int32).to(dev).contiguous()
-    k1 = [k.view(total, 1, k.shape[2], k.shape[3]) for k in ks]
-    v1 = [v.view(total, 1, v.shape[2], v.shape[3]) for v in vs]
+    try:
+        k1 = [k.view(total, 1, k.shape[2], k.shape[3]) for k in ks]
+        v1 = [v.view(total, 1, v.shape[2], v.shape[3]) for v in vs]
+    except RuntimeError:  # the pool's (block, offset) do not merge into one slot index (HND, interleaved K / V)
+        fail(fn, "kv_caches", "pools whose blocks and offsets form one flat slot index (NHD blocks; else call "
+             "commit_accepted_kv with the block table)", f"strides {ks[0].stride()}")
     lens = torch.zeros(B, dtype=torch.int32, device=dev)
     paged_ops.kv_commit_paged(k1, v1, table, lens, acc.to(dev), num.to(dev))

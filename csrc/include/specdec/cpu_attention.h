@@ -51,10 +51,13 @@ struct AttentionParams {
   float scale;
   DType dtype;
   int64_t row_chunk = 0;    // query rows per task (a multiple of the row tile); 0: chosen by verify_attention_raw
-  // Paged caches (k_cache / v_cache [num_pages, page_size, Hkv, D], NHD): key s of request b sits in
-  // page block_table[b * max_blocks + s / page_size], slot s % page_size. nullptr: the dense layout.
+  // Paged caches (k_cache / v_cache [num_pages, page_size, Hkv, D], D contiguous, K and V with one set
+  // of strides: NHD, or a view such as HND's transpose): key s of request b, head h sits in page
+  // block_table[b * max_blocks + s / page_size], slot s % page_size, at element
+  // page * page_stride + slot * slot_stride + h * head_stride. nullptr: the dense layout.
   const int32_t* block_table = nullptr;
   int64_t page_size = 0, max_blocks = 0;
+  int64_t page_stride = 0, slot_stride = 0, head_stride = 0;  // in elements
 };
 
 // Tasks of a call: (request, KV head, chunk of query rows). Rows never interact (each is its own
@@ -262,15 +265,16 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, int64
   // no K / V block is read that none of the task's tiles sees
   const int64_t keys_end = *std::max_element(W.tile_end.begin(), W.tile_end.end());
 
-  // Key s of this (request, KV head): dense rows are D elements apart; paged rows rs = Hkv * D apart
-  // within a page (the address of every key is the same either way, so are the results).
+  // Key s of this (request, KV head): dense rows are D elements apart; paged rows rs = slot_stride
+  // apart within a page (Hkv * D for NHD pages, D for HND; the values read are the same either way,
+  // so are the results).
   const bool paged = P.block_table != nullptr;
-  const int64_t rs = paged ? P.Hkv * D : D;
+  const int64_t rs = paged ? P.slot_stride : D;
   auto kv_row = [&](const void* cache, int64_t s) -> const char* {
     const char* base = static_cast<const char*>(cache);
     if (!paged) return base + ((b * P.Hkv + h) * P.S + s) * D * es;
     const int64_t page = P.block_table[b * P.max_blocks + s / P.page_size];
-    return base + ((page * P.page_size + s % P.page_size) * P.Hkv + h) * D * es;
+    return base + (page * P.page_stride + s % P.page_size * P.slot_stride + h * P.head_stride) * es;
   };
   // key s as column k of a transposed fp32 block kt [D, kKeyBlock]; value s as row k of a block [k, Dp]
   auto put_key = [&](float* kt, int64_t k, int64_t s) {
