@@ -6,8 +6,10 @@
 For each convention the adapter is called with the stack's own tensors and the native op with the
 same work already in specdec's padded tree layout (what a caller that keeps specdec's layout
 would pass). Vocabulary 49,152 (the bundled SmolLM2's), float32, 4 drafts per request (chains) or
-an 8-node tree (SGLang, vLLM tree); the paged attention row is FlashInfer's metadata vs a block
-table, 9 / 3 heads, D = 64, prefix 512, page size 16. Adapter and native calls are interleaved
+an 8-node tree (SGLang, vLLM tree; SGLang's sampler maps its coins to per-child uniforms, and the
+native call gets the uniforms one adapter call derived, so both take the same path); the paged
+attention rows are FlashInfer's metadata on NHD, HND and combined pools (passed as views) vs a
+block table on NHD pools, 9 / 3 heads, D = 64, prefix 512, page size 16. Adapter and native calls are interleaved
 round by round (the order alternates); the record keeps per-round medians, their median, and
 overhead = adapter / native - 1 (ratio of medians and median of per-round ratios), with the load
 average before and after (other processes share these cores: noisy). One torch thread by default.
@@ -100,13 +102,27 @@ def tree_cases(B, g):
     tpred = p.argmax(-1)
     uf = torch.rand(B, generator=g)
     us = torch.rand(B, N, generator=g)
+    # SGLang's coins become per-child uniforms inside the adapter; the native call gets those same
+    # uniforms (captured from one adapter call), so both take the same decisions and do the same work
+    seen = []
+    real = ops.rejection_sample
+
+    def spy(*a):
+        seen.append(a[4].clone())
+        return real(*a)
+    ops.rejection_sample = spy
+    try:
+        sg.tree_speculative_sampling_target_only(predicts, ai, an, cand, ri, nt, ns, us, uf, p)
+    finally:
+        ops.rejection_sample = real
+    u_sg = seen[-1]
     cases = {
         "sglang.verify_tree_greedy": (
             lambda: sg.verify_tree_greedy(predicts, ai, an, cand, ri, nt, ns, tpred),
             lambda: ops.greedy_verify(tokens, parents, p)),
         "sglang.tree_speculative_sampling_target_only": (
             lambda: sg.tree_speculative_sampling_target_only(predicts, ai, an, cand, ri, nt, ns, us, uf, p),
-            lambda: ops.rejection_sample(tokens, parents, p, None, u)),
+            lambda: ops.rejection_sample(tokens, parents, p, None, u_sg)),
     }
     # vLLM-style ragged tree: drafts = nodes 1..7, local parents = specdec parent - 1
     d = tokens[:, 1:].reshape(-1).to(torch.int32)
@@ -130,10 +146,19 @@ def attention_cases(B, g, prefix=512, ps=16, hq=9, hkv=3, D=64, N=8):
     meta = fi.kv_lens_to_metadata(table, lens + N, ps)
     q = torch.randn(B, N, hq, D, generator=g)
     qf = q.reshape(B * N, hq, D)
+    # the same pools in FlashInfer's HND layout and its combined [pages, 2, ps, Hkv, D] tensor: the
+    # adapter passes views (no copy); the native call reads the NHD pools
+    kh, vh = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+    combined = torch.stack([k, v], 1)
+    call = dict(kv_indptr=meta.kv_indptr, kv_indices=meta.kv_indices, kv_last_page_len=meta.kv_last_page_len,
+                qo_len=N)
+    native = (lambda: paged_ops.verify_attention_paged(q, k, v, table, lens))  # noqa: E731
     return {"flashinfer.verify_attention_paged (NHD, causal)": (
-        lambda: fi.verify_attention_paged(qf, (k, v), meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
-                                          qo_len=N),
-        lambda: paged_ops.verify_attention_paged(q, k, v, table, lens))}
+        lambda: fi.verify_attention_paged(qf, (k, v), **call), native),
+        "flashinfer.verify_attention_paged (HND, causal)": (
+        lambda: fi.verify_attention_paged(qf, (kh, vh), kv_layout="HND", **call), native),
+        "flashinfer.verify_attention_paged (combined NHD, causal)": (
+        lambda: fi.verify_attention_paged(qf, combined, **call), native)}
 
 
 def main(argv=None) -> int:

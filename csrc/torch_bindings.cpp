@@ -12,6 +12,7 @@
 namespace specdec {
 void bind_suffix_index(pybind11::module_& m);  // csrc/host/suffix_index_bindings.cpp
 void bind_recycling(pybind11::module_& m);     // csrc/host/recycling.cpp
+void bind_sglang_host(pybind11::module_& m);   // csrc/host/sglang_host.cpp
 }
 
 #ifndef SPECDEC_TORCH_VERSION
@@ -171,6 +172,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("cpu_avx512", &specdec::cpu::avx512_active, "Whether verify-size CPU linears take the AVX-512 kernels.");
   specdec::bind_suffix_index(m);
   specdec::bind_recycling(m);
+  specdec::bind_sglang_host(m);
 }
 
 // ---------------------------------------------------------------- paged KV ops

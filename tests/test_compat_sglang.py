@@ -431,14 +431,14 @@ def _both_forms(case, S, monkeypatch):
     return [t.tolist() for t in got], [t.tolist() for t in want]
 
 
-@pytest.mark.parametrize("lists", [True, False])
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("rows", ["normalised", "unnormalised", "negative", "infinite", "nan"])
-def test_sampling_host_form_equals_tensor_form(rows, lists, monkeypatch):
+def test_sampling_host_form_equals_tensor_form(rows, native, monkeypatch):
     """The host form's integers equal the tensor form's on any rows: trees with three or more
     siblings (the sibling masses summed by torch), rows that break its reachability guess (an
     infinite or negative entry changes a row's sum; the walk then reaches a row it did not sum and
-    the op runs again) and rows with NaN; in Python lists (small batches) and in NumPy arrays."""
-    monkeypatch.setattr(sglang_host, "SMALL", 10 ** 9 if lists else -1)
+    the op runs again) and rows with NaN; with the per-child work in C++ and in NumPy arrays."""
+    monkeypatch.setattr(sglang_host, "NATIVE", native)
     rng = random.Random(len(rows))
     g = torch.Generator().manual_seed(40 + len(rows))
     for t in range(30):
@@ -460,12 +460,12 @@ def test_sampling_host_form_equals_tensor_form(rows, lists, monkeypatch):
         assert got == want, (rows, t)
 
 
-@pytest.mark.parametrize("lists", [True, False])
-def test_sampling_host_form_resums_a_reached_row(lists, monkeypatch):
+@pytest.mark.parametrize("native", [True, False])
+def test_sampling_host_form_resums_a_reached_row(native, monkeypatch):
     """An infinite entry in the root row makes its sum infinite, so every child with mass is
     accepted whatever its coin: the host form's guess skips the child's row, the walk reaches it,
     and the result still equals the tensor form's."""
-    monkeypatch.setattr(sglang_host, "SMALL", 10 ** 9 if lists else -1)
+    monkeypatch.setattr(sglang_host, "NATIVE", native)
     V = 6
     nt = torch.tensor([[1, 2, -1]])
     ns = torch.tensor([[-1, -1, -1]])

@@ -3,8 +3,9 @@ batches on the CPU, computed on the host.
 
 The tensor form (``sglang._exact_inputs``) turns SGLang's coins into specdec's per-child uniforms
 with a few dozen small tensor operations and a float32 sum of every row that has children. Here
-the same numbers come from Python lists (batches of up to ``SMALL`` children) or NumPy views of the
-same memory (no copies, no dispatcher), and only the rows the walk can reach are summed:
+the same numbers come from a C++ routine over NumPy views of the same memory
+(csrc/host/sglang_host.cpp: no copies, no dispatcher, no per-child Python; or, with ``NATIVE`` off
+and where it declines, NumPy array operations), and only the rows the walk can reach are summed:
 
 * the tree (first child / next sibling links) is walked once per distinct batch of links and kept
   (:func:`specdec.compat.sglang_tree.walk_lists`, a small LRU keyed by the links' bytes);
@@ -30,13 +31,13 @@ from typing import NamedTuple, Optional
 import numpy as np
 import torch
 
-from specdec import ops
+from specdec import _C, ops
 from specdec.compat.sglang_tree import err, walk_lists
 
 __all__ = ["sample_exact_host", "verify_greedy_host"]
 
 _SLACK = 1e-3  # relative margin of the reachability guess (only speed depends on it)
-SMALL = 128  # trees of at most this many children (all requests together) are mapped in Python lists
+NATIVE = True  # the per-child work in C++ (False: NumPy arrays; tests compare both)
 
 
 class _Tree(NamedTuple):
@@ -106,9 +107,8 @@ def sample_exact_host(fn, predicts, accept_index, accept_token_num, candidates, 
         return False
     probs = target_probs if target_probs.dtype == torch.float32 and target_probs.is_contiguous() \
         else target_probs.to(torch.float32).contiguous()
-    if len(tree.lists[0]) <= SMALL:
-        _sample_lists(fn, tree, predicts, accept_index, accept_token_num, candidates, ri, uniform_samples,
-                      uniform_final, probs, B, N, V, S)
+    if NATIVE and _sample_native(fn, tree, predicts, accept_index, accept_token_num, candidates, ri, uniform_samples,
+                      uniform_final, probs, B, N, V, S):
         return True
     cand = candidates.numpy().reshape(-1)
     tk = cand[tree.kflat].astype(np.int64)
@@ -261,76 +261,40 @@ def _uniforms(tree: _Tree, coin, p_prev, sums, known, final, B: int, N: int) -> 
     return u
 
 
-def _sample_lists(fn, tree: _Tree, predicts, accept_index, accept_token_num, candidates, ri: list, uniform_samples,
-                  uniform_final, probs, B: int, N: int, V: int, S: int) -> None:
-    """The host form for small batches in Python lists: the same float64 operations, per child,
-    without an array operation per step (each costs microseconds, more right after the op).
-    ``ri``: ``retrive_index`` as a flat list."""
-    kflat, pflat, earlier, has_kids = tree.lists
-    cand = [x for row in candidates.tolist() for x in row]  # [B, N]: one host read, no reshape
-    tokens = [-1] * (B * N)
-    for r in range(0, B * N, N):
-        tokens[r] = min(max(cand[r], 0), V - 1)
-    flat_p = memoryview(probs.numpy()).cast("B").cast("f")  # contiguous float32: entries read as Python floats
-    tk, p_child = [], []
-    for k, p in zip(kflat, pflat):
-        t = cand[k]
-        if not 0 <= t < V:  # padding may hold anything: only the tree's nodes
-            raise err(fn, f"candidates[{k // N}, {k % N}]", f"a token in [0, {V})", t)
-        tokens[k] = t
-        tk.append(t)
-        p_child.append(flat_p[p * V + t])  # the float32 value, exactly
-    coins = [x for row in uniform_samples.tolist() for x in row]
-    mass, p_prev, spread = [], [], False
-    likely = [False] * (B * N)
-    likely[::N] = [True] * B
-    for k, t in enumerate(tk):
-        s, nonzero, dup = 0.0, 0, False
-        for j in earlier[k]:
-            m = mass[j]
-            s += m
-            nonzero += m != 0.0
-            dup = dup or tk[j] == t
-        m = 0.0 if dup else p_child[k]
-        spread = spread or nonzero >= 3 or not m - m == 0.0  # torch's reduction decides, as in the array form
-        mass.append(m)
-        p_prev.append(s)
-        p = pflat[k]  # parents come before their children: likely[p] is final here
-        if likely[p] and not coins[p] - s > p_child[k] * (1.0 + _SLACK) + 1e-300:  # NaN: likely
-            likely[kflat[k]] = True
-    if spread:
-        p_prev = _earlier_mass(tree, np.array(mass), B, N).tolist()
-        likely[:] = [False] * (B * N)
-        likely[::N] = [True] * B
-        for k, p in enumerate(pflat):
-            if likely[p] and not coins[p] - p_prev[k] > p_child[k] * (1.0 + _SLACK) + 1e-300:
-                likely[kflat[k]] = True
-    sums: dict = {}
-    _list_sums(probs, [r for r in range(B * N) if likely[r] and has_kids[r]], sums, B, N)
-    final = [min(max(x, 0.0), 1.0) for x in (uniform_final if uniform_final.dim() == 1 else
-                                             uniform_final.reshape(-1)).tolist()]
+def _sample_native(fn, tree: _Tree, predicts, accept_index, accept_token_num, candidates, ri: list, uniform_samples,
+                   uniform_final, probs, B: int, N: int, V: int, S: int) -> bool:
+    """The host form's per-child work in C++ (csrc/host/sglang_host.cpp: the same float64 operations
+    in the same order) on NumPy views of the inputs. False (nothing written) when an earlier-sibling
+    mass has three or more nonzero terms or a mass is not finite: the array form lets torch reduce
+    those. ``ri``: ``retrive_index`` as a flat list."""
+    cand = candidates.numpy().reshape(-1)
+    coins = uniform_samples.numpy().reshape(-1)
+    if coins.dtype not in (np.float32, np.float64):
+        coins = coins.astype(np.float64)  # float16: exact in float64
     tok_t, tok_np, u_t, u_np = _buffers(B, N)
-    tok_np[:] = tokens
+    K = len(tree.kflat)
+    p_prev, likely = np.empty(K), np.empty(B * N, dtype=bool)
+    status = _C.sglang_prepare(cand, coins, probs.numpy(), tree.kflat, tree.pflat, tree.earlier, B, N, V, tok_np,
+                               p_prev, likely)
+    if status == -2:
+        return False
+    if status >= 0:
+        k = int(tree.kflat[status])
+        raise err(fn, f"candidates[{k // N}, {k % N}]", f"a token in [0, {V})", int(cand[k]))
+    sums, known = np.full(B * N, np.nan), np.zeros(B * N, dtype=bool)
+    _row_sums(probs, likely & tree.has_kids, sums, known, N)
+    final = _unit(uniform_final.numpy().reshape(B).astype(np.float64))
+    has_kids = tree.lists[3]
     while True:
-        u = [0.0] * (B * N)
-        for k, p in enumerate(pflat):
-            s = sums.get(p)
-            if s is None:  # never read unless the walk stands on row p (checked below)
-                u[kflat[k]] = 1.0
-                continue
-            pp = p_prev[k]
-            denom = s - pp
-            u[kflat[k]] = min(max((coins[p] - pp) / denom if denom > 0 else 1.0, 0.0), 1.0)
-        u[::N] = final
-        u_np[:] = u
+        _C.sglang_uniforms(tree.kflat, tree.pflat, coins, p_prev, sums, known, final, B, N, u_np)
         accepted, num, out = ops.rejection_sample(tok_t, tree.par_t, probs, None, u_t)
         acc, nums = accepted.tolist(), num.tolist()
-        missing = [b * N + a for b in range(B) for a in acc[b][:nums[b] + 1]
-                   if has_kids[b * N + a] and b * N + a not in sums]
-        if not missing:
-            break
-        _list_sums(probs, [r for r in range(B * N) if has_kids[r] and r not in sums], sums, B, N)
+        seen = known.tolist()
+        if all(seen[r] or not has_kids[r] for r in (b * N + a for b in range(B) for a in acc[b][:nums[b] + 1])):
+            break  # every row the walks stood on was summed
+        _row_sums(probs, tree.has_kids & ~known, sums, known, N)  # now u is the tensor form's everywhere
     _write_lists(acc, nums, out.tolist(), ri, predicts, accept_index, accept_token_num, B, N, S)
+    return True
 
 
 _BUFFERS: "OrderedDict[tuple, tuple]" = OrderedDict()
@@ -347,21 +311,6 @@ def _buffers(B: int, N: int):
         tok, u = torch.zeros(B, N, dtype=torch.int64), torch.zeros(B, N, dtype=torch.float64)
         got = _BUFFERS[(B, N)] = (tok, tok.numpy().reshape(-1), u, u.numpy().reshape(-1))
     return got
-
-
-def _list_sums(probs: torch.Tensor, rows: list, sums: dict, B: int, N: int) -> None:
-    """float32 sums of the given flat rows into ``sums`` (one call per node column every request
-    needs, else one per row: the same value either way)."""
-    by_node: dict = {}
-    for r in rows:
-        by_node.setdefault(r % N, []).append(r // N)
-    for node, bs in by_node.items():
-        if len(bs) == B:
-            for b, v in enumerate(probs[:, node].sum(-1).tolist()):
-                sums[b * N + node] = v
-        else:
-            for b in bs:
-                sums[b * N + node] = float(probs[b, node].sum())
 
 
 def _write_lists(acc, num, out, ri, predicts, accept_index, accept_token_num, B, N, S) -> None:
