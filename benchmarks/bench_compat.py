@@ -14,7 +14,9 @@ round by round (the order alternates); the record keeps per-round medians, their
 overhead = adapter / native - 1 (ratio of medians and median of per-round ratios), with the load
 average before and after (other processes share these cores: noisy). One torch thread by default.
 
-Writes benchmarks/results/compat_cpu_<date>.json (or --out).
+    python benchmarks/bench_compat.py --device cuda --quick   # gpu_check.sh's compat stage
+
+Writes benchmarks/results/compat_<cpu|cuda>_<date>.json (or --out).
 """
 from __future__ import annotations
 
@@ -46,10 +48,24 @@ def git_commit() -> str:
         return "unknown"
 
 
+DEV = torch.device("cpu")  # --device: the cases' tensors are made on the CPU (seeded) and moved here
+
+
+def mv(*ts):
+    return [t.to(DEV) for t in ts]
+
+
+def sync() -> None:
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def time_calls(fn, calls: int) -> float:
+    sync()
     t = time.perf_counter()
     for _ in range(calls):
         fn()
+    sync()
     return (time.perf_counter() - t) / calls * 1e6
 
 
@@ -66,21 +82,21 @@ def chain_cases(B, g):
     tokens = torch.cat([torch.zeros(B, 1, dtype=torch.int64), d.long()], 1)
     parents = (torch.arange(N, dtype=torch.int32) - 1).expand(B, N).contiguous()
     qn = torch.cat([torch.zeros(B, 1, V), q], 1)
+    q, p, d, u, tokens, parents, qn = mv(q, p, d, u, tokens, parents, qn)
     cases = {"flashinfer.chain_speculative_sampling_uniform": (
         lambda: fi.chain_speculative_sampling_uniform(q, d, u, p),
         lambda: ops.rejection_sample(tokens, parents, p, qn, u))}
     # vLLM ragged: same chains; one-hot proposals (draft_probs None) and sampled rows
     n = [K] * B
-    cu = torch.arange(1, B + 1, dtype=torch.int32) * K
+    cu = (torch.arange(1, B + 1, dtype=torch.int32) * K).to(DEV)
     flat_d = d.flatten()
     tp = p[:, :K].reshape(B * K, V).contiguous()
-    bonus = torch.zeros(B, 1, dtype=torch.int32)
-    temp = torch.ones(B)
+    bonus, temp = mv(torch.zeros(B, 1, dtype=torch.int32), torch.ones(B))
     tokens_v, parents_v, p_v, _ = vllm.pad_chains(flat_d, n, tp, bonus, None)
     cases["vllm.rejection_sample (draft_probs None)"] = (
         lambda: vllm.rejection_sample(flat_d, n, K, cu, None, tp, bonus, temp, uniforms=u),
         lambda: ops.rejection_sample(tokens_v, parents_v, p_v, None, u))
-    greedy = torch.zeros(B)
+    greedy = torch.zeros(B, device=DEV)
     cases["vllm.rejection_sample (greedy)"] = (
         lambda: vllm.rejection_sample(flat_d, n, K, cu, None, tp, bonus, greedy),
         lambda: ops.greedy_verify(tokens_v, parents_v, p_v))
@@ -102,6 +118,8 @@ def tree_cases(B, g):
     tpred = p.argmax(-1)
     uf = torch.rand(B, generator=g)
     us = torch.rand(B, N, generator=g)
+    parents, tokens, p, u, cand, ri, nt, ns, predicts, ai, an, tpred, uf, us = mv(
+        parents, tokens, p, u, cand, ri, nt, ns, predicts, ai, an, tpred, uf, us)
     # SGLang's coins become per-child uniforms inside the adapter; the native call gets those same
     # uniforms (captured from one adapter call), so both take the same decisions and do the same work
     seen = []
@@ -127,9 +145,9 @@ def tree_cases(B, g):
     # vLLM-style ragged tree: drafts = nodes 1..7, local parents = specdec parent - 1
     d = tokens[:, 1:].reshape(-1).to(torch.int32)
     dpar = (parents[:, 1:] - 1).reshape(-1)
-    cu = torch.arange(1, B + 1, dtype=torch.int32) * (N - 1)
+    cu = (torch.arange(1, B + 1, dtype=torch.int32) * (N - 1)).to(DEV)
     rows = p.reshape(B * N, V)
-    temp = torch.ones(B)
+    temp = torch.ones(B, device=DEV)
     cases["vllm.tree_rejection_sample"] = (
         lambda: vllm.tree_rejection_sample(d, dpar, [N - 1] * B, N - 1, cu, None, rows, temp, uniforms=u),
         lambda: ops.rejection_sample(tokens, parents, p, None, u))
@@ -145,6 +163,8 @@ def attention_cases(B, g, prefix=512, ps=16, hq=9, hkv=3, D=64, N=8):
     lens = torch.full((B,), prefix, dtype=torch.int32)
     meta = fi.kv_lens_to_metadata(table, lens + N, ps)
     q = torch.randn(B, N, hq, D, generator=g)
+    k, v, table, lens, q = mv(k, v, table, lens, q)
+    meta = fi.PagedMetadata(*mv(*meta[:3]), meta.page_size)
     qf = q.reshape(B * N, hq, D)
     # the same pools in FlashInfer's HND layout and its combined [pages, 2, ps, Hkv, D] tensor: the
     # adapter passes views (no copy); the native call reads the NHD pools
@@ -168,12 +188,20 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=5, help="calls per timing")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: on a shared machine torch's "
                     "thread pool turns every small op into a scheduling wait)")
+    ap.add_argument("--device", default="cpu", help="cpu (the default) or cuda: on CUDA the adapters take their "
+                    "tensor forms and every timing ends with a synchronize")
+    ap.add_argument("--quick", action="store_true", help="batch 8 only, 3 rounds of 3 calls (gpu_check's stage)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    global DEV
+    DEV = torch.device(args.device)
+    if args.quick:
+        args.batches, args.rounds, args.calls = [8], 3, 3
     torch.set_num_threads(args.threads)
     now = _dt.datetime.now()
     meta = dict(date=now.isoformat(timespec="seconds"), git_commit=git_commit(), torch=torch.__version__,
-                threads=torch.get_num_threads(), cpu=platform.processor() or platform.machine(), vocab=V,
+                threads=torch.get_num_threads(), cpu=platform.processor() or platform.machine(), device=str(DEV),
+                gpu=torch.cuda.get_device_name(DEV) if DEV.type == "cuda" else None, vocab=V,
                 drafts=K, rounds=args.rounds, calls=args.calls, loadavg_before=os.getloadavg())
     rows = []
     g = torch.Generator().manual_seed(0)
@@ -197,7 +225,7 @@ def main(argv=None) -> int:
                   f"overhead {100 * row['overhead']:+6.1f}% (per round {100 * row['overhead_median_round']:+6.1f}%)",
                   flush=True)
     meta["loadavg_after"] = os.getloadavg()
-    out = args.out or ROOT / "benchmarks" / "results" / f"compat_cpu_{now.strftime('%Y-%m-%d')}.json"
+    out = args.out or ROOT / "benchmarks" / "results" / f"compat_{DEV.type}_{now.strftime('%Y-%m-%d')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
     print(f"load average before {meta['loadavg_before'][0]:.1f}, after {meta['loadavg_after'][0]:.1f}; wrote {out}")

@@ -22,6 +22,8 @@
 #   memcheck   compute-sanitizer memcheck on a small case set (benchmarks/sanitize_ops.py:
 #              invalid values with strict checks off, attention, kv_commit, the paged ops, qlinear_q8act)
 #   roofline   kernel benchmarks (benchmarks/bench_ops.py --quick): time, GB/s, % of copy bandwidth
+#   compat     the compat adapters' overhead over the native ops on CUDA tensors (their tensor forms;
+#              benchmarks/bench_compat.py --device cuda --quick: batch 8, the record in the stage's logs)
 # A failed gate stops the stages after it (recorded as "blocked"). Other failures do not.
 #
 # Budget: every stage runs under `timeout -s INT -k GRACE LIMIT` (SIGINT: pytest still writes its
@@ -77,10 +79,11 @@ STAGES=(
   "build_info|10|5|gate||specdec.build_info() reports CUDA and this arch"
   "ops|62|30|pytest||CUDA op tests vs the CPU ops / specdec.reference"
   "graphs|25|15|pytest|needs 2 CUDA devices|CUDA-graph capture and replay (tests/test_graphs.py)"
-  "decoding|45|25|pytest|the bundled model is not available|greedy exactness on the bundled SmolLM2, every drafter, eager and captured"
-  "fuzz|40|20|pytest||op fuzz harness on CUDA (~30 examples per op; --quick 10)"
-  "memcheck|45|0|plain||compute-sanitizer memcheck, small case set"
+  "decoding|42|25|pytest|the bundled model is not available|greedy exactness on the bundled SmolLM2, every drafter, eager and captured"
+  "fuzz|37|20|pytest||op fuzz harness on CUDA (~30 examples per op; --quick 10)"
+  "memcheck|39|0|plain||compute-sanitizer memcheck, small case set"
   "roofline|25|0|plain||kernel benchmarks: time, GB/s, % of copy bandwidth"
+  "compat|10|0|plain||compat adapters vs native ops on CUDA, batch 8 (bench_compat.py --device cuda --quick)"
 )
 
 field() { local IFS='|'; read -r -a _f <<<"$1"; echo "${_f[$2]}"; }
@@ -130,7 +133,7 @@ stage_command() {
     build_info) CMD=(env GPU_CHECK_ARCH="$arch_shown" "$PY" "$LOGDIR/build_info_check.py") ;;
     ops) # four pytest processes at once (one GPU, the CPU references on many cores), one junit XML each
          CMD=("$PY" "$LOGDIR/shards.py" "$LOGDIR/ops" "${OPS_K:-(cuda or device_mismatch) and not inductor}"
-              "tests/test_ops_attention.py tests/test_ops_kv_commit.py tests/test_ops_paged.py tests/test_ops_paged_layouts.py"
+              "tests/test_ops_attention.py tests/test_ops_kv_commit.py tests/test_ops_paged.py tests/test_ops_paged_layouts.py tests/test_compat_devices.py"
               "tests/test_ops_linear.py tests/test_cuda_fixes.py tests/test_batch_invariance.py"
               "tests/test_ops_sampling.py tests/test_statistical.py tests/test_ops_fused.py"
               "tests/test_ops_qlinear.py tests/test_ops_qlinear_q8act.py tests/test_ops_decoder_layer.py tests/test_ops_decoder_layer_paged.py tests/test_ops_errors.py tests/test_ops_compile.py")
@@ -144,6 +147,7 @@ stage_command() {
                    --error-exitcode 1 --print-limit 20 "$PY" benchmarks/sanitize_ops.py --quick
                    --ops bad_values verify_attention kv_commit paged qlinear_q8act) ;;
     roofline) CMD=("$PY" benchmarks/bench_ops.py --device cuda --quick --out "$LOGDIR/roofline.json") ;;
+    compat) CMD=("$PY" benchmarks/bench_compat.py --device cuda --quick --out "$LOGDIR/compat_cuda.json") ;;
   esac
 }
 
