@@ -26,9 +26,14 @@
 // allocation, instead of the torch-level functions with their ~30 tensor allocations, views
 // and repeated checks (~1 us each, ~30 us per layer at decode sizes). Same kernels, same
 // parameters: the same results, bit for bit (tested against the separate ops).
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
 #include <array>
 #include <cstring>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "checks.h"
 #include "cpu/raw.h"
@@ -473,3 +478,77 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer_paged(const at::Tensor& x, cons
 }
 
 }  // namespace specdec
+
+// ---------------------------------------------------------------- a stack of layers in one call
+namespace specdec {
+namespace {
+
+// torch.classes.specdec.DecoderStack: the layers of a model, held once, run by one call per forward.
+// Each layer is exactly decoder_layer / decoder_layer_paged (the same function, arguments and checks),
+// so the results are those of the per-layer calls bit for bit; what the stack saves is the Python
+// loop and the dispatcher's argument conversion of every layer's projection lists, per layer and step.
+struct DecoderStack : torch::CustomClassHolder {
+  struct Layer {
+    std::vector<at::Tensor> weights;
+    c10::List<std::optional<at::Tensor>> scales, mins, biases;
+    std::vector<int64_t> bits;
+    at::Tensor post_w, next_w;
+    double post_eps, next_eps, scale;
+  };
+  int64_t hq, hkv;
+  std::vector<Layer> layers;
+
+  DecoderStack(int64_t num_heads, int64_t num_kv_heads) : hq(num_heads), hkv(num_kv_heads) {}
+
+  int64_t num_layers() const { return int64_t(layers.size()); }
+
+  // Appends layer len(self): the arguments of decoder_layer that do not change between forwards.
+  void add_layer(std::vector<at::Tensor> weights, c10::List<std::optional<at::Tensor>> scales,
+                 c10::List<std::optional<at::Tensor>> mins, c10::List<std::optional<at::Tensor>> biases,
+                 std::vector<int64_t> bits, at::Tensor post_norm_weight, double post_norm_eps,
+                 at::Tensor next_norm_weight, double next_norm_eps, double scale) {
+    layers.push_back(Layer{std::move(weights), std::move(scales), std::move(mins), std::move(biases), std::move(bits),
+                           std::move(post_norm_weight), std::move(next_norm_weight), post_norm_eps, next_norm_eps,
+                           scale});
+  }
+
+  // [x, h, kept...]: every layer in order on (x, h); k_caches / v_caches one per layer (page pools with
+  // block_tables); kept[i] = the residual stream h entering layer capture[i] (a copy).
+  std::vector<at::Tensor> forward(at::Tensor x, at::Tensor h, std::vector<at::Tensor> k_caches,
+                                  std::vector<at::Tensor> v_caches, at::Tensor cache_lens, at::Tensor cos,
+                                  at::Tensor sin, std::optional<at::Tensor> tree_mask, int64_t kv_offset,
+                                  std::vector<int64_t> capture, std::optional<at::Tensor> block_tables) {
+    const int64_t L = num_layers();
+    TORCH_CHECK(int64_t(k_caches.size()) == L && int64_t(v_caches.size()) == L, "DecoderStack.forward: k_caches and "
+                "v_caches must hold one cache per layer (", L, "), got ", k_caches.size(), " and ", v_caches.size());
+    for (int64_t c : capture)
+      TORCH_CHECK(c >= 0 && c < L, "DecoderStack.forward: capture must name layers in [0, ", L, "), got ", c);
+    std::vector<at::Tensor> out(2 + capture.size());
+    for (int64_t l = 0; l < L; ++l) {
+      for (size_t i = 0; i < capture.size(); ++i)
+        if (capture[i] == l) out[2 + i] = h.clone();
+      const Layer& Y = layers[l];
+      std::tie(x, h) = block_tables.has_value()
+          ? decoder_layer_paged(x, h, Y.weights, Y.scales, Y.mins, Y.biases, Y.bits, Y.post_w, Y.post_eps, Y.next_w,
+                                Y.next_eps, k_caches[l], v_caches[l], cache_lens, cos, sin, tree_mask, kv_offset,
+                                Y.scale, hq, hkv, *block_tables)
+          : decoder_layer(x, h, Y.weights, Y.scales, Y.mins, Y.biases, Y.bits, Y.post_w, Y.post_eps, Y.next_w,
+                          Y.next_eps, k_caches[l], v_caches[l], cache_lens, cos, sin, tree_mask, kv_offset, Y.scale,
+                          hq, hkv);
+    }
+    out[0] = x;
+    out[1] = h;
+    return out;
+  }
+};
+
+}  // namespace
+}  // namespace specdec
+
+TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.class_<specdec::DecoderStack>("DecoderStack")
+      .def(torch::init<int64_t, int64_t>())
+      .def("add_layer", &specdec::DecoderStack::add_layer)
+      .def("num_layers", &specdec::DecoderStack::num_layers)
+      .def("forward", &specdec::DecoderStack::forward);
+}

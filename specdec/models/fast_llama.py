@@ -214,6 +214,19 @@ class LlamaRunner:
         #: residual stream entering layer i, -1 = the final normed state; the call leaves them in ``captured``
         self.capture: Optional[Tuple[int, ...]] = None
         self.captured: Optional[List[torch.Tensor]] = None
+        #: every layer fused: one torch.classes.specdec.DecoderStack call per forward runs them all (the
+        #: same decoder_layer calls from C++); set to None to run the per-layer Python loop instead
+        self.stack = self._make_stack() if self.fused_ops and self.fused_layers == len(layers) and layers else None
+
+    def _make_stack(self):
+        st = torch.classes.specdec.DecoderStack(self.hq, self.hkv)
+        for l, L in enumerate(self.layers):
+            nw, ne = (self.layers[l + 1].ln1_w, self.layers[l + 1].ln1_eps) if l + 1 < len(self.layers) else (
+                self.norm_w, self.norm_eps)
+            w, sc, mn, b, bits = L.fused
+            st.add_layer(list(w), list(sc), list(mn), list(b), [int(x) for x in bits], L.ln2_w, float(L.ln2_eps), nw,
+                         float(ne), float(L.scale))
+        return st
 
     @staticmethod
     def _rms(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -273,6 +286,16 @@ class LlamaRunner:
         paged = getattr(cache, "paged", False)  # a PagedKVView: the paged layer op / paged attention
         x = ops.rms_norm(h, layers[0].ln1_w, layers[0].ln1_eps)
         nq, nkv = hq * D, hkv * D
+        if self.stack is not None and h.device.type == "cpu":  # every layer in one call: decoder_layer from C++
+            want = [i for i in self.capture or () if i != -1]
+            out = self.stack.forward(x, h, cache.k, cache.v, cache.lens, cos, sin, tree_mask, kv_offset, want,
+                                     cache.block_tables if paged else None)
+            x = out[0]
+            kept = dict(zip(want, out[2:]))
+            self.captured = None if self.capture is None else [x.clone() if i == -1 else kept[i] for i in self.capture]
+            if isinstance(logits_to_keep, torch.Tensor) or logits_to_keep != 0:
+                x = slice_logits_to_keep(x, logits_to_keep)
+            return self.lm_head(x)
         keep = self._keep_start()
         for l, L in enumerate(layers):
             if keep is not None and l in keep:
