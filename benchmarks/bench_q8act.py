@@ -12,7 +12,8 @@ step reads (linear weights + LM head + the prefix's K/V) over the measured bandw
 time) and the fraction of it achieved; then each quantized configuration alone ("one model": warm
 consecutive steps as decoding runs them, and cold steps after a 1 GiB read that evicts its weights,
 against a DRAM read probe on that 1 GiB buffer); then greedy generation tokens/s (plain decoding,
---new tokens on 4 prompts, interleaved across configurations and one configuration at a time). llama.cpp is not run here (bench_precision.py holds that anchor).
+--new tokens on 4 prompts, interleaved across configurations and one configuration at a time).
+llama.cpp is not run here (bench_precision.py holds that anchor).
 Writes benchmarks/results/q8act_cpu_<date>.json (load average recorded: the machine is shared).
 """
 from __future__ import annotations
@@ -165,7 +166,8 @@ def main() -> int:
                     t0 = time.perf_counter()
                     lm.forward(caches[c], tk, dep)
                     cold.append(time.perf_counter() - t0)
-            row[n] = {"warm_ms": round(statistics.median(warm) * 1e3, 3), "cold_ms": round(statistics.median(cold) * 1e3, 3)}
+            row[n] = {"warm_ms": round(statistics.median(warm) * 1e3, 3),
+                      "cold_ms": round(statistics.median(cold) * 1e3, 3)}
         row["verify_8_vs_1_warm"] = round(row[8]["warm_ms"] / row[1]["warm_ms"], 3)
         row["dram_roofline_ms"] = round(step_bytes[c] / dram_bw / 1e6, 3)
         row["fraction_of_dram_roofline_cold"] = round(row["dram_roofline_ms"] / row[1]["cold_ms"], 3)
