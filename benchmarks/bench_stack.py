@@ -5,12 +5,15 @@
 One process, the bundled SmolLM2-135M at q4_1 + q8 activations, q4_1, q8_0 + q8 activations and
 q8_0 (one model per precision, each with one HFCausalLM adapter whose runner switches between
 ``runner.stack`` (the default: every fused layer in one torch.classes.specdec.DecoderStack call) and
-None (one ops.decoder_layer call per layer from Python)). Per round, for each precision and form in
-alternating order: the mean of --reps forwards of N = 1 and N = 8 chain nodes over a 150-token prefix
-(a decode step and a verify pass); then greedy generation tokens/s of each precision and form (plain
-decoding, --new tokens on 4 chat prompts, interleaved). Before timing, each precision's logits of
-the two forms are checked equal (bit for bit). Reported: medians, and stack / loop ratios (medians of
-the per-round ratios). Writes benchmarks/results/stack_cpu_<date>.json (load average recorded).
+None (one ops.decoder_layer call per layer from Python)). Per round and form (alternating order):
+the mean of --reps forwards of N = 1 and N = 8 chain nodes over a 150-token prefix (a decode step
+and a verify pass), one precision after the other (its weights stay in the caches between its
+steps, as when decoding with one model; interleaving four models would evict them); then greedy
+generation tokens/s of each precision and form (plain decoding, --new tokens on 4 chat prompts, the
+two forms interleaved prompt by prompt, one precision after the other). Before timing, each
+precision's logits of the two forms are checked equal (bit for bit). Reported: medians, and stack /
+loop ratios (medians of the per-round ratios). Writes benchmarks/results/stack_cpu_<date>.json
+(load average recorded).
 """
 from __future__ import annotations
 
@@ -71,10 +74,10 @@ def main() -> int:
             out.append(lm.forward(caches[prec], tk, dep))
         assert torch.equal(out[0], out[1]), f"{prec}: the stack's logits differ from the loop's"
     times = {(p, f, n): [] for p in lms for f in forms for n in (1, 8)}
-    for r in range(a.rounds + 1):  # round 0 warms up
-        for n in (1, 8):
-            tk, dep = torch.zeros(1, n, dtype=torch.long), torch.arange(n)[None]
-            for prec, lm in lms.items():
+    for prec, lm in lms.items():  # one precision at a time (its weights stay cached, as in decoding)
+        for r in range(a.rounds + 1):  # round 0 warms up
+            for n in (1, 8):
+                tk, dep = torch.zeros(1, n, dtype=torch.long), torch.arange(n)[None]
                 for form in (forms if r % 2 else forms[::-1]):
                     use(prec, form)
                     lm.forward(caches[prec], tk, dep)
@@ -96,8 +99,8 @@ def main() -> int:
     decoders = {p: specdec.SpeculativeDecoder(lm, None, max_batch=1, max_len=512) for p, lm in lms.items()}
     tps = {f"{p} {f}": [] for p in lms for f in forms}
     same = True
-    for i, ids in enumerate(prompts):
-        for prec, dec in decoders.items():
+    for prec, dec in decoders.items():
+        for i, ids in enumerate(prompts):
             outs = []
             for form in (forms if i % 2 else forms[::-1]):
                 use(prec, form)
