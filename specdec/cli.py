@@ -37,6 +37,13 @@ from specdec.cli_drafters import (DRAFTER_PRESETS, DraftSource, auto_uses_w8, ch
                                   load_hf_folder, preset_file_as_option)
 
 
+def resolve_precision(precision: str, bundled: bool) -> str:
+    """--precision's weights: "auto" is the bundled model's checkpoint precision (q4_1), fp32 for a folder."""
+    if precision == "auto":
+        return "q4_1" if bundled else "fp32"
+    return precision
+
+
 def resolve_act(act: str, precision: str):
     """--act's activation format for load_bundled: "auto" is q8 with a quantized precision, else none."""
     if act == "auto":
@@ -84,8 +91,9 @@ def _model_options(g: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the target over N ranks (torch.distributed: gloo on CPU, NCCL on GPUs; the ranks "
                         "are spawned here, or joined under torchrun); docs/distributed.md")
-    g.add_argument("--precision", default="fp32", choices=["fp32", "q8_0", "q4_1"],
-                   help="the bundled model's linear weights: fp32 (default), q8_0, or q4_1 (the GGUF's own blocks)")
+    g.add_argument("--precision", default="auto", choices=["auto", "fp32", "q8_0", "q4_1"],
+                   help="the bundled model's linear weights: auto (default: q4_1, the checkpoint's own GGUF blocks, "
+                        "for the bundled model; fp32 for a model folder), fp32, q8_0 or q4_1")
     g.add_argument("--act", default="auto", choices=["auto", "none", "q8"],
                    help="with --precision q8_0 / q4_1: q8 quantizes the activations per block of 32 (integer dot "
                         "products, llama.cpp's scheme; a different target model, speculation exact against it), "
@@ -170,6 +178,7 @@ def _load(args: argparse.Namespace):
     from specdec.models.hf import HFCausalLM
 
     bundled = is_bundled(args.model)
+    args.precision = resolve_precision(args.precision, bundled)
     draft = check_draft_options(args, bundled)
     bundled_draft = None   # the bundled model's draft copy, loaded with it for int8 / w8 / bf16 (/ auto at fp32)
     act = resolve_act(args.act, args.precision)

@@ -147,6 +147,22 @@ def test_cli_switches(tmp_path, capsys):
     assert "--precision / --act apply to the bundled model only" in capsys.readouterr().err
 
 
+def test_cli_precision_default_is_the_checkpoints():
+    """--precision auto (the default): the bundled model at its GGUF's own q4_1 blocks (with q8 activations by
+    --act auto), a model folder at fp32 (where --precision / --act are refused)."""
+    from specdec.cli import _build_parser, load_target, resolve_precision, serve_options
+
+    assert serve_options([]).precision == "auto"
+    assert resolve_precision("auto", True) == "q4_1" and resolve_precision("auto", False) == "fp32"
+    assert resolve_precision("fp32", True) == "fp32"
+    args = _build_parser().parse_args(["generate", "hi", "--draft", "none"])
+    target = load_target(args)[0]
+    from specdec.models.quant import GroupQuantLinear
+    quant = [m for m in target.model.modules() if isinstance(m, GroupQuantLinear)]
+    assert args.precision == "q4_1" and quant and {m.act for m in quant} == {"q8"}
+    assert 4 in {m.bits for m in quant}  # the layers' Q4_1 blocks (the head is Q8_0)
+
+
 def test_cli_act_default_follows_the_precision():
     """--act auto (the default): q8 activations with a quantized precision, float with fp32."""
     from specdec.cli import resolve_act, serve_options
@@ -235,6 +251,7 @@ def test_cli_auto_drafter_follows_the_precision():
 
     quantized = drafter("--precision", "q4_1")
     assert type(quantized) is specdec.PromptLookup
-    full = drafter()
+    assert type(drafter()) is specdec.PromptLookup  # the default precision of the bundled model is q4_1
+    full = drafter("--precision", "fp32")
     assert type(full) is specdec.MultiDraft
     assert [type(m).__name__ for m in full.members] == ["PromptLookup", "DraftModel"]
