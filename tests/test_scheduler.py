@@ -340,6 +340,24 @@ def test_goodput_falls_back_with_useless_drafter_and_backs_off():
     assert pol.summary()["fallback_request_steps"] == 60 - len(drafted)
 
 
+def test_goodput_fallback_steps_between_probes_plan_no_depths():
+    """While every row is in fallback with no probe due, the plan is plain without weighing depths (no cost
+    model query), and the same plain plan as weighing them gives."""
+    cost = flat_cost()
+    pol = GoodputPolicy(max_depth=8, cost=cost, max_backoff=16)
+    pol.begin(1)
+    run_steps(pol, [0], 100, lambda s, rid, k: 0, 40)
+    req = pol._request(0)
+    assert req.state == "fallback" and req.next_probe > pol.step_index
+    calls = []
+    real = cost.step_seconds
+    cost.step_seconds = lambda *a: calls.append(a) or real(*a)
+    plan = pol.plan([0], [100])
+    assert plan.budgets == [0] and plan.states == ["fallback"] and plan.predicted_ratio == 1.0 and not calls
+    pol.step_index = req.next_probe  # a due probe: the depths are weighed again
+    assert pol.plan([0], [100]).budgets[0] > 0 and calls
+
+
 def test_goodput_skips_probes_that_cannot_pay():
     """Each drafted token costs a whole plain step (a same-size draft at a large batch): even perfect
     acceptance gives a goodput ratio below 1, so after the fallback no probe is paid for (the draft

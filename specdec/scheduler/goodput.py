@@ -139,6 +139,11 @@ class GoodputPolicy(Policy):
             return StepPlan([0] * b, [r.state for r in reqs], [1.0] * b)
         if not self.cost.knows_plain():  # one plain step measures what speculation is compared with
             return StepPlan([0] * b, [r.state for r in reqs], [1.0] * b)
+        if all(r.state != SPEC and not (r.state == FALLBACK and self.step_index >= r.next_probe) for r in reqs):
+            # nobody speculates and no probe is due: every row decodes plainly whatever the costs say
+            # (what _assign gives such rows), so the depths are not weighed (a fallback stretch of a
+            # drafter that does not pay then costs no planning time)
+            return StepPlan([0] * b, [CHECK if r.state == CHECK else FALLBACK for r in reqs], [1.0] * b)
         costs = self._costs(b, k_cap)
         trusted = self._predicted_fallbacks(request_ids, reqs, costs, k_cap)
         batch = _Batch(request_ids, reqs, budgets, costs,
