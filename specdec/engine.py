@@ -288,8 +288,15 @@ class Engine(EngineRows):
                     behind = None
             except Exception:  # noqa: BLE001 - never let an advisory hook take a step (or a server) down
                 behind = None
-        return self.scheduler.plan(uids, [r.params.max_new_tokens - len(r.new) - 1 for r in reqs],
-                                   closed=self._closed and not self._waiting, behind=behind)
+        budgets = [r.params.max_new_tokens - len(r.new) - 1 for r in reqs]
+        if self.drafter is not None:
+            try:  # advisory: rows the drafter has nothing for are plain steps (no depths weighed for them)
+                has = self.drafter.has_proposals(uids, [r.seq for r in reqs])
+                if has is not None and len(has) == len(reqs):
+                    budgets = [x if h else 0 for x, h in zip(budgets, has)]
+            except Exception:  # noqa: BLE001 - never let an advisory hook take a step (or a server) down
+                pass
+        return self.scheduler.plan(uids, budgets, closed=self._closed and not self._waiting, behind=behind)
 
     def _spec_step(self, deltas) -> List[int]:
         """plan -> propose -> verify -> commit -> emit over every active row; returns the finished rows."""

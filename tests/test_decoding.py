@@ -197,6 +197,35 @@ def test_prompt_lookup_proposals():
     assert strict.propose(ctx).tree.size == 1
 
 
+def test_prompt_lookup_tells_the_planner_which_rows_it_has_nothing_for(toy, monkeypatch):
+    """has_proposals (advisory, asked before planning) is True exactly where propose() drafts, and the
+    engine plans the other rows as plain steps (budget 0): the goodput policy weighs no depth for them."""
+    from specdec.scheduler.goodput import GoodputPolicy
+    lookup = PromptLookup(ngram=3, k=4)
+    lookup.start([], None, None)
+    seqs = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 7, 8, 9], [9, 8, 9, 8]]
+    has = lookup.has_proposals([0, 1, 2], seqs)
+    ctx = StepContext(roots=torch.tensor([s[-1] for s in seqs]), sequences=seqs, request_ids=[0, 1, 2],
+                      budgets=[4, 4, 4])
+    tree = lookup.propose(ctx).tree
+    assert has == [True, False, True] and tree.num_nodes == [5, 1, 3]
+    # in the loop: greedy output unchanged, and the planner sees budget 0 on steps lookup cannot draft
+    target, _, refs = toy
+    drafter = PromptLookup(ngram=2, k=4)
+    seen = []  # per step: (has_proposals, the budgets the planner got)
+    real_has, real_plan = drafter.has_proposals, GoodputPolicy.plan
+    monkeypatch.setattr(drafter, "has_proposals", lambda rids, seqs: seen.append([real_has(rids, seqs)]) or
+                        seen[-1][0])
+    monkeypatch.setattr(GoodputPolicy, "plan", lambda self, rids, b, **kw: seen[-1].append(list(b)) or real_plan(
+        self, rids, b, **kw))
+    dec = SpeculativeDecoder(target, drafter, max_batch=8, max_len=64, policy="goodput")
+    out = dec.generate(TOY_PROMPTS, max_new_tokens=24)
+    assert out.tokens == [r[:24] for r in refs]
+    assert seen and all(len(s) == 2 for s in seen)
+    assert all(b == 0 for has, budgets in seen for h, b in zip(has, budgets) if not h)
+    assert any(not h for has, _ in seen for h in has) and any(b > 0 for _, budgets in seen for b in budgets)
+
+
 # ============================================================================ sampling: exact distribution
 def _warped(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """transformers' own warpers (an implementation independent of specdec.sampling)."""

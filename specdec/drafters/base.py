@@ -85,6 +85,13 @@ class Drafter:
         only; 0 for drafters without such state."""
         return [0] * len(lengths)
 
+    def has_proposals(self, request_ids: Sequence[int], sequences: Sequence[Sequence[int]]) -> Optional[List[bool]]:
+        """Advisory, asked before a step is planned: per row, whether the next propose() could draft
+        anything (False: it would return the root alone), or None when the drafter cannot tell cheaply.
+        Rows marked False are planned as plain steps (budget 0) without weighing depths. Host values
+        only; must not change what propose() returns."""
+        return None
+
     def bind(self, target, max_batch: int, max_len: int) -> None:
         """Check compatibility with the target and allocate state for max_batch requests."""
 

@@ -115,6 +115,17 @@ class PromptLookup(Drafter):
     def start(self, prompts: Sequence[Sequence[int]], params: SamplingParams, generator: torch.Generator) -> None:
         self._index = {}
 
+    def has_proposals(self, request_ids: Sequence[int], sequences: Sequence[Sequence[int]]) -> List[bool]:
+        """Whether each row's latest n-gram occurs earlier with a continuation (the index is brought up to
+        date as propose() would; propose() then finds the same continuation)."""
+        out = []
+        for rid, seq in zip(request_ids, sequences):
+            index = self._index.get(rid)
+            if index is None:
+                index = self._index[rid] = _NgramIndex(self.ngram, self.min_ngram, self.matches)
+            out.append(bool(index.lookup(seq, 1)))
+        return out
+
     def propose(self, ctx: StepContext) -> Draft:
         conts: List[List[List[int]]] = []
         cap = self.max_nodes if ctx.node_budget is None else max(1, min(self.max_nodes, int(ctx.node_budget)))
