@@ -146,8 +146,8 @@ DRAFTER_PRESETS: Dict[str, Callable[[DraftSource], object]] = {
 
 def auto_uses_w8(args: argparse.Namespace) -> bool:
     """Whether ``--draft auto`` drafts with the bundled model's w8 copy: with an fp32 target (a w8 forward
-    costs a fraction of it), not with a q8_0 / q4_1 one (it costs as much: precision_2026-12-06b / the
-    eagle_open_q4_1_q8act records), nor beside a feature head."""
+    costs a fraction of it), not with a q8_0 / q4_1 one (it costs as much: archive/precision_2026-12-06b /
+    the eagle_open_q4_1_q8act records), nor beside a feature head."""
     return args.precision == "fp32" and not args.head_opt
 
 

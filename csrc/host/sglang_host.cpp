@@ -25,8 +25,6 @@ namespace py = pybind11;
 namespace specdec {
 namespace {
 
-constexpr double kSlack = 1e-3;  // relative margin of the reachability guess (only speed depends on it)
-
 template <typename T>
 const T* data_of(const py::array& a, const char* name, int64_t n) {
   if (!py::isinstance<py::array_t<T>>(a) || !(a.flags() & py::array::c_style) || a.size() < n)
@@ -66,13 +64,14 @@ Reader floats(const py::array& a, const char* name, int64_t n) {
   return Reader{data_of<double>(a, name, n), 3};
 }
 
-// Tokens, earlier-sibling masses and the rows the walk is likely to stand on. Returns -1 (done),
+// Tokens, earlier-sibling masses and the rows the walk is likely to stand on (a child is unlikely when its
+// parent's coin exceeds the earlier mass by more than its own mass times 1 + slack). Returns -1 (done),
 // -2 (a P_prev of three or more nonzero terms, or a mass that is not finite: use the array form;
 // the outputs are then partial) or k >= 0 (child k's candidate is outside [0, V): nothing else
 // is meaningful).
 int64_t sglang_prepare(const py::array& candidates, const py::array& coins, const py::array& probs, const py::array& kflat_a,
                        const py::array& pflat_a, const py::array& earlier_a, int64_t B, int64_t N, int64_t V,
-                       py::array& tokens_a, py::array& p_prev_a, py::array& likely_a) {
+                       double slack, py::array& tokens_a, py::array& p_prev_a, py::array& likely_a) {
   const int64_t BN = B * N, K = kflat_a.size();
   const int64_t W = earlier_a.ndim() == 2 ? earlier_a.shape(1) : 0;
   const Reader cand = ints(candidates, "candidates", BN);
@@ -117,7 +116,7 @@ int64_t sglang_prepare(const py::array& candidates, const py::array& coins, cons
     mass[k] = m;
     p_prev[k] = s;
     const int64_t par = pflat[k];
-    if (likely[par] && !(coin.f(par) - s > p_child[k] * (1.0 + kSlack) + 1e-300)) likely[kflat[k]] = true;  // NaN: likely
+    if (likely[par] && !(coin.f(par) - s > p_child[k] * (1.0 + slack) + 1e-300)) likely[kflat[k]] = true;  // NaN: likely
   }
   return spread ? -2 : -1;
 }
@@ -153,7 +152,7 @@ void sglang_uniforms(const py::array& kflat_a, const py::array& pflat_a, const p
 
 void bind_sglang_host(py::module_& m) {
   m.def("sglang_prepare", &sglang_prepare, py::arg("candidates"), py::arg("coins"), py::arg("probs"), py::arg("kflat"),
-        py::arg("pflat"), py::arg("earlier"), py::arg("B"), py::arg("N"), py::arg("V"), py::arg("tokens"),
+        py::arg("pflat"), py::arg("earlier"), py::arg("B"), py::arg("N"), py::arg("V"), py::arg("slack"), py::arg("tokens"),
         py::arg("p_prev"), py::arg("likely"),
         "SGLang exact sampler, host form: tokens, earlier-sibling masses and likely rows (csrc/host/sglang_host.cpp).");
   m.def("sglang_uniforms", &sglang_uniforms, py::arg("kflat"), py::arg("pflat"), py::arg("coins"), py::arg("p_prev"),

@@ -51,7 +51,7 @@ class _Tree(NamedTuple):
     roots: np.ndarray        # b * N of each request
     root_rows: np.ndarray    # [B * N] bool: the roots that have children (read only)
     mask: list               # [B, N, N] float64 sibling masks of the tensor form, made when first needed
-    lists: tuple             # (kflat, pflat, earlier, has_kids) as Python lists, for small batches
+    lists: tuple             # (kflat, pflat, has_kids) as Python lists (the greedy form's walk, the missing-row check)
 
 
 _TREES: "OrderedDict[tuple, Optional[_Tree]]" = OrderedDict()
@@ -87,7 +87,7 @@ def _tree(fn: str, next_token: torch.Tensor, next_sibling: torch.Tensor, N: int,
         root_rows[roots] = True
         kflat, pflat = kb * N + ki, kb * N + kp
         tree = _Tree(torch.from_numpy(par), kb, ki, kflat, pflat, earlier, has_kids, roots, root_rows & has_kids,
-                     [], (kflat.tolist(), pflat.tolist(), groups, has_kids.tolist()))
+                     [], (kflat.tolist(), pflat.tolist(), has_kids.tolist()))
     _TREES[key] = tree
     if len(_TREES) > 256:
         _TREES.pop(next(iter(_TREES)))
@@ -274,8 +274,8 @@ def _sample_native(fn, tree: _Tree, predicts, accept_index, accept_token_num, ca
     tok_t, tok_np, u_t, u_np = _buffers(B, N)
     K = len(tree.kflat)
     p_prev, likely = np.empty(K), np.empty(B * N, dtype=bool)
-    status = _C.sglang_prepare(cand, coins, probs.numpy(), tree.kflat, tree.pflat, tree.earlier, B, N, V, tok_np,
-                               p_prev, likely)
+    status = _C.sglang_prepare(cand, coins, probs.numpy(), tree.kflat, tree.pflat, tree.earlier, B, N, V, _SLACK,
+                               tok_np, p_prev, likely)
     if status == -2:
         return False
     if status >= 0:
@@ -284,7 +284,7 @@ def _sample_native(fn, tree: _Tree, predicts, accept_index, accept_token_num, ca
     sums, known = np.full(B * N, np.nan), np.zeros(B * N, dtype=bool)
     _row_sums(probs, likely & tree.has_kids, sums, known, N)
     final = _unit(uniform_final.numpy().reshape(B).astype(np.float64))
-    has_kids = tree.lists[3]
+    has_kids = tree.lists[2]
     while True:
         _C.sglang_uniforms(tree.kflat, tree.pflat, coins, p_prev, sums, known, final, B, N, u_np)
         accepted, num, out = ops.rejection_sample(tok_t, tree.par_t, probs, None, u_t)

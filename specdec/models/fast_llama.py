@@ -286,43 +286,41 @@ class LlamaRunner:
         paged = getattr(cache, "paged", False)  # a PagedKVView: the paged layer op / paged attention
         x = ops.rms_norm(h, layers[0].ln1_w, layers[0].ln1_eps)
         nq, nkv = hq * D, hkv * D
+        keep = self._keep_start()
         if self.stack is not None and h.device.type == "cpu":  # every layer in one call: decoder_layer from C++
-            want = [i for i in self.capture or () if i != -1]
+            want = [i for i in keep or () if i != -1]
             out = self.stack.forward(x, h, cache.k, cache.v, cache.lens, cos, sin, tree_mask, kv_offset, want,
                                      cache.block_tables if paged else None)
             x = out[0]
-            kept = dict(zip(want, out[2:]))
-            self.captured = None if self.capture is None else [x.clone() if i == -1 else kept[i] for i in self.capture]
-            if isinstance(logits_to_keep, torch.Tensor) or logits_to_keep != 0:
-                x = slice_logits_to_keep(x, logits_to_keep)
-            return self.lm_head(x)
-        keep = self._keep_start()
-        for l, L in enumerate(layers):
-            if keep is not None and l in keep:
-                keep[l] = h.clone()
-            nw, ne = (layers[l + 1].ln1_w, layers[l + 1].ln1_eps) if l + 1 < len(layers) else (
-                self.norm_w, self.norm_eps)
-            if L.fused is not None:
-                if paged:
-                    x, h = paged_ops.decoder_layer_paged(x, h, *L.fused, L.ln2_w, L.ln2_eps, nw, ne, cache.k[l],
-                                                         cache.v[l], cache.block_tables, cache.lens, cos, sin,
-                                                         tree_mask, kv_offset, L.scale, hq, hkv)
+            if keep is not None:
+                keep.update(zip(want, out[2:]))
+        else:
+            for l, L in enumerate(layers):
+                if keep is not None and l in keep:
+                    keep[l] = h.clone()
+                nw, ne = (layers[l + 1].ln1_w, layers[l + 1].ln1_eps) if l + 1 < len(layers) else (
+                    self.norm_w, self.norm_eps)
+                if L.fused is not None:
+                    if paged:
+                        x, h = paged_ops.decoder_layer_paged(x, h, *L.fused, L.ln2_w, L.ln2_eps, nw, ne, cache.k[l],
+                                                             cache.v[l], cache.block_tables, cache.lens, cos, sin,
+                                                             tree_mask, kv_offset, L.scale, hq, hkv)
+                    else:
+                        x, h = ops.decoder_layer(x, h, *L.fused, L.ln2_w, L.ln2_eps, nw, ne, cache.k[l], cache.v[l],
+                                                 cache.lens, cos, sin, tree_mask, kv_offset, L.scale, hq, hkv)
+                    continue
+                if L.qkv is not None:
+                    q, k, v = L.qkv(x).split([nq, nkv, nkv], dim=-1)
                 else:
-                    x, h = ops.decoder_layer(x, h, *L.fused, L.ln2_w, L.ln2_eps, nw, ne, cache.k[l], cache.v[l],
-                                             cache.lens, cos, sin, tree_mask, kv_offset, L.scale, hq, hkv)
-                continue
-            if L.qkv is not None:
-                q, k, v = L.qkv(x).split([nq, nkv, nkv], dim=-1)
-            else:
-                q, k, v = L.q(x), L.k(x), L.v(x)
-            q, k = ops.rope(q.view(B, N, hq, D), k.view(B, N, hkv, D), cos, sin)
-            a = _attend(cache, l, q, k, v.view(B, N, hkv, D), tree_mask, kv_offset, L.scale)
-            x, h = ops.add_rms_norm(L.o(a.reshape(B, N, hq * D)), h, L.ln2_w, L.ln2_eps)
-            if L.gate_up is not None:
-                g, u = L.gate_up(x).chunk(2, dim=-1)
-            else:
-                g, u = L.gate(x), L.up(x)
-            x, h = ops.add_rms_norm(L.down(ops.silu_mul(g, u)), h, nw, ne)
+                    q, k, v = L.q(x), L.k(x), L.v(x)
+                q, k = ops.rope(q.view(B, N, hq, D), k.view(B, N, hkv, D), cos, sin)
+                a = _attend(cache, l, q, k, v.view(B, N, hkv, D), tree_mask, kv_offset, L.scale)
+                x, h = ops.add_rms_norm(L.o(a.reshape(B, N, hq * D)), h, L.ln2_w, L.ln2_eps)
+                if L.gate_up is not None:
+                    g, u = L.gate_up(x).chunk(2, dim=-1)
+                else:
+                    g, u = L.gate(x), L.up(x)
+                x, h = ops.add_rms_norm(L.down(ops.silu_mul(g, u)), h, nw, ne)
         self._keep_end(keep, x)
         if isinstance(logits_to_keep, torch.Tensor) or logits_to_keep != 0:
             x = slice_logits_to_keep(x, logits_to_keep)  # the norm is per row: slicing after it is the same
