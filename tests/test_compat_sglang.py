@@ -10,6 +10,7 @@ import os
 import random
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -128,7 +129,8 @@ def _final_draw(probs, removed, u: float, default=None) -> int:
 
 
 def ref_sampling(cand, ri, nt, ns, us, uf, probs, S):
-    """SGLang's exact (threshold 1) target-only sampler in float64; distinct sibling tokens assumed."""
+    """SGLang's exact (threshold 1) target-only sampler (its running sum in float32, as its kernel
+    accumulates; the final draw in float64); distinct sibling tokens assumed."""
     B, N = cand.shape
     predicts = [-7] * (B * N)
     acc_idx = [[-1] * S for _ in range(B)]
@@ -142,12 +144,12 @@ def ref_sampling(cand, ri, nt, ns, us, uf, probs, S):
         removed = set()
         for _ in range(1, S):
             cur = t_[b][cur]
-            acc_p = 0.0
+            acc_p = np.float32(0.0)
             removed = set()
             while cur != -1:
                 tok = c_[b][cur]
-                acc_p += P[b][node][tok]
-                if coin <= acc_p:
+                acc_p = np.float32(acc_p + np.float32(P[b][node][tok]))
+                if coin <= float(acc_p):  # the coin as given (float32 in SGLang)
                     predicts[last] = tok
                     n += 1
                     acc_idx[b][n] = r_[b][cur]
@@ -460,27 +462,53 @@ def test_sampling_host_form_equals_tensor_form(rows, native, monkeypatch):
         assert got == want, (rows, t)
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_sampling_host_form_resums_a_reached_row(native, monkeypatch):
-    """An infinite entry in the root row makes its sum infinite, so every child with mass is
-    accepted whatever its coin: the host form's guess skips the child's row, the walk reaches it,
-    and the result still equals the tensor form's."""
-    monkeypatch.setattr(sglang_host, "NATIVE", native)
+@pytest.mark.parametrize("host", [True, False])
+def test_sampling_reads_only_the_children_masses(host, monkeypatch):
+    """SGLang's test reads a child's own probability and its earlier siblings', nothing else of the
+    row: an infinite or NaN entry elsewhere in the root row changes no decision (coin 0.99 rejects
+    the child of mass 1/6 whatever the row's sum), and the op is called once."""
+    monkeypatch.setattr(sg, "HOST_FORM", host)
     V = 6
-    nt = torch.tensor([[1, 2, -1]])
-    ns = torch.tensor([[-1, -1, -1]])
-    cand = torch.tensor([[0, 1, 2]])
-    probs = torch.full((1, 3, V), 1.0 / V)
-    probs[0, 0, 5] = float("inf")
+    nt, ns = torch.tensor([[1, 2, -1]]), torch.tensor([[-1, -1, -1]])
+    cand, ri = torch.tensor([[0, 1, 2]]), torch.arange(3)[None]
     us = torch.tensor([[0.99, 0.5, 0.5]], dtype=torch.float64)
     uf = torch.tensor([0.3], dtype=torch.float64)
     calls = []
     op = ops.rejection_sample
     monkeypatch.setattr(ops, "rejection_sample", lambda *a: calls.append(1) or op(*a))
-    got = [t.tolist() for t in run_sampling(cand, torch.arange(3)[None], nt, ns, us, uf, probs, 3)]
-    assert len(calls) == 2  # the guess missed row 1: its sum, then the op again
-    _, want = _both_forms((cand, torch.arange(3)[None], nt, ns, us, uf, probs), 3, monkeypatch)
-    assert got == want and got[1] == [[0, 1, -1]] and got[2] == [1]  # node 1 accepted (its coin ignored)
+    for bad in (float("inf"), float("nan"), 1e30):
+        probs = torch.full((1, 3, V), 1.0 / V)
+        probs[0, 0, 5] = bad
+        got = [t.tolist() for t in run_sampling(cand, ri, nt, ns, us, uf, probs, 3)]
+        assert got[2] == [0] and got[1] == [[0, -1, -1]], bad  # the child rejected at the root
+    assert len(calls) == 3
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_sampling_running_sum_is_float32_like_the_kernel(host, monkeypatch):
+    """Two siblings whose float32 running sum rounds above the exact sum of their float32 masses:
+    a coin equal to that float32 sum passes SGLang's test at the second child (its kernel adds in
+    float32), though it exceeds the exact sum."""
+    monkeypatch.setattr(sg, "HOST_FORM", host)
+    rng = np.random.default_rng(0)
+    while True:
+        a, b = rng.random(2, dtype=np.float32) * np.float32(0.4)
+        run = np.float32(a + b)
+        if float(run) > float(a) + float(b):
+            break
+    V = 4
+    nt, ns = torch.tensor([[1, -1, -1]]), torch.tensor([[-1, 2, -1]])
+    cand, ri = torch.tensor([[0, 1, 2]]), torch.arange(3)[None]
+    probs = torch.zeros(1, 3, V)
+    probs[0, 0, 1], probs[0, 0, 2], probs[0, 0, 3] = float(a), float(b), 1.0 - float(run)
+    probs[0, 1:] = 0.25
+    for dtype in (torch.float32, torch.float64):
+        us = torch.tensor([[float(run), 0.5, 0.5]], dtype=dtype)
+        got = [t.tolist() for t in run_sampling(cand, ri, nt, ns, us, torch.tensor([0.3]), probs, 3)]
+        assert got[1] == [[0, 2, -1]] and got[2] == [1], dtype  # child 2 (token 2) accepted
+        us = torch.tensor([[float(np.nextafter(run, np.float32(1)))] + [0.5, 0.5]], dtype=dtype)
+        got = [t.tolist() for t in run_sampling(cand, ri, nt, ns, us, torch.tensor([0.3]), probs, 3)]
+        assert got[2] == [0], dtype  # just above: both rejected
 
 
 def test_sampling_draft_probs_scratch_like_sglang():

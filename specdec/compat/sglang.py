@@ -245,12 +245,14 @@ def tree_speculative_sampling_target_only(
     S - 1 accepted tokens) one token is drawn by inverse CDF from the node's target row
     with the rejected children's tokens removed, using the final coin. This is
     speculative sampling with deterministic candidates, so it is computed by
-    :func:`specdec.ops.rejection_sample` (``draft_probs=None``) with per-child uniforms
-    ``(u - P_prev) / (S_row - P_prev)`` (clamped to [0, 1]; ``P_prev`` the earlier
-    siblings' mass, ``S_row`` the row's sum): child c then passes specdec's test exactly
-    when it passes SGLang's, and the final draw uses the final coin. Decisions equal
-    SGLang's up to float rounding at the boundaries (specdec decides in exact
-    fixed point). Deliberate difference: a token repeated among siblings is tried once
+    :func:`specdec.ops.rejection_sample` (``draft_probs=None``) with per-child uniforms 0.0
+    where SGLang's test passes and 1.0 where it fails, the test made as its kernel makes it
+    (``P_c`` a running float32 sum in sibling order, ``u <= P_c``): the op then accepts
+    exactly the children SGLang accepts, except that a candidate without mass in the op's
+    fixed point (a zero, negative or non-finite probability, or one below 2**-41 of its
+    row's largest entry) is never accepted, and the final draw uses the final coin.
+    Only the children's own probabilities are read for the test. Deliberate difference:
+    a token repeated among siblings is tried once
     (its mass counted once, as exactness requires); SGLang's kernel counts it again.
 
     ``draft_probs``, when given, is treated as SGLang's zero-initialised scratch buffer:
@@ -353,23 +355,21 @@ def _exact_inputs(fn, candidates, order, par, identity, uniform_samples, uniform
     else:
         probs = torch.gather(target_probs.to(torch.float32), 1,
                              order.clamp(min=0)[:, :, None].expand(B, N, V)).contiguous()
-    # mass of each child's token in its parent's row; a token repeated among siblings counts once
+    # mass of each child's token in its parent's row (float32); a token repeated among siblings counts once
     pl = par64.clamp(min=0)
-    p_child = probs[torch.arange(B, device=dev)[:, None], pl, tokens.clamp(min=0)].to(torch.float64)
+    p_child = probs[torch.arange(B, device=dev)[:, None], pl, tokens.clamp(min=0)]
     # sib_earlier[b, i, j]: j is a real earlier sibling of i (same parent, smaller index)
     earlier = torch.ones(N, N, dtype=torch.bool, device=dev).tril(-1)
     sib_earlier = (par64[:, :, None] == par64[:, None, :]) & earlier & real_child[:, None, :]
     dup = (sib_earlier & (tokens[:, :, None] == tokens[:, None, :])).any(-1) & real_child
-    mass = torch.where(real_child & ~dup, p_child, 0.0)
-    p_prev = (sib_earlier.to(torch.float64) * mass[:, None, :]).sum(-1)  # the earlier siblings' mass
-    # float32 sums, as SGLang's kernel accumulates; only rows 0 .. (largest parent) are ever used
-    row_sum = probs[:, :max(int(par.max()) + 1, 1)].sum(-1).to(torch.float64)
-    s_par = torch.gather(row_sum, 1, pl)
+    mass = torch.where(real_child & ~dup, p_child, torch.zeros_like(p_child))
+    run = torch.zeros_like(mass)  # SGLang's running float32 sum: additions in sibling order (+0 elsewhere)
+    for j in range(N - 1):  # the last node is nobody's earlier sibling
+        run = run + torch.where(sib_earlier[:, :, j], mass[:, j:j + 1], torch.zeros_like(mass))
+    run = run + mass
     coin_of = pl if identity else torch.gather(order, 1, pl).clamp(min=0)  # the parent's local node
     coin = torch.gather(uniform_samples.to(torch.float64), 1, coin_of)
-    denom = s_par - p_prev
-    u = torch.where(denom > 0, (coin - p_prev) / torch.where(denom > 0, denom, torch.ones_like(denom)),
-                    torch.ones_like(denom)).clamp(0.0, 1.0)
+    u = torch.where(coin <= run.to(torch.float64), 0.0, 1.0).to(torch.float64)
     u = torch.where(real_child, u, torch.zeros_like(u))
     u[:, 0] = uniform_final.reshape(B).to(torch.float64).clamp(0.0, 1.0)
     return tokens.contiguous(), probs, u.contiguous()

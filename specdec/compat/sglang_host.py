@@ -2,23 +2,16 @@
 batches on the CPU, computed on the host.
 
 The tensor form (``sglang._exact_inputs``) turns SGLang's coins into specdec's per-child uniforms
-with a few dozen small tensor operations and a float32 sum of every row that has children. Here
-the same numbers come from a C++ routine over NumPy views of the same memory
-(csrc/host/sglang_host.cpp: no copies, no dispatcher, no per-child Python; or, with ``NATIVE`` off
-and where it declines, NumPy array operations), and only the rows the walk can reach are summed:
+with a few dozen small tensor operations. Here the same numbers come from a C++ routine over NumPy
+views of the same memory (csrc/host/sglang_host.cpp: no copies, no dispatcher, no per-child Python;
+or, with ``NATIVE`` off, NumPy array operations):
 
 * the tree (first child / next sibling links) is walked once per distinct batch of links and kept
   (:func:`specdec.compat.sglang_tree.walk_lists`, a small LRU keyed by the links' bytes);
-* each child's uniform is ``(u - P_prev) / (S_row - P_prev)`` with the same float64 operations as
-  the tensor form. ``P_prev`` (the earlier siblings' mass) is a sum of at most two nonzero terms
-  here, whose value does not depend on the order; with three or more earlier siblings, or a mass
-  that is not finite, torch's own reduction over the same [B, N, N] masks computes it, as there;
-* a row sum (float32, one row or one node column at a time: torch gives a row the same value
-  inside any batch) is computed only for the roots and for nodes whose coin does not clearly
-  reject them. The op reads a node's uniform only when it stands at the node's parent, so a
-  skipped row cannot change the result unless the walk reaches it; when it does (rows with
-  negative or infinite entries can defeat the guess), the remaining sums are computed and the op
-  runs again. The integers are therefore those of the tensor form in every case.
+* each child's uniform is 0.0 where SGLang's test passes (its coin at most the running float32 sum
+  of the sibling masses, its own included) and 1.0 where it fails, with the tensor form's
+  operations: float32 additions from +0 in sibling order, the coin compared in float64. Only the
+  children's own probabilities are read, never a whole row.
 
 Returns False (nothing written) for trees whose numbering is not SGLang's builder order; the
 tensor form handles those.
@@ -36,7 +29,6 @@ from specdec.compat.sglang_tree import err, walk_lists
 
 __all__ = ["sample_exact_host", "verify_greedy_host"]
 
-_SLACK = 1e-3  # relative margin of the reachability guess (only speed depends on it)
 NATIVE = True  # the per-child work in C++ (False: NumPy arrays; tests compare both)
 
 
@@ -47,11 +39,8 @@ class _Tree(NamedTuple):
     kflat: np.ndarray        # b * N + node of each child
     pflat: np.ndarray        # b * N + parent of each child
     earlier: np.ndarray      # [children, K] positions of each child's earlier siblings (pad: len(kb))
-    has_kids: np.ndarray     # [B * N] bool
     roots: np.ndarray        # b * N of each request
-    root_rows: np.ndarray    # [B * N] bool: the roots that have children (read only)
-    mask: list               # [B, N, N] float64 sibling masks of the tensor form, made when first needed
-    lists: tuple             # (kflat, pflat, has_kids) as Python lists (the greedy form's walk, the missing-row check)
+    lists: tuple             # (kflat, pflat) as Python lists (the greedy form's walk)
 
 
 _TREES: "OrderedDict[tuple, Optional[_Tree]]" = OrderedDict()
@@ -80,14 +69,9 @@ def _tree(fn: str, next_token: torch.Tensor, next_sibling: torch.Tensor, N: int,
         earlier = np.full((len(groups), width), len(groups), dtype=np.int64)
         for k, g in enumerate(groups):
             earlier[k, :len(g)] = g
-        has_kids = np.zeros(B * N, dtype=bool)
-        has_kids[kb * N + kp] = True
         roots = np.arange(B, dtype=np.int64) * N
-        root_rows = np.zeros(B * N, dtype=bool)
-        root_rows[roots] = True
         kflat, pflat = kb * N + ki, kb * N + kp
-        tree = _Tree(torch.from_numpy(par), kb, ki, kflat, pflat, earlier, has_kids, roots, root_rows & has_kids,
-                     [], (kflat.tolist(), pflat.tolist(), has_kids.tolist()))
+        tree = _Tree(torch.from_numpy(par), kb, ki, kflat, pflat, earlier, roots, (kflat.tolist(), pflat.tolist()))
     _TREES[key] = tree
     if len(_TREES) > 256:
         _TREES.pop(next(iter(_TREES)))
@@ -107,52 +91,49 @@ def sample_exact_host(fn, predicts, accept_index, accept_token_num, candidates, 
         return False
     probs = target_probs if target_probs.dtype == torch.float32 and target_probs.is_contiguous() \
         else target_probs.to(torch.float32).contiguous()
-    if NATIVE and _sample_native(fn, tree, predicts, accept_index, accept_token_num, candidates, ri, uniform_samples,
-                      uniform_final, probs, B, N, V, S):
-        return True
+    final = _unit(uniform_final.numpy().reshape(B).astype(np.float64))
+    coins = uniform_samples.numpy().reshape(-1)
+    if coins.dtype not in (np.float32, np.float64):
+        coins = coins.astype(np.float64)  # float16: exact in float64
     cand = candidates.numpy().reshape(-1)
+    tok_t, tok_np, u_t, u_np = _buffers(B, N)
+    if NATIVE:
+        k = _C.sglang_prepare(cand, coins, probs.numpy(), tree.kflat, tree.pflat, tree.earlier, final, B, N, V,
+                              tok_np, u_np)
+    else:
+        k = _prepare_arrays(tree, cand, coins, probs, final, V, tok_np, u_np)
+    if k >= 0:
+        k = int(tree.kflat[k])
+        raise err(fn, f"candidates[{k // N}, {k % N}]", f"a token in [0, {V})", int(cand[k]))
+    accepted, num, out = ops.rejection_sample(tok_t, tree.par_t, probs, None, u_t)
+    _write_lists(accepted.tolist(), num.tolist(), out.tolist(), ri, predicts, accept_index, accept_token_num,
+                 B, N, S)
+    return True
+
+
+def _prepare_arrays(tree: _Tree, cand, coins, probs: torch.Tensor, final, V: int, tokens, u) -> int:
+    """sglang_prepare (csrc/host/sglang_host.cpp) in NumPy arrays: the op's tokens and uniforms into
+    ``tokens`` / ``u``; -1, or the position of the first child whose candidate is not a token."""
     tk = cand[tree.kflat].astype(np.int64)
     if tk.size and (tk.min() < 0 or tk.max() >= V):  # padding may hold anything: only the tree's nodes
-        k = int(np.flatnonzero((tk < 0) | (tk >= V))[0])
-        raise err(fn, f"candidates[{tree.kb[k]}, {tree.ki[k]}]", f"a token in [0, {V})", int(tk[k]))
-    tokens = np.full(B * N, -1, dtype=np.int64)
+        return int(np.flatnonzero((tk < 0) | (tk >= V))[0])
+    tokens[:] = -1
     tokens[tree.kflat] = tk
     tokens[tree.roots] = np.minimum(np.maximum(cand[tree.roots], 0), V - 1)
-    p_child = probs.numpy().reshape(-1)[tree.pflat * V + tk].astype(np.float64)  # float32 values, exactly
-    coin = uniform_samples.numpy().reshape(-1)[tree.pflat].astype(np.float64)
+    mass = probs.numpy().reshape(-1)[tree.pflat * V + tk]  # float32
+    run = np.zeros(len(tk), dtype=np.float32)
     if tree.earlier.shape[1]:
         dup = (np.append(tk, -1)[tree.earlier] == tk[:, None]).any(1)
-        mass = np.where(dup, 0.0, p_child)
-    else:
-        mass = p_child
-    p_prev = _earlier_mass(tree, mass, B, N)
-    sums = np.full(B * N, np.nan)
-    known = np.zeros(B * N, dtype=bool)
-    _row_sums(probs, _reachable(tree, coin, p_prev, p_child, B, N), sums, known, N)
-    final = _unit(uniform_final.numpy().reshape(B).astype(np.float64))
-    tok_t = torch.from_numpy(tokens).view(B, N)
-    while True:
-        u = _uniforms(tree, coin, p_prev, sums, known, final, B, N)
-        accepted, num, out = ops.rejection_sample(tok_t, tree.par_t, probs, None, torch.from_numpy(u).view(B, N))
-        acc = accepted.numpy()
-        on = acc >= 0
-        node = (np.where(on, acc, 0) + tree.roots[:, None]).reshape(-1)
-        on = on.reshape(-1)
-        if num.numpy().max() == 0 and not (tree.root_rows & ~known).any():
-            break  # every walk ended at its root, whose sum is known
-        if not (on & tree.has_kids[node] & ~known[node]).any():
-            break  # every row the walks stood on was summed
-        _row_sums(probs, tree.has_kids & ~known, sums, known, N)  # now u is the tensor form's everywhere
-    flat = np.where(on, np.array(ri)[node], -1).reshape(B, N)
-    w = min(S, N)
-    ai = np.full((B, S), -1, dtype=np.int64)
-    ai[:, :w] = flat[:, :w]
-    accept_index.copy_(torch.from_numpy(ai))
-    accept_token_num.copy_(num)
-    sel = flat >= 0
-    vals = torch.from_numpy(out.numpy()[sel])
-    predicts[torch.from_numpy(flat[sel])] = vals if predicts.dtype == vals.dtype else vals.to(predicts.dtype)
-    return True
+        mass = np.where(dup, np.float32(0.0), mass)
+        padded = np.append(mass, np.float32(0.0))
+        for w in range(tree.earlier.shape[1]):  # float32 additions in sibling order
+            run = run + padded[tree.earlier[:, w]]
+    run = run + mass
+    u[:] = 0.0
+    with np.errstate(invalid="ignore"):
+        u[tree.kflat] = np.where(coins[tree.pflat].astype(np.float64) <= run.astype(np.float64), 0.0, 1.0)
+    u[tree.roots] = final
+    return -1
 
 
 def verify_greedy_host(fn, predicts, accept_index, accept_token_num, candidates, ri: list, retrive_next_token,
@@ -200,101 +181,6 @@ def _two_symbol_logits(B: int, N: int) -> torch.Tensor:
 def _unit(x: np.ndarray) -> np.ndarray:
     """Clamp to [0, 1], NaN kept (as torch.clamp)."""
     return np.minimum(np.maximum(x, 0.0), 1.0)
-
-
-def _earlier_mass(tree: _Tree, mass: np.ndarray, B: int, N: int) -> np.ndarray:
-    """Each child's earlier siblings' mass (float64), as the tensor form computes it."""
-    if np.isfinite(mass).all():  # else 0 * inf = NaN reaches every node of the request there
-        if tree.earlier.shape[1] == 0:
-            return np.zeros(mass.shape)
-        if tree.earlier.shape[1] <= 2:  # at most two terms: any order, same sum
-            return np.append(mass, 0.0)[tree.earlier].sum(1)
-    if not tree.mask:
-        par = tree.par_t.numpy().astype(np.int64)
-        same = (par[:, :, None] == par[:, None, :]) & np.tri(N, k=-1, dtype=bool)[None] & (par >= 0)[:, None, :]
-        tree.mask.append(torch.from_numpy(same.astype(np.float64)))
-    m = np.zeros(B * N)
-    m[tree.kflat] = mass
-    full = (tree.mask[0] * torch.from_numpy(m).view(B, 1, N)).sum(-1).numpy().reshape(-1)
-    return full[tree.kflat]
-
-
-def _reachable(tree: _Tree, coin, p_prev, p_child, B: int, N: int) -> np.ndarray:
-    """[B * N] bool: the rows with children the walk is likely to stand on (the roots, and children
-    whose coin does not clearly reject them, below such a node)."""
-    with np.errstate(all="ignore"):
-        maybe = np.flatnonzero(~(coin - p_prev > p_child * (1.0 + _SLACK) + 1e-300))  # NaN: maybe
-    if not maybe.size:
-        return tree.root_rows
-    likely = tree.root_rows.copy()
-    for k in maybe.tolist():  # parents come before their children
-        if likely[tree.pflat[k]]:
-            likely[tree.kflat[k]] = True
-    return likely & tree.has_kids
-
-
-def _row_sums(probs: torch.Tensor, rows: np.ndarray, sums: np.ndarray, known: np.ndarray, N: int) -> None:
-    """float32 sums of the flat [B * N] ``rows`` (as float64) into ``sums``: a node needed by every
-    request in one call over its column, the others one row at a time."""
-    B = probs.shape[0]
-    need = (rows & ~known).reshape(B, N)
-    for r in np.flatnonzero(need.any(0)).tolist():
-        bs = np.flatnonzero(need[:, r])
-        if bs.size == B:
-            sums[r::N] = probs[:, r].sum(-1).numpy()
-        else:
-            for b in bs.tolist():
-                sums[b * N + r] = float(probs[b, r].sum())
-    known |= need.reshape(-1)
-
-
-def _uniforms(tree: _Tree, coin, p_prev, sums, known, final, B: int, N: int) -> np.ndarray:
-    """[B * N] float64 uniforms: the tensor form's per-child mapping (1.0 where the parent's row was
-    not summed: never read unless the walk gets there, which the caller checks)."""
-    with np.errstate(all="ignore"):
-        denom = sums[tree.pflat] - p_prev
-        pos = denom > 0
-        x = _unit(np.where(pos, (coin - p_prev) / np.where(pos, denom, 1.0), 1.0))
-    u = np.zeros(B * N)
-    u[tree.kflat] = np.where(known[tree.pflat], x, 1.0)
-    u[tree.roots] = final
-    return u
-
-
-def _sample_native(fn, tree: _Tree, predicts, accept_index, accept_token_num, candidates, ri: list, uniform_samples,
-                   uniform_final, probs, B: int, N: int, V: int, S: int) -> bool:
-    """The host form's per-child work in C++ (csrc/host/sglang_host.cpp: the same float64 operations
-    in the same order) on NumPy views of the inputs. False (nothing written) when an earlier-sibling
-    mass has three or more nonzero terms or a mass is not finite: the array form lets torch reduce
-    those. ``ri``: ``retrive_index`` as a flat list."""
-    cand = candidates.numpy().reshape(-1)
-    coins = uniform_samples.numpy().reshape(-1)
-    if coins.dtype not in (np.float32, np.float64):
-        coins = coins.astype(np.float64)  # float16: exact in float64
-    tok_t, tok_np, u_t, u_np = _buffers(B, N)
-    K = len(tree.kflat)
-    p_prev, likely = np.empty(K), np.empty(B * N, dtype=bool)
-    status = _C.sglang_prepare(cand, coins, probs.numpy(), tree.kflat, tree.pflat, tree.earlier, B, N, V, _SLACK,
-                               tok_np, p_prev, likely)
-    if status == -2:
-        return False
-    if status >= 0:
-        k = int(tree.kflat[status])
-        raise err(fn, f"candidates[{k // N}, {k % N}]", f"a token in [0, {V})", int(cand[k]))
-    sums, known = np.full(B * N, np.nan), np.zeros(B * N, dtype=bool)
-    _row_sums(probs, likely & tree.has_kids, sums, known, N)
-    final = _unit(uniform_final.numpy().reshape(B).astype(np.float64))
-    has_kids = tree.lists[2]
-    while True:
-        _C.sglang_uniforms(tree.kflat, tree.pflat, coins, p_prev, sums, known, final, B, N, u_np)
-        accepted, num, out = ops.rejection_sample(tok_t, tree.par_t, probs, None, u_t)
-        acc, nums = accepted.tolist(), num.tolist()
-        seen = known.tolist()
-        if all(seen[r] or not has_kids[r] for r in (b * N + a for b in range(B) for a in acc[b][:nums[b] + 1])):
-            break  # every row the walks stood on was summed
-        _row_sums(probs, tree.has_kids & ~known, sums, known, N)  # now u is the tensor form's everywhere
-    _write_lists(acc, nums, out.tolist(), ri, predicts, accept_index, accept_token_num, B, N, S)
-    return True
 
 
 _BUFFERS: "OrderedDict[tuple, tuple]" = OrderedDict()
