@@ -34,29 +34,28 @@ FIXED = ("head_chain", "head_tree", "head_k1", "head_k2", "head_k3")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def _methods(target_model, draft_model, head_net, head_precision):
+def _methods(target_model, draft_model, head_net, head_precision, head_act=None):
+    hp = dict(precision=head_precision, act=head_act)
     return {
         "plain": lambda: None,
         "lookup": lambda: PromptLookup(ngram=3, k=10),
         "w8": lambda: DraftModel(HFCausalLM(draft_model), k=6),
-        "head_chain": lambda: EagleHead(head_net, k=5, precision=head_precision),
-        "head_tree": lambda: EagleHead(head_net, k=5, top_k=4, tree="dynamic", node_budget=12,
-                                       precision=head_precision),
-        "head_goodput": lambda: EagleHead(head_net, k=6, precision=head_precision),
+        "head_chain": lambda: EagleHead(head_net, k=5, **hp),
+        "head_tree": lambda: EagleHead(head_net, k=5, top_k=4, tree="dynamic", node_budget=12, **hp),
+        "head_goodput": lambda: EagleHead(head_net, k=6, **hp),
         # what `specdec generate --draft auto --head PATH` builds: prompt lookup first, the head beside it
-        "lookup_head": lambda: MultiDraft([PromptLookup(ngram=3, k=10), EagleHead(head_net, k=5,
-                                                                                  precision=head_precision)],
+        "lookup_head": lambda: MultiDraft([PromptLookup(ngram=3, k=10), EagleHead(head_net, k=5, **hp)],
                                           escalate=2.0),
         # what `specdec generate --draft auto` builds with an fp32 target (and, before, at every precision)
         "lookup_w8": lambda: MultiDraft([PromptLookup(ngram=3, k=10), DraftModel(HFCausalLM(draft_model), k=6)],
                                         escalate=2.0),
-        "head_k1": lambda: EagleHead(head_net, k=1, precision=head_precision),
-        "head_k2": lambda: EagleHead(head_net, k=2, precision=head_precision),
-        "head_k3": lambda: EagleHead(head_net, k=3, precision=head_precision),
+        "head_k1": lambda: EagleHead(head_net, k=1, **hp),
+        "head_k2": lambda: EagleHead(head_net, k=2, **hp),
+        "head_k3": lambda: EagleHead(head_net, k=3, **hp),
     }
 
 
-def _step_cost(target_model, draft_model, head_net, head_precision, ctx_len=200, reps=30):
+def _step_cost(target_model, draft_model, head_net, head_precision, head_act=None, ctx_len=200, reps=30):
     """Median seconds of one 1-token forward of the target, the w8 draft and the head (at ctx_len cached)."""
     out = {}
     seq = list(range(1000, 1000 + ctx_len))
@@ -80,7 +79,7 @@ def _step_cost(target_model, draft_model, head_net, head_precision, ctx_len=200,
     wc = w8.new_cache(1, ctx_len + 8)
     w8.prefill(wc, [seq])
     out["w8"] = timed(lambda: w8.forward(wc, one, d0))
-    head = EagleHead(head_net, k=1, precision=head_precision).net
+    head = EagleHead(head_net, k=1, precision=head_precision, act=head_act).net
     lm = HeadLM(head, target)
     lm.attach(tc)
     hc = lm.new_cache(1, ctx_len + 8)
@@ -96,6 +95,8 @@ def main() -> None:
     ap.add_argument("--act", default="auto", choices=["auto", "none", "q8"],
                     help="the target's activations (auto: q8 with q8_0 / q4_1, as specdec generate's default)")
     ap.add_argument("--head-precision", default="q8_0", choices=["fp32", "q8_0"])
+    ap.add_argument("--head-act", default="q8", choices=["none", "q8"],
+                    help="the head's activations (q8: quantized, the integer kernels; needs --head-precision q8_0)")
     ap.add_argument("--set", default="open", choices=sorted(PROMPT_SETS))
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -109,7 +110,8 @@ def main() -> None:
 
     model, tok, draft = load_bundled(precision=args.precision, draft="w8", act=resolve_act(args.act, args.precision))
     net = load_head(args.head)
-    makers = _methods(model, draft, net, args.head_precision)
+    head_act = None if args.head_act == "none" or args.head_precision != "q8_0" else args.head_act
+    makers = _methods(model, draft, net, args.head_precision, head_act)
     names = args.methods.split(",")
     texts = PROMPT_SETS[args.set][:args.prompts]
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
@@ -134,7 +136,7 @@ def main() -> None:
                 print(f"round {rnd} prompt {i} {n:10s} {m['tokens_per_second']:7.2f} tok/s  "
                       f"accepted length {m['mean_accepted_length']:.2f}", flush=True)
         load.append(os.getloadavg())
-    cost = _step_cost(model, draft, net, args.head_precision)
+    cost = _step_cost(model, draft, net, args.head_precision, head_act)
     summary = {}
     for n in names:
         rs = [r for r in runs if r["method"] == n]

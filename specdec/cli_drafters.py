@@ -92,7 +92,7 @@ def _head(src: DraftSource):
     from specdec.drafters.eagle import load_head
 
     a = src.args
-    return EagleHead(load_head(a.head_opt), k=a.k or 5, top_k=a.tree or 1, precision="q8_0",
+    return EagleHead(load_head(a.head_opt), k=a.k or 5, top_k=a.tree or 1, precision="q8_0", act="q8",
                      tree="dynamic" if (a.tree or 1) > 1 else "spine")
 
 

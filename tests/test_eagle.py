@@ -15,7 +15,7 @@ from specdec.drafters.eagle.lm import HeadLM  # noqa: E402
 from specdec.drafters.eagle.net import causal_attention, rope_tables  # noqa: E402
 from specdec.drafters.eagle.train import TrainConfig, train_head  # noqa: E402
 from specdec.models import HFCausalLM  # noqa: E402
-from specdec.models.quant import quantize_linear_groups  # noqa: E402
+from specdec.models.quant import GroupQuantLinear, quantize_linear_groups  # noqa: E402
 
 V = 97
 PROMPTS = [[1, 5, 7, 9, 11, 3], [4, 4, 2], [8, 1, 2, 3, 4, 5, 6, 7, 8, 9]]
@@ -106,6 +106,14 @@ def test_head_lm_equals_a_full_recompute():
         torch.testing.assert_close(l1[0, j], lg1[-1], atol=1e-4, rtol=1e-4)
         _, lg2 = run(prompt + [root, kids[0, j].item(), grand[0, j].item()], torch.cat([base, out[-1:], o1[-1:]]))
         torch.testing.assert_close(l2[0, j], lg2[-1], atol=1e-4, rtol=1e-4)
+    # a chain step (one node per call, no mask): the drafted node's parent is the root's head output
+    chain = lm.new_cache(1, 40)
+    lm.prefill(chain, [prompt])
+    lm.forward(chain, torch.tensor([[root]]), torch.zeros(1, 1, dtype=torch.int32))
+    chain.lens += 1
+    c1 = lm.forward(chain, torch.tensor([[7]]), torch.zeros(1, 1, dtype=torch.int32))[0, 0]
+    _, lgc = run(prompt + [root, 7], torch.cat([base, out[-1:]]))
+    torch.testing.assert_close(c1, lgc[-1], atol=1e-4, rtol=1e-4)
 
 
 def test_reduced_vocabulary_map():
@@ -155,6 +163,7 @@ def test_greedy_exact_q8_head_reduced_vocab_and_hook_path(trained):
     with torch.no_grad():
         small.lm_head.weight.copy_(model.get_output_embeddings().weight[small.draft_to_target()])
     for head, target in ((EagleHead(net, k=3, precision="q8_0"), HFCausalLM(model)),
+                         (EagleHead(net, k=3, top_k=2, tree="dynamic", precision="q8_0", act="q8"), HFCausalLM(model)),
                          (EagleHead(small, k=3, top_k=2, tree="dynamic"), HFCausalLM(model)),
                          (EagleHead(net, k=3), HFCausalLM(model, fast_path=False))):
         out = SpeculativeDecoder(target, head, max_batch=3, max_len=64, policy="fixed").generate(
@@ -324,6 +333,33 @@ def test_bad_binding():
         SpeculativeDecoder(HFCausalLM(_tiny_llama(vocab=50)), EagleHead(net))
     with pytest.raises(TypeError, match="net must be a HeadNet"):
         EagleHead(object())
+    with pytest.raises(ValueError, match="act must be None, or 'q8' with precision 'q8_0'"):
+        EagleHead(net, act="q8")
+    with pytest.raises(ValueError, match="act must be None"):
+        EagleHead(net, precision="q8_0", act="q4")
+
+
+def test_q8_activation_head_runs_the_integer_kernels():
+    """act="q8": every linear layer of the head takes quantized activations, the fused decoder layer
+    included (its slots packed for the integer kernels, bits + 32), and its logits stay close to the
+    float-activation head's."""
+    model = _tiny_llama()
+    target = HFCausalLM(model)
+    target.capture_hidden((-1,))
+    tcache = target.new_cache(1, 24)
+    target.prefill(tcache, [[1, 2, 3, 4, 5]])
+    torch.manual_seed(3)
+    net = HeadNet(_head_config())
+    logits = {}
+    for act in (None, "q8"):
+        head = EagleHead(net, precision="q8_0", act=act)
+        assert all(m.act == act for m in head.net.modules() if isinstance(m, GroupQuantLinear))
+        lm = HeadLM(head.net, target)
+        assert lm.fused is not None and all(b == (40 if act else 8) for b in lm.fused[4])
+        lm.attach(tcache)
+        logits[act] = lm.prefill(lm.new_cache(1, 24), [[1, 2, 3, 4, 5]])
+    assert not torch.equal(logits[None], logits["q8"])
+    torch.testing.assert_close(logits["q8"], logits[None], atol=0.05, rtol=0.05)
 
 
 def test_held_out_evaluation(trained):

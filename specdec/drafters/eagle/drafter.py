@@ -23,27 +23,35 @@ class EagleHead(DraftModel):
     the target's states (as EAGLE does), not kept with the head's own predicted ones.
 
     Parameters: ``net`` (a HeadNet, trained here or loaded by :func:`~specdec.drafters.eagle.load_head`),
-    then DraftModel's ``k``, ``top_k``, ``node_budget``, ``stop_threshold``, ``tree``,
-    ``sampled_children``, ``calibrate``, ``learn_plan``.
+    ``precision`` ("fp32", or "q8_0": the head's linear layers group-quantized), ``act`` (None, or "q8"
+    with "q8_0": their activations quantized per block of 32 too, the integer kernels; a draft need
+    not be exact, only cheap and close), then DraftModel's ``k``, ``top_k``, ``node_budget``,
+    ``stop_threshold``, ``tree``, ``sampled_children``, ``calibrate``, ``learn_plan``.
     """
 
     changes_target = True   # bind() turns on the target's capture_hidden (a dense cache of states)
 
 
-    def __init__(self, net: HeadNet, k: int = 4, top_k: int = 1, precision: str = "fp32", **kwargs) -> None:
+    def __init__(self, net: HeadNet, k: int = 4, top_k: int = 1, precision: str = "fp32",
+                 act: Optional[str] = None, **kwargs) -> None:
         if not isinstance(net, HeadNet):
             raise TypeError(f"EagleHead: net must be a HeadNet, got {type(net).__name__}")
         if precision not in ("fp32", "q8_0"):
             raise ValueError(f"EagleHead: precision must be 'fp32' or 'q8_0', got {precision!r}")
+        if act not in (None, "q8") or (act == "q8" and precision != "q8_0"):
+            raise ValueError(f"EagleHead: act must be None, or 'q8' with precision 'q8_0' (the head's activations "
+                             f"quantized per block of 32, as qlinear(..., act='q8')), got act={act!r} with "
+                             f"precision={precision!r}")
         super().__init__(None, k=k, top_k=top_k, **kwargs)
         if precision == "q8_0":  # the head's linear layers group-quantized (a copy: ``net`` stays trainable)
             import copy
 
-            from specdec.models.quant import quantize_linear_groups
+            from specdec.models.quant import quantize_linear_groups, set_activation_quant
 
-            net = quantize_linear_groups(copy.deepcopy(net), "q8_0")
+            net = set_activation_quant(quantize_linear_groups(copy.deepcopy(net), "q8_0"), act)
         self.net = net
         self.precision = precision
+        self.act = act
         self.target = None
         self._extra_foreign = 0  # room for other drafters' tokens (reserve_foreign, a MultiDraft member)
 

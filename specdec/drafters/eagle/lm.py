@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 
 from specdec import ops
-from specdec.drafters.eagle.net import HeadNet, rope_tables
+from specdec.drafters.eagle.net import HeadNet
 from specdec.models.hidden import HiddenKVCache, write_hidden
 
 __all__ = ["HeadLM"]
@@ -53,6 +53,7 @@ class HeadLM:
         # the layer as one ops.decoder_layer call (EAGLE-1 layout), or None; the weights as they are now
         self.fused = fused_layer_spec(net)
         self._unit = torch.ones(cfg.hidden_size, dtype=self.dtype, device=self.device)
+        self._inv: Optional[torch.Tensor] = None  # rope's inverse frequencies
 
     def attach(self, features: HiddenKVCache) -> None:
         if not isinstance(features, HiddenKVCache) or features.feature_dim != self.cfg.feature_size:
@@ -101,36 +102,30 @@ class HeadLM:
             raise RuntimeError("EagleHead: no target features attached (the drafter attaches them in start())")
         net, cfg = self.net, self.cfg
         B, N = tokens.shape
-        dev = tokens.device
         lens = cache.lens.to(torch.int64).view(B, 1)
-        pos = lens + depths.to(torch.int64)                                     # [B, N] absolute positions
+        pos = lens + depths                                                      # [B, N] absolute positions
         parent = pos - 1
         tgt = self.features
-        t_lens = tgt.lens[row0:row0 + B].to(torch.int64).view(B, 1)
-        from_target = parent < t_lens
+        from_target = (parent < tgt.lens[row0:row0 + B].view(B, 1)).unsqueeze(2)
         idx = parent.clamp(min=0, max=tgt.capacity - 1).unsqueeze(2)
-        tfeat = tgt.hidden[row0:row0 + B, 0].gather(1, idx.expand(B, N, tgt.feature_dim)).to(self.dtype)
-        tfeat = net.input_feature(tfeat) * (parent >= 0).unsqueeze(2)
+        tfeat = tgt.hidden[row0:row0 + B, 0].gather(1, idx.expand(B, N, tgt.feature_dim))
+        tfeat = net.input_feature(tfeat.to(self.dtype)) * (parent >= 0).unsqueeze(2)
         H = cfg.hidden_size
         own = cache.hidden[:, 0]                                                 # [B, S, H + 1]
         mask = tree_mask  # None: a causal chain (verify_attention's default)
-        if tree_mask is None:
-            tree_mask = torch.ones(N, kv_offset + N, dtype=torch.bool, device=dev).tril(kv_offset)
-            tree_mask = tree_mask.expand(B, N, kv_offset + N)
-        step_slots = lens + torch.arange(kv_offset + N, device=dev).view(1, -1)  # [B, kvo + N]
-        step_pos = own.gather(1, step_slots.clamp(max=cache.capacity - 1).unsqueeze(2)
-                              .expand(B, kv_offset + N, H + 1))[:, :, H].to(torch.int64)
-        step_pos[:, kv_offset:] = pos
-        match = tree_mask & (step_pos.unsqueeze(1) == parent.unsqueeze(2))      # [B, N, kvo + N]
-        slot = torch.where(match.any(dim=2), lens + match.to(torch.int8).argmax(dim=2), lens - 1).clamp(min=0)
-        hfeat = own.gather(1, slot.unsqueeze(2).expand(B, N, H + 1))[:, :, :H]
-        feat = torch.where(from_target.unsqueeze(2), tfeat, hfeat)
+        if tree_mask is None and kv_offset == 0:
+            # a chain after the cache: only its first node's parent can be drafted (the cache's last slot);
+            # the others' parents are this call's earlier nodes, committed text (module docstring)
+            hfeat = own.gather(1, (lens - 1).clamp(min=0).unsqueeze(2).expand(B, 1, H + 1))[:, :, :H]
+        else:
+            hfeat = self._own_parent_features(own, lens, pos, parent, tree_mask, kv_offset, cache.capacity)
+            if mask is None and kv_offset:
+                mask = torch.ones(N, kv_offset + N, dtype=torch.bool, device=tokens.device).tril(kv_offset) \
+                    .expand(B, N, kv_offset + N)
+        feat = torch.where(from_target, tfeat, hfeat)
         emb = self.embed(tokens.clamp(min=0)).to(self.dtype)
-        cos, sin = rope_tables(pos, cfg.head_dim, cfg.rope_theta, self.dtype)
+        cos, sin = self._rope(pos)
         k_cache, v_cache, cl = cache.k[0], cache.v[0], cache.lens
-        if mask is None and kv_offset:
-            mask = tree_mask
-
         m = mask if mask is None or mask.is_contiguous() else mask.contiguous()
         if self.fused is not None:  # fc, then the decoder layer in one call (the layer's own residual = x)
             x = net.fc(torch.cat((emb, feat), dim=-1))
@@ -148,26 +143,59 @@ class HeadLM:
         logits = net.logits(out, self.target_head).float()
         if self.draft_ids is None:
             return logits
-        full = torch.full((B, N, self.vocab_size), float("-inf"), dtype=torch.float32, device=dev)
-        full[:, :, self.draft_ids] = logits
-        return full
+        full = torch.full((B, N, self.vocab_size), float("-inf"), dtype=torch.float32, device=tokens.device)
+        return full.index_copy_(2, self.draft_ids, logits)
+
+    @staticmethod
+    def _own_parent_features(own, lens, pos, parent, tree_mask, kv_offset: int, capacity: int) -> torch.Tensor:
+        """[B, N, H]: each node's parent's output among the step's visible slots (by stored position), else the
+        cache's last slot."""
+        B, N = pos.shape
+        H = own.shape[2] - 1
+        dev = pos.device
+        if tree_mask is None:
+            tree_mask = torch.ones(N, kv_offset + N, dtype=torch.bool, device=dev).tril(kv_offset)
+            tree_mask = tree_mask.expand(B, N, kv_offset + N)
+        step_slots = lens + torch.arange(kv_offset + N, device=dev).view(1, -1)  # [B, kvo + N]
+        step_pos = own.gather(1, step_slots.clamp(max=capacity - 1).unsqueeze(2)
+                              .expand(B, kv_offset + N, H + 1))[:, :, H].to(torch.int64)
+        step_pos[:, kv_offset:] = pos
+        match = tree_mask & (step_pos.unsqueeze(1) == parent.unsqueeze(2))      # [B, N, kvo + N]
+        slot = torch.where(match.any(dim=2), lens + match.to(torch.int8).argmax(dim=2), lens - 1).clamp(min=0)
+        return own.gather(1, slot.unsqueeze(2).expand(B, N, H + 1))[:, :, :H]
+
+    def _rope(self, pos: torch.Tensor):
+        """cos, sin [B, N, head_dim] at ``pos`` (rope_tables' values; the inverse frequencies kept)."""
+        cfg = self.cfg
+        if self._inv is None or self._inv.device != pos.device:
+            D = cfg.head_dim
+            self._inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32, device=pos.device) / D))
+        ang = pos.to(torch.float32).unsqueeze(-1) * self._inv
+        ang = torch.cat([ang, ang], dim=-1)
+        return ang.cos().to(self.dtype), ang.sin().to(self.dtype)
 
 
 def _slot(mods):
     """One ops.decoder_layer projection slot (weights, scales, mins, biases, bits) of linear layers concatenated
-    along their outputs, or None when they cannot share one call."""
+    along their outputs, or None when they cannot share one call. Quantized activations (act="q8"): bits + 32
+    and, on the CPU, the concatenation's packed layout."""
     from specdec.models.quant import GroupQuantLinear
 
     if any(m.bias is not None for m in mods):  # the published layouts have none
         return None
     if all(type(m) is torch.nn.Linear for m in mods):
         return torch.cat([m.weight.detach() for m in mods]).contiguous(), None, None, None, 0
-    if all(isinstance(m, GroupQuantLinear) and m.act is None for m in mods):
-        if len({(m.bits, m.mins is None) for m in mods}) != 1:
+    if all(isinstance(m, GroupQuantLinear) for m in mods):
+        if len({(m.bits, m.mins is None, m.act) for m in mods}) != 1 or mods[0].act not in (None, "q8"):
             return None
         mins = None if mods[0].mins is None else torch.cat([m.mins for m in mods]).contiguous()
-        return (torch.cat([m.qweight for m in mods]).contiguous(), torch.cat([m.scales for m in mods]).contiguous(),
-                mins, None, mods[0].bits)
+        qw, sc, bits = torch.cat([m.qweight for m in mods]).contiguous(), \
+            torch.cat([m.scales for m in mods]).contiguous(), mods[0].bits
+        if mods[0].act == "q8":
+            if qw.device.type == "cpu":
+                qw = ops.pack_q8act(qw, sc, mins, bits)
+            bits += 32
+        return qw, sc, mins, None, bits
     return None
 
 
