@@ -606,3 +606,39 @@ def test_greedy_offset_slice_odd_vocab(device):
     off = buf[1:].view(logits.shape)
     off.copy_(logits)
     run_greedy(device, tokens, parents, off)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_verify_argmax_of_edge_rows(device):
+    """The argmax at a root (float32 rows: the CPU's vectorized form where it has AVX2) on rows built to
+    catch a two-pass search: the maximum or a NaN in the tail past the last full vector, ties (the
+    first wins, +0 and -0 equal), NaN after the maximum, all -inf, +inf, one element; every width from
+    1 to 70 and a vocabulary-sized one."""
+    g = gen(71)
+    for V in list(range(1, 71)) + [4099]:
+        B = 24
+        rows = torch.randn(B, V, generator=g)
+        for b in range(B):
+            kind, j = b % 8, int(torch.randint(0, V, (1,), generator=g))
+            if kind == 1:
+                rows[b, V - 1] = 100.0                      # the maximum last (in the scalar tail)
+            elif kind == 2:
+                rows[b] = torch.randint(0, 2, (V,), generator=g).float()  # ties: the first 1 wins
+            elif kind == 3:
+                rows[b, j] = float("nan")                   # NaN anywhere, also after the maximum
+                rows[b, 0] = 50.0
+            elif kind == 4:
+                rows[b] = float("-inf")
+            elif kind == 5:
+                rows[b] = 0.0
+                rows[b, : j + 1] = -0.0                     # -0 first: equal to +0, index 0 wins
+            elif kind == 6:
+                rows[b, j:] = float("inf")
+            elif kind == 7:
+                rows[b, V - 1] = float("nan")
+        tokens = torch.zeros(B, 1, dtype=torch.int64)
+        parents = torch.full((B, 1), -1, dtype=torch.int32)
+        _, _, out = ops.greedy_verify(tokens.to(device), parents.to(device), rows.view(B, 1, V).to(device))
+        want = [reference._argmax_first(rows[b]) for b in range(B)]
+        assert out[:, 0].cpu().tolist() == want, V
+        assert want == torch.argmax(rows, dim=1).tolist()

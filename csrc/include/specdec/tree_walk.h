@@ -21,8 +21,11 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
+#include "specdec/cpu_argmax.h"
+#include "specdec/cpu_isa.h"
 #include "specdec/sampling_fixed.h"
 
 namespace specdec {
@@ -140,9 +143,13 @@ inline void rejection_sample_request(const int64_t* tokens, const int32_t* paren
   *out.num_accepted = int32_t(count);
 }
 
-// First index of the maximum; NaN counts as the maximum (torch.argmax semantics).
+// First index of the maximum; NaN counts as the maximum (torch.argmax semantics). float32 rows (whose
+// to_float is the identity) take the AVX2 form where the CPU has it: the same index on every row.
 template <typename T, typename ToFloat>
 inline int64_t argmax_row(const T* row, int64_t V, ToFloat to_float) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (has_avx2_fma_f16c()) return argmax_f32_avx2(row, V);
+  }
   int64_t best = 0;
   float bv = to_float(row[0]);
   if (std::isnan(bv)) return 0;
