@@ -32,6 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="a bundled model name (default smollm2-135m)")
     p.add_argument("--precision", default="q4_1", choices=["fp32", "q8_0", "q4_1"],
                    help="the target's weights while generating the data (default q4_1, the checkpoint's own)")
+    p.add_argument("--act", default="auto", choices=["auto", "none", "q8"],
+                   help="the target's activations while generating the data: auto (the default) is q8 with a "
+                        "quantized precision, as specdec generate runs the target, so the head learns the features "
+                        "it will be fed")
     p.add_argument("--corpus", default="mixed", choices=list(CORPORA),
                    help="prompt corpus: everyday requests (general), standard-library docstrings (stdlib) or both "
                         "alternating (mixed, the default); none of them holds a benchmark prompt")
@@ -58,18 +62,28 @@ def _load(args):
     from specdec.models import HFCausalLM
     from specdec.models.bundled import load_bundled
 
-    model, tok = load_bundled(args.model, precision=args.precision)
+    from specdec.cli import resolve_act
+
+    model, tok = load_bundled(args.model, precision=args.precision, act=resolve_act(args.act, args.precision))
     return model, tok, HFCausalLM(model)
 
 
 def _data(args, model, tok, target, path: str):
     from tqdm import tqdm
 
+    from specdec.cli import resolve_act
     from specdec.drafters.eagle.corpus import corpus_prompts
     from specdec.drafters.eagle.data import generate_with_features
 
-    if os.path.isfile(path):
-        return torch.load(path, weights_only=False)
+    act = resolve_act(args.act, args.precision)
+    if os.path.isfile(path):  # a resumed run: the data must come from the target this run asks for
+        data = torch.load(path, weights_only=False)
+        have = (data.get("precision"), data.get("act"))
+        if have != (args.precision, act):
+            raise SystemExit(f"specdec train-head: {path} was generated with precision {have[0]} and activations "
+                             f"{have[1] or 'float'}; this run asks for {args.precision} and {act or 'float'} "
+                             f"(pass the matching --precision / --act, or remove the file)")
+        return data
     t0 = time.perf_counter()
     texts = corpus_prompts(args.corpus, args.prompts, seed=args.seed, max_chars=args.doc_chars)
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
@@ -80,7 +94,7 @@ def _data(args, model, tok, target, path: str):
         seqs, feats = generate_with_features(target, prompts, args.max_new_tokens, batch=args.batch,
                                              eos_token_id=eos, progress=bar.update)
     data = dict(sequences=seqs, features=feats, prompt_lengths=[len(p) for p in prompts],
-                seconds=time.perf_counter() - t0, precision=args.precision, model=args.model)
+                seconds=time.perf_counter() - t0, precision=args.precision, model=args.model, act=act)
     torch.save(data, path)
     return data
 
@@ -180,7 +194,7 @@ def run(args: argparse.Namespace, argv: Optional[List[str]] = None) -> int:
                      None if args.draft_vocab else head, cfg, checkpoint=os.path.join(args.out, "train.ckpt"),
                      progress=True, val=val)
     train_s = time.perf_counter() - t1
-    meta = dict(model=args.model, precision=args.precision, seed=args.seed, command=argv,
+    meta = dict(model=args.model, precision=args.precision, act=data.get("act"), seed=args.seed, command=argv,
                 data=f"{len(seqs)} greedy answers of the model to {CORPUS_TEXT[args.corpus]} ({n_val} held out)",
                 positions=sum(len(s) for s in train_seqs), held_out_sequences=n_val)
     save_head(net, os.path.join(args.out, "head"), meta=meta)
