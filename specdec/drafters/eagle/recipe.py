@@ -39,8 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus", default="mixed", choices=list(CORPORA),
                    help="prompt corpus: everyday requests (general), standard-library docstrings (stdlib) or both "
                         "alternating (mixed, the default); none of them holds a benchmark prompt")
-    # the defaults are the recorded recipe (docs/benchmarks.md, eagle_train_2026-12-06b.json): about an hour on 2 cores
-    p.add_argument("--prompts", type=int, default=1200, help="prompts to answer (default 1200)")
+    # the defaults are the recorded recipe (docs/benchmarks.md, eagle_train_2026-12-06c.json): ~35 min on 2 cores
+    p.add_argument("--prompts", type=int, default=2000, help="prompts to answer (default 2000)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="answer length cap (default 128)")
     p.add_argument("--doc-chars", type=int, default=600, help="longest docstring paragraph in a prompt (default 600)")
     p.add_argument("--batch", type=int, default=16, help="requests per generation batch (default 16)")
