@@ -7,17 +7,21 @@
   Paris, the sea at night), and :func:`general_prompts` drops any prompt that equals a benchmark
   prompt, so a head trained on it is measured on prompts it has not seen.
 * the standard library's docstrings (:func:`specdec.drafters.eagle.data.stdlib_prompts`).
+* :func:`vocabulary_prompts`: open requests about words of the target tokenizer's own vocabulary
+  (thousands of subjects instead of a fixed list; words of the benchmark prompts left out).
 
-:func:`mixed_prompts` interleaves the two (``corpus="mixed"`` of ``specdec train-head``).
+:func:`mixed_prompts` interleaves the first two (``corpus="mixed"`` of ``specdec train-head``);
+:func:`wide_prompts` all three (``corpus="wide"``).
 """
 from __future__ import annotations
 
 import random
 from typing import List
 
-__all__ = ["general_prompts", "mixed_prompts", "CORPORA", "corpus_prompts"]
+__all__ = ["general_prompts", "mixed_prompts", "vocabulary_prompts", "wide_prompts", "vocabulary_words", "CORPORA",
+           "corpus_prompts"]
 
-CORPORA = ("mixed", "general", "stdlib")
+CORPORA = ("mixed", "general", "stdlib", "wide")
 
 ANIMALS = ("an old dog", "a curious cat", "an owl", "a fox", "a whale", "a honeybee", "a horse", "a penguin",
            "an elephant", "a dolphin", "a parrot", "a turtle", "a wolf", "an octopus", "a squirrel", "a crow")
@@ -110,10 +114,54 @@ def mixed_prompts(n: int, seed: int = 0, max_chars: int = 900) -> List[str]:
     return list(dict.fromkeys(out))  # a documentation task drawn twice is answered once
 
 
-def corpus_prompts(corpus: str, n: int, seed: int = 0, max_chars: int = 900) -> List[str]:
-    """The prompts of a named corpus (one of :data:`CORPORA`)."""
+WORD_TEMPLATES = ("Write a short story that involves {w}.", "Explain what '{w}' means, with an example.",
+                  "Write a short paragraph about {w}.", "Write a poem about {w}.",
+                  "Tell me something interesting about {w}.", "What comes to mind when you think of {w}?",
+                  "Describe {w} to a child.", "Write a short dialogue in which someone mentions {w}.")
+
+
+def vocabulary_words(tokenizer) -> List[str]:
+    """Lower-case words of 5-12 letters that are single tokens (with a leading space) of ``tokenizer``'s
+    vocabulary, less every word of the benchmark prompts; sorted."""
+    import re
+
+    banned = {w for p in _benchmark_prompts() for w in re.findall(r"[a-z]+", p.lower())}
+    words = set()
+    for t in tokenizer.get_vocab():
+        w = t[1:] if t[:1] in ("\u0120", "\u2581") else None  # byte-level BPE / sentencepiece word starts
+        if w and re.fullmatch(r"[a-z]{5,12}", w) and w not in banned:
+            words.add(w)
+    return sorted(words)
+
+
+def vocabulary_prompts(n: int, words: List[str], seed: int = 0) -> List[str]:
+    """``n`` distinct requests about ``words`` (a template per word, seeded); fewer when the words run out."""
+    rng = random.Random(seed)
+    chosen = rng.sample(words, min(n, len(words)))
+    return [rng.choice(WORD_TEMPLATES).format(w=w) for w in chosen]
+
+
+def wide_prompts(n: int, words: List[str], seed: int = 0, max_chars: int = 900) -> List[str]:
+    """Up to ``n`` distinct prompts, in turn: a general request, a vocabulary request, a documentation task."""
     from specdec.drafters.eagle.data import stdlib_prompts
 
+    gen = _general_pool(seed)[:n // 3]
+    doc = stdlib_prompts(n // 3, seed=seed, max_chars=max_chars)
+    voc = vocabulary_prompts(n - len(gen) - len(doc), words, seed)
+    out = []
+    for i in range(max(len(gen), len(doc), len(voc))):
+        out += gen[i:i + 1] + voc[i:i + 1] + doc[i:i + 1]
+    return list(dict.fromkeys(out))
+
+
+def corpus_prompts(corpus: str, n: int, seed: int = 0, max_chars: int = 900, tokenizer=None) -> List[str]:
+    """The prompts of a named corpus (one of :data:`CORPORA`; "wide" needs the target's ``tokenizer``)."""
+    from specdec.drafters.eagle.data import stdlib_prompts
+
+    if corpus == "wide":
+        if tokenizer is None:
+            raise ValueError("specdec train-head: corpus 'wide' needs the target's tokenizer (its vocabulary words)")
+        return wide_prompts(n, vocabulary_words(tokenizer), seed, max_chars)
     if corpus == "general":
         return general_prompts(n, seed)
     if corpus == "stdlib":

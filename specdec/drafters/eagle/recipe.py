@@ -22,7 +22,9 @@ from specdec.drafters.eagle.corpus import CORPORA
 __all__ = ["add_arguments", "run"]
 
 CORPUS_TEXT = {"stdlib": "standard-library docstring prompts", "general": "everyday requests (templates x subjects)",
-               "mixed": "everyday requests and standard-library docstring prompts, alternating"}
+               "mixed": "everyday requests and standard-library docstring prompts, alternating",
+               "wide": "everyday requests, requests about the tokenizer's vocabulary words and standard-library "
+                       "docstring prompts, in turn"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,8 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "quantized precision, as specdec generate runs the target, so the head learns the features "
                         "it will be fed")
     p.add_argument("--corpus", default="mixed", choices=list(CORPORA),
-                   help="prompt corpus: everyday requests (general), standard-library docstrings (stdlib) or both "
-                        "alternating (mixed, the default); none of them holds a benchmark prompt")
+                   help="prompt corpus: everyday requests (general), standard-library docstrings (stdlib), both "
+                        "alternating (mixed, the default), or those two and requests about the tokenizer's vocabulary "
+                        "words in turn (wide); none of them holds a benchmark prompt")
     # the defaults are the recorded recipe (docs/benchmarks.md, eagle_train_2026-12-06c.json): ~35 min on 2 cores
     p.add_argument("--prompts", type=int, default=2000, help="prompts to answer (default 2000)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="answer length cap (default 128)")
@@ -85,7 +88,7 @@ def _data(args, model, tok, target, path: str):
                              f"(pass the matching --precision / --act, or remove the file)")
         return data
     t0 = time.perf_counter()
-    texts = corpus_prompts(args.corpus, args.prompts, seed=args.seed, max_chars=args.doc_chars)
+    texts = corpus_prompts(args.corpus, args.prompts, seed=args.seed, max_chars=args.doc_chars, tokenizer=tok)
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                        tokenize=True, return_dict=False) for t in texts]
     prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
