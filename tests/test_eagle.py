@@ -486,8 +486,7 @@ def test_train_head_refuses_data_from_another_target(tmp_path):
 
     path = str(tmp_path / "data.pt")
     torch.save(dict(sequences=[[1, 2]], features=[torch.zeros(2, 4)], prompt_lengths=[1], precision="q4_1"), path)
-    args = argparse.Namespace(precision="q4_1", act="auto")
+    args = argparse.Namespace(precision="q4_1")
     with pytest.raises(SystemExit, match="activations float; this run asks for q4_1 and q8"):
-        recipe._data(args, None, None, None, path)
-    args.act = "none"
-    assert recipe._data(args, None, None, None, path)["sequences"] == [[1, 2]]
+        recipe._data(args, "q8", None, None, None, path)
+    assert recipe._data(args, None, None, None, None, path)["sequences"] == [[1, 2]]

@@ -362,10 +362,11 @@ def _exact_inputs(fn, candidates, order, par, identity, uniform_samples, uniform
     earlier = torch.ones(N, N, dtype=torch.bool, device=dev).tril(-1)
     sib_earlier = (par64[:, :, None] == par64[:, None, :]) & earlier & real_child[:, None, :]
     dup = (sib_earlier & (tokens[:, :, None] == tokens[:, None, :])).any(-1) & real_child
-    mass = torch.where(real_child & ~dup, p_child, torch.zeros_like(p_child))
-    run = torch.zeros_like(mass)  # SGLang's running float32 sum: additions in sibling order (+0 elsewhere)
+    zero = torch.zeros_like(p_child)
+    mass = torch.where(real_child & ~dup, p_child, zero)
+    run = zero  # SGLang's running float32 sum: additions in sibling order (+0 elsewhere)
     for j in range(N - 1):  # the last node is nobody's earlier sibling
-        run = run + torch.where(sib_earlier[:, :, j], mass[:, j:j + 1], torch.zeros_like(mass))
+        run = run + torch.where(sib_earlier[:, :, j], mass[:, j:j + 1], zero)
     run = run + mass
     coin_of = pl if identity else torch.gather(order, 1, pl).clamp(min=0)  # the parent's local node
     coin = torch.gather(uniform_samples.to(torch.float64), 1, coin_of)

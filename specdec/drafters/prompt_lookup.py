@@ -118,23 +118,20 @@ class PromptLookup(Drafter):
     def has_proposals(self, request_ids: Sequence[int], sequences: Sequence[Sequence[int]]) -> List[bool]:
         """Whether each row's latest n-gram occurs earlier with a continuation (the index is brought up to
         date as propose() would; propose() then finds the same continuation)."""
-        out = []
-        for rid, seq in zip(request_ids, sequences):
-            index = self._index.get(rid)
-            if index is None:
-                index = self._index[rid] = _NgramIndex(self.ngram, self.min_ngram, self.matches)
-            out.append(bool(index.lookup(seq, 1)))
-        return out
+        return [bool(self._row_index(rid).lookup(seq, 1)) for rid, seq in zip(request_ids, sequences)]
+
+    def _row_index(self, rid: int) -> _NgramIndex:
+        index = self._index.get(rid)
+        if index is None:
+            index = self._index[rid] = _NgramIndex(self.ngram, self.min_ngram, self.matches)
+        return index
 
     def propose(self, ctx: StepContext) -> Draft:
         conts: List[List[List[int]]] = []
         cap = self.max_nodes if ctx.node_budget is None else max(1, min(self.max_nodes, int(ctx.node_budget)))
         k = min(self.k, cap - 1)
         for rid, seq, budget in zip(ctx.request_ids, ctx.sequences, ctx.budgets):
-            index = self._index.get(rid)
-            if index is None:
-                index = self._index[rid] = _NgramIndex(self.ngram, self.min_ngram, self.matches)
-            conts.append(index.lookup(seq, min(k, budget)))
+            conts.append(self._row_index(rid).lookup(seq, min(k, budget)))
         if len(self._index) > 2 * len(ctx.request_ids) + 16:  # requests that left (a long-running engine)
             live = set(ctx.request_ids)
             self._index = {rid: x for rid, x in self._index.items() if rid in live}

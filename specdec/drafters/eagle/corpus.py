@@ -107,11 +107,16 @@ def mixed_prompts(n: int, seed: int = 0, max_chars: int = 900) -> List[str]:
     from specdec.drafters.eagle.data import stdlib_prompts
 
     gen = _general_pool(seed)[:(n + 1) // 2]
-    doc = stdlib_prompts(n - len(gen), seed=seed, max_chars=max_chars)
-    out = []
-    for i in range(max(len(gen), len(doc))):
-        out += gen[i:i + 1] + doc[i:i + 1]
-    return list(dict.fromkeys(out))  # a documentation task drawn twice is answered once
+    return _in_turn(gen, stdlib_prompts(n - len(gen), seed=seed, max_chars=max_chars))
+
+
+def _in_turn(*parts: List[str]) -> List[str]:
+    """One prompt of each part in turn while any lasts; a prompt drawn twice is answered once."""
+    out: List[str] = []
+    for i in range(max(len(p) for p in parts)):
+        for p in parts:
+            out += p[i:i + 1]
+    return list(dict.fromkeys(out))
 
 
 WORD_TEMPLATES = ("Write a short story that involves {w}.", "Explain what '{w}' means, with an example.",
@@ -147,11 +152,7 @@ def wide_prompts(n: int, words: List[str], seed: int = 0, max_chars: int = 900) 
 
     gen = _general_pool(seed)[:n // 3]
     doc = stdlib_prompts(n // 3, seed=seed, max_chars=max_chars)
-    voc = vocabulary_prompts(n - len(gen) - len(doc), words, seed)
-    out = []
-    for i in range(max(len(gen), len(doc), len(voc))):
-        out += gen[i:i + 1] + voc[i:i + 1] + doc[i:i + 1]
-    return list(dict.fromkeys(out))
+    return _in_turn(gen, vocabulary_prompts(n - len(gen) - len(doc), words, seed), doc)
 
 
 def corpus_prompts(corpus: str, n: int, seed: int = 0, max_chars: int = 900, tokenizer=None) -> List[str]:

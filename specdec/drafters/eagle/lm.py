@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 
 from specdec import ops
-from specdec.drafters.eagle.net import HeadNet
+from specdec.drafters.eagle.net import HeadNet, rope_inverse_frequencies, rope_tables
 from specdec.models.hidden import HiddenKVCache, write_hidden
 
 __all__ = ["HeadLM"]
@@ -113,15 +113,15 @@ class HeadLM:
         H = cfg.hidden_size
         own = cache.hidden[:, 0]                                                 # [B, S, H + 1]
         mask = tree_mask  # None: a causal chain (verify_attention's default)
-        if tree_mask is None and kv_offset == 0:
+        if mask is None and kv_offset == 0:
             # a chain after the cache: only its first node's parent can be drafted (the cache's last slot);
             # the others' parents are this call's earlier nodes, committed text (module docstring)
             hfeat = own.gather(1, (lens - 1).clamp(min=0).unsqueeze(2).expand(B, 1, H + 1))[:, :, :H]
         else:
-            hfeat = self._own_parent_features(own, lens, pos, parent, tree_mask, kv_offset, cache.capacity)
-            if mask is None and kv_offset:
+            if mask is None:  # a chain after kv_offset earlier nodes of the step: causal over all of them
                 mask = torch.ones(N, kv_offset + N, dtype=torch.bool, device=tokens.device).tril(kv_offset) \
                     .expand(B, N, kv_offset + N)
+            hfeat = self._own_parent_features(own, lens, pos, parent, mask, kv_offset, cache.capacity)
         feat = torch.where(from_target, tfeat, hfeat)
         emb = self.embed(tokens.clamp(min=0)).to(self.dtype)
         cos, sin = self._rope(pos)
@@ -148,14 +148,11 @@ class HeadLM:
 
     @staticmethod
     def _own_parent_features(own, lens, pos, parent, tree_mask, kv_offset: int, capacity: int) -> torch.Tensor:
-        """[B, N, H]: each node's parent's output among the step's visible slots (by stored position), else the
-        cache's last slot."""
+        """[B, N, H]: each node's parent's output among the step's visible slots (``tree_mask`` [B, N, kvo + N],
+        by stored position), else the cache's last slot."""
         B, N = pos.shape
         H = own.shape[2] - 1
         dev = pos.device
-        if tree_mask is None:
-            tree_mask = torch.ones(N, kv_offset + N, dtype=torch.bool, device=dev).tril(kv_offset)
-            tree_mask = tree_mask.expand(B, N, kv_offset + N)
         step_slots = lens + torch.arange(kv_offset + N, device=dev).view(1, -1)  # [B, kvo + N]
         step_pos = own.gather(1, step_slots.clamp(max=capacity - 1).unsqueeze(2)
                               .expand(B, kv_offset + N, H + 1))[:, :, H].to(torch.int64)
@@ -165,14 +162,11 @@ class HeadLM:
         return own.gather(1, slot.unsqueeze(2).expand(B, N, H + 1))[:, :, :H]
 
     def _rope(self, pos: torch.Tensor):
-        """cos, sin [B, N, head_dim] at ``pos`` (rope_tables' values; the inverse frequencies kept)."""
+        """cos, sin [B, N, head_dim] at ``pos`` (rope_tables with the inverse frequencies kept)."""
         cfg = self.cfg
         if self._inv is None or self._inv.device != pos.device:
-            D = cfg.head_dim
-            self._inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32, device=pos.device) / D))
-        ang = pos.to(torch.float32).unsqueeze(-1) * self._inv
-        ang = torch.cat([ang, ang], dim=-1)
-        return ang.cos().to(self.dtype), ang.sin().to(self.dtype)
+            self._inv = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, pos.device)
+        return rope_tables(pos, cfg.head_dim, cfg.rope_theta, self.dtype, inv=self._inv)
 
 
 def _slot(mods):

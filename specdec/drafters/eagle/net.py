@@ -72,9 +72,17 @@ class HeadConfig:
         return d
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos, sin [..., head_dim] (rotate-half layout) at integer ``positions``."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+def rope_inverse_frequencies(head_dim: int, theta: float, device) -> torch.Tensor:
+    """theta ** (-2i / head_dim), float32 [head_dim / 2]."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                inv: Optional[torch.Tensor] = None):
+    """cos, sin [..., head_dim] (rotate-half layout) at integer ``positions``; ``inv``: the inverse
+    frequencies when kept by the caller (:func:`rope_inverse_frequencies`)."""
+    if inv is None:
+        inv = rope_inverse_frequencies(head_dim, theta, positions.device)
     ang = positions.to(torch.float32).unsqueeze(-1) * inv
     ang = torch.cat([ang, ang], dim=-1)
     return ang.cos().to(dtype), ang.sin().to(dtype)

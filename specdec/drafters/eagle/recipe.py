@@ -61,24 +61,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
-def _load(args):
+def _load(args, act):
     from specdec.models import HFCausalLM
     from specdec.models.bundled import load_bundled
 
-    from specdec.cli import resolve_act
-
-    model, tok = load_bundled(args.model, precision=args.precision, act=resolve_act(args.act, args.precision))
+    model, tok = load_bundled(args.model, precision=args.precision, act=act)
     return model, tok, HFCausalLM(model)
 
 
-def _data(args, model, tok, target, path: str):
+def _data(args, act, model, tok, target, path: str):
+    """The generated answers with the target's states (``act``: the target's activations, None or "q8")."""
     from tqdm import tqdm
 
-    from specdec.cli import resolve_act
     from specdec.drafters.eagle.corpus import corpus_prompts
     from specdec.drafters.eagle.data import generate_with_features
 
-    act = resolve_act(args.act, args.precision)
     if os.path.isfile(path):  # a resumed run: the data must come from the target this run asks for
         data = torch.load(path, weights_only=False)
         have = (data.get("precision"), data.get("act"))
@@ -175,8 +172,11 @@ def run(args: argparse.Namespace, argv: Optional[List[str]] = None) -> int:
         args.out = str(bundled_head_dir(args.model))
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
-    model, tok, target = _load(args)
-    data = _data(args, model, tok, target, os.path.join(args.out, "data.pt"))
+    from specdec.cli import resolve_act
+
+    act = resolve_act(args.act, args.precision)
+    model, tok, target = _load(args, act)
+    data = _data(args, act, model, tok, target, os.path.join(args.out, "data.pt"))
     seqs, feats, plen = data["sequences"], data["features"], data["prompt_lengths"]
     if not 0 <= args.val_fraction < 1:
         raise SystemExit(f"specdec train-head: --val-fraction must lie in [0, 1), got {args.val_fraction}")
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace, argv: Optional[List[str]] = None) -> int:
                      None if args.draft_vocab else head, cfg, checkpoint=os.path.join(args.out, "train.ckpt"),
                      progress=True, val=val)
     train_s = time.perf_counter() - t1
-    meta = dict(model=args.model, precision=args.precision, act=data.get("act"), seed=args.seed, command=argv,
+    meta = dict(model=args.model, precision=args.precision, act=act, seed=args.seed, command=argv,
                 data=f"{len(seqs)} greedy answers of the model to {CORPUS_TEXT[args.corpus]} ({n_val} held out)",
                 positions=sum(len(s) for s in train_seqs), held_out_sequences=n_val)
     save_head(net, os.path.join(args.out, "head"), meta=meta)
