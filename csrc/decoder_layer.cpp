@@ -322,7 +322,11 @@ std::tuple<at::Tensor, at::Tensor> run(const Kernels& K, const at::Tensor& x, co
                                        const at::Tensor& next_norm_weight, double next_norm_eps, at::Tensor& k_cache, at::Tensor& v_cache,
                                        const at::Tensor& cache_lens, const at::Tensor& cos, const at::Tensor& sin,
                                        const std::optional<at::Tensor>& tree_mask, int64_t kv_offset, double scale,
-                                       int64_t hq, int64_t hkv, const std::optional<at::Tensor>& block_tables) {
+                                       int64_t hq, int64_t hkv, const std::optional<at::Tensor>& block_tables,
+                                       bool validate = true) {
+  // validate = false: only DecoderStack, for a layer whose weights it has checked with these activations'
+  // dtype and device, whose x / h are the previous layer's outputs and whose caches it compared with the
+  // first layer's (which got every check with the same lens, cos / sin and mask)
   const bool paged = block_tables.has_value();
   kOp = paged ? "decoder_layer_paged" : "decoder_layer";
   // ---- validation (nothing is written before it all passes)
@@ -353,44 +357,46 @@ std::tuple<at::Tensor, at::Tensor> run(const Kernels& K, const at::Tensor& x, co
     (void)dn;
     inter = dk;
   }
-  // inputs of the o and down projections' widths, for their checks (the others take x itself)
-  const at::Tensor a_probe = at::empty({1, nq}, x.options()), m_probe = at::empty({1, inter}, x.options());
-  if (n == 7) {
-    check_slot(S, 0, x, nq);
-    check_slot(S, 1, x, nkv);
-    check_slot(S, 2, x, nkv);
-    check_slot(S, 3, a_probe, H);
-    check_slot(S, 4, x, inter);
-    check_slot(S, 5, x, inter);
-    check_slot(S, 6, m_probe, H);
-  } else {
-    check_slot(S, 0, x, nq + 2 * nkv);
-    check_slot(S, 1, a_probe, H);
-    check_slot(S, 2, x, 2 * inter);
-    check_slot(S, 3, m_probe, H);
-  }
-  for (const auto& [name, w, eps] : {std::tuple{"post_norm_weight", &post_norm_weight, post_norm_eps},
-                                      std::tuple{"next_norm_weight", &next_norm_weight, next_norm_eps}}) {
-    try {
-      checks::rms_norm("add_rms_norm", x, &h, *w, eps);
-    } catch (const c10::Error& e) {
-      TORCH_CHECK(false, kOp, ": ", name, " / its eps: ", e.what_without_backtrace());
-    }
-  }
-  const at::Tensor q_probe = at::empty({B, N, hq, D}, x.options());
-  const at::Tensor k_probe = at::empty({B, N, hkv, D}, x.options());
-  try {
-    checks::rope(q_probe, k_probe, cos, sin);
-    if (paged) {
-      checks::append_kv_paged(k_cache, v_cache, k_probe.transpose(1, 2), k_probe.transpose(1, 2), *block_tables,
-                              cache_lens, kv_offset);
-      checks::verify_attention_paged(q_probe, k_cache, v_cache, *block_tables, cache_lens, tree_mask, scale);
+  if (validate) {
+    // inputs of the o and down projections' widths, for their checks (the others take x itself)
+    const at::Tensor a_probe = at::empty({1, nq}, x.options()), m_probe = at::empty({1, inter}, x.options());
+    if (n == 7) {
+      check_slot(S, 0, x, nq);
+      check_slot(S, 1, x, nkv);
+      check_slot(S, 2, x, nkv);
+      check_slot(S, 3, a_probe, H);
+      check_slot(S, 4, x, inter);
+      check_slot(S, 5, x, inter);
+      check_slot(S, 6, m_probe, H);
     } else {
-      checks::append_kv(k_cache, v_cache, k_probe.transpose(1, 2), k_probe.transpose(1, 2), cache_lens, kv_offset);
-      checks::verify_attention(q_probe, k_cache, v_cache, cache_lens, tree_mask, scale);
+      check_slot(S, 0, x, nq + 2 * nkv);
+      check_slot(S, 1, a_probe, H);
+      check_slot(S, 2, x, 2 * inter);
+      check_slot(S, 3, m_probe, H);
     }
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, kOp, ": attention inputs: ", e.what_without_backtrace());
+    for (const auto& [name, w, eps] : {std::tuple{"post_norm_weight", &post_norm_weight, post_norm_eps},
+                                        std::tuple{"next_norm_weight", &next_norm_weight, next_norm_eps}}) {
+      try {
+        checks::rms_norm("add_rms_norm", x, &h, *w, eps);
+      } catch (const c10::Error& e) {
+        TORCH_CHECK(false, kOp, ": ", name, " / its eps: ", e.what_without_backtrace());
+      }
+    }
+    const at::Tensor q_probe = at::empty({B, N, hq, D}, x.options());
+    const at::Tensor k_probe = at::empty({B, N, hkv, D}, x.options());
+    try {
+      checks::rope(q_probe, k_probe, cos, sin);
+      if (paged) {
+        checks::append_kv_paged(k_cache, v_cache, k_probe.transpose(1, 2), k_probe.transpose(1, 2), *block_tables,
+                                cache_lens, kv_offset);
+        checks::verify_attention_paged(q_probe, k_cache, v_cache, *block_tables, cache_lens, tree_mask, scale);
+      } else {
+        checks::append_kv(k_cache, v_cache, k_probe.transpose(1, 2), k_probe.transpose(1, 2), cache_lens, kv_offset);
+        checks::verify_attention(q_probe, k_cache, v_cache, cache_lens, tree_mask, scale);
+      }
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, kOp, ": attention inputs: ", e.what_without_backtrace());
+    }
   }
 
   // ---- the layer
@@ -497,6 +503,24 @@ struct DecoderStack : torch::CustomClassHolder {
   };
   int64_t hq, hkv;
   std::vector<Layer> layers;
+  bool checked = false;  // every layer passed decoder_layer's checks in one forward with:
+  at::ScalarType checked_dtype = at::kFloat;
+  at::Device checked_device = at::kCPU;
+
+  // Layer l's caches like the first layer's (which got decoder_layer's checks): shape, strides, dtype, device.
+  static void same_as_first(const std::vector<at::Tensor>& ks, const std::vector<at::Tensor>& vs, int64_t l) {
+    for (int kv = 0; kv < 2; ++kv) {
+      const at::Tensor& c = kv == 0 ? ks[l] : vs[l];
+      const at::Tensor& r = kv == 0 ? ks[0] : vs[0];
+      TORCH_CHECK(c.sizes() == r.sizes() && c.strides() == r.strides() && c.scalar_type() == r.scalar_type() &&
+                      c.device() == r.device(), "DecoderStack.forward: ", kv == 0 ? "k_caches[" : "v_caches[", l,
+                  "] must be ", r.scalar_type(), " ", r.sizes(), " with strides ", r.strides(), " on ", r.device(),
+                  " like layer 0's, got ", c.scalar_type(), " ", c.sizes(), " with strides ", c.strides(), " on ",
+                  c.device());
+    }
+    TORCH_CHECK(!ks[l].is_alias_of(vs[l]), "DecoderStack.forward: k_caches[", l, "] and v_caches[", l,
+                "] must be distinct tensors");
+  }
 
   DecoderStack(int64_t num_heads, int64_t num_kv_heads) : hq(num_heads), hkv(num_kv_heads) {}
 
@@ -524,18 +548,25 @@ struct DecoderStack : torch::CustomClassHolder {
     for (int64_t c : capture)
       TORCH_CHECK(c >= 0 && c < L, "DecoderStack.forward: capture must name layers in [0, ", L, "), got ", c);
     std::vector<at::Tensor> out(2 + capture.size());
+    // The first layer gets every check. Later layers share its lens, cos / sin, mask and activations' shape,
+    // so they get every check only until one forward has passed them with this dtype and device (their
+    // weights are held here and cannot change shape); after that, their caches are compared with the
+    // first layer's (no probe tensors: a forward of ~30 layers made ~250 of them)
+    const bool trusted = checked && checked_dtype == x.scalar_type() && checked_device == x.device();
+    if (trusted)  // before any layer writes its cache
+      for (int64_t l = 1; l < L; ++l) same_as_first(k_caches, v_caches, l);
     for (int64_t l = 0; l < L; ++l) {
       for (size_t i = 0; i < capture.size(); ++i)
         if (capture[i] == l) out[2 + i] = h.clone();
+      const bool full = l == 0 || !trusted;
       const Layer& Y = layers[l];
-      std::tie(x, h) = block_tables.has_value()
-          ? decoder_layer_paged(x, h, Y.weights, Y.scales, Y.mins, Y.biases, Y.bits, Y.post_w, Y.post_eps, Y.next_w,
-                                Y.next_eps, k_caches[l], v_caches[l], cache_lens, cos, sin, tree_mask, kv_offset,
-                                Y.scale, hq, hkv, *block_tables)
-          : decoder_layer(x, h, Y.weights, Y.scales, Y.mins, Y.biases, Y.bits, Y.post_w, Y.post_eps, Y.next_w,
-                          Y.next_eps, k_caches[l], v_caches[l], cache_lens, cos, sin, tree_mask, kv_offset, Y.scale,
-                          hq, hkv);
+      std::tie(x, h) = run(kernels_for(x), x, h, Y.weights, Y.scales, Y.mins, Y.biases, Y.bits, Y.post_w, Y.post_eps,
+                           Y.next_w, Y.next_eps, k_caches[l], v_caches[l], cache_lens, cos, sin, tree_mask,
+                           kv_offset, Y.scale, hq, hkv, block_tables, full);
     }
+    checked = true;
+    checked_dtype = x.scalar_type();
+    checked_device = x.device();
     out[0] = x;
     out[1] = h;
     return out;

@@ -124,3 +124,34 @@ def test_stack_errors_name_the_argument():
     with pytest.raises(RuntimeError, match=r"decoder_layer: "):
         st.forward(x, x, cache.k, cache.v, cache.lens, torch.zeros(1, 1, 8), sin, None, 0, [], None)
     assert all(torch.equal(a, b) for a, b in zip(before, cache.k))
+
+
+def test_stack_checks_later_layers_caches_after_the_first_forward():
+    """Once a forward has passed every layer's checks, later layers are compared with layer 0 (no probes): a
+    cache of another shape, dtype or layout is still refused, by name, before any layer writes."""
+    lm = HFCausalLM(_model("q4_1"))
+    st = lm._runner.stack
+    cache = lm.new_cache(1, 16)
+    H = int(lm.model.config.hidden_size)
+    D = cache.head_dim
+    x = torch.zeros(1, 1, H)
+    cos, sin = torch.ones(1, 1, D), torch.zeros(1, 1, D)
+    st.forward(x, x, cache.k, cache.v, cache.lens, cos, sin, None, 0, [], None)  # trusted from here on
+    before = [t.clone() for t in cache.k + cache.v]
+    bad = [("a narrower cache", cache.k[:2] + [cache.k[2][..., :8].contiguous()], r"k_caches\[2\] must be"),
+           ("another dtype", cache.k[:1] + [cache.k[1].double()] + cache.k[2:],
+            r"k_caches\[1\] must be Float .* got Double"),
+           ("a transposed view", cache.k[:2] + [cache.k[2].transpose(2, 3).contiguous().transpose(2, 3)],
+            r"k_caches\[2\] must be .* with strides")]
+    for what, ks, msg in bad:
+        with pytest.raises(RuntimeError, match=r"DecoderStack.forward: " + msg):
+            st.forward(x, x, ks, cache.v, cache.lens, cos, sin, None, 0, [], None)
+    with pytest.raises(RuntimeError, match=r"DecoderStack.forward: k_caches\[1\] and v_caches\[1\] must be distinct"):
+        st.forward(x, x, cache.k, cache.v[:1] + [cache.k[1]] + cache.v[2:], cache.lens, cos, sin, None, 0, [], None)
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.k + cache.v))
+    # and the trusted forward still gives the checked one's bits
+    fresh = HFCausalLM(_model("q4_1"))._runner.stack
+    c2 = lm.new_cache(1, 16)
+    a = st.forward(x, x, cache.k, cache.v, cache.lens, cos, sin, None, 0, [], None)
+    b = fresh.forward(x, x, c2.k, c2.v, c2.lens, cos, sin, None, 0, [], None)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

@@ -19,6 +19,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from specdec import ops
 from specdec.cache import StaticKVCache
 
 __all__ = ["HiddenKVCache", "HookCapture", "check_spec", "write_hidden", "enable_capture"]
@@ -48,6 +49,10 @@ class HiddenKVCache(StaticKVCache):
         super().__init__(num_layers, batch, num_kv_heads, head_dim, capacity, dtype=dtype, device=device)
         self.feature_dim = int(feature_dim)
         self.hidden = torch.zeros(self.batch, 1, self.capacity, self.feature_dim, dtype=dtype, device=self.device)
+        # kv_commit moves (K, V) pairs of [B, H, S, D] tensors whose H and D may differ per pair: the states
+        # ride as one more pair's K beside a 16-byte-wide V that nothing reads (one op call per commit)
+        self._pair = torch.zeros(self.batch, 1, self.capacity, 16 // self.hidden.element_size(), dtype=dtype,
+                                 device=self.device)
 
     @property
     def extra(self) -> List[torch.Tensor]:
@@ -58,26 +63,15 @@ class HiddenKVCache(StaticKVCache):
         view = super().rows(start, stop)
         view.__class__ = HiddenKVCache
         view.hidden = self.hidden[start:stop]
+        view._pair = self._pair[start:stop]
         return view
 
     def nbytes(self) -> int:
-        return super().nbytes() + self.hidden.numel() * self.hidden.element_size()
+        return super().nbytes() + sum(t.numel() * t.element_size() for t in (self.hidden, self._pair))
 
     def commit(self, accepted: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        """Keep the accepted path's K/V and hidden states; lens += num_accepted + 1."""
-        B, N = accepted.shape
-        if B:
-            slots = self.lens.to(torch.int64).view(B, 1)
-            src = slots + accepted.to(torch.int64).clamp(min=0)              # [B, N]
-            dst = slots + torch.arange(N, device=self.device).view(1, N)
-            h = self.hidden[:, 0]
-            Fd = self.feature_dim
-            src = src.clamp(max=self.capacity - 1).unsqueeze(2).expand(B, N, Fd)
-            dst = dst.clamp(max=self.capacity - 1).unsqueeze(2).expand(B, N, Fd)
-            keep = torch.arange(N, device=self.device).view(1, N) <= num_accepted.to(torch.int64).view(B, 1)
-            moved = torch.where(keep.unsqueeze(2), h.gather(1, src), h.gather(1, dst))
-            h.scatter_(1, dst, moved)  # slots past a row's path keep their values
-        super().commit(accepted, num_accepted)
+        """Keep the accepted path's K/V and hidden states; lens += num_accepted + 1 (one kv_commit call)."""
+        ops.kv_commit(self.k + [self.hidden], self.v + [self._pair], self.lens, accepted, num_accepted)
 
     def features(self, rows: Optional[Sequence[int]] = None) -> torch.Tensor:
         """The hidden states [B, capacity, F] (a view)."""
