@@ -13,6 +13,7 @@ namespace specdec {
 void bind_suffix_index(pybind11::module_& m);  // csrc/host/suffix_index_bindings.cpp
 void bind_recycling(pybind11::module_& m);     // csrc/host/recycling.cpp
 void bind_sglang_host(pybind11::module_& m);   // csrc/host/sglang_host.cpp
+void bind_vllm_host(pybind11::module_& m);     // csrc/host/vllm_host.cpp
 }
 
 #ifndef SPECDEC_TORCH_VERSION
@@ -173,6 +174,7 @@ PYBIND11_MODULE(_C, m) {
   specdec::bind_suffix_index(m);
   specdec::bind_recycling(m);
   specdec::bind_sglang_host(m);
+  specdec::bind_vllm_host(m);
 }
 
 // ---------------------------------------------------------------- paged KV ops

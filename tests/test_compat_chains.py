@@ -380,6 +380,60 @@ def test_vllm_greedy_host_form_equals_tensor_form(width, monkeypatch):
         assert got.dtype == want.dtype == torch.int32 and torch.equal(got, want), (B, S, V)
 
 
+def test_vllm_greedy_host_call_on_edge_rows(monkeypatch):
+    """The all-greedy float32 CPU batch is decided by one C++ call (csrc/host/vllm_host.cpp): rows with ties,
+    NaN, +-inf and drafts that are their rows' argmax (long acceptances, bonus tokens) give the tensor
+    form's output, with a temperature tensor (0 or vLLM's old -1) or an all_greedy metadata object."""
+    from specdec import _C
+
+    calls = []
+    real = _C.vllm_greedy
+    monkeypatch.setattr(vllm._C, "vllm_greedy", lambda *a: calls.append(1) or real(*a), raising=False)
+    g = _gen(41)
+    for B, S, V in [(1, 1, 3), (8, 4, 70), (33, 5, 17)]:
+        d, n, cu, _, p, bonus, _, _ = vllm_case(B, S, V, g, False, 1.0, uniform=True)
+        p = p.view(B * S, V).clone()
+        r = torch.rand(B * S, generator=g)
+        p[r < 0.15] = 0.5                                   # ties everywhere: the first index wins
+        p[(r >= 0.15) & (r < 0.25), V // 2] = float("nan")  # NaN counts as the maximum
+        p[(r >= 0.25) & (r < 0.3)] = float("-inf")
+        p[(r >= 0.3) & (r < 0.35), -1] = float("inf")
+        take = torch.rand(B * S, generator=g) < 0.7         # most drafts are their row's argmax
+        d = torch.where(take, torch.nan_to_num(p, nan=float("inf")).argmax(-1).to(d.dtype), d)
+        d = torch.where(torch.isnan(p).any(-1), p.isnan().to(torch.int8).argmax(-1).to(d.dtype), d)
+        for meta in (torch.zeros(B), torch.full((B,), -1.0, dtype=torch.float64),
+                     SimpleNamespace(temperature=None, all_greedy=True, all_random=False, generators={})):
+            before = len(calls)
+            got = vllm.rejection_sample(d, n, S + 1, cu, None, p, bonus, meta)
+            assert len(calls) == before + 1
+            monkeypatch.setattr(vllm, "HOST_FORM", False)
+            want = vllm.rejection_sample(d, n, S + 1, cu, None, p, bonus, meta)
+            monkeypatch.setattr(vllm, "HOST_FORM", True)
+            assert got.dtype == torch.int32 and torch.equal(got, want), (B, S, V)
+        assert bool((got[:, S] != -1).any()) or B == 1     # some requests took their bonus token
+
+
+def test_vllm_greedy_host_call_leaves_bad_input_to_the_checks():
+    """Input the C++ call does not decide (bool counts, a token outside the vocabulary, a NaN temperature,
+    a count that does not match cu_num_draft_tokens) goes on to the general path: its errors, its rows."""
+    g = _gen(42)
+    d, n, cu, _, p, bonus, temp, _ = vllm_case(4, 3, 9, g, False, 1.0, uniform=True)
+    with pytest.raises(ValueError, match="num_draft_tokens must be non-negative ints"):
+        vllm.rejection_sample(d, [True] * 4, 3, cu, None, p, bonus, temp)
+    bad = d.clone()
+    bad[5] = 9
+    with pytest.raises(ValueError, match=r"draft_token_ids must be token ids in \[0, 9\)"):
+        vllm.rejection_sample(bad, n, 3, cu, None, p, bonus, temp)
+    with pytest.raises(ValueError, match="cu_num_draft_tokens must be the inclusive cumsum"):
+        vllm.rejection_sample(d, n, 3, cu + 1, None, p, bonus, temp)
+    with pytest.raises(ValueError, match="max_spec_len must be an int >= max"):
+        vllm.rejection_sample(d, n, 2, cu, None, p, bonus, temp)
+    nan_t = temp.clone()
+    nan_t[1] = float("nan")  # not greedy: that row is sampled (no error), the others stay greedy
+    out = vllm.rejection_sample(d, n, 3, cu, None, p, bonus, nan_t, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (4, 4) and out.dtype == torch.int32
+
+
 @pytest.mark.parametrize("with_draft", [False, True])
 def test_vllm_sampled_host_form_equals_tensor_form(with_draft, monkeypatch):
     """Every request at S drafts, all sampled, on the CPU: the host form's rows equal the tensor

@@ -212,6 +212,65 @@ def test_greedy_host_form_equals_tensor_form(monkeypatch):
         assert got == want, t
 
 
+def test_greedy_host_call_taken_and_edge_cases(monkeypatch):
+    """Builder-order CPU batches are decided by one C++ call (sglang_host.verify_greedy_host); with int64
+    outputs, repeated flat indices in retrive_index, and predicts sharing target_predict's storage, its
+    outputs equal the tensor form's; a tree the builder would not emit (a link to a lower index) and a
+    flat index out of range go on to the general path (its walk, its error)."""
+    from specdec.compat import sglang_host
+
+    calls = []
+    real = sglang_host._C.sglang_greedy
+    monkeypatch.setattr(sglang_host._C, "sglang_greedy", lambda *a: calls.append(real(*a)) or calls[-1],
+                        raising=False)
+    rng = random.Random(9)
+    taken = 0
+
+    def both(run):
+        got = [x.tolist() for x in run()]
+        monkeypatch.setattr(sg, "HOST_FORM", False)
+        want = [x.tolist() for x in run()]
+        monkeypatch.setattr(sg, "HOST_FORM", True)
+        return got, want
+
+    for t in range(30):
+        B, N = rng.randint(1, 10), rng.randint(1, 9)
+        S = rng.randint(1, N + 2)
+        cand, ri, nt, ns, tp = random_batch(rng, B, N, rng.choice([2, 30]), "any")
+        if t % 3 == 1:
+            ri = torch.tensor([rng.randrange(B * N) for _ in range(B * N)]).reshape(B, N)  # repeats
+
+        def run64():
+            predicts = torch.full((B * N,), -7, dtype=torch.int64)
+            ai, an = torch.full((B, S), 99), torch.full((B,), 99)
+            sg.verify_tree_greedy(predicts, ai, an, cand, ri, nt, ns, tp)
+            return predicts, ai, an
+
+        def run_shared():
+            shared = tp.clone().reshape(-1)  # predicts IS target_predict
+            ai, an = torch.full((B, S), 99, dtype=torch.int32), torch.full((B,), 99, dtype=torch.int32)
+            sg.verify_tree_greedy(shared, ai, an, cand, ri, nt, ns, shared)
+            return shared, ai, an
+
+        links = [row_t + row_s for row_t, row_s in zip(nt.tolist(), ns.tolist())]
+        builder = all(all(j == -1 or i % N < j < N for i, j in enumerate(row)) and
+                      len([j for j in row if j >= 0]) == len({j for j in row if j >= 0}) for row in links)
+        for run in (run64, run_shared):
+            before = len(calls)
+            got, want = both(run)
+            assert calls[before:] == [builder] and got == want, t
+        taken += builder
+    assert taken >= 10
+    nt = torch.tensor([[2, -1, -1]])
+    ns = torch.tensor([[-1, -1, 1]])  # node 2's sibling is node 1: a lower index
+    cand, tp, ri = torch.tensor([[0, 4, 5]]), torch.tensor([5, 4, 9]), torch.arange(3).view(1, 3)
+    before = len(calls)
+    got, want = both(lambda: run_greedy(cand, ri, nt, ns, tp, 3))
+    assert calls[before:] == [False] and got == want and got[1] == [[0, 2, -1]]
+    with pytest.raises(ValueError, match=r"retrive_index\[0, 1\]"):
+        run_greedy(cand, torch.tensor([[0, 3, 2]]), nt, ns, tp, 3)
+
+
 def test_greedy_small_example():
     # root 0 -> [1 -> 3, 2]; target after root = 7 (node 2's token), after node 2 = 1
     nt = torch.tensor([[1, 3, -1, -1]])

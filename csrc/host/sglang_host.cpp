@@ -1,6 +1,6 @@
-// The per-child work of specdec.compat.sglang's exact tree sampler on CPU batches
-// (specdec/compat/sglang_host.py): the pybind11 function specdec._C.sglang_prepare over NumPy arrays
-// (views of the caller's tensors, no copies).
+// SGLang's conventions on CPU batches (specdec/compat/sglang_host.py), pybind11 functions over NumPy
+// arrays (views of the caller's tensors, no copies): sglang_greedy, verify_tree_greedy's walk in one call
+// (below), and sglang_prepare, the per-child work of the exact tree sampler:
 //
 // SGLang's coin u at a node accepts child c iff u <= P_c, P_c the running float32 sum of the node's
 // target probabilities of the children tried so far, c included (its kernel's accumulation, in sibling
@@ -108,6 +108,82 @@ int64_t sglang_prepare(const py::array& candidates, const py::array& coins, cons
   return -1;
 }
 
+
+// A C-contiguous int32 / int64 array of n entries (a Reader), or nullptr in r.p when it is not one.
+Reader int_view(const py::array& a, int64_t n) {
+  Reader r{nullptr, 1};
+  if (!(a.flags() & py::array::c_style) || a.size() != n) return r;
+  if (py::isinstance<py::array_t<int32_t>>(a)) r.kind = 0;
+  else if (!py::isinstance<py::array_t<int64_t>>(a)) return r;
+  r.p = a.data();
+  return r;
+}
+
+void put(py::array& a, int64_t i, int64_t v) {
+  if (py::isinstance<py::array_t<int32_t>>(a)) static_cast<int32_t*>(a.mutable_data())[i] = int32_t(v);
+  else static_cast<int64_t*>(a.mutable_data())[i] = v;
+}
+
+// verify_tree_greedy in one call, for the trees SGLang's builder emits (every link -1 or a higher index
+// below N, no node reached by two links): from the root, the first child in sibling order whose candidate
+// equals target_predict at the current node's flat index is accepted, at most S - 1 of them. Writes
+// accept_index (flat indices, root first, -1 padded), accept_token_num and predicts (the target's token at
+// each path node) and returns true; false, with nothing written, for any other input (the adapter's
+// general path then checks it and names what is wrong).
+bool sglang_greedy(py::array& predicts, py::array& accept_index, py::array& accept_token_num,
+                   const py::array& candidates, const py::array& retrive_index, const py::array& next_token,
+                   const py::array& next_sibling, const py::array& target_predict) {
+  if (candidates.ndim() != 2 || accept_index.ndim() != 2) return false;
+  const int64_t B = candidates.shape(0), N = candidates.shape(1), S = accept_index.shape(1), BN = B * N;
+  if (B < 1 || N < 1 || S < 1 || accept_index.shape(0) != B || accept_token_num.ndim() != 1 ||
+      predicts.ndim() != 1 || !predicts.writeable() || !accept_index.writeable() || !accept_token_num.writeable())
+    return false;
+  for (const py::array* a : {&retrive_index, &next_token, &next_sibling})
+    if (a->ndim() != 2 || a->shape(0) != B || a->shape(1) != N) return false;
+  const Reader cand = int_view(candidates, BN), ri = int_view(retrive_index, BN), nt = int_view(next_token, BN),
+               ns = int_view(next_sibling, BN), tp = int_view(target_predict, BN);
+  if (!cand.p || !ri.p || !nt.p || !ns.p || !tp.p || !int_view(predicts, BN).p ||
+      !int_view(accept_index, B * S).p || !int_view(accept_token_num, B).p)
+    return false;
+  std::vector<int64_t> path(B * S, -1), count(B, 0);
+  std::vector<char> reached(N);
+  for (int64_t b = 0; b < B; ++b) {  // check every row before anything is written
+    std::fill(reached.begin(), reached.end(), 0);
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t r = ri.i(b * N + i);
+      if (r < 0 || r >= BN) return false;
+      for (const Reader* l : {&nt, &ns}) {
+        const int64_t j = l->i(b * N + i);
+        if (j == -1) continue;
+        if (j <= i || j >= N || reached[j]) return false;
+        reached[j] = 1;
+      }
+    }
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t cur = 0, k = 0;
+    path[b * S] = 0;
+    while (k + 1 < S) {
+      const int64_t want = tp.i(ri.i(b * N + cur));
+      int64_t c = nt.i(b * N + cur);
+      while (c != -1 && cand.i(b * N + c) != want) c = ns.i(b * N + c);
+      if (c == -1) break;
+      path[b * S + ++k] = cur = c;
+    }
+    count[b] = k;
+  }
+  std::vector<int64_t> pred_at(B * S);  // read target_predict before predicts is written (they may alias)
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j <= count[b]; ++j) pred_at[b * S + j] = tp.i(ri.i(b * N + path[b * S + j]));
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t j = 0; j < S; ++j) put(accept_index, b * S + j, j <= count[b] ? ri.i(b * N + path[b * S + j]) : -1);
+    put(accept_token_num, b, count[b]);
+  }
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j <= count[b]; ++j) put(predicts, ri.i(b * N + path[b * S + j]), pred_at[b * S + j]);
+  return true;
+}
+
 }  // namespace
 
 void bind_sglang_host(py::module_& m) {
@@ -115,6 +191,10 @@ void bind_sglang_host(py::module_& m) {
         py::arg("pflat"), py::arg("earlier"), py::arg("final"), py::arg("B"), py::arg("N"), py::arg("V"),
         py::arg("tokens"), py::arg("u"),
         "SGLang exact sampler, host form: the op's tokens and per-child uniforms (csrc/host/sglang_host.cpp).");
+  m.def("sglang_greedy", &sglang_greedy, py::arg("predicts"), py::arg("accept_index"), py::arg("accept_token_num"),
+        py::arg("candidates"), py::arg("retrive_index"), py::arg("retrive_next_token"),
+        py::arg("retrive_next_sibling"), py::arg("target_predict"),
+        "SGLang verify_tree_greedy on builder-form trees in one call, or False (csrc/host/sglang_host.cpp).");
 }
 
 }  // namespace specdec

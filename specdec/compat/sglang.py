@@ -181,23 +181,22 @@ def verify_tree_greedy(predicts: torch.Tensor, accept_index: torch.Tensor, accep
 
     Walk: from the root, take the first child in sibling-chain order whose candidate equals
     ``target_predict`` at the current node's flat index; stop when none does or S - 1
-    tokens are accepted. Computed by :func:`specdec.ops.greedy_verify` on a two-symbol
-    vocabulary (token 0 = "matches the target at the parent", logits argmax 0), which makes
-    the op's decisions exactly the ones above.
+    tokens are accepted. CPU batches of the trees SGLang's builder emits (links to higher
+    indices) take that walk in one C++ call (:func:`~specdec.compat.sglang_host.verify_greedy_host`);
+    the others are computed by :func:`specdec.ops.greedy_verify` on a two-symbol vocabulary
+    (token 0 = "matches the target at the parent", logits argmax 0), which makes the op's
+    decisions exactly the ones above.
     """
     fn = "verify_tree_greedy"
+    if HOST_FORM and verify_greedy_host(predicts, accept_index, accept_token_num, candidates, retrive_index,
+                                        retrive_next_token, retrive_next_sibling, target_predict):
+        return
     B, N, S, ri = _check_common(fn, predicts, accept_index, accept_token_num, candidates, retrive_index,
                                 retrive_next_token, retrive_next_sibling)
     if not isinstance(target_predict, torch.Tensor) or target_predict.numel() != B * N:
         got = (f"shape {list(target_predict.shape)}" if isinstance(target_predict, torch.Tensor)
                else type(target_predict))
         raise _err(fn, "target_predict", f"a tensor of shape [{B}, {N}] (or [{B * N}])", got)
-    if HOST_FORM and ri is not None and \
-            all(t.is_cpu for t in (candidates, retrive_next_token, retrive_next_sibling, target_predict)) and \
-            all(t.dtype in (torch.int32, torch.int64) for t in (predicts, accept_index, accept_token_num)) and \
-            verify_greedy_host(fn, predicts, accept_index, accept_token_num, candidates, ri, retrive_next_token,
-                               retrive_next_sibling, target_predict):
-        return
     order, par, identity = tree_tensors(fn, retrive_next_token, retrive_next_sibling, S - 1)
     dev = candidates.device
     order, par = order.to(dev), par.to(dev)
@@ -317,7 +316,7 @@ def tree_speculative_sampling_target_only(
 
 
 _NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
-HOST_FORM = True  # the exact sampler's CPU batches on the host (specdec.compat.sglang_host); False: tensor form
+HOST_FORM = True  # CPU batches of greedy verification and the exact sampler on the host (sglang_host); False: tensors
 
 
 def _on_host(outputs, candidates, next_token, next_sibling, uniform_samples, uniform_final, target_probs) -> bool:

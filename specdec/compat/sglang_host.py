@@ -29,6 +29,21 @@ from specdec.compat.sglang_tree import err, walk_lists
 
 __all__ = ["sample_exact_host", "verify_greedy_host"]
 
+
+def verify_greedy_host(predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
+                       retrive_next_sibling, target_predict) -> bool:
+    """:func:`specdec.compat.sglang.verify_tree_greedy` in one C++ call (``specdec._C.sglang_greedy``,
+    csrc/host/sglang_host.cpp) on NumPy views of the caller's CPU tensors, for the trees SGLang's builder
+    emits (links to higher indices, no node reached twice) and int32 / int64 C-contiguous tensors. False,
+    with nothing written, for anything else (a CUDA or grad tensor, another dtype or layout, another tree
+    numbering, an index out of range): the adapter's general path then checks and decides it."""
+    try:
+        return bool(_C.sglang_greedy(predicts.numpy(), accept_index.numpy(), accept_token_num.numpy(),
+                                     candidates.numpy(), retrive_index.numpy(), retrive_next_token.numpy(),
+                                     retrive_next_sibling.numpy(), target_predict.numpy()))
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+
 NATIVE = True  # the per-child work in C++ (False: NumPy arrays; tests compare both)
 
 
@@ -134,48 +149,6 @@ def _prepare_arrays(tree: _Tree, cand, coins, probs: torch.Tensor, final, V: int
         u[tree.kflat] = np.where(coins[tree.pflat].astype(np.float64) <= run.astype(np.float64), 0.0, 1.0)
     u[tree.roots] = final
     return -1
-
-
-def verify_greedy_host(fn, predicts, accept_index, accept_token_num, candidates, ri: list, retrive_next_token,
-                       retrive_next_sibling, target_predict) -> bool:
-    """:func:`specdec.compat.sglang.verify_tree_greedy` on the host (CPU tensors, int32 / int64
-    outputs): the walked tree kept per distinct batch of links, each child's symbol (0: its
-    candidate equals the target's token at its parent) in Python, the op on kept buffers, the
-    outputs written with one NumPy assignment each. False (nothing written) for trees whose
-    numbering is not SGLang's builder order. ``ri``: ``retrive_index`` as a flat list."""
-    B, N = candidates.shape
-    S = accept_index.shape[1]
-    tree = _tree(fn, retrive_next_token, retrive_next_sibling, N, S - 1)
-    if tree is None:
-        return False
-    kflat, pflat = tree.lists[0], tree.lists[1]
-    cand = [x for row in candidates.tolist() for x in row]
-    tp = target_predict.tolist() if target_predict.dim() == 1 else target_predict.reshape(-1).tolist()
-    tokens = [-1] * (B * N)
-    tokens[::N] = [0] * B
-    for k, p in zip(kflat, pflat):
-        tokens[k] = 0 if cand[k] == tp[ri[p]] else 1
-    tok_t, tok_np, _, _ = _buffers(B, N)
-    tok_np[:] = tokens
-    accepted, num, _ = ops.greedy_verify(tok_t, tree.par_t, _two_symbol_logits(B, N))
-    acc, nums = accepted.tolist(), num.tolist()
-    out = [[tp[ri[b * N + a]] for a in acc[b][:nums[b] + 1]] for b in range(B)]  # predicts: the target's token
-    _write_lists(acc, nums, out, ri, predicts, accept_index, accept_token_num, B, N, S)
-    return True
-
-
-_LOGITS: dict = {}
-
-
-def _two_symbol_logits(B: int, N: int) -> torch.Tensor:
-    """A kept [B, N, 2] float32 tensor whose argmax is symbol 0 everywhere (the op only reads it)."""
-    t = _LOGITS.get((B, N))
-    if t is None:
-        if len(_LOGITS) >= 64:
-            _LOGITS.clear()
-        t = _LOGITS[(B, N)] = torch.zeros(B, N, 2)
-        t[:, :, 0] = 1.0
-    return t
 
 
 def _unit(x: np.ndarray) -> np.ndarray:

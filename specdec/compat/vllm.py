@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specdec import ops
+from specdec import _C, ops
 from specdec.compat.common import (FLOATS, INTS, chain_parents, check_tensor, check_token_range, draw_uniforms,
                                    fail, ragged_drafts, resolve_sampling, workspace)
 
@@ -44,7 +44,8 @@ __all__ = ["PLACEHOLDER_TOKEN_ID", "rejection_sample", "pad_chains", "tree_rejec
            "TreeSampleOutput", "commit_accepted_kv", "commit_accepted_kv_slots"]
 
 PLACEHOLDER_TOKEN_ID = -1
-HOST_FORM = True  # all-greedy equal-count CPU batches assembled in NumPy (_greedy_uniform_host); False: tensor form
+HOST_FORM = True  # CPU batches: all-greedy equal-count ones in one C++ call (_greedy_host), sampled ones assembled
+#                   in NumPy (_sampled_uniform_host); False: tensor form
 _LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what greedy_verify reads in place
 
 _FN = "specdec.compat.vllm.rejection_sample"
@@ -114,6 +115,11 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[i
     -------
     Tensor [B, max_spec_len + 1] int32: accepted drafts, then the recovered or bonus token, then -1.
     """
+    if HOST_FORM and draft_probs is None and uniforms is None and type(num_draft_tokens) is list:
+        got = _greedy_host(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, target_probs,
+                           bonus_token_ids, sampling_metadata)
+        if got is not None:
+            return got
     T, n, B, S, W = ragged_drafts(_FN, draft_token_ids, num_draft_tokens, cu_num_draft_tokens, max_spec_len)
     check_tensor(_FN, "target_probs", target_probs, 2, FLOATS, (T, None))
     V = target_probs.shape[1]
@@ -133,8 +139,6 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[i
     N = S + 1
     uniform = S > 0 and min(n) == S  # every request at S drafts: the stack's rows are already [B, S, V]
     if uniform and n_greedy == B and target_probs.dtype in _LOGIT_DTYPES:
-        if HOST_FORM and d_host is not None and bonus_host is not None:  # lists: CPU tensors
-            return _greedy_uniform_host(d_host, bonus_host, B, S, W, target_probs)
         return _greedy_uniform(draft_token_ids, B, S, W, target_probs, bonus_token_ids)
     if uniform and n_greedy == 0 and target_probs.dtype == torch.float32:
         u = (draw_uniforms(B, N, n, dev, generator, generators) if uniforms is None
@@ -229,25 +233,28 @@ def _greedy_uniform(draft_token_ids, B, S, W, target_probs, bonus_token_ids) -> 
     return torch.cat(parts, 1).to(torch.int32)
 
 
-def _greedy_uniform_host(d: list, bonus: list, B, S, W, target_probs) -> torch.Tensor:
-    """:func:`_greedy_uniform` on the CPU, with the drafts ``d`` [B * S] and bonus tokens [B] as the
-    Python lists the range checks read: the op's input tokens go into a kept buffer and the [B, W]
-    result is assembled in Python, so the call makes few tensor operations besides the op (each
-    costs microseconds, more after the op has streamed its rows through the caches). Input tokens:
-    the drafts shifted right by one, so row b is (d_{b-1, S-1}, d_{b,0} .. d_{b,S-2}); its first
-    entry is the root's token, which the op never checks."""
-    rows = target_probs if target_probs.is_contiguous() else target_probs.contiguous()
-    tokens, flat = _token_buffer(B, S)
-    flat[1:] = d[:-1]
-    _, _, o = ops.greedy_verify(tokens, chain_parents(B, S, _CPU), rows.view(B, S, -1))
-    out = o.tolist()
-    pad = [PLACEHOLDER_TOKEN_ID] * (W - S)
-    last = S - 1
-    for b, row in enumerate(out):
-        row += pad
-        if row[last] == d[b * S + last]:  # d_{S-1} accepted (the op's -1 past its walk is never a draft)
-            row[S] = bonus[b]
-    return torch.from_numpy(np.array(out, dtype=np.int32))
+def _greedy_host(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, target_probs,
+                 bonus_token_ids, sampling_metadata) -> Optional[torch.Tensor]:
+    """An all-greedy CPU batch of equal draft counts and float32 rows in one C++ call
+    (``specdec._C.vllm_greedy``, csrc/host/vllm_host.cpp: the checks, each row's argmax as
+    :func:`specdec.ops.greedy_verify` takes it, the -1 padded output), or None: any other batch, or an
+    argument the general path must check (and name in its error), goes on to it."""
+    if isinstance(sampling_metadata, torch.Tensor):
+        temperature = sampling_metadata
+    elif getattr(sampling_metadata, "all_greedy", False) is True and hasattr(sampling_metadata, "temperature") \
+            and hasattr(sampling_metadata, "all_random"):
+        temperature = None
+    else:
+        return None
+    if type(max_spec_len) is not int:
+        return None
+    try:  # NumPy views: CPU tensors without grad (anything else raises here and takes the general path)
+        out = _C.vllm_greedy(draft_token_ids.numpy(), num_draft_tokens, cu_num_draft_tokens.numpy(),
+                             target_probs.numpy(), bonus_token_ids.numpy(),
+                             None if temperature is None else temperature.numpy(), max_spec_len)
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+    return None if out is None else torch.from_numpy(out)
 
 
 _CPU = torch.device("cpu")
