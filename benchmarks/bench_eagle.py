@@ -94,9 +94,9 @@ def main() -> None:
     ap.add_argument("--precision", default="q4_1", choices=["fp32", "q8_0", "q4_1"])
     ap.add_argument("--act", default="auto", choices=["auto", "none", "q8"],
                     help="the target's activations (auto: q8 with q8_0 / q4_1, as specdec generate's default)")
-    ap.add_argument("--head-precision", default="q8_0", choices=["fp32", "q8_0"])
+    ap.add_argument("--head-precision", default="q8_0", choices=["fp32", "q8_0", "q4_1", "q4_0"])
     ap.add_argument("--head-act", default="q8", choices=["none", "q8"],
-                    help="the head's activations (q8: quantized, the integer kernels; needs --head-precision q8_0)")
+                    help="the head's activations (q8: quantized, the integer kernels; needs a quantized --head-precision)")
     ap.add_argument("--set", default="open", choices=sorted(PROMPT_SETS))
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -110,7 +110,7 @@ def main() -> None:
 
     model, tok, draft = load_bundled(precision=args.precision, draft="w8", act=resolve_act(args.act, args.precision))
     net = load_head(args.head)
-    head_act = None if args.head_act == "none" or args.head_precision != "q8_0" else args.head_act
+    head_act = None if args.head_act == "none" or args.head_precision == "fp32" else args.head_act
     makers = _methods(model, draft, net, args.head_precision, head_act)
     names = args.methods.split(",")
     texts = PROMPT_SETS[args.set][:args.prompts]

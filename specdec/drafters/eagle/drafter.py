@@ -12,6 +12,8 @@ from specdec.drafters.eagle.net import HeadNet
 
 __all__ = ["EagleHead"]
 
+_QUANT = ("q8_0", "q4_1", "q4_0")  # the group-quantized formats of the head's linear layers
+
 
 class EagleHead(DraftModel):
     """Draft with a feature head (:class:`~specdec.drafters.eagle.net.HeadNet`) over the target's hidden states.
@@ -23,8 +25,9 @@ class EagleHead(DraftModel):
     the target's states (as EAGLE does), not kept with the head's own predicted ones.
 
     Parameters: ``net`` (a HeadNet, trained here or loaded by :func:`~specdec.drafters.eagle.load_head`),
-    ``precision`` ("fp32", or "q8_0": the head's linear layers group-quantized), ``act`` (None, or "q8"
-    with "q8_0": their activations quantized per block of 32 too, the integer kernels; a draft need
+    ``precision`` ("fp32", or "q8_0" / "q4_1" / "q4_0": the head's linear layers group-quantized), ``act``
+    (None, or "q8" with a quantized precision: their activations quantized per block of 32 too, the
+    integer kernels; a draft need
     not be exact, only cheap and close), then DraftModel's ``k``, ``top_k``, ``node_budget``,
     ``stop_threshold``, ``tree``, ``sampled_children``, ``calibrate``, ``learn_plan``.
     """
@@ -36,19 +39,19 @@ class EagleHead(DraftModel):
                  act: Optional[str] = None, **kwargs) -> None:
         if not isinstance(net, HeadNet):
             raise TypeError(f"EagleHead: net must be a HeadNet, got {type(net).__name__}")
-        if precision not in ("fp32", "q8_0"):
-            raise ValueError(f"EagleHead: precision must be 'fp32' or 'q8_0', got {precision!r}")
-        if act not in (None, "q8") or (act == "q8" and precision != "q8_0"):
-            raise ValueError(f"EagleHead: act must be None, or 'q8' with precision 'q8_0' (the head's activations "
-                             f"quantized per block of 32, as qlinear(..., act='q8')), got act={act!r} with "
-                             f"precision={precision!r}")
+        if precision not in ("fp32",) + _QUANT:
+            raise ValueError(f"EagleHead: precision must be 'fp32' or one of {_QUANT}, got {precision!r}")
+        if act not in (None, "q8") or (act == "q8" and precision == "fp32"):
+            raise ValueError(f"EagleHead: act must be None, or 'q8' with a quantized precision (the head's "
+                             f"activations quantized per block of 32, as qlinear(..., act='q8')), got act={act!r} "
+                             f"with precision={precision!r}")
         super().__init__(None, k=k, top_k=top_k, **kwargs)
-        if precision == "q8_0":  # the head's linear layers group-quantized (a copy: ``net`` stays trainable)
+        if precision != "fp32":  # the head's linear layers group-quantized (a copy: ``net`` stays trainable)
             import copy
 
             from specdec.models.quant import quantize_linear_groups, set_activation_quant
 
-            net = set_activation_quant(quantize_linear_groups(copy.deepcopy(net), "q8_0"), act)
+            net = set_activation_quant(quantize_linear_groups(copy.deepcopy(net), precision), act)
         self.net = net
         self.precision = precision
         self.act = act
