@@ -96,7 +96,7 @@ def main() -> None:
                     help="the target's activations (auto: q8 with q8_0 / q4_1, as specdec generate's default)")
     ap.add_argument("--head-precision", default="q8_0", choices=["fp32", "q8_0", "q4_1", "q4_0"])
     ap.add_argument("--head-act", default="q8", choices=["none", "q8"],
-                    help="the head's activations (q8: quantized, the integer kernels; needs a quantized --head-precision)")
+                    help="the head's activations (q8: quantized, the integer kernels; needs a quantized precision)")
     ap.add_argument("--set", default="open", choices=sorted(PROMPT_SETS))
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=96)

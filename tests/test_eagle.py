@@ -164,6 +164,7 @@ def test_greedy_exact_q8_head_reduced_vocab_and_hook_path(trained):
         small.lm_head.weight.copy_(model.get_output_embeddings().weight[small.draft_to_target()])
     for head, target in ((EagleHead(net, k=3, precision="q8_0"), HFCausalLM(model)),
                          (EagleHead(net, k=3, top_k=2, tree="dynamic", precision="q8_0", act="q8"), HFCausalLM(model)),
+                         (EagleHead(net, k=3, precision="q4_1", act="q8"), HFCausalLM(model)),
                          (EagleHead(small, k=3, top_k=2, tree="dynamic"), HFCausalLM(model)),
                          (EagleHead(net, k=3), HFCausalLM(model, fast_path=False))):
         out = SpeculativeDecoder(target, head, max_batch=3, max_len=64, policy="fixed").generate(
@@ -333,8 +334,10 @@ def test_bad_binding():
         SpeculativeDecoder(HFCausalLM(_tiny_llama(vocab=50)), EagleHead(net))
     with pytest.raises(TypeError, match="net must be a HeadNet"):
         EagleHead(object())
-    with pytest.raises(ValueError, match="act must be None, or 'q8' with precision 'q8_0'"):
+    with pytest.raises(ValueError, match="act must be None, or 'q8' with a quantized precision"):
         EagleHead(net, act="q8")
+    with pytest.raises(ValueError, match=r"precision must be 'fp32' or one of \('q8_0', 'q4_1', 'q4_0'\)"):
+        EagleHead(net, precision="int8")
     with pytest.raises(ValueError, match="act must be None"):
         EagleHead(net, precision="q8_0", act="q4")
 
@@ -360,6 +363,12 @@ def test_q8_activation_head_runs_the_integer_kernels():
         logits[act] = lm.prefill(lm.new_cache(1, 24), [[1, 2, 3, 4, 5]])
     assert not torch.equal(logits[None], logits["q8"])
     torch.testing.assert_close(logits["q8"], logits[None], atol=0.05, rtol=0.05)
+    head = EagleHead(net, precision="q4_1", act="q8")  # 4-bit weights with mins: bits 4 + 32
+    lm = HeadLM(head.net, target)
+    assert lm.fused is not None and all(b == 36 for b in lm.fused[4]) and lm.fused[2][0] is not None
+    lm.attach(tcache)
+    q4 = lm.prefill(lm.new_cache(1, 24), [[1, 2, 3, 4, 5]])
+    torch.testing.assert_close(q4, logits[None], atol=0.2, rtol=0.2)
 
 
 def test_held_out_evaluation(trained):
