@@ -66,9 +66,13 @@ def vllm_chains(cases, g, with_draft):
     while done < cases:
         S, V = [(1, 3), (3, 5), (4, 11), (6, 4), (2, 32)][i % 5]
         B = 50
+        # every third batch all greedy; those and every fourth batch sometimes with equal counts (the CPU's
+        # one-call path for all-greedy batches, taken without explicit uniforms, which greedy rows do not read)
+        all_greedy = i % 3 == 2
         d, n, cu, q, p, bonus, temp, u = tc.vllm_case(B, S, V, g, with_draft, greedy_frac=[0.0, 0.5, 1.0][i % 3],
-                                                      uniform=i % 4 == 3)
-        got = vllm.rejection_sample(d, n, max(n), cu, q, p, bonus, temp, uniforms=u).tolist()
+                                                      uniform=i % 4 == 3 or i % 6 == 2)
+        got = vllm.rejection_sample(d, n, max(n), cu, q, p, bonus, temp,
+                                    uniforms=None if all_greedy else u).tolist()
         want = tc.vllm_reference(d, n, q, p, bonus, temp, u)
         start = 0
         for b in range(B):

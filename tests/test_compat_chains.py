@@ -383,7 +383,8 @@ def test_vllm_greedy_host_form_equals_tensor_form(width, monkeypatch):
 def test_vllm_greedy_host_call_on_edge_rows(monkeypatch):
     """The all-greedy float32 CPU batch is decided by one C++ call (csrc/host/vllm_host.cpp): rows with ties,
     NaN, +-inf and drafts that are their rows' argmax (long acceptances, bonus tokens) give the tensor
-    form's output, with a temperature tensor (0 or vLLM's old -1) or an all_greedy metadata object."""
+    form's output, with a temperature tensor (0 or vLLM's old -1) or an all_greedy metadata object, with and
+    without draft distributions."""
     from specdec import _C
 
     calls = []
@@ -411,6 +412,14 @@ def test_vllm_greedy_host_call_on_edge_rows(monkeypatch):
             monkeypatch.setattr(vllm, "HOST_FORM", True)
             assert got.dtype == torch.int32 and torch.equal(got, want), (B, S, V)
         assert bool((got[:, S] != -1).any()) or B == 1     # some requests took their bonus token
+        q = torch.rand(B * S, V, generator=g)              # draft distributions: unread by greedy rows
+        before = len(calls)
+        got = vllm.rejection_sample(d, n, S, cu, q, p, bonus, torch.zeros(B))
+        assert len(calls) == before + 1
+        monkeypatch.setattr(vllm, "HOST_FORM", False)
+        want = vllm.rejection_sample(d, n, S, cu, q, p, bonus, torch.zeros(B))
+        monkeypatch.setattr(vllm, "HOST_FORM", True)
+        assert torch.equal(got, want)
 
 
 def test_vllm_greedy_host_call_leaves_bad_input_to_the_checks():

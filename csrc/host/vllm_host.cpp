@@ -1,7 +1,8 @@
 // The all-greedy CPU batch of specdec.compat.vllm.rejection_sample in one call: the pybind11 function
 // specdec._C.vllm_greedy over NumPy views of the caller's tensors (no copies).
 //
-// A batch where every request has the same S >= 1 drafts and every row is greedy (temperature <= 0):
+// A batch where every request has the same S >= 1 drafts and every row is greedy (temperature <= 0; the
+// draft distributions, if given, are only checked for their shape: greedy rows do not read them):
 // request b's rows j = 0 .. S - 1 of target_probs check draft j; draft j is accepted iff it is its row's
 // argmax (greedy_verify's argmax: first index of the maximum, NaN counts as the maximum), the first
 // rejected row emits its argmax, and a request whose S drafts all pass emits its bonus token. Output
@@ -44,7 +45,8 @@ Ints ints_of(const py::array& a, int64_t n) {
 
 py::object vllm_greedy(const py::array& draft_ids, const py::list& num_draft_tokens,
                        const py::array& cu_num_draft_tokens, const py::array& target_probs,
-                       const py::array& bonus_token_ids, const py::object& temperature, int64_t max_spec_len) {
+                       const py::array& bonus_token_ids, const py::object& temperature, int64_t max_spec_len,
+                       const py::object& draft_probs) {
   // the counts: a list of exact ints (a bool or another type is the general path's error to raise)
   const int64_t B = int64_t(PyList_GET_SIZE(num_draft_tokens.ptr()));
   std::vector<int64_t> n(B);
@@ -81,6 +83,10 @@ py::object vllm_greedy(const py::array& draft_ids, const py::list& num_draft_tok
       if (!(x <= 0.0)) return py::none();
     }
   }
+  if (!draft_probs.is_none()) {  // unread by greedy rows, but the general path would refuse a malformed one
+    const py::array q = py::reinterpret_borrow<py::array>(draft_probs);
+    if (q.ndim() != 2 || q.shape(0) != T || q.shape(1) != V || q.dtype().kind() != 'f') return py::none();
+  }
   const int64_t W = max_spec_len + 1;
   py::array_t<int32_t> out({B, W});
   int32_t* o = out.mutable_data();
@@ -110,7 +116,7 @@ py::object vllm_greedy(const py::array& draft_ids, const py::list& num_draft_tok
 void bind_vllm_host(py::module_& m) {
   m.def("vllm_greedy", &vllm_greedy, py::arg("draft_ids"), py::arg("num_draft_tokens"),
         py::arg("cu_num_draft_tokens"), py::arg("target_probs"), py::arg("bonus_token_ids"), py::arg("temperature"),
-        py::arg("max_spec_len"),
+        py::arg("max_spec_len"), py::arg("draft_probs"),
         "vLLM rejection_sample, all-greedy equal-count CPU batches in one call, or None (csrc/host/vllm_host.cpp).");
 }
 

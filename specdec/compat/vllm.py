@@ -115,9 +115,9 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[i
     -------
     Tensor [B, max_spec_len + 1] int32: accepted drafts, then the recovered or bonus token, then -1.
     """
-    if HOST_FORM and draft_probs is None and uniforms is None and type(num_draft_tokens) is list:
-        got = _greedy_host(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, target_probs,
-                           bonus_token_ids, sampling_metadata)
+    if HOST_FORM and uniforms is None and type(num_draft_tokens) is list:
+        got = _greedy_host(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                           target_probs, bonus_token_ids, sampling_metadata)
         if got is not None:
             return got
     T, n, B, S, W = ragged_drafts(_FN, draft_token_ids, num_draft_tokens, cu_num_draft_tokens, max_spec_len)
@@ -233,7 +233,7 @@ def _greedy_uniform(draft_token_ids, B, S, W, target_probs, bonus_token_ids) -> 
     return torch.cat(parts, 1).to(torch.int32)
 
 
-def _greedy_host(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, target_probs,
+def _greedy_host(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs, target_probs,
                  bonus_token_ids, sampling_metadata) -> Optional[torch.Tensor]:
     """An all-greedy CPU batch of equal draft counts and float32 rows in one C++ call
     (``specdec._C.vllm_greedy``, csrc/host/vllm_host.cpp: the checks, each row's argmax as
@@ -251,7 +251,8 @@ def _greedy_host(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_t
     try:  # NumPy views: CPU tensors without grad (anything else raises here and takes the general path)
         out = _C.vllm_greedy(draft_token_ids.numpy(), num_draft_tokens, cu_num_draft_tokens.numpy(),
                              target_probs.numpy(), bonus_token_ids.numpy(),
-                             None if temperature is None else temperature.numpy(), max_spec_len)
+                             None if temperature is None else temperature.numpy(), max_spec_len,
+                             None if draft_probs is None else draft_probs.numpy())
     except (AttributeError, RuntimeError, TypeError):
         return None
     return None if out is None else torch.from_numpy(out)
