@@ -7,8 +7,8 @@
 // activation row takes 8 vpdpbusd against its 8 broadcast 4-code words, giving the 16 rows' exact block
 // dots in one register; then one subtraction of the offset, one convert and one fused multiply-add by
 // dw * d (16 scales widened at once), and Q4_1's min term by one more. Up to 8 activation rows share
-// the decoded codes; a decode step (one activation row) and a pass of two rows run two groups at once for
-// independent chains.
+// the decoded codes; with Q4 weights a decode step (one activation row) and a pass of two rows run two
+// groups at once for independent chains.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -83,10 +83,16 @@ inline void tile(const Q8ActParams& P, int64_t t0, int64_t m0) {
 template <int BITS, bool MINS>
 inline void rows_t(const Q8ActParams& P, int64_t t_begin, int64_t t_end) {
   int64_t t = t_begin;
-  if (P.M == 1)  // a decode step: two groups in flight
-    for (; t + 2 <= t_end; t += 2) tile<BITS, MINS, 2, 1>(P, t, 0);
-  else if (P.M == 2)  // two verify rows: two groups in flight as well (at 3 or 4 rows it measured no faster)
-    for (; t + 2 <= t_end; t += 2) tile<BITS, MINS, 2, 2>(P, t, 0);
+  // Q4 weights, one or two activation rows: two groups in flight (at 3 or 4 rows it measured no faster, and
+  // one group at a time measured slower at two rows). Q8_0 weights (8 code vectors per group and block, the
+  // LM head) take one group at a time: measured faster at one row and much faster at two (the second
+  // group's codes no longer fit the registers beside the first's)
+  if constexpr (BITS == 4) {
+    if (P.M == 1)
+      for (; t + 2 <= t_end; t += 2) tile<BITS, MINS, 2, 1>(P, t, 0);
+    else if (P.M == 2)
+      for (; t + 2 <= t_end; t += 2) tile<BITS, MINS, 2, 2>(P, t, 0);
+  }
   for (; t < t_end; ++t) {
     int64_t m = 0;
     for (; m + 8 <= P.M; m += 8) tile<BITS, MINS, 1, 8>(P, t, m);
