@@ -9,7 +9,9 @@ would pass). Vocabulary 49,152 (the bundled SmolLM2's), float32, 4 drafts per re
 an 8-node tree (SGLang, vLLM tree; SGLang's sampler maps its coins to per-child uniforms, and the
 native call gets the uniforms one adapter call derived, so both take the same path); the paged
 attention rows are FlashInfer's metadata on NHD, HND and combined pools (passed as views) vs a
-block table on NHD pools, 9 / 3 heads, D = 64, prefix 512, page size 16. Adapter and native calls are interleaved
+block table on NHD pools (and, for HND, also against the native op on the same HND views, which
+separates the layout's cost from the adapter's), 9 / 3 heads, D = 64, prefix 512, page size 16.
+Adapter and native calls are interleaved
 round by round (the order alternates); the record keeps per-round medians, their median, and
 overhead = adapter / native - 1 (ratio of medians and median of per-round ratios), with the load
 average before and after (other processes share these cores: noisy). One torch thread by default.
@@ -173,10 +175,16 @@ def attention_cases(B, g, prefix=512, ps=16, hq=9, hkv=3, D=64, N=8):
     call = dict(kv_indptr=meta.kv_indptr, kv_indices=meta.kv_indices, kv_last_page_len=meta.kv_last_page_len,
                 qo_len=N)
     native = (lambda: paged_ops.verify_attention_paged(q, k, v, table, lens))  # noqa: E731
+    # specdec's paged op also takes the HND pools as strided views: that native call does the adapter's
+    # reads, so the row below it is the adapter's own cost, the one above it adds the layout's
+    native_hnd = (lambda: paged_ops.verify_attention_paged(q, kh.transpose(1, 2), vh.transpose(1, 2), table,  # noqa: E731
+                                                           lens))
     return {"flashinfer.verify_attention_paged (NHD, causal)": (
         lambda: fi.verify_attention_paged(qf, (k, v), **call), native),
         "flashinfer.verify_attention_paged (HND, causal)": (
         lambda: fi.verify_attention_paged(qf, (kh, vh), kv_layout="HND", **call), native),
+        "flashinfer.verify_attention_paged (HND, native on the same views)": (
+        lambda: fi.verify_attention_paged(qf, (kh, vh), kv_layout="HND", **call), native_hnd),
         "flashinfer.verify_attention_paged (combined NHD, causal)": (
         lambda: fi.verify_attention_paged(qf, combined, **call), native)}
 
