@@ -32,12 +32,16 @@ __all__ = [
     "silu_mul",
     "decoder_layer",
     "quantize_weight_int8",
+    "GROUP_FORMATS",
     "set_strict_checks",
     "strict_checks",
     "build_info",
 ]
 
 _ops = torch.ops.specdec
+
+#: the group-quantized weight formats of :func:`quantize_weight_groups` / :func:`qlinear` (GGUF's blocks of 32)
+GROUP_FORMATS = ("q8_0", "q4_0", "q4_1")
 
 
 def build_info() -> dict:
@@ -349,7 +353,7 @@ def quantize_weight_groups(weight: torch.Tensor, fmt: str) -> Tuple[torch.Tensor
     if weight.dim() != 2 or not weight.is_floating_point() or weight.shape[1] % 32:
         raise ValueError(f"quantize_weight_groups: weight must be a floating [N, K] tensor with K % 32 == 0, got "
                          f"{weight.dtype} {tuple(weight.shape)}")
-    if fmt not in ("q8_0", "q4_0", "q4_1"):
+    if fmt not in GROUP_FORMATS:
         raise ValueError(f"quantize_weight_groups: fmt must be 'q8_0', 'q4_0' or 'q4_1', got {fmt!r}")
     N, K = weight.shape
     w = weight.detach().float().reshape(N, K // 32, 32)

@@ -336,7 +336,7 @@ def test_bad_binding():
         EagleHead(object())
     with pytest.raises(ValueError, match="act must be None, or 'q8' with a quantized precision"):
         EagleHead(net, act="q8")
-    with pytest.raises(ValueError, match=r"precision must be 'fp32' or one of \('q8_0', 'q4_1', 'q4_0'\)"):
+    with pytest.raises(ValueError, match=r"precision must be 'fp32' or one of \('q8_0', 'q4_0', 'q4_1'\)"):
         EagleHead(net, precision="int8")
     with pytest.raises(ValueError, match="act must be None"):
         EagleHead(net, precision="q8_0", act="q4")

@@ -83,10 +83,10 @@ inline void tile(const Q8ActParams& P, int64_t t0, int64_t m0) {
 template <int BITS, bool MINS>
 inline void rows_t(const Q8ActParams& P, int64_t t_begin, int64_t t_end) {
   int64_t t = t_begin;
-  // Q4 weights, one or two activation rows: two groups in flight (at 3 or 4 rows it measured no faster, and
-  // one group at a time measured slower at two rows). Q8_0 weights (8 code vectors per group and block, the
-  // LM head) take one group at a time: measured faster at one row and much faster at two (the second
-  // group's codes no longer fit the registers beside the first's)
+  // Q4 weights, one or two activation rows: two groups in flight (at 3 or 4 rows it measured no faster).
+  // Q8_0 weights (8 code vectors per group and block, the LM head) take one group at a time: a second
+  // group's codes do not fit the registers beside the first's (two-row pass 1.153 -> 1.089x a one-row pass
+  // in benchmarks/results/q8act_cpu_2026-12-06j.json against archive/q8act_cpu_2026-12-06i.json)
   if constexpr (BITS == 4) {
     if (P.M == 1)
       for (; t + 2 <= t_end; t += 2) tile<BITS, MINS, 2, 1>(P, t, 0);

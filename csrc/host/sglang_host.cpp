@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "host/numpy_ints.h"
+
 namespace py = pybind11;
 
 namespace specdec {
@@ -109,19 +111,10 @@ int64_t sglang_prepare(const py::array& candidates, const py::array& coins, cons
 }
 
 
-// A C-contiguous int32 / int64 array of n entries (a Reader), or nullptr in r.p when it is not one.
-Reader int_view(const py::array& a, int64_t n) {
-  Reader r{nullptr, 1};
-  if (!(a.flags() & py::array::c_style) || a.size() != n) return r;
-  if (py::isinstance<py::array_t<int32_t>>(a)) r.kind = 0;
-  else if (!py::isinstance<py::array_t<int64_t>>(a)) return r;
-  r.p = a.data();
-  return r;
-}
-
-void put(py::array& a, int64_t i, int64_t v) {
-  if (py::isinstance<py::array_t<int32_t>>(a)) static_cast<int32_t*>(a.mutable_data())[i] = int32_t(v);
-  else static_cast<int64_t*>(a.mutable_data())[i] = v;
+// Entry i of an int32 / int64 output (``wide``: int64) set to v.
+inline void put(void* base, bool wide, int64_t i, int64_t v) {
+  if (wide) static_cast<int64_t*>(base)[i] = v;
+  else static_cast<int32_t*>(base)[i] = int32_t(v);
 }
 
 // verify_tree_greedy in one call, for the trees SGLang's builder emits (every link -1 or a higher index
@@ -140,20 +133,19 @@ bool sglang_greedy(py::array& predicts, py::array& accept_index, py::array& acce
     return false;
   for (const py::array* a : {&retrive_index, &next_token, &next_sibling})
     if (a->ndim() != 2 || a->shape(0) != B || a->shape(1) != N) return false;
-  const Reader cand = int_view(candidates, BN), ri = int_view(retrive_index, BN), nt = int_view(next_token, BN),
-               ns = int_view(next_sibling, BN), tp = int_view(target_predict, BN);
-  if (!cand.p || !ri.p || !nt.p || !ns.p || !tp.p || !int_view(predicts, BN).p ||
-      !int_view(accept_index, B * S).p || !int_view(accept_token_num, B).p)
-    return false;
+  const IntArray cand = int_array(candidates, BN), ri = int_array(retrive_index, BN), nt = int_array(next_token, BN),
+                 ns = int_array(next_sibling, BN), tp = int_array(target_predict, BN);
+  const IntArray pr = int_array(predicts, BN), ai = int_array(accept_index, B * S), an = int_array(accept_token_num, B);
+  if (!cand || !ri || !nt || !ns || !tp || !pr || !ai || !an) return false;
   std::vector<int64_t> path(B * S, -1), count(B, 0);
   std::vector<char> reached(N);
   for (int64_t b = 0; b < B; ++b) {  // check every row before anything is written
     std::fill(reached.begin(), reached.end(), 0);
     for (int64_t i = 0; i < N; ++i) {
-      const int64_t r = ri.i(b * N + i);
+      const int64_t r = ri[b * N + i];
       if (r < 0 || r >= BN) return false;
-      for (const Reader* l : {&nt, &ns}) {
-        const int64_t j = l->i(b * N + i);
+      for (const IntArray* l : {&nt, &ns}) {
+        const int64_t j = (*l)[b * N + i];
         if (j == -1) continue;
         if (j <= i || j >= N || reached[j]) return false;
         reached[j] = 1;
@@ -164,9 +156,9 @@ bool sglang_greedy(py::array& predicts, py::array& accept_index, py::array& acce
     int64_t cur = 0, k = 0;
     path[b * S] = 0;
     while (k + 1 < S) {
-      const int64_t want = tp.i(ri.i(b * N + cur));
-      int64_t c = nt.i(b * N + cur);
-      while (c != -1 && cand.i(b * N + c) != want) c = ns.i(b * N + c);
+      const int64_t want = tp[ri[b * N + cur]];
+      int64_t c = nt[b * N + cur];
+      while (c != -1 && cand[b * N + c] != want) c = ns[b * N + c];
       if (c == -1) break;
       path[b * S + ++k] = cur = c;
     }
@@ -174,13 +166,16 @@ bool sglang_greedy(py::array& predicts, py::array& accept_index, py::array& acce
   }
   std::vector<int64_t> pred_at(B * S);  // read target_predict before predicts is written (they may alias)
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t j = 0; j <= count[b]; ++j) pred_at[b * S + j] = tp.i(ri.i(b * N + path[b * S + j]));
+    for (int64_t j = 0; j <= count[b]; ++j) pred_at[b * S + j] = tp[ri[b * N + path[b * S + j]]];
+  void* const ai_out = accept_index.mutable_data();
+  void* const an_out = accept_token_num.mutable_data();
+  void* const pr_out = predicts.mutable_data();
   for (int64_t b = 0; b < B; ++b) {
-    for (int64_t j = 0; j < S; ++j) put(accept_index, b * S + j, j <= count[b] ? ri.i(b * N + path[b * S + j]) : -1);
-    put(accept_token_num, b, count[b]);
+    for (int64_t j = 0; j < S; ++j) put(ai_out, ai.wide, b * S + j, j <= count[b] ? ri[b * N + path[b * S + j]] : -1);
+    put(an_out, an.wide, b, count[b]);
   }
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t j = 0; j <= count[b]; ++j) put(predicts, ri.i(b * N + path[b * S + j]), pred_at[b * S + j]);
+    for (int64_t j = 0; j <= count[b]; ++j) put(pr_out, pr.wide, ri[b * N + path[b * S + j]], pred_at[b * S + j]);
   return true;
 }
 

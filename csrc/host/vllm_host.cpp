@@ -18,30 +18,13 @@
 #include <cstdint>
 #include <vector>
 
+#include "host/numpy_ints.h"
 #include "specdec/tree_walk.h"
 
 namespace py = pybind11;
 
 namespace specdec {
 namespace {
-
-// A C-contiguous int32 / int64 array of n entries, read as int64; null when it is not one.
-struct Ints {
-  const void* p = nullptr;
-  bool wide = false;
-  int64_t operator[](int64_t i) const {
-    return wide ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
-  }
-};
-
-Ints ints_of(const py::array& a, int64_t n) {
-  Ints r;
-  if (!(a.flags() & py::array::c_style) || a.size() != n) return r;
-  if (py::isinstance<py::array_t<int64_t>>(a)) r.wide = true;
-  else if (!py::isinstance<py::array_t<int32_t>>(a)) return r;
-  r.p = a.data();
-  return r;
-}
 
 py::object vllm_greedy(const py::array& draft_ids, const py::list& num_draft_tokens,
                        const py::array& cu_num_draft_tokens, const py::array& target_probs,
@@ -64,8 +47,9 @@ py::object vllm_greedy(const py::array& draft_ids, const py::list& num_draft_tok
   if (S < 1 || max_spec_len < S || T != B * S || target_probs.shape(0) != T || V < 1) return py::none();
   if (!py::isinstance<py::array_t<float>>(target_probs) || !(target_probs.flags() & py::array::c_style))
     return py::none();
-  const Ints d = ints_of(draft_ids, T), cu = ints_of(cu_num_draft_tokens, B), bonus = ints_of(bonus_token_ids, B);
-  if (!d.p || !cu.p || !bonus.p) return py::none();
+  const IntArray d = int_array(draft_ids, T), cu = int_array(cu_num_draft_tokens, B),
+                 bonus = int_array(bonus_token_ids, B);
+  if (!d || !cu || !bonus) return py::none();
   for (int64_t b = 0; b < B; ++b) {
     if (n[b] != S || cu[b] != (b + 1) * S) return py::none();
     if (bonus[b] < 0 || bonus[b] >= V) return py::none();

@@ -313,8 +313,9 @@ def _sampled_uniform(draft_token_ids, B, S, W, target_probs, draft_probs, bonus_
 
 def _sampled_uniform_host(d: list, bonus: list, B, S, W, target_probs, draft_probs, u) -> torch.Tensor:
     """:func:`_sampled_uniform` on the CPU, with the drafts ``d`` [B * S] and bonus tokens [B] as the
-    lists the range checks read: the op's tokens and uniforms go into kept buffers, the result is
-    assembled in Python (as :func:`_greedy_uniform_host`; the op's root tokens are never read)."""
+    lists the range checks read: the op's tokens (the drafts shifted right by one: row b is
+    (d_{b-1, S-1}, d_{b,0} .. d_{b,S-2}), its first entry the root's token, which the op never reads) and
+    uniforms go into kept buffers, and the result is assembled in Python."""
     V = target_probs.shape[1]
     rows_p = (target_probs if target_probs.is_contiguous() else target_probs.contiguous()).view(B, S, V)
     tokens, flat = _token_buffer(B, S)

@@ -9,10 +9,10 @@ import torch
 from specdec.drafters.draft_model.model import DraftModel
 from specdec.drafters.eagle.lm import HeadLM
 from specdec.drafters.eagle.net import HeadNet
+from specdec.ops import GROUP_FORMATS
 
 __all__ = ["EagleHead"]
 
-_QUANT = ("q8_0", "q4_1", "q4_0")  # the group-quantized formats of the head's linear layers
 
 
 class EagleHead(DraftModel):
@@ -39,8 +39,8 @@ class EagleHead(DraftModel):
                  act: Optional[str] = None, **kwargs) -> None:
         if not isinstance(net, HeadNet):
             raise TypeError(f"EagleHead: net must be a HeadNet, got {type(net).__name__}")
-        if precision not in ("fp32",) + _QUANT:
-            raise ValueError(f"EagleHead: precision must be 'fp32' or one of {_QUANT}, got {precision!r}")
+        if precision != "fp32" and precision not in GROUP_FORMATS:
+            raise ValueError(f"EagleHead: precision must be 'fp32' or one of {GROUP_FORMATS}, got {precision!r}")
         if act not in (None, "q8") or (act == "q8" and precision == "fp32"):
             raise ValueError(f"EagleHead: act must be None, or 'q8' with a quantized precision (the head's "
                              f"activations quantized per block of 32, as qlinear(..., act='q8')), got act={act!r} "
