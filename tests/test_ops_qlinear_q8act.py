@@ -67,7 +67,7 @@ def test_quantize_q8_matches_reference(device, dtype, tier):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", list(FMTS))
-@pytest.mark.parametrize("M", [1, 3, 8, 9])
+@pytest.mark.parametrize("M", [1, 2, 3, 6, 8, 9])
 @pytest.mark.parametrize("K,N", [(32, 5), (96, 13), (544, 9), (576, 70), (1056, 7)])
 def test_qlinear_q8act_bit_exact(device, fmt, M, K, N, tier):
     qw, d, m = case(N, K, fmt, seed=M * 7 + K + N)

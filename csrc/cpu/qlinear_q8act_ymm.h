@@ -110,18 +110,20 @@ inline void group_tile_q4(const Q8ActParams& P, int64_t t, int64_t m0) {
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* b = P.packed + (t * G + g) * blk;
     __m256i s[2][MR];
+    for (int m = 0; m < MR; ++m) s[0][m] = s[1][m] = _mm256_setzero_si256();
+#pragma GCC unroll 1
     for (int k = 0; k < 4; ++k) {
       const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * k));
       const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * k + 32));
-      const __m256i lo0 = _mm256_and_si256(v0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
-      const __m256i lo1 = _mm256_and_si256(v1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
-      for (int m = 0; m < MR; ++m) {
-        const int8_t* a = P.a + (m0 + m) * P.K + g * kQ8Block;
-        const __m256i bl = bcast_word(a + 4 * k), bh = bcast_word(a + 4 * k + 16);
-        const __m256i t0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, bl), _mm256_maddubs_epi16(hi0, bh));
-        const __m256i t1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, bl), _mm256_maddubs_epi16(hi1, bh));
-        s[0][m] = k == 0 ? t0 : _mm256_add_epi16(s[0][m], t0);
-        s[1][m] = k == 0 ? t1 : _mm256_add_epi16(s[1][m], t1);
+      for (int nib = 0; nib < 2; ++nib) {  // the low nibbles (elements 4k..), then the high ones (16 + 4k..)
+        const __m256i w0 = _mm256_and_si256(nib ? _mm256_srli_epi16(v0, 4) : v0, low4);
+        const __m256i w1 = _mm256_and_si256(nib ? _mm256_srli_epi16(v1, 4) : v1, low4);
+        for (int m = 0; m < MR; ++m) {
+          const __m256i x = bcast_word(P.a + (m0 + m) * P.K + g * kQ8Block + 4 * k + 16 * nib);
+          const __m256i t0 = _mm256_maddubs_epi16(w0, x), t1 = _mm256_maddubs_epi16(w1, x);
+          s[0][m] = _mm256_add_epi16(s[0][m], t0);
+          s[1][m] = _mm256_add_epi16(s[1][m], t1);
+        }
       }
     }
     for (int h = 0; h < 2; ++h) {
@@ -154,6 +156,8 @@ inline void group_tile_q8(const Q8ActParams& P, int64_t t, int64_t m0) {
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* b = P.packed + (t * G + g) * blk;
     __m256i s[2][MR];
+    for (int m = 0; m < MR; ++m) s[0][m] = s[1][m] = _mm256_setzero_si256();
+#pragma GCC unroll 1
     for (int k = 0; k < 8; ++k) {
       const __m256i c0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * k)), flip);
       const __m256i c1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * k + 32)), flip);
@@ -162,8 +166,8 @@ inline void group_tile_q8(const Q8ActParams& P, int64_t t, int64_t m0) {
         const __m256i a = bcast_word(P.a + (m0 + m) * P.K + g * kQ8Block + 4 * k);
         const __m256i t0 = _mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_sign_epi8(a, c0)), ones);
         const __m256i t1 = _mm256_madd_epi16(_mm256_maddubs_epi16(u1, _mm256_sign_epi8(a, c1)), ones);
-        s[0][m] = k == 0 ? t0 : _mm256_add_epi32(s[0][m], t0);
-        s[1][m] = k == 0 ? t1 : _mm256_add_epi32(s[1][m], t1);
+        s[0][m] = _mm256_add_epi32(s[0][m], t0);
+        s[1][m] = _mm256_add_epi32(s[1][m], t1);
       }
     }
     for (int h = 0; h < 2; ++h) {
