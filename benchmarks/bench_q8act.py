@@ -217,8 +217,11 @@ def main() -> int:
     }
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
-    res = {"date": _dt.date.today().isoformat(), "commit": commit, "threads": torch.get_num_threads(),
-           "loadavg": os.getloadavg(), "rounds": a.rounds, "reps": a.reps, "prefix": PREFIX,
+    from specdec.bench.record import cpu_name
+
+    res = {"date": _dt.date.today().isoformat(), "commit": commit, "cpu": cpu_name(),
+           "threads": torch.get_num_threads(), "loadavg": os.getloadavg(),
+           "rounds": a.rounds, "reps": a.reps, "prefix": PREFIX,
            "q8act_tier": _C.q8act_tier(), "read_bandwidth_gbs": round(bandwidth, 2),
            "read_bandwidth_cpu_time_gbs": round(bandwidth_cpu, 2),
            "read_bandwidth_rounds_gbs": [round(b, 2) for b in bws], "step_ms_median": step_ms,
