@@ -195,15 +195,23 @@ inline void group_tile_q8(const Q8ActParams& P, int64_t t, int64_t m0) {
 
 template <int BITS, bool MINS>
 inline void rows_t(const Q8ActParams& P, int64_t t_begin, int64_t t_end) {
-  // tile(mr, t, m): rows m.. (mr of them) against group t (avx2) or its halves (avx_vnni)
-  auto tile = [&](auto mr, int64_t t, int64_t m) {
-    constexpr int MR = decltype(mr)::value;
 #if Q8ACT_VNNI
-    for (int h = 0; h < 2 && t * kQ8Rows + 8 * h < P.N; ++h) half_tile<BITS, MINS, MR>(P, t, h, m);
+  for (int64_t t = t_begin; t < t_end; ++t)
+    for (int h = 0; h < 2 && t * kQ8Rows + 8 * h < P.N; ++h) {
+      int64_t m = 0;
+      for (; m + 4 <= P.M; m += 4) half_tile<BITS, MINS, 4>(P, t, h, m);
+      switch (P.M - m) {
+        case 3: half_tile<BITS, MINS, 3>(P, t, h, m); break;
+        case 2: half_tile<BITS, MINS, 2>(P, t, h, m); break;
+        case 1: half_tile<BITS, MINS, 1>(P, t, h, m); break;
+        default: break;
+      }
+    }
 #else
-    if constexpr (BITS == 4) group_tile_q4<MINS, MR>(P, t, m);
-    else group_tile_q8<MR>(P, t, m);
-#endif
+  // tile(mr, t, m): activation rows m.. (mr of them) against weight group t
+  auto tile = [&](auto mr, int64_t t, int64_t m) {
+    if constexpr (BITS == 4) group_tile_q4<MINS, decltype(mr)::value>(P, t, m);
+    else group_tile_q8<decltype(mr)::value>(P, t, m);
   };
   for (int64_t t = t_begin; t < t_end; ++t) {
     int64_t m = 0;
@@ -215,6 +223,7 @@ inline void rows_t(const Q8ActParams& P, int64_t t_begin, int64_t t_end) {
       default: break;
     }
   }
+#endif
 }
 
 inline void rows(const Q8ActParams& P, int64_t t_begin, int64_t t_end) {
