@@ -185,8 +185,10 @@ def main() -> int:
     equal = all(x[f"{p} lookup == plain"] for x in records for p in models)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
-    res = {"date": _dt.date.today().isoformat(), "commit": commit, "threads": torch.get_num_threads(),
-           "loadavg": os.getloadavg(), "max_new_tokens": a.new, "rounds": a.rounds,
+    from specdec.bench.record import cpu_name
+
+    res = {"date": _dt.date.today().isoformat(), "commit": commit, "cpu": cpu_name(),
+           "threads": torch.get_num_threads(), "loadavg": os.getloadavg(), "max_new_tokens": a.new, "rounds": a.rounds,
            "llama_cpp": llama_note, "forward_ms_median": forward, "summary": summary,
            "speculative_equals_plain": equal, "records": records}
     out = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / f"precision_{res['date']}.json"
