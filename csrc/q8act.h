@@ -42,6 +42,9 @@ void qlinear_q8act_raw(const float* x, int64_t x_stride, const QLinearParams& Q)
 std::string set_q8act_tier(const std::string& name);
 std::string q8act_tier();   // the tier calls take now
 std::string q8act_tiers();  // the tiers this CPU runs, comma-separated, best first
+// How many packed blocks ahead the AVX2 tier prefetches its weight (0: none; default 16); process-wide,
+// for A/Bs; returns the previous value. The bits do not depend on it.
+int64_t set_q8act_prefetch(int64_t blocks);
 }  // namespace cpu
 
 namespace checks {

@@ -168,6 +168,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_q8act_tier", &specdec::cpu::set_q8act_tier, pybind11::arg("name"),
         "The CPU tier of qlinear_q8act: auto (the default: the best this CPU runs), avx512_vnni, avx_vnni, avx2 "
         "or scalar; the same bits in every tier. Returns the previous setting. For A/Bs and tests.");
+  m.def("set_q8act_prefetch", &specdec::cpu::set_q8act_prefetch, pybind11::arg("blocks"),
+        "How many packed weight blocks ahead qlinear_q8act's AVX2 tier prefetches (0: none; the default 16). "
+        "Returns the previous value. The same bits at any distance; for A/Bs.");
   m.def("q8act_tier", &specdec::cpu::q8act_tier, "The CPU tier qlinear_q8act calls take now.");
   m.def("q8act_tiers", &specdec::cpu::q8act_tiers, "The qlinear_q8act tiers this CPU runs, best first.");
   m.def("cpu_avx512", &specdec::cpu::avx512_active, "Whether verify-size CPU linears take the AVX-512 kernels.");

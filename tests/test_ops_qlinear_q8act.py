@@ -225,3 +225,21 @@ def test_errors():
         ops.pack_q8act(qw[:, :16].contiguous(), d, m, 4)
     with pytest.raises(RuntimeError, match=r"pack_q8act: mins are only for 4-bit weights"):
         ops.pack_q8act(torch.zeros(8, 64, dtype=torch.int8), d, m, 8)
+
+
+@pytest.mark.parametrize("fmt", list(FMTS))
+def test_prefetch_distance_does_not_change_the_bits(fmt, tier):
+    qw, d, m = case(70, 576, fmt, seed=3)
+    packed = ops.pack_q8act(qw, d, m, FMTS[fmt])
+    x = activations(6, 576, seed=5)
+    want = reference_q8act.qlinear_q8act(x, qw, d, m, None, FMTS[fmt])
+    was = _C.set_q8act_prefetch(16)
+    try:
+        for blocks in (0, 1, 16, 4096):
+            _C.set_q8act_prefetch(blocks)
+            assert torch.equal(ops.qlinear(x, packed, d, m, None, FMTS[fmt], act="q8"), want), blocks
+        with pytest.raises(RuntimeError, match=r"set_q8act_prefetch: blocks must be in 0\.\.4096, got -1"):
+            _C.set_q8act_prefetch(-1)
+        assert _C.set_q8act_prefetch(16) == 4096
+    finally:
+        _C.set_q8act_prefetch(was)

@@ -108,6 +108,7 @@ void q8act_rows_scalar(const Q8ActParams& P, int64_t t_begin, int64_t t_end) {
 namespace {
 
 std::atomic<int> g_tier{kQ8TierAuto};
+std::atomic<int64_t> g_prefetch{16};
 
 bool tier_supported(int t) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -162,6 +163,11 @@ std::string set_q8act_tier(const std::string& name) {
 
 std::string q8act_tier() { return kTierNames[active_tier()]; }
 
+int64_t set_q8act_prefetch(int64_t blocks) {
+  TORCH_CHECK(blocks >= 0 && blocks <= 4096, "set_q8act_prefetch: blocks must be in 0..4096, got ", blocks);
+  return g_prefetch.exchange(blocks);
+}
+
 std::string q8act_tiers() {
   std::string out;
   for (int t = kQ8Avx512Vnni; t <= kQ8Scalar; ++t)
@@ -206,6 +212,7 @@ void qlinear_q8act_raw(const float* x, int64_t x_stride, const QLinearParams& Q)
   P.K = K;
   P.bits = Q.bits;
   P.mins = mins;
+  P.prefetch = g_prefetch.load(std::memory_order_relaxed);
   auto rows = tier == kQ8Avx512Vnni ? &q8act_rows_avx512vnni
               : tier == kQ8AvxVnni  ? &q8act_rows_avxvnni
               : tier == kQ8Avx2     ? &q8act_rows_avx2

@@ -83,14 +83,14 @@ inline void half_tile(const Q8ActParams& P, int64_t t, int h, int64_t m0) {
 }
 
 #else
-// The packed weight is read front to back (groups, then blocks), so the block kQ8PrefetchBlocks ahead is
-// requested while this one is computed: one core's hardware prefetch alone leaves a weight that comes from
-// DRAM (a decode step's) well below the read bandwidth. Prefetches past the weight's end are harmless.
-constexpr int64_t kQ8PrefetchBlocks = 16;
+// The packed weight is read front to back (groups, then blocks), so the block P.prefetch blocks ahead is
+// requested while this one is computed (set_q8act_prefetch; 16 by default): one core's hardware prefetch
+// alone leaves a weight read from DRAM below the read bandwidth. Prefetches past the weight's end are
+// harmless.
 template <int64_t BLK>
-inline void prefetch_ahead(const uint8_t* b) {
-  for (int64_t i = 0; i < BLK; i += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(b + kQ8PrefetchBlocks * BLK + i), _MM_HINT_T0);
+inline void prefetch_ahead(const uint8_t* b, int64_t blocks) {
+  if (blocks > 0)
+    for (int64_t i = 0; i < BLK; i += 64) _mm_prefetch(reinterpret_cast<const char*>(b + blocks * BLK + i), _MM_HINT_T0);
 }
 
 // y[m0.., 16 t..] = the accumulators (+ bias), rows past N left out.
@@ -119,7 +119,7 @@ inline void group_tile_q4(const Q8ActParams& P, int64_t t, int64_t m0) {
   for (int m = 0; m < MR; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* b = P.packed + (t * G + g) * blk;
-    prefetch_ahead<blk>(b);
+    prefetch_ahead<blk>(b, P.prefetch);
     __m256i s[2][MR];
     for (int m = 0; m < MR; ++m) s[0][m] = s[1][m] = _mm256_setzero_si256();
 #pragma GCC unroll 1
@@ -166,7 +166,7 @@ inline void group_tile_q8(const Q8ActParams& P, int64_t t, int64_t m0) {
   for (int m = 0; m < MR; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* b = P.packed + (t * G + g) * blk;
-    prefetch_ahead<blk>(b);
+    prefetch_ahead<blk>(b, P.prefetch);
     __m256i s[2][MR];
     for (int m = 0; m < MR; ++m) s[0][m] = s[1][m] = _mm256_setzero_si256();
 #pragma GCC unroll 1

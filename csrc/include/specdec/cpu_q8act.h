@@ -64,6 +64,7 @@ struct Q8ActParams {
   int64_t M, N, K;
   int bits;
   bool mins;               // Q4_1
+  int64_t prefetch = 16;   // packed blocks the AVX2 tier prefetches ahead (0: none)
 };
 
 // Tiers, best first; kQ8TierAuto: the best this CPU runs.
