@@ -4,7 +4,7 @@
 // bytes of every 64-byte code vector); lane j of an accumulator is output row 8 h + j, so each lane runs
 // the definition's sequence of multiply-adds over the blocks in order.
 //   avx_vnni (half_tile): per half and block the codes are decoded once and feed up to 4 activation rows.
-//   avx2 (group_tile_q4 / _q8): per block both halves at once, up to 4 activation rows: each broadcast
+//   avx2 (group_tile): per block both halves at once, up to 4 activation rows: each broadcast
 //   activation word serves the group's 16 rows, and each decoded code vector up to 4 rows.
 #pragma once
 
@@ -106,87 +106,68 @@ inline void store_group(const Q8ActParams& P, int64_t t, int64_t m0, const __m25
   }
 }
 
-// A whole group of 16 weight rows against activation rows m0.. (MR), Q4 without VNNI. vpmaddubsw's int16
-// pair sums (codes 0..15 times |a| <= 127: at most 3,810) are added in int16 over the block (16 products
-// a lane: at most 30,480, no wrap) and widened by one vpmaddwd: the exact block dots P, then the
-// definition's float steps per output.
-template <bool MINS, int MR>
-inline void group_tile_q4(const Q8ActParams& P, int64_t t, int64_t m0) {
-  constexpr int64_t blk = kQ8PackBytes(4, MINS);
+// A whole group of 16 weight rows against activation rows m0.. (MR) without VNNI. Per block, the integer
+// dots into s[h][m] (lane j: row 16 t + 8 h + j), one code vector at a time (unroll 1: fully unrolled, the
+// compiler kept every product of the block on the stack):
+//   Q4: vpmaddubsw's int16 pair sums (codes 0..15 times |a| <= 127: at most 3,810) added in int16 over the
+//   block (16 products a lane: at most 30,480, no wrap), widened by one vpmaddwd;
+//   Q8_0: the codes re-signed (c = u ^ 0x80, so no offset to take back) and |c| made once per code vector
+//   for every activation row, then the sign trick per row: |c| (unsigned) times a * sign(c) (signed); a
+//   pair sum is at most 2 * 128 * 127 (no saturation), so each vpmaddubsw is widened by its own vpmaddwd.
+// Then the definition's float steps per output.
+template <int BITS, bool MINS, int MR>
+inline void group_tile(const Q8ActParams& P, int64_t t, int64_t m0) {
+  constexpr int64_t blk = kQ8PackBytes(BITS, MINS), code = kQ8CodeBytes(BITS);
   const int64_t G = P.K / kQ8Block;
-  const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(15), flip = _mm256_set1_epi8(char(0x80)), ones = _mm256_set1_epi16(1);
   __m256 acc[2][MR];
   for (int m = 0; m < MR; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* b = P.packed + (t * G + g) * blk;
+    const int8_t* a0 = P.a + m0 * P.K + g * kQ8Block;
     prefetch_ahead<blk>(b, P.prefetch);
     __m256i s[2][MR];
     for (int m = 0; m < MR; ++m) s[0][m] = s[1][m] = _mm256_setzero_si256();
+    if constexpr (BITS == 4) {
 #pragma GCC unroll 1
-    for (int k = 0; k < 4; ++k) {
-      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * k));
-      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * k + 32));
-      for (int nib = 0; nib < 2; ++nib) {  // the low nibbles (elements 4k..), then the high ones (16 + 4k..)
-        const __m256i w0 = _mm256_and_si256(nib ? _mm256_srli_epi16(v0, 4) : v0, low4);
-        const __m256i w1 = _mm256_and_si256(nib ? _mm256_srli_epi16(v1, 4) : v1, low4);
+      for (int k = 0; k < 4; ++k) {
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * k));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * k + 32));
+        for (int nib = 0; nib < 2; ++nib) {  // the low nibbles (elements 4k..), then the high ones (16 + 4k..)
+          const __m256i w0 = _mm256_and_si256(nib ? _mm256_srli_epi16(v0, 4) : v0, low4);
+          const __m256i w1 = _mm256_and_si256(nib ? _mm256_srli_epi16(v1, 4) : v1, low4);
+          for (int m = 0; m < MR; ++m) {
+            const __m256i x = bcast_word(a0 + m * P.K + 4 * k + 16 * nib);
+            s[0][m] = _mm256_add_epi16(s[0][m], _mm256_maddubs_epi16(w0, x));
+            s[1][m] = _mm256_add_epi16(s[1][m], _mm256_maddubs_epi16(w1, x));
+          }
+        }
+      }
+    } else {
+#pragma GCC unroll 1
+      for (int k = 0; k < 8; ++k) {
+        const __m256i c0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * k)), flip);
+        const __m256i c1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * k + 32)), flip);
+        const __m256i u0 = _mm256_abs_epi8(c0), u1 = _mm256_abs_epi8(c1);
         for (int m = 0; m < MR; ++m) {
-          const __m256i x = bcast_word(P.a + (m0 + m) * P.K + g * kQ8Block + 4 * k + 16 * nib);
-          const __m256i t0 = _mm256_maddubs_epi16(w0, x), t1 = _mm256_maddubs_epi16(w1, x);
-          s[0][m] = _mm256_add_epi16(s[0][m], t0);
-          s[1][m] = _mm256_add_epi16(s[1][m], t1);
+          const __m256i x = bcast_word(a0 + m * P.K + 4 * k);
+          s[0][m] = _mm256_add_epi32(s[0][m], _mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_sign_epi8(x, c0)), ones));
+          s[1][m] = _mm256_add_epi32(s[1][m], _mm256_madd_epi16(_mm256_maddubs_epi16(u1, _mm256_sign_epi8(x, c1)), ones));
         }
       }
     }
     for (int h = 0; h < 2; ++h) {
-      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 256 + 16 * h)));
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + code + 16 * h)));
       __m256 mw = _mm256_setzero_ps();
-      if constexpr (MINS) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 256 + 32 + 16 * h)));
+      if constexpr (MINS) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + code + 32 + 16 * h)));
       for (int m = 0; m < MR; ++m) {
         const int64_t mg = (m0 + m) * G + g;
-        __m256i p = _mm256_madd_epi16(s[h][m], ones);
-        if constexpr (!MINS) p = _mm256_sub_epi32(p, _mm256_set1_epi32(P.R[mg] << 3));
+        __m256i p = s[h][m];
+        if constexpr (BITS == 4) p = _mm256_madd_epi16(p, ones);
+        if constexpr (BITS == 4 && !MINS) p = _mm256_sub_epi32(p, _mm256_set1_epi32(P.R[mg] << 3));
         acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_set1_ps(P.d[mg])), acc[h][m]);
         if constexpr (MINS) acc[h][m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(P.s[mg]), acc[h][m]);
       }
-    }
-  }
-  store_group<MR>(P, t, m0, acc);
-}
-
-// The same for Q8_0 without VNNI: the codes re-signed (c = u ^ 0x80, so no offset to take back) and |c|
-// made once per code vector for every activation row, then the sign trick per row: |c| (unsigned) times
-// a * sign(c) (signed); a pair sum is at most 2 * 128 * 127 (no saturation), so each vpmaddubsw is
-// widened by its own vpmaddwd.
-template <int MR>
-inline void group_tile_q8(const Q8ActParams& P, int64_t t, int64_t m0) {
-  constexpr int64_t blk = kQ8PackBytes(8, false);
-  const int64_t G = P.K / kQ8Block;
-  const __m256i flip = _mm256_set1_epi8(char(0x80)), ones = _mm256_set1_epi16(1);
-  __m256 acc[2][MR];
-  for (int m = 0; m < MR; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* b = P.packed + (t * G + g) * blk;
-    prefetch_ahead<blk>(b, P.prefetch);
-    __m256i s[2][MR];
-    for (int m = 0; m < MR; ++m) s[0][m] = s[1][m] = _mm256_setzero_si256();
-#pragma GCC unroll 1
-    for (int k = 0; k < 8; ++k) {
-      const __m256i c0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * k)), flip);
-      const __m256i c1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * k + 32)), flip);
-      const __m256i u0 = _mm256_abs_epi8(c0), u1 = _mm256_abs_epi8(c1);
-      for (int m = 0; m < MR; ++m) {
-        const __m256i a = bcast_word(P.a + (m0 + m) * P.K + g * kQ8Block + 4 * k);
-        const __m256i t0 = _mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_sign_epi8(a, c0)), ones);
-        const __m256i t1 = _mm256_madd_epi16(_mm256_maddubs_epi16(u1, _mm256_sign_epi8(a, c1)), ones);
-        s[0][m] = _mm256_add_epi32(s[0][m], t0);
-        s[1][m] = _mm256_add_epi32(s[1][m], t1);
-      }
-    }
-    for (int h = 0; h < 2; ++h) {
-      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 512 + 16 * h)));
-      for (int m = 0; m < MR; ++m)
-        acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[h][m]), _mm256_mul_ps(dw, _mm256_set1_ps(P.d[(m0 + m) * G + g])),
-                                    acc[h][m]);
     }
   }
   store_group<MR>(P, t, m0, acc);
@@ -209,10 +190,7 @@ inline void rows_t(const Q8ActParams& P, int64_t t_begin, int64_t t_end) {
     }
 #else
   // tile(mr, t, m): activation rows m.. (mr of them) against weight group t
-  auto tile = [&](auto mr, int64_t t, int64_t m) {
-    if constexpr (BITS == 4) group_tile_q4<MINS, decltype(mr)::value>(P, t, m);
-    else group_tile_q8<decltype(mr)::value>(P, t, m);
-  };
+  auto tile = [&](auto mr, int64_t t, int64_t m) { group_tile<BITS, MINS, decltype(mr)::value>(P, t, m); };
   for (int64_t t = t_begin; t < t_end; ++t) {
     int64_t m = 0;
     for (; m + 4 <= P.M; m += 4) tile(std::integral_constant<int, 4>{}, t, m);
