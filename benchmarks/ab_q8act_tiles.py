@@ -12,7 +12,7 @@ thread. Shapes are the bundled model's (SmolLM2-135M: hidden 576, MLP 1536, 3 KV
 and 16 activation rows (a decode step, then verify passes). Per shape and M: the median and best time
 over rounds of each side and the ratio of the medians; every output is compared bit for bit. Also the
 sum a forward would spend in these products (30 layers of q, k, v, o, gate, up, down, plus the head) at
-each M, one thread. The layer weights stay in cache between calls here (the head, 28 MB, does not):
+each M, one thread. The layer weights stay in cache between calls here (the head, 30 MB packed, does not):
 this isolates the tiles' compute; bench_q8act.py measures whole decode steps.
 Writes benchmarks/results/q8act_tiles_ab_<date>.json.
 """
