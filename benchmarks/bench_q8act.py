@@ -40,8 +40,9 @@ NODES = (1, 2, 4, 8, 16)
 PREFIX = 150
 
 
-def weight_bytes(model) -> int:
-    """Bytes of the linear layers' weights a forward streams (each tensor once; the head included)."""
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the linear layers' weights in ``model`` (any module) a forward streams (each tensor once; the
+    head included for a whole model). The CPU's packed q8 layout holds exactly these bytes."""
     from specdec.models.quant import GroupQuantLinear
 
     seen, total = set(), 0

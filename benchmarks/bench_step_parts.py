@@ -26,32 +26,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench_q8act import weight_bytes  # noqa: E402  (benchmarks/ is on the path when run as a script)
 from specdec.bench.record import cpu_name, git_commit, loadavg  # noqa: E402
 
 PREFIX = 150
 NODES = (1, 8)
-
-
-def module_bytes(mods) -> int:
-    """Bytes a forward streams from these modules' linear weights (each tensor once; a q8 layer's packed copy)."""
-    from specdec.models.quant import GroupQuantLinear
-
-    seen, total = set(), 0
-    for mod in mods:
-        for m in mod.modules():
-            if isinstance(m, GroupQuantLinear):
-                ts = [m.op_weight() if m.act == "q8" else m.qweight, m.scales, m.mins, m.bias]
-                if m.act == "q8" and m.op_weight().dim() == 3:  # the packed layout holds the scales / mins
-                    ts = [m.op_weight(), m.bias]
-            elif isinstance(m, torch.nn.Linear):
-                ts = [m.weight, m.bias]
-            else:
-                continue
-            for t in ts:
-                if t is not None and t.data_ptr() not in seen:
-                    seen.add(t.data_ptr())
-                    total += t.numel() * t.element_size()
-    return total
 
 
 class _Timed:
@@ -94,8 +73,8 @@ def main() -> None:
     lm.prefill(cache, [list(range(1, PREFIX + 1))])
     cfg = model.config
     kv = cfg.num_hidden_layers * 2 * PREFIX * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
-    head_bytes = module_bytes([model.lm_head])
-    layer_bytes = module_bytes(model.model.layers) + kv
+    head_bytes = weight_bytes(model.lm_head)  # the usual layout's bytes: the packed one holds exactly these
+    layer_bytes = weight_bytes(model.model.layers) + kv
     sinks = {"stack": [], "head": []}
     runner.stack = _Timed(runner.stack.forward, sinks["stack"])
     runner.lm_head = _Timed(runner.lm_head, sinks["head"])

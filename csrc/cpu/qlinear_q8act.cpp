@@ -108,7 +108,7 @@ void q8act_rows_scalar(const Q8ActParams& P, int64_t t_begin, int64_t t_end) {
 namespace {
 
 std::atomic<int> g_tier{kQ8TierAuto};
-std::atomic<int64_t> g_prefetch{16};
+std::atomic<int64_t> g_prefetch{kQ8PrefetchBlocks};
 
 bool tier_supported(int t) {
 #if defined(__x86_64__) || defined(__i386__)

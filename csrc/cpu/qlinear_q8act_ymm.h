@@ -84,7 +84,7 @@ inline void half_tile(const Q8ActParams& P, int64_t t, int h, int64_t m0) {
 
 #else
 // The packed weight is read front to back (groups, then blocks), so the block P.prefetch blocks ahead is
-// requested while this one is computed (set_q8act_prefetch; 16 by default): one core's hardware prefetch
+// requested while this one is computed (set_q8act_prefetch; kQ8PrefetchBlocks by default): one core's hardware prefetch
 // alone leaves a weight read from DRAM below the read bandwidth. Prefetches past the weight's end are
 // harmless.
 template <int64_t BLK>

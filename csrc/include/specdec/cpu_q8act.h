@@ -46,6 +46,7 @@ namespace cpu {
 
 constexpr int64_t kQ8Block = 32;
 constexpr int64_t kQ8Rows = 16;  // weight rows per packed group
+constexpr int64_t kQ8PrefetchBlocks = 16;  // the AVX2 tier's default prefetch distance (set_q8act_prefetch)
 
 // Bytes per (group of 16 rows, block) of the packed layout, and the offset of its scales.
 constexpr int64_t kQ8CodeBytes(int bits) { return bits == 8 ? 512 : 256; }
@@ -64,7 +65,7 @@ struct Q8ActParams {
   int64_t M, N, K;
   int bits;
   bool mins;               // Q4_1
-  int64_t prefetch = 16;   // packed blocks the AVX2 tier prefetches ahead (0: none)
+  int64_t prefetch = kQ8PrefetchBlocks;  // packed blocks the AVX2 tier prefetches ahead (0: none)
 };
 
 // Tiers, best first; kQ8TierAuto: the best this CPU runs.
