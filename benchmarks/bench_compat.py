@@ -10,7 +10,10 @@ an 8-node tree (SGLang, vLLM tree; SGLang's sampler maps its coins to per-child 
 native call gets the uniforms one adapter call derived, so both take the same path); the paged
 attention rows are FlashInfer's metadata on NHD, HND and combined pools (passed as views) vs a
 block table on NHD pools (and, for HND, also against the native op on the same HND views, which
-separates the layout's cost from the adapter's), 9 / 3 heads, D = 64, prefix 512, page size 16.
+separates the layout's cost from the adapter's), 9 / 3 heads, D = 64, prefix 512, page size 16;
+FlashInfer's plan / run wrapper per run (the plan made beforehand, as a stack makes it once per
+step) and per step (one plan with a tree mask + 30 runs, the bundled model's layers, vs 30 native
+calls).
 Adapter and native calls are interleaved
 round by round (the order alternates); the record keeps per-round medians, their median, and
 overhead = adapter / native - 1 (ratio of medians and median of per-round ratios), with the load
@@ -156,6 +159,9 @@ def tree_cases(B, g):
     return cases
 
 
+LAYERS = 30  # the bundled SmolLM2's layers: a wrapper's plan serves that many runs per step
+
+
 def attention_cases(B, g, prefix=512, ps=16, hq=9, hkv=3, D=64, N=8):
     M = (prefix + N + ps - 1) // ps
     P = B * M
@@ -179,6 +185,32 @@ def attention_cases(B, g, prefix=512, ps=16, hq=9, hkv=3, D=64, N=8):
     # reads, so the row below it is the adapter's own cost, the one above it adds the layout's
     native_hnd = (lambda: paged_ops.verify_attention_paged(q, kh.transpose(1, 2), vh.transpose(1, 2), table,  # noqa: E731
                                                            lens))
+    # FlashInfer's wrapper: plan once per step (host reads, block table, masks), run once per layer
+    qo_indptr = (torch.arange(B + 1, dtype=torch.int32) * N).to(DEV)
+    plan = (qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, hq, hkv, D, ps)
+    tree = torch.zeros(B, N, N, dtype=torch.bool)
+    for i in range(N):  # one random tree per request, as an ancestor mask
+        if i:
+            tree[:, i] = tree[torch.arange(B), torch.randint(0, i, (B,), generator=g)]
+        tree[:, i, i] = True
+    flat = torch.cat([torch.cat([torch.ones(N, prefix, dtype=torch.bool), tree[b]], 1).flatten() for b in range(B)])
+    tree, flat = mv(tree, flat)
+    w_causal = fi.BatchPrefillWithPagedKVCacheWrapper(None, "NHD")
+    w_causal.plan(*plan, causal=True)
+    w_hnd = fi.BatchPrefillWithPagedKVCacheWrapper(None, "HND")
+    w_hnd.plan(*plan, causal=True)
+    w_tree = fi.BatchPrefillWithPagedKVCacheWrapper(None, "NHD")
+    w_tree.plan(*plan, custom_mask=flat)
+    native_tree = (lambda: paged_ops.verify_attention_paged(q, k, v, table, lens, tree))  # noqa: E731
+
+    def step_adapter():  # one decode step of the bundled model's 30 layers: one plan, 30 runs
+        w_tree.plan(*plan, custom_mask=flat)
+        for _ in range(LAYERS):
+            w_tree.run(qf, (k, v))
+
+    def step_native():
+        for _ in range(LAYERS):
+            native_tree()
     return {"flashinfer.verify_attention_paged (NHD, causal)": (
         lambda: fi.verify_attention_paged(qf, (k, v), **call), native),
         "flashinfer.verify_attention_paged (HND, causal)": (
@@ -186,7 +218,11 @@ def attention_cases(B, g, prefix=512, ps=16, hq=9, hkv=3, D=64, N=8):
         "flashinfer.verify_attention_paged (HND, native on the same views)": (
         lambda: fi.verify_attention_paged(qf, (kh, vh), kv_layout="HND", **call), native_hnd),
         "flashinfer.verify_attention_paged (combined NHD, causal)": (
-        lambda: fi.verify_attention_paged(qf, combined, **call), native)}
+        lambda: fi.verify_attention_paged(qf, combined, **call), native),
+        "flashinfer wrapper.run (NHD, causal)": (lambda: w_causal.run(qf, (k, v)), native),
+        "flashinfer wrapper.run (HND, native on the same views)": (lambda: w_hnd.run(qf, (kh, vh)), native_hnd),
+        "flashinfer wrapper.run (NHD, tree mask)": (lambda: w_tree.run(qf, (k, v)), native_tree),
+        f"flashinfer wrapper plan + {LAYERS} runs (NHD, tree mask)": (step_adapter, step_native)}
 
 
 def main(argv=None) -> int:

@@ -163,6 +163,26 @@ def test_flashinfer_paged_kv_on_cuda(device, layout, ps):
 
 
 @pytest.mark.parametrize("device", GPU)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_flashinfer_wrapper_on_cuda(device, layout):
+    """plan / run with ragged query lengths and a custom tree mask: CUDA tensors give the CPU's result."""
+    from test_compat_flashinfer_wrapper import _batch, _tree_block
+    g = torch.Generator().manual_seed(9)
+    ps, qo, prefix, Hkv, D = 16, [4, 1, 4], [20, 3, 40], 2, 64
+    k, v, ip, idx, last, kv_lens = _batch(g, ps, qo, prefix, Hkv, D)
+    pools = (k, v) if layout == "NHD" else (k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous())
+    flat = torch.cat([_tree_block(g, n, L).flatten() for n, L in zip(qo, kv_lens)])
+    q = torch.randn(sum(qo), 6, D, generator=g)
+    outs = {}
+    for dev in ("cpu", device):
+        w = fi.BatchPrefillWithPagedKVCacheWrapper(None, layout)
+        meta = [torch.tensor(x, dtype=torch.int32, device=dev) for x in ([0, 4, 5, 9], ip, idx, last)]
+        w.plan(*meta, 6, Hkv, D, ps, custom_mask=flat.to(dev))
+        outs[dev] = w.run(q.to(dev), tuple(t.to(dev) for t in pools)).cpu()
+    torch.testing.assert_close(outs[device], outs["cpu"], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("device", GPU)
 def test_vllm_commit_on_cuda(device):
     g = torch.Generator().manual_seed(7)
     B, S, P, ps, H, D = 4, 5, 64, 4, 2, 8

@@ -4,8 +4,9 @@ The loop keeps its own page pool and block table (NHD pages, a :class:`specdec.p
 BlockAllocator`), drafts with a prompt-lookup n-gram (one-hot proposals, as vLLM's n-gram
 proposer), runs the model's layers itself, and calls:
 
-* FlashInfer's conventions for the KV: ``append_paged_kv_cache`` and ``verify_attention_paged``
-  with ``kv_indptr / kv_indices / kv_last_page_len`` built from its table;
+* FlashInfer's conventions for the KV: ``append_paged_kv_cache`` and the attention wrapper
+  ``BatchPrefillWithPagedKVCacheWrapper`` (``plan`` once per step with ``kv_indptr / kv_indices /
+  kv_last_page_len`` built from its table, ``run`` per layer);
 * vLLM's conventions for the decision: ``tree_rejection_sample`` on the ragged drafts (a chain is
   a tree whose parents are the previous draft), greedy rows by temperature 0;
 * vLLM's block-table commit: ``commit_accepted_kv`` (a chain moves no byte; a tree would).
@@ -46,6 +47,7 @@ class PagedLlama:
         self.pools = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(L)]
         self.alloc = BlockAllocator(num_pages)
         self.table = torch.full((8, max_blocks), -1, dtype=torch.int32)
+        self.attn = fi.BatchPrefillWithPagedKVCacheWrapper(None, "NHD")  # planned per step, run per layer
 
     def ensure(self, row: int, length: int) -> None:
         """Pages for positions < length of request ``row`` (its block-table row)."""
@@ -65,6 +67,9 @@ class PagedLlama:
         for b, r in enumerate(rows):
             self.ensure(r, int(lens[b]) + N)
         meta = fi.kv_lens_to_metadata(self.table[list(rows)], lens + N, self.ps)
+        qo_indptr = torch.arange(B + 1, dtype=torch.int32) * N
+        self.attn.plan(qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, self.hq, self.hkv, self.d,
+                       self.ps, causal=True, sm_scale=self.model.model.layers[0].self_attn.scaling)
         pos = lens[:, None].long() + torch.arange(N)[None, :]
         h = inner.embed_tokens(ids)
         cos, sin = inner.rotary_emb(h, pos)
@@ -77,8 +82,7 @@ class PagedLlama:
             v = a.v_proj(x).view(B, N, self.hkv, self.d)
             fi.append_paged_kv_cache(k.reshape(B * N, self.hkv, self.d), v.reshape(B * N, self.hkv, self.d), pool,
                                      meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len, num_new=N)
-            o = fi.verify_attention_paged(q.reshape(B * N, self.hq, self.d), pool, meta.kv_indptr, meta.kv_indices,
-                                          meta.kv_last_page_len, qo_len=N, sm_scale=a.scaling)
+            o = self.attn.run(q.reshape(B * N, self.hq, self.d), pool)
             h = h + a.o_proj(o.reshape(B, N, self.hq * self.d))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.lm_head(inner.norm(h))

@@ -40,7 +40,7 @@ from specdec.sampling import mix_seed
 
 __all__ = ["chain_speculative_sampling", "chain_speculative_sampling_uniform", "PagedMetadata", "dense_as_paged",
            "to_block_table", "kv_lens_to_metadata", "tree_mask_from_custom", "verify_attention_paged",
-           "append_paged_kv_cache", "commit_paged_kv", "unpack_custom_mask"]
+           "append_paged_kv_cache", "commit_paged_kv", "unpack_custom_mask", "BatchPrefillWithPagedKVCacheWrapper"]
 
 _FN = "specdec.compat.flashinfer.chain_speculative_sampling"
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -306,3 +306,4 @@ from specdec.compat.flashinfer_paged import (PagedMetadata, append_paged_kv_cach
                                              commit_paged_kv, dense_as_paged, kv_lens_to_metadata,
                                              to_block_table, tree_mask_from_custom, unpack_custom_mask,
                                              verify_attention_paged)
+from specdec.compat.flashinfer_wrapper import BatchPrefillWithPagedKVCacheWrapper  # noqa: E402  (re-exported)
