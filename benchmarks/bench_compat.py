@@ -15,9 +15,12 @@ FlashInfer's plan / run wrapper per run (the plan made beforehand, as a stack ma
 step) and per step (one plan with a tree mask + 30 runs, the bundled model's layers, vs 30 native
 calls).
 Adapter and native calls are interleaved
-round by round (the order alternates); the record keeps per-round medians, their median, and
-overhead = adapter / native - 1 (ratio of medians and median of per-round ratios), with the load
-average before and after (other processes share these cores: noisy). One torch thread by default.
+call by call: each round makes ``--calls`` pairs, one adapter call and one native call back to back
+(the order alternating), so both sides of a pair see the same state of the shared machine. The record
+keeps each round's mean per call and every pair's ratio; overhead = adapter / native - 1 as the ratio
+of the rounds' medians, the median of per-round ratios and the median of per-pair ratios (the last
+is the least sensitive to the machine's phases: a pair spans two calls, a round many), with the load
+average before and after (other guests share this host: noisy). One torch thread by default.
 
     python benchmarks/bench_compat.py --device cuda --quick   # gpu_check.sh's compat stage
 
@@ -229,7 +232,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--calls", type=int, default=5, help="calls per timing")
+    ap.add_argument("--calls", type=int, default=5, help="adapter / native call pairs per round")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: on a shared machine torch's "
                     "thread pool turns every small op into a scheduling wait)")
     ap.add_argument("--device", default="cpu", help="cpu (the default) or cuda: on CUDA the adapters take their "
@@ -254,20 +257,28 @@ def main(argv=None) -> int:
         for name, (adapter, native) in cases.items():
             for fn in (adapter, native):
                 time_calls(fn, 2)
-            a_us, n_us = [], []
+            a_us, n_us, pairs = [], [], []
             for r in range(args.rounds):
-                order = [(adapter, a_us), (native, n_us)]
-                for fn, out in (order if r % 2 == 0 else order[::-1]):
-                    out.append(time_calls(fn, args.calls))
+                a_sum = n_sum = 0.0
+                for c in range(args.calls):  # one adapter and one native call back to back, order alternating
+                    first_adapter = (r + c) % 2 == 0
+                    t1 = time_calls(adapter if first_adapter else native, 1)
+                    t2 = time_calls(native if first_adapter else adapter, 1)
+                    a, n = (t1, t2) if first_adapter else (t2, t1)
+                    a_sum, n_sum = a_sum + a, n_sum + n
+                    pairs.append(a / n)
+                a_us.append(a_sum / args.calls)
+                n_us.append(n_sum / args.calls)
             ratios = [a / n for a, n in zip(a_us, n_us)]
             row = dict(case=name, batch=B, adapter_us=statistics.median(a_us), native_us=statistics.median(n_us),
                        overhead=statistics.median(a_us) / statistics.median(n_us) - 1,
-                       overhead_median_round=statistics.median(ratios) - 1, adapter_rounds_us=a_us,
-                       native_rounds_us=n_us)
+                       overhead_median_round=statistics.median(ratios) - 1,
+                       overhead_median_pair=statistics.median(pairs) - 1, adapter_rounds_us=a_us,
+                       native_rounds_us=n_us, pair_ratios=pairs)
             rows.append(row)
             print(f"B={B:3d} {name:48s} adapter {row['adapter_us']:10.1f} us  native {row['native_us']:10.1f} us  "
-                  f"overhead {100 * row['overhead']:+6.1f}% (per round {100 * row['overhead_median_round']:+6.1f}%)",
-                  flush=True)
+                  f"overhead {100 * row['overhead']:+6.1f}% (per round {100 * row['overhead_median_round']:+6.1f}%, "
+                  f"per pair {100 * row['overhead_median_pair']:+6.1f}%)", flush=True)
     meta["loadavg_after"] = os.getloadavg()
     out = args.out or ROOT / "benchmarks" / "results" / f"compat_{DEV.type}_{now.strftime('%Y-%m-%d')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
