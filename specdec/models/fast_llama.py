@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from transformers.modeling_utils import slice_logits_to_keep
 
 from specdec import ops, paged_ops
+from specdec.models.rotary_table import RotaryTable
 
 __all__ = ["LlamaRunner", "build"]
 
@@ -202,6 +203,8 @@ class LlamaRunner:
         self.lm_head = _linear_fn(model.lm_head, fast_linear)
         self.layers = layers
         self.hq, self.hkv, self.head_dim = heads
+        self.rope = RotaryTable(self.rotary, self.head_dim)  # the rotary module's values, by table lookup
+        self._embed_fn = self._embedding()
         dtype = self.embed.weight.dtype
         norms = [self.norm_w] + [w for L in layers for w in (L.ln1_w, L.ln2_w)]
         # the fused ops take norm weights of the activations' dtype (transformers keeps them so)
@@ -228,6 +231,14 @@ class LlamaRunner:
                          float(ne), float(L.scale))
         return st
 
+    def _embedding(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The token embedding as one call: F.embedding on the weight for a plain nn.Embedding (its
+        forward's values; no module dispatch), else the module."""
+        e = self.embed
+        if type(e) is torch.nn.Embedding and e.max_norm is None:
+            return lambda ids: F.embedding(ids, e.weight)
+        return e
+
     @staticmethod
     def _rms(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         # transformers' RMSNorm: in float32, back to the input dtype, then times the weight
@@ -244,8 +255,8 @@ class LlamaRunner:
         if self.fused_ops:
             return self._fused(cache, ids, positions, tree_mask, logits_to_keep, kv_offset)
         B, N = ids.shape
-        h = self.embed(ids)
-        cos, sin = self.rotary(h, positions)            # [B, N, D] in h's dtype
+        h = self._embed_fn(ids)
+        cos, sin = self.rope(h, positions, getattr(cache, "capacity", None))  # [B, N, D] in h's dtype
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, N, 1, D]: broadcast over heads
         D = self.head_dim
         keep = self._keep_start()
@@ -278,8 +289,8 @@ class LlamaRunner:
     def _fused(self, cache, ids, positions, tree_mask, logits_to_keep, kv_offset):
         B, N = ids.shape
         D, hq, hkv = self.head_dim, self.hq, self.hkv
-        h = self.embed(ids)
-        cos, sin = self.rotary(h, positions)  # [B or 1, N, D] in h's dtype
+        h = self._embed_fn(ids)
+        cos, sin = self.rope(h, positions, getattr(cache, "capacity", None))  # [B or 1, N, D] in h's dtype
         if cos.shape[0] != B:
             cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
         layers = self.layers

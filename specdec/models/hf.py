@@ -344,7 +344,7 @@ class HFCausalLM:
 
     def _forward_impl(self, cache, tokens, depths, tree_mask, logits_to_keep, kv_offset: int = 0) -> torch.Tensor:
         if self._runner is not None:
-            positions = cache.lens.to(torch.long).unsqueeze(1) + depths.to(torch.long)  # [B, N]
+            positions = cache.lens.unsqueeze(1) + depths  # [B, N], int32 or int64 (the runner's rope takes either)
             return self._runner(cache, tokens.clamp(min=0), positions, tree_mask, logits_to_keep,
                                 kv_offset=kv_offset).float()
         B, N = tokens.shape
