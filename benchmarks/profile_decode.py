@@ -24,7 +24,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -71,31 +70,26 @@ def main() -> None:
     if a.act == "q8":
         set_activation_quant(model, "q8")
     lm = specdec.HFCausalLM(model)
-    cache = lm.new_cache(1, 8192)
+    cache = lm.new_cache(1, 512)
     lm.prefill(cache, [list(range(1, 151))])
     tok = torch.ones(1, 1, dtype=torch.int64)
     dep = torch.zeros(1, 1, dtype=torch.int32)
     for _ in range(20):
         lm.forward(cache, tok, dep)
-    stop = threading.Event()
-    steps = [0]
-
-    def decode():
-        while not stop.is_set() and steps[0] < 7000:  # the cache holds 8,192 positions; lens stays put
-            lm.forward(cache, tok, dep)
-            steps[0] += 1
-
     load = [loadavg()]
+    steps = 0
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "perf.data")
-        worker = threading.Thread(target=decode)
+        # perf attaches to this process for --seconds while this (main) thread decodes, as a server's would
+        rec = subprocess.Popen([perf, "record", "-q", "-p", str(os.getpid()), "-o", data, "--", "sleep",
+                                str(a.seconds)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         t0 = time.perf_counter()
-        worker.start()
-        subprocess.run([perf, "record", "-q", "-p", str(os.getpid()), "-o", data, "--", "sleep", str(a.seconds)],
-                       check=True, capture_output=True)
-        stop.set()
-        worker.join()
+        while rec.poll() is None:
+            lm.forward(cache, tok, dep)  # forward does not advance cache.lens: every step at the same position
+            steps += 1
         wall = time.perf_counter() - t0
+        if rec.returncode != 0:
+            raise SystemExit(f"profile_decode: perf record failed: {rec.stderr.read().decode()[-300:]}")
         out = subprocess.run([perf, "script", "-i", data, "-F", "tid,ip,sym,dso", "-G"], check=True,
                              capture_output=True, text=True).stdout
     load.append(loadavg())
@@ -121,7 +115,7 @@ def main() -> None:
                                     "share": {k: round(v / total, 4) for k, v in c.most_common()}}
     res = {"benchmark": "decode_profile", "date": _dt.date.today().isoformat(), "commit": git_commit(),
            "cpu": cpu_name(), "threads": a.threads, "precision": a.precision, "act": a.act, "prefix": 150,
-           "seconds": a.seconds, "steps": steps[0], "ms_per_step": round(wall / max(steps[0], 1) * 1e3, 3),
+           "seconds": a.seconds, "steps": steps, "ms_per_step": round(wall / max(steps, 1) * 1e3, 3),
            "loadavg": load, "q8act_tier": specdec._C.q8act_tier(), "per_thread": threads,
            "notes": "perf record -p PID (cycles, default frequency) during decode steps; shares of each thread's "
                     "samples; a spinning OpenMP worker is sampled while it waits"}
@@ -129,7 +123,7 @@ def main() -> None:
         print(f"{name}: " + ", ".join(f"{k} {100 * v:.1f} %" for k, v in t["share"].items()))
     path = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / f"decode_profile_{res['date']}.json"
     path.write_text(json.dumps(res, indent=1))
-    print(f"{res['ms_per_step']} ms per step over {steps[0]} steps; wrote {path}")
+    print(f"{res['ms_per_step']} ms per step over {steps} steps (perf attached); wrote {path}")
 
 
 if __name__ == "__main__":
