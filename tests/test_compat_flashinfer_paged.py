@@ -88,7 +88,7 @@ def test_append_verify_commit_match_references(ps, layout, combined):
     if combined:  # FlashInfer's one-tensor form [num_pages, 2, ...]: K and V interleaved page by page
         cache = torch.stack(cache, 1)
     halves = (cache[:, 0], cache[:, 1]) if combined else cache
-    kk, vv, copied = fi_paged._nhd("test", cache, layout)  # the pools the ops get
+    kk, vv, copied = fi_paged.nhd_pools("test", cache, layout)  # the pools the ops get
     assert not copied
     for view, pool in zip((kk, vv), halves):
         assert view.data_ptr() == pool.data_ptr()  # the caller's memory, no copy

@@ -63,7 +63,7 @@ def dense_as_paged(cache, num_new: int = 0) -> Tuple[PagedMetadata, List[Tuple[t
     return meta, list(zip(cache.k, cache.v))
 
 
-def _kv_lens(fn, kv_indptr, kv_indices, kv_last_page_len, page_size):
+def metadata_lens(fn, kv_indptr, kv_indices, kv_last_page_len, page_size):
     """The metadata checked on the host (one read of each small tensor): (indptr, pages per
     request, kv_len per request) as lists of ints."""
     check_tensor(fn, "kv_indptr", kv_indptr, 1, INTS)
@@ -84,7 +84,7 @@ def _kv_lens(fn, kv_indptr, kv_indices, kv_last_page_len, page_size):
     return ip, npages, [(n - 1) * page_size + x if n > 0 else 0 for n, x in zip(npages, last)]
 
 
-def _table(ip, npages, kv_indices, width):
+def pages_table(ip, npages, kv_indices, width):
     """[B, width] int32 block table on kv_indices' device, -1 past each request's pages (a view of
     kv_indices when every request holds ``width`` pages back to back)."""
     B = len(npages)
@@ -105,9 +105,9 @@ def to_block_table(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_pa
     """FlashInfer metadata -> ``(block_tables [B, max(pages, min_blocks)] int32 padded with -1,
     kv_lens [B] int32)`` on kv_indices' device."""
     fn = "specdec.compat.flashinfer.to_block_table"
-    ip, npages, kv_lens = _kv_lens(fn, kv_indptr, kv_indices, kv_last_page_len, page_size)
+    ip, npages, kv_lens = metadata_lens(fn, kv_indptr, kv_indices, kv_last_page_len, page_size)
     W = max(max(npages, default=0), int(min_blocks), 1)
-    table = _table(ip, npages, kv_indices, W)
+    table = pages_table(ip, npages, kv_indices, W)
     if table.data_ptr() == kv_indices.data_ptr():  # a view of the caller's indices: hand out a copy
         table = table.clone()
     return (table,
@@ -189,7 +189,7 @@ def unpack_custom_mask(packed_custom_mask: torch.Tensor, packed_indptr: torch.Te
     return mask, indptr
 
 
-def _nhd(fn, paged_kv_cache, kv_layout):
+def nhd_pools(fn, paged_kv_cache, kv_layout):
     """Per-layer (k, v) -> NHD views of the caller's pools (no copy), and whether they are copies
     (only when D is not contiguous: the ops need it)."""
     if kv_layout not in ("NHD", "HND"):
@@ -226,8 +226,8 @@ def verify_attention_paged(q: torch.Tensor, paged_kv_cache, kv_indptr: torch.Ten
     order) with ``mask_indptr`` in bytes (:func:`unpack_custom_mask`). Returns [B * qo_len, Hq, D].
     """
     fn = "specdec.compat.flashinfer.verify_attention_paged"
-    k, v, _ = _nhd(fn, paged_kv_cache, kv_layout)
-    ip, npages, lens = _kv_lens(fn, kv_indptr, kv_indices, kv_last_page_len, k.shape[1])
+    k, v, _ = nhd_pools(fn, paged_kv_cache, kv_layout)
+    ip, npages, lens = metadata_lens(fn, kv_indptr, kv_indices, kv_last_page_len, k.shape[1])
     B = len(lens)
     if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[0] != B * qo_len:
         got = f"shape {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
@@ -235,7 +235,7 @@ def verify_attention_paged(q: torch.Tensor, paged_kv_cache, kv_indptr: torch.Ten
     if B and min(lens) < qo_len:
         fail(fn, "kv_last_page_len", f"giving kv_len >= qo_len = {qo_len} (the step's tokens appended)", str(lens))
     dev = kv_indices.device
-    table = _table(ip, npages, kv_indices, max(max(npages, default=0), 1))
+    table = pages_table(ip, npages, kv_indices, max(max(npages, default=0), 1))
     mask = None
     if custom_mask is not None and packed_custom_mask is not None:
         fail(fn, "packed_custom_mask", "None when custom_mask is given (one form of the mask)", "both")
@@ -267,7 +267,7 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, 
     pages allocated), as FlashInfer's ``append_paged_kv_cache`` expects.
     """
     fn = "specdec.compat.flashinfer.append_paged_kv_cache"
-    k, v, copied = _nhd(fn, paged_kv_cache, kv_layout)
+    k, v, copied = nhd_pools(fn, paged_kv_cache, kv_layout)
     table, kv_lens = to_block_table(kv_indptr, kv_indices, kv_last_page_len, k.shape[1])
     B = kv_lens.shape[0]
     for name, t in (("append_key", append_key), ("append_value", append_value)):
@@ -290,7 +290,7 @@ def commit_paged_kv(paged_kv_caches: Sequence, kv_indptr: torch.Tensor, kv_indic
     lengths ``kv_len - num_new + num_accepted + 1`` (int32); rebuild the metadata from them
     (:func:`kv_lens_to_metadata`) and free the pages past them."""
     fn = "specdec.compat.flashinfer.commit_paged_kv"
-    pairs = [_nhd(fn, c, kv_layout) for c in paged_kv_caches]
+    pairs = [nhd_pools(fn, c, kv_layout) for c in paged_kv_caches]
     if not pairs:
         fail(fn, "paged_kv_caches", "at least one layer", "none")
     table, kv_lens = to_block_table(kv_indptr, kv_indices, kv_last_page_len, pairs[0][0].shape[1])

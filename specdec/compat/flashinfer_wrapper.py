@@ -34,7 +34,7 @@ import torch
 
 from specdec import paged_ops
 from specdec.compat.common import INTS, check_tensor, fail
-from specdec.compat.flashinfer_paged import _kv_lens, _nhd, _table, unpack_custom_mask
+from specdec.compat.flashinfer_paged import metadata_lens, nhd_pools, pages_table, unpack_custom_mask
 
 __all__ = ["BatchPrefillWithPagedKVCacheWrapper"]
 
@@ -110,7 +110,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
             fail(fn, "num_qo_heads", f"a multiple of num_kv_heads = {num_kv_heads}", str(num_qo_heads))
         if custom_mask is not None and packed_custom_mask is not None:
             fail(fn, "packed_custom_mask", "None when custom_mask is given (one form of the mask)", "both")
-        ip, npages, kv_lens = _kv_lens(fn, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size)
+        ip, npages, kv_lens = metadata_lens(fn, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size)
         B = len(kv_lens)
         check_tensor(fn, "qo_indptr", qo_indptr, 1, INTS, (B + 1,))
         qp = qo_indptr.tolist()
@@ -123,7 +123,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
             fail(fn, "paged_kv_last_page_len", f"giving kv_len >= qo_len for every request (the step's tokens "
                  f"appended); request {b} has kv_len {kv_lens[b]} < qo_len {qo[b]}", str(kv_lens))
         dev = paged_kv_indices.device
-        table = _table(ip, npages, paged_kv_indices, max(max(npages, default=0), 1))
+        table = pages_table(ip, npages, paged_kv_indices, max(max(npages, default=0), 1))
         if table.data_ptr() == paged_kv_indices.data_ptr():  # a view of the caller's indices: keep a copy
             table = table.clone()
         masks = None
@@ -203,7 +203,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
         if not isinstance(q, torch.Tensor) or tuple(q.shape) != (self._total_rows, Hq, D):
             got = f"shape {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
             fail(fn, "q", f"[{self._total_rows}, {Hq}, {D}] (qo_indptr[-1], num_qo_heads, head_dim_qk)", got)
-        k, v, _ = _nhd(fn, paged_kv_cache, self._kv_layout)
+        k, v, _ = nhd_pools(fn, paged_kv_cache, self._kv_layout)
         if tuple(k.shape[1:]) != (ps, Hkv, D):
             fail(fn, "paged_kv_cache", f"pages of page_size {ps}, {Hkv} kv heads, head_dim {D} as planned "
                  f"({self._kv_layout})", f"NHD view shape {tuple(k.shape)}")
