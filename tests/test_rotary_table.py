@@ -51,3 +51,5 @@ def test_table_off_where_not_guaranteed():
     assert torch.equal(t(h, pos, 9001)[0], dyn(h, pos)[0])
     on = RotaryTable(_rotary(), 64)
     assert torch.equal(on(h, pos, None)[0], on.rotary(h, pos)[0]) and on._cos is None  # no capacity: the module
+    huge = (32 << 20) // (2 * 64 * 4) + 1  # cos and sin of that many positions exceed the table's byte cap
+    assert torch.equal(on(h, pos, huge)[0], on.rotary(h, pos)[0]) and on._cos is None

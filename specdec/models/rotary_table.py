@@ -24,11 +24,15 @@ from typing import Optional, Tuple
 import torch
 
 
+MAX_TABLE_BYTES = 32 << 20  # a larger cache (cos and sin for every position past this) calls the module
+
+
 class RotaryTable:
     """``(h, positions [B, N]) -> (cos, sin)`` as ``rotary(h, positions)``; see the module docstring."""
 
     def __init__(self, rotary: torch.nn.Module, head_dim: int) -> None:
         self.rotary = rotary
+        self.head_dim = int(head_dim)
         rope_type = str(getattr(rotary, "rope_type", "default"))
         self.enabled = head_dim % 32 == 0 and "dynamic" not in rope_type and "longrope" not in rope_type
         self._cos: Optional[torch.Tensor] = None  # [n, D]
@@ -37,7 +41,8 @@ class RotaryTable:
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, capacity: Optional[int]) -> Tuple[torch.Tensor,
                                                                                                torch.Tensor]:
         """``capacity``: an upper bound on every position of the cache being run (None: call the module)."""
-        if not self.enabled or capacity is None or h.device.type != "cpu":
+        if not self.enabled or capacity is None or h.device.type != "cpu" or \
+                2 * capacity * self.head_dim * h.element_size() > MAX_TABLE_BYTES:
             return self.rotary(h, positions)
         cos = self._cos
         if cos is None or cos.shape[0] < capacity or cos.dtype != h.dtype:
