@@ -53,11 +53,11 @@ def main() -> None:
     lm.prefill(cache, [list(range(1, a.prefix + 1))])
     tok = torch.ones(1, 1, dtype=torch.int64)
     dep = torch.zeros(1, 1, dtype=torch.int32)
-    new_embed = runner._embed_fn
+    new_embed = runner.embed_fn
 
     def side(name: str) -> None:
         runner.rope.enabled = name == "new"
-        runner._embed_fn = new_embed if name == "new" else runner.embed
+        runner.embed_fn = new_embed if name == "new" else runner.embed
 
     outs = {}
     for name in ("old", "new"):

@@ -10,6 +10,8 @@ import torch
 
 from specdec.compat import flashinfer as fi
 
+from test_compat_flashinfer_paged import _tree_mask
+
 
 def _fi_semantics(q, k_nhd, v_nhd, qp, ip, idx, kv_lens, ps, mode, flat_mask, scale):
     """FlashInfer's batch prefill over NHD pages, written from its docs: request b's queries
@@ -56,12 +58,7 @@ def _batch(g, ps, qo, prefix, Hkv, D, spare=5):
 
 def _tree_block(g, n, L):
     """A [n, L] FlashInfer mask: the prefix all True, the last n columns a random tree."""
-    m = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        if i:
-            m[i] = m[int(torch.randint(0, i, (1,), generator=g))]
-        m[i, i] = True
-    return torch.cat([torch.ones(n, L - n, dtype=torch.bool), m], 1)
+    return torch.cat([torch.ones(n, L - n, dtype=torch.bool), _tree_mask(1, n, g)[0]], 1)
 
 
 @pytest.mark.parametrize("layout,combined", [("NHD", False), ("HND", False), ("NHD", True), ("HND", True)])

@@ -130,6 +130,45 @@ def kv_lens_to_metadata(block_tables: torch.Tensor, kv_lens: torch.Tensor, page_
     return PagedMetadata(indptr.to(dev), indices.to(dev), last.to(dev), int(page_size))
 
 
+def request_tree_masks(fn: str, flat: torch.Tensor, entry_ptr: Sequence[int], qo_lens: Sequence[int],
+                       kv_lens: Sequence[int], ptr_name: str = "mask_indptr") -> List[torch.Tensor]:
+    """Each request's ``[qo_len, qo_len]`` tree mask from a FlashInfer flat bool mask whose request b
+    block ``flat[entry_ptr[b]:entry_ptr[b + 1]]`` is ``[qo_len[b], kv_len[b]]`` row-major: its last
+    qo_len columns (the step's nodes); every earlier column (the committed prefix) must be True, since
+    specdec's verify attention always sees the prefix."""
+    out = []
+    for b, (n, L) in enumerate(zip(qo_lens, kv_lens)):
+        size = entry_ptr[b + 1] - entry_ptr[b]
+        if size != n * L or L < n:
+            fail(fn, f"{ptr_name}[{b}:{b + 2}]", f"a block of qo_len * kv_len = {n} * {L} entries "
+                 f"(kv_len >= qo_len)", f"{size} entries")
+        blk = flat[entry_ptr[b]:entry_ptr[b + 1]].view(n, L)
+        if not bool(blk[:, :L - n].all()):
+            fail(fn, f"custom_mask (request {b})", "True on every committed-prefix column",
+                 "a masked prefix position (specdec's verify attention always sees the prefix)")
+        out.append(blk[:, L - n:])
+    return out
+
+
+def unpack_mask_bits(fn: str, packed: torch.Tensor, byte_ptr: Sequence[int], qo_lens: Sequence[int],
+                     kv_lens: Sequence[int], ptr_name: str = "packed_indptr") -> torch.Tensor:
+    """FlashInfer's bit-packed mask -> the flat bool mask: request b's ``qo_len[b] * kv_len[b]``
+    entries in bytes ``byte_ptr[b] : byte_ptr[b + 1]`` (little bit order, pad bits of its last byte
+    ignored)."""
+    if byte_ptr and (byte_ptr[0] != 0 or byte_ptr[-1] > packed.numel()):
+        fail(fn, ptr_name, f"from 0 to at most the {packed.numel()} bytes given", f"{byte_ptr[0]} .. {byte_ptr[-1]}")
+    bits = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    parts = []
+    for b, (q, L) in enumerate(zip(qo_lens, kv_lens)):
+        n, nbytes = q * L, byte_ptr[b + 1] - byte_ptr[b]
+        if nbytes != (n + 7) // 8:
+            fail(fn, f"{ptr_name}[{b}:{b + 2}]", f"ceil(qo_len * kv_len / 8) = {(n + 7) // 8} bytes "
+                 f"(qo_len {q}, kv_len {L})", f"{nbytes} bytes")
+        seg = packed[byte_ptr[b]:byte_ptr[b + 1]]
+        parts.append(((seg.unsqueeze(1) >> bits) & 1).to(torch.bool).reshape(-1)[:n])
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool, device=packed.device)
+
+
 def tree_mask_from_custom(custom_mask: torch.Tensor, mask_indptr: torch.Tensor, qo_len: int,
                           kv_lens: torch.Tensor) -> torch.Tensor:
     """FlashInfer's flattened ``custom_mask`` -> specdec's tree mask ``[B, qo_len, qo_len]`` bool.
@@ -141,18 +180,8 @@ def tree_mask_from_custom(custom_mask: torch.Tensor, mask_indptr: torch.Tensor, 
     fn = "specdec.compat.flashinfer.tree_mask_from_custom"
     check_tensor(fn, "custom_mask", custom_mask, 1, (torch.bool,))
     check_tensor(fn, "mask_indptr", mask_indptr, 1, INTS, (kv_lens.shape[0] + 1,))
-    ip = mask_indptr.to(torch.int64).cpu()
-    out = []
-    for b, L in enumerate(kv_lens.to(torch.int64).cpu().tolist()):
-        size = int(ip[b + 1] - ip[b])
-        if size != qo_len * L or L < qo_len:
-            fail(fn, f"mask_indptr[{b}:{b + 2}]", f"a block of qo_len * kv_len = {qo_len} * {L} entries "
-                 f"(kv_len >= qo_len)", f"{size} entries")
-        blk = custom_mask[int(ip[b]):int(ip[b + 1])].view(qo_len, L)
-        if not bool(blk[:, :L - qo_len].all()):
-            fail(fn, f"custom_mask (request {b})", "True on every committed-prefix column",
-                 "a masked prefix position (specdec's verify attention always sees the prefix)")
-        out.append(blk[:, L - qo_len:])
+    lens = kv_lens.to(torch.int64).cpu().tolist()
+    out = request_tree_masks(fn, custom_mask, mask_indptr.to(torch.int64).cpu().tolist(), [qo_len] * len(lens), lens)
     if not out:
         return torch.zeros(0, qo_len, qo_len, dtype=torch.bool, device=custom_mask.device)
     return torch.stack(out).contiguous()
@@ -170,22 +199,10 @@ def unpack_custom_mask(packed_custom_mask: torch.Tensor, packed_indptr: torch.Te
     fn = "specdec.compat.flashinfer.unpack_custom_mask"
     check_tensor(fn, "packed_custom_mask", packed_custom_mask, 1, (torch.uint8,))
     check_tensor(fn, "packed_indptr", packed_indptr, 1, INTS, (kv_lens.shape[0] + 1,))
-    ip = packed_indptr.to(torch.int64).cpu().tolist()
-    sizes = [qo_len * L for L in kv_lens.to(torch.int64).cpu().tolist()]
-    if ip and (ip[0] != 0 or ip[-1] > packed_custom_mask.numel()):
-        fail(fn, "packed_indptr", f"from 0 to at most the {packed_custom_mask.numel()} bytes given",
-             f"{ip[0]} .. {ip[-1]}")
-    bits = torch.arange(8, dtype=torch.uint8, device=packed_custom_mask.device)
-    parts = []
-    for b, n in enumerate(sizes):
-        nbytes = ip[b + 1] - ip[b]
-        if nbytes != (n + 7) // 8:
-            fail(fn, f"packed_indptr[{b}:{b + 2}]", f"ceil(qo_len * kv_len / 8) = {(n + 7) // 8} bytes "
-                 f"(qo_len {qo_len}, kv_len {n // max(qo_len, 1)})", f"{nbytes} bytes")
-        seg = packed_custom_mask[ip[b]:ip[b + 1]]
-        parts.append(((seg.unsqueeze(1) >> bits) & 1).to(torch.bool).reshape(-1)[:n])
-    mask = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool, device=packed_custom_mask.device)
-    indptr = torch.tensor([0] + list(itertools.accumulate(sizes)), dtype=torch.int64)
+    lens = kv_lens.to(torch.int64).cpu().tolist()
+    mask = unpack_mask_bits(fn, packed_custom_mask, packed_indptr.to(torch.int64).cpu().tolist(),
+                            [qo_len] * len(lens), lens)
+    indptr = torch.tensor([0] + list(itertools.accumulate(qo_len * L for L in lens)), dtype=torch.int64)
     return mask, indptr
 
 

@@ -28,13 +28,15 @@ scheduling hints (``non_blocking``, ``fixed_split_size``, ``disable_split_kv``, 
 """
 from __future__ import annotations
 
+import itertools
 from typing import List, Optional
 
 import torch
 
 from specdec import paged_ops
 from specdec.compat.common import INTS, check_tensor, fail
-from specdec.compat.flashinfer_paged import metadata_lens, nhd_pools, pages_table, unpack_custom_mask
+from specdec.compat.flashinfer_paged import (metadata_lens, nhd_pools, pages_table, request_tree_masks,
+                                             unpack_mask_bits)
 
 __all__ = ["BatchPrefillWithPagedKVCacheWrapper"]
 
@@ -138,36 +140,24 @@ class BatchPrefillWithPagedKVCacheWrapper:
 
     @staticmethod
     def _masks(fn, custom_mask, packed_custom_mask, qo, kv_lens) -> List[torch.Tensor]:
-        """Each request's ``[qo_len, qo_len]`` tree mask from FlashInfer's flattened (or packed) mask."""
+        """Each request's ``[qo_len, qo_len]`` tree mask (on the host) from FlashInfer's flat or packed
+        mask, whose per-request offsets follow from the lengths as FlashInfer derives them."""
         sizes = [n * L for n, L in zip(qo, kv_lens)]
-        if packed_custom_mask is not None:  # unpack request by request: the byte padding is per request
+        entry_ptr = [0, *itertools.accumulate(sizes)]
+        if packed_custom_mask is not None:  # each request's block padded to whole bytes
             check_tensor(fn, "packed_custom_mask", packed_custom_mask, 1, (torch.uint8,))
-            nbytes = [(s + 7) // 8 for s in sizes]
-            if sum(nbytes) != packed_custom_mask.shape[0]:
-                fail(fn, "packed_custom_mask", f"sum of ceil(qo_len * kv_len / 8) = {sum(nbytes)} bytes",
+            byte_ptr = [0, *itertools.accumulate((s + 7) // 8 for s in sizes)]
+            if byte_ptr[-1] != packed_custom_mask.shape[0]:
+                fail(fn, "packed_custom_mask", f"sum of ceil(qo_len * kv_len / 8) = {byte_ptr[-1]} bytes",
                      f"{packed_custom_mask.shape[0]} bytes")
-            parts, at = [], 0
-            for n, L, nb in zip(qo, kv_lens, nbytes):
-                m, _ = unpack_custom_mask(packed_custom_mask[at:at + nb], torch.tensor([0, nb]), n,
-                                          torch.tensor([L]))
-                parts.append(m)
-                at += nb
-            flat = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool)
+            flat = unpack_mask_bits(fn, packed_custom_mask, byte_ptr, qo, kv_lens)
         else:
             check_tensor(fn, "custom_mask", custom_mask, 1, (torch.bool,))
             flat = custom_mask
-            if flat.shape[0] != sum(sizes):
-                fail(fn, "custom_mask", f"sum of qo_len * kv_len = {sum(sizes)} entries (requests' blocks "
+            if flat.shape[0] != entry_ptr[-1]:
+                fail(fn, "custom_mask", f"sum of qo_len * kv_len = {entry_ptr[-1]} entries (requests' blocks "
                      "concatenated)", f"{flat.shape[0]} entries")
-        out, at = [], 0
-        for b, (n, L) in enumerate(zip(qo, kv_lens)):
-            blk = flat[at:at + n * L].view(n, L)
-            at += n * L
-            if not bool(blk[:, :L - n].all()):
-                fail(fn, f"custom_mask (request {b})", "True on every committed-prefix column",
-                     "a masked prefix position (specdec's verify attention always sees the prefix)")
-            out.append(blk[:, L - n:].cpu())
-        return out
+        return [m.cpu() for m in request_tree_masks(fn, flat, entry_ptr, qo, kv_lens)]
 
     @staticmethod
     def _group(qo, kv_lens, table, masks, dev) -> List[_Group]:

@@ -204,7 +204,7 @@ class LlamaRunner:
         self.layers = layers
         self.hq, self.hkv, self.head_dim = heads
         self.rope = RotaryTable(self.rotary, self.head_dim)  # the rotary module's values, by table lookup
-        self._embed_fn = self._embedding()
+        self.embed_fn = self._embedding()  # the token embedding: F.embedding for a plain nn.Embedding, else the module
         dtype = self.embed.weight.dtype
         norms = [self.norm_w] + [w for L in layers for w in (L.ln1_w, L.ln2_w)]
         # the fused ops take norm weights of the activations' dtype (transformers keeps them so)
@@ -255,7 +255,7 @@ class LlamaRunner:
         if self.fused_ops:
             return self._fused(cache, ids, positions, tree_mask, logits_to_keep, kv_offset)
         B, N = ids.shape
-        h = self._embed_fn(ids)
+        h = self.embed_fn(ids)
         cos, sin = self.rope(h, positions, getattr(cache, "capacity", None))  # [B, N, D] in h's dtype
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, N, 1, D]: broadcast over heads
         D = self.head_dim
@@ -289,7 +289,7 @@ class LlamaRunner:
     def _fused(self, cache, ids, positions, tree_mask, logits_to_keep, kv_offset):
         B, N = ids.shape
         D, hq, hkv = self.head_dim, self.hq, self.hkv
-        h = self._embed_fn(ids)
+        h = self.embed_fn(ids)
         cos, sin = self.rope(h, positions, getattr(cache, "capacity", None))  # [B or 1, N, D] in h's dtype
         if cos.shape[0] != B:
             cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
