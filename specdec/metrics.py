@@ -255,8 +255,11 @@ def state_bytes(lm) -> int:
         visit(v)
     from specdec.models.quant import q8act_packed
 
-    for v in q8act_packed(module):  # the CPU's packed copies of q8-activation weights
-        visit(v)
+    for v in q8act_packed(module):  # the CPU's packed copies of q8-activation weights: their own bytes (in
+        key = (v.data_ptr(), v.device)  # huge pages, several share one mapping: hugepage_copy)
+        if key not in seen:
+            seen.add(key)
+            total += v.numel() * v.element_size()
     return total
 
 

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import mmap
 import sys
-from typing import List
+import threading
+from typing import List, Optional
 
 import torch
 
 _ALIGN = 4096
+_HUGE = 2 << 20          # a huge page
+_CHUNK = 32 << 20        # the arena's mappings: 16 huge pages each (a larger tensor gets a mapping of its own)
 
 
 def weights_to_hugepages(model: torch.nn.Module, min_bytes: int = 64 << 10) -> int:
@@ -71,3 +74,56 @@ def weights_to_hugepages(model: torch.nn.Module, min_bytes: int = 64 << 10) -> i
         else:
             module._buffers[name] = view
     return total
+
+
+class _Arena:
+    """Tensors copied into shared huge-page mappings: chunks of ``_CHUNK`` bytes advised MADV_HUGEPAGE,
+    handed out in order at 4 KiB-aligned offsets. A chunk lives as long as any tensor in it (each is a
+    view of the chunk's buffer); nothing is ever freed inside a chunk."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.buf: Optional[torch.Tensor] = None   # the open chunk's bytes (uint8 over the mapping)
+        self.off = 0
+
+    def take(self, nbytes: int) -> Optional[torch.Tensor]:
+        advice = getattr(mmap, "MADV_HUGEPAGE", None)
+        if advice is None or not sys.platform.startswith("linux"):
+            return None
+        size = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        with self.lock:
+            if size > _CHUNK // 2:  # a large tensor: its own mapping, rounded to whole huge pages
+                return self._map((size + _HUGE - 1) // _HUGE * _HUGE, advice)[:nbytes]
+            if self.buf is None or self.off + size > self.buf.numel():
+                self.buf, self.off = self._map(_CHUNK, advice), 0
+            out = self.buf[self.off:self.off + nbytes]
+            self.off += size
+            return out
+
+    @staticmethod
+    def _map(nbytes: int, advice: int) -> torch.Tensor:
+        mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mm.madvise(advice)
+        return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+_ARENA = _Arena()
+
+
+def hugepage_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of the CPU tensor ``t`` in huge pages (same dtype, shape and values), for weights
+    that code derives after loading (the packed layouts of :func:`specdec.ops.pack_q8act`), which
+    :func:`weights_to_hugepages` does not see. Small tensors share 32 MiB mappings; the memory of one
+    lives as long as any tensor in its mapping. Returns ``t`` itself where there is nothing to gain or
+    no ``MADV_HUGEPAGE`` (not Linux, a non-CPU or non-contiguous tensor, fewer than 64 KiB)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"hugepage_copy: t must be a torch.Tensor, got {type(t).__name__}")
+    n = t.numel() * t.element_size()
+    if t.device.type != "cpu" or not t.is_contiguous() or t.is_sparse or t.is_quantized or n < (64 << 10):
+        return t
+    raw = _ARENA.take(n)
+    if raw is None:
+        return t
+    out = raw.view(t.dtype).view(t.shape)
+    out.copy_(t.detach())
+    return out

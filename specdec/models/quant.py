@@ -16,7 +16,7 @@ import torch
 from specdec import ops
 
 __all__ = ["Int8Linear", "quantize_linear_int8", "GroupQuantLinear", "quantize_linear_groups", "replace_module",
-           "untie", "set_activation_quant"]
+           "untie", "set_activation_quant", "set_packed_hugepages", "pack_q8act_cpu"]
 
 
 class Int8Linear(torch.nn.Module):
@@ -127,8 +127,35 @@ def q8act_weight(owner: object, qweight: torch.Tensor, scales: torch.Tensor, min
         same = all((r is None and t is None) or (r is not None and r() is t) for r, t in zip(refs, parts))
         if same and was == versions:
             return packed
-    packed = ops.pack_q8act(qweight, scales, mins, bits)
+    packed = pack_q8act_cpu(qweight, scales, mins, bits)
     packs[slot] = (tuple(None if t is None else weakref.ref(t) for t in parts), versions, packed)
+    return packed
+
+
+_PACKED_HUGEPAGES = [True]
+
+
+def set_packed_hugepages(on: bool) -> bool:
+    """Whether :func:`pack_q8act_cpu` (so every packed weight a model or a head makes from now on) copies
+    the packed layout into huge pages; returns the previous setting. On by default: a decode step streams
+    these layouts, not the modules' buffers (which ``load_bundled`` moved), and on 4 KiB pages the stream
+    pays a TLB miss per page. Off: the allocator's pages (the comparison in benchmarks/ab_packed_hugepages.py)."""
+    if not isinstance(on, bool):
+        raise TypeError(f"set_packed_hugepages: on must be a bool, got {on!r}")
+    was = _PACKED_HUGEPAGES[0]
+    _PACKED_HUGEPAGES[0] = on
+    return was
+
+
+def pack_q8act_cpu(qweight: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor], bits: int
+                   ) -> torch.Tensor:
+    """:func:`specdec.ops.pack_q8act`, the result in huge pages (:func:`~specdec.models.hugepages.hugepage_copy`)
+    unless :func:`set_packed_hugepages` turned that off. The same bytes either way."""
+    packed = ops.pack_q8act(qweight, scales, mins, bits)
+    if _PACKED_HUGEPAGES[0]:
+        from specdec.models.hugepages import hugepage_copy
+
+        packed = hugepage_copy(packed)
     return packed
 
 

@@ -173,7 +173,7 @@ def _slot(mods):
     """One ops.decoder_layer projection slot (weights, scales, mins, biases, bits) of linear layers concatenated
     along their outputs, or None when they cannot share one call. Quantized activations (act="q8"): bits + 32
     and, on the CPU, the concatenation's packed layout."""
-    from specdec.models.quant import GroupQuantLinear
+    from specdec.models.quant import GroupQuantLinear, pack_q8act_cpu
 
     if any(m.bias is not None for m in mods):  # the published layouts have none
         return None
@@ -187,7 +187,7 @@ def _slot(mods):
             torch.cat([m.scales for m in mods]).contiguous(), mods[0].bits
         if mods[0].act == "q8":
             if qw.device.type == "cpu":
-                qw = ops.pack_q8act(qw, sc, mins, bits)
+                qw = pack_q8act_cpu(qw, sc, mins, bits)
             bits += 32
         return qw, sc, mins, None, bits
     return None
