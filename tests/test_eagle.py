@@ -116,6 +116,106 @@ def test_head_lm_equals_a_full_recompute():
     torch.testing.assert_close(c1, lgc[-1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("draft_vocab", [0, 40])
+def test_lean_one_request_path_equals_the_batched_path(draft_vocab):
+    """HeadLM's batch-1 CPU path (_forward_one: host integers, slices, a rope table) gives the batched gathers'
+    logits and cache contents bit for bit, call after call, through a draft step's calls: the root after
+    committed text, a drafted node, a catch-up chain, and the cases it leaves to the batched path."""
+    model = _tiny_llama()
+    target = HFCausalLM(model)
+    target.capture_hidden((-1,))
+    tcache = target.new_cache(1, 40)
+    prompt = [3, 14, 15, 92, 65, 35, 89]
+    target.prefill(tcache, [prompt])
+    torch.manual_seed(3)
+    net = HeadNet(_head_config(num_heads=2, num_kv_heads=1, draft_vocab=draft_vocab))  # head_dim 32: the table
+    lms, caches = [], []
+    for lean in (False, True):
+        lm = HeadLM(net, target)
+        lm.lean = lean
+        lm.attach(tcache)
+        lms.append(lm)
+        caches.append(lm.new_cache(1, 40))
+    taken = []
+    orig = HeadLM._forward_one
+
+    def spy(self, *a):
+        out = orig(self, *a)
+        taken.append(out is not None)
+        return out
+
+    def call(tokens, depths, mask=None, kv_offset=0):
+        outs = []
+        for lm, c in zip(lms, caches):
+            outs.append(lm.forward(c, torch.tensor([tokens]), torch.tensor([depths], dtype=torch.int32), mask,
+                                   kv_offset))
+        assert torch.equal(outs[0], outs[1])
+        a, b = caches
+        assert torch.equal(a.lens, b.lens) and torch.equal(a.hidden, b.hidden)
+        assert torch.equal(a.k[0], b.k[0]) and torch.equal(a.v[0], b.v[0])
+
+    HeadLM._forward_one = spy
+    try:
+        for lm, c in zip(lms, caches):
+            lm.prefill(c, [prompt[:-1]])
+        assert taken == [False]                     # position 0 has no parent: the batched path
+        taken.clear()
+        call([prompt[-1]], [0])                     # the root after committed text (parent: the target's state)
+        for c in caches:
+            c.lens += 1
+        call([7], [0])                              # a drafted node: its parent is the head's own last output
+        assert taken == [True, True]
+        with torch.no_grad():                       # the target verifies and commits root, 7: states at 7, 8
+            target.forward(tcache, torch.tensor([[7, 21]]), torch.arange(2, dtype=torch.int32).view(1, 2))
+        tcache.lens += 2
+        call([21, 30], [0, 1])                      # a catch-up chain over committed text
+        for c in caches:
+            c.lens += 2
+        call([5, 6], [0, 1])                        # two nodes past the committed text: the batched path
+        call([5, 6], [1, 2])                        # depths from 1: positions 10, 11, parents past the committed
+        eye = torch.eye(2, dtype=torch.bool).view(1, 2, 2)
+        call([8, 9], [0, 0], mask=eye)              # a tree level: the batched path
+        assert taken == [True, True, True, False, False]
+    finally:
+        HeadLM._forward_one = orig
+
+
+class _FullRollbackHead(EagleHead):
+    """EagleHead that runs DraftModel's whole rollback before its own in every step (what accept() did
+    for chains before it skipped it)."""
+
+    def _keeps_counts(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_chain_accept_without_the_rollback_keeps_every_step(trained, top_k):
+    """A chain / spine head skips DraftModel's rollback in accept() (nothing of it survives the head's own):
+    the same drafts, accepted counts and head cache state as with it, step by step."""
+    model, net, *_ = trained
+    logs = []
+    for cls in (EagleHead, _FullRollbackHead):
+        head = cls(net, k=3, top_k=top_k)
+        dec = SpeculativeDecoder(HFCausalLM(model), head, max_batch=2, max_len=96, policy="fixed")
+        steps = []
+        orig = head.accept
+
+        def spy(accepted, num, num_host, foreign=None, _orig=orig, _head=head, _steps=steps):
+            _steps.append((_head._last.tree.tokens.clone(), list(num_host)))
+            _orig(accepted, num, num_host, foreign)
+            b = _head._last.b
+            _steps.append((_head._view(b).lens.clone(), _head._pend_n[:b].clone(), _head._pend_width))
+
+        head.accept = spy
+        out = dec.generate(PROMPTS[:2], max_new_tokens=30)
+        logs.append((out.tokens, steps))
+    assert logs[0][0] == logs[1][0] == _reference_greedy(model, PROMPTS[:2], 30)
+    assert len(logs[0][1]) == len(logs[1][1]) > 10
+    for a, b in zip(logs[0][1], logs[1][1]):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+
+
 def test_reduced_vocabulary_map():
     model = _tiny_llama()
     target = HFCausalLM(model)

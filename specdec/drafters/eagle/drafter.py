@@ -101,6 +101,12 @@ class EagleHead(DraftModel):
             raise RuntimeError("EagleHead: not bound to a decoder (SpeculativeDecoder(target, drafter) binds it)")
         self.lm.attach(cache)
 
+    def _keeps_counts(self) -> bool:
+        """Whether accept() runs DraftModel's rollback first: for the learners' counts of dynamic trees
+        (calibration, rank acceptance). A chain or spine tree has none, and everything else that rollback
+        does (the draft cache's lengths and moves, the pending tokens) is replaced here: skipped."""
+        return self.dynamic
+
     def accept(self, accepted: torch.Tensor, num_accepted: torch.Tensor, num_host: Sequence[int],
                foreign: Optional[Sequence[Sequence[int]]] = None) -> None:
         rec = self._last
@@ -108,14 +114,14 @@ class EagleHead(DraftModel):
             super().accept(accepted, num_accepted, num_host, foreign)
             return
         b = rec.b
-        root_end = rec.base + self._pend_n[:b].to(torch.int32) + 1     # the head cache up to and with the root
-        super().accept(accepted, num_accepted, num_host, None)          # learners, counts (foreign: below)
+        root_end = rec.base + self._pend_n[:b] + 1                      # the head cache up to and with the root
+        if self._keeps_counts():
+            super().accept(accepted, num_accepted, num_host, None)      # learners, counts (foreign: below)
         self._view(b).lens.copy_(root_end)                              # drop the drafted nodes' K/V
-        num = num_accepted.to(torch.int64)
         width = max((int(a) for a in num_host), default=0)
         if width:
             path = accepted[:, 1:1 + width].to(torch.int64).clamp(min=0)
             self._pend_tok[:b, :width] = rec.tokens.gather(1, path)
-        self._pend_n[:b] = num
+        self._pend_n[:b] = num_accepted
         self._pend_width = width
-        self._take_foreign(b, foreign, own=num)
+        self._take_foreign(b, foreign, own=num_accepted)

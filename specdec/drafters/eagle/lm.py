@@ -54,6 +54,10 @@ class HeadLM:
         self.fused = fused_layer_spec(net)
         self._unit = torch.ones(cfg.hidden_size, dtype=self.dtype, device=self.device)
         self._inv: Optional[torch.Tensor] = None  # rope's inverse frequencies
+        #: one request's chain on the CPU (the batch-1 draft step) takes :meth:`_forward_one`: the same
+        #: values from host integers and slices instead of batched gathers (False: always the batched path)
+        self.lean = True
+        self._table = None  # rope cos / sin [P, head_dim] per position (a tuple), or False: not bit-identical
 
     def attach(self, features: HiddenKVCache) -> None:
         if not isinstance(features, HiddenKVCache) or features.feature_dim != self.cfg.feature_size:
@@ -100,6 +104,10 @@ class HeadLM:
     def _forward(self, cache, tokens, depths, tree_mask, kv_offset: int, row0: int) -> torch.Tensor:
         if self.features is None:
             raise RuntimeError("EagleHead: no target features attached (the drafter attaches them in start())")
+        if self.lean and tree_mask is None and kv_offset == 0 and tokens.shape[0] == 1 and tokens.device.type == "cpu":
+            out = self._forward_one(cache, tokens, depths, row0)
+            if out is not None:
+                return out
         net, cfg = self.net, self.cfg
         B, N = tokens.shape
         lens = cache.lens.to(torch.int64).view(B, 1)
@@ -125,26 +133,92 @@ class HeadLM:
         feat = torch.where(from_target, tfeat, hfeat)
         emb = self.embed(tokens.clamp(min=0)).to(self.dtype)
         cos, sin = self._rope(pos)
-        k_cache, v_cache, cl = cache.k[0], cache.v[0], cache.lens
         m = mask if mask is None or mask.is_contiguous() else mask.contiguous()
+        out = self._layer(cache, emb, feat, cos, sin, m, kv_offset)
+        write_hidden(cache, torch.cat((out, pos.to(self.dtype).unsqueeze(2)), dim=2), kv_offset)
+        return self._logits(out)
+
+    def _layer(self, cache, emb: torch.Tensor, feat: torch.Tensor, cos, sin, mask, kv_offset: int) -> torch.Tensor:
+        """The head's layer over the nodes' embeddings and features: its output [B, N, H] (K/V appended)."""
+        net, cfg = self.net, self.cfg
+        k_cache, v_cache, cl = cache.k[0], cache.v[0], cache.lens
         if self.fused is not None:  # fc, then the decoder layer in one call (the layer's own residual = x)
             x = net.fc(torch.cat((emb, feat), dim=-1))
-            _, out = ops.decoder_layer(x, x, *self.fused, net.post_attention_layernorm, cfg.rms_eps,
-                                       self._unit, cfg.rms_eps, k_cache, v_cache, cl, cos, sin, m, kv_offset,
-                                       cfg.head_dim ** -0.5, cfg.num_heads, cfg.num_kv_heads)
-        else:
-            def attend(q, k, v):
-                ops.append_kv(k_cache, v_cache, k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(),
-                              cl, kv_offset)
-                return ops.verify_attention(q.contiguous(), k_cache, v_cache, cl, m, cfg.head_dim ** -0.5)
+            return ops.decoder_layer(x, x, *self.fused, net.post_attention_layernorm, cfg.rms_eps,
+                                     self._unit, cfg.rms_eps, k_cache, v_cache, cl, cos, sin, mask, kv_offset,
+                                     cfg.head_dim ** -0.5, cfg.num_heads, cfg.num_kv_heads)[1]
 
-            out = net.layer(emb, feat, cos, sin, attend)
-        write_hidden(cache, torch.cat((out, pos.to(self.dtype).unsqueeze(2)), dim=2), kv_offset)
-        logits = net.logits(out, self.target_head).float()
+        def attend(q, k, v):
+            ops.append_kv(k_cache, v_cache, k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(),
+                          cl, kv_offset)
+            return ops.verify_attention(q.contiguous(), k_cache, v_cache, cl, mask, cfg.head_dim ** -0.5)
+
+        return net.layer(emb, feat, cos, sin, attend)
+
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        """The head's logits over the target's vocabulary (-inf outside a reduced draft vocabulary)."""
+        logits = self.net.logits(out, self.target_head).float()
         if self.draft_ids is None:
             return logits
-        full = torch.full((B, N, self.vocab_size), float("-inf"), dtype=torch.float32, device=tokens.device)
+        B, N = out.shape[:2]
+        full = torch.full((B, N, self.vocab_size), float("-inf"), dtype=torch.float32, device=out.device)
         return full.index_copy_(2, self.draft_ids, logits)
+
+    def _forward_one(self, cache, tokens, depths, row0: int) -> Optional[torch.Tensor]:
+        """:meth:`_forward` of one request's chain after its cache on the CPU, where every node's parent is
+        committed text the target holds (consecutive positions: one slice of its states) or the call is one
+        node after a drafted parent (the head's own last output). The values of the batched gathers, from
+        host integers: the same features, rows and rope tables, so the same bits. None: another case."""
+        tgt = self.features
+        N = tokens.shape[1]
+        lens = cache.lens.tolist()[0]
+        d = depths.tolist()[0]
+        start = lens + d[0]
+        if d != list(range(d[0], d[0] + N)):
+            return None
+        if start < 1 or lens + N > cache.capacity or not self._rope_covers(start + N, cache.capacity):
+            return None
+        tl = tgt.lens.tolist()[row0]
+        H = self.cfg.hidden_size
+        if start - 1 + N <= tl:  # every parent committed: the target's states at start - 1 ..
+            feat = self.net.input_feature(tgt.hidden[row0:row0 + 1, 0, start - 1:start - 1 + N].to(self.dtype))
+        elif N == 1 and start - 1 >= tl:  # a drafted parent: the head's own output in the cache's last slot
+            feat = cache.hidden[0:1, 0, max(lens - 1, 0):max(lens - 1, 0) + 1, :H]
+        else:
+            return None
+        emb = self.embed(tokens.clamp(min=0)).to(self.dtype)
+        cos_t, sin_t = self._table
+        cos, sin = cos_t[start:start + N].unsqueeze(0), sin_t[start:start + N].unsqueeze(0)
+        out = self._layer(cache, emb, feat, cos, sin, None, 0)
+        slots = cache.hidden[0, 0, lens:lens + N]
+        slots[:, :H].copy_(out[0])
+        slots[:, H].copy_(torch.arange(start, start + N, dtype=self.dtype))
+        return self._logits(out)
+
+    def _rope_covers(self, need: int, capacity: int) -> bool:
+        """Whether the rope table (cos / sin [P, head_dim] of positions 0 .. P - 1, made by rope_tables
+        itself) holds positions below ``need``; (re)built up to ``capacity`` when it does not. Only where a
+        row of it has the bits of a direct call: head_dim a multiple of 32 (torch's vector loops then cover
+        every element of both shapes the same way) and rows checked against direct calls when built."""
+        if self._table is False:
+            return False
+        if self._table is not None and self._table[0].shape[0] >= need:
+            return True
+        cfg = self.cfg
+        P = max(need, capacity)
+        if cfg.head_dim % 32 or P > (1 << 16):  # at most 32 MiB of table
+            return False
+        if self._inv is None or self._inv.device.type != "cpu":
+            self._inv = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, torch.device("cpu"))
+        cos, sin = rope_tables(torch.arange(P), cfg.head_dim, cfg.rope_theta, self.dtype, inv=self._inv)
+        probe = torch.tensor([[0, 1, 7, P // 2, P - 1]])
+        for pos in (probe, probe[:, 3:4]):
+            c, s = rope_tables(pos, cfg.head_dim, cfg.rope_theta, self.dtype, inv=self._inv)
+            if not (torch.equal(c[0], cos[pos[0]]) and torch.equal(s[0], sin[pos[0]])):
+                self._table = False  # never again: the batched path for every call
+                return False
+        self._table = (cos, sin)
+        return True
 
     @staticmethod
     def _own_parent_features(own, lens, pos, parent, tree_mask, kv_offset: int, capacity: int) -> torch.Tensor:
