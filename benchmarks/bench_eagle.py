@@ -2,10 +2,13 @@
 
 Greedy, batch 1, the target at ``--precision`` (default q4_1, the checkpoint's own) with ``--act`` activations
 (auto: q8 at q8_0 / q4_1, as the CLI). Methods run interleaved per prompt (every method on prompt 1, then on
-prompt 2, ...), ``--rounds`` times; each run is checked token-identical to plain decoding. Recorded per
-method: tokens/s (median over runs and the ratio to plain on the same prompt and round), mean accepted length
-(tokens per target pass), and the draft cost: the median seconds of one head / w8 draft forward of one token
-against one target forward of one token at the same cache length (a micro-timing in the same process).
+prompt 2, ...), ``--rounds`` times, after one untimed warm-up generation per method; each run is checked
+token-identical to plain decoding. Recorded per method: tokens/s (median over runs and the ratio to plain on the
+same prompt and round), mean accepted length (tokens per target pass), and the draft cost: the median seconds of
+one head / w8 draft forward of one token against one target forward of one token at the same cache length (a
+micro-timing in the same process, its weights warm in the caches), and per method the milliseconds per target
+pass in the decoding loop (``step_ms``) and of drafting in it (``draft_ms_per_step``, also as a fraction of plain
+decoding's step: the drafter as cold as it runs there).
 
     python benchmarks/bench_eagle.py --head DIR [--precision q4_1] [--set open] [--max-new-tokens 96]
 """
@@ -30,7 +33,8 @@ from specdec.models import HFCausalLM
 from specdec.models.bundled import load_bundled
 
 # run at their own k every step; the others under the goodput policy
-FIXED = ("head_chain", "head_tree", "head_k1", "head_k2", "head_k3")
+FIXED = ("head_chain", "head_tree", "head_k1", "head_k2", "head_k3", "head_k1w2", "head_k1w3", "head_k2w2",
+         "head_k1_batched")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -55,6 +59,12 @@ def _methods(target_model, draft_model, head_net, head_precision, head_act=None)
         "head_k1": lambda: EagleHead(head_net, k=1, **hp),
         "head_k2": lambda: EagleHead(head_net, k=2, **hp),
         "head_k3": lambda: EagleHead(head_net, k=3, **hp),
+        # one head forward, the w most likely tokens as siblings (a spine tree of 1 + k * w nodes)
+        # head_k1 with the head's batched path on every call (HeadLM.lean off: the A/B of its batch-1 path)
+        "head_k1_batched": lambda: EagleHead(head_net, k=1, **hp),
+        "head_k1w2": lambda: EagleHead(head_net, k=1, top_k=2, **hp),
+        "head_k1w3": lambda: EagleHead(head_net, k=1, top_k=3, **hp),
+        "head_k2w2": lambda: EagleHead(head_net, k=2, top_k=2, **hp),
     }
 
 
@@ -91,6 +101,11 @@ def _step_cost(target_model, draft_model, head_net, head_precision, head_act=Non
     return out
 
 
+def _per_step(run: dict, key: str) -> float:
+    """Milliseconds of ``key`` per target pass of one run (passes = new tokens / mean accepted length)."""
+    return run[key] * 1e3 * run["mean_accepted_length"] / max(1, run["new_tokens"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--head", required=True, help="head folder (specdec train-head --out DIR: DIR/head)")
@@ -122,6 +137,11 @@ def main() -> None:
     prompts = [list(p["input_ids"]) if isinstance(p, dict) else p for p in prompts]
     decoders = {n: SpeculativeDecoder(HFCausalLM(model), makers[n](), max_batch=1, max_len=1024,
                                       policy="fixed" if n in FIXED else "goodput") for n in names}
+    for n in names:
+        if n.endswith("_batched"):
+            decoders[n].drafter.lm.lean = False
+        # warm-up (first calls allocate caches, pack weights and fill the allocator): not timed
+        decoders[n].generate([prompts[0]], max_new_tokens=8, eos_token_id=tok.eos_token_id)
     runs = []
     load = [os.getloadavg()]
     for rnd in range(args.rounds):
@@ -148,7 +168,13 @@ def main() -> None:
         summary[n] = dict(median_tokens_per_second=statistics.median(r["tokens_per_second"] for r in rs),
                           median_ratio_to_plain=statistics.median(ratios) if ratios else None,
                           mean_accepted_length=statistics.mean(r["mean_accepted_length"] for r in rs),
-                          all_identical=all(r["identical"] for r in rs))
+                          all_identical=all(r["identical"] for r in rs),
+                          # per target pass, in the decoding loop (the drafter's weights as cold as they are there)
+                          step_ms=statistics.median(_per_step(r, "total_seconds") for r in rs),
+                          draft_ms_per_step=statistics.median(_per_step(r, "draft_seconds") for r in rs))
+    if "plain" in summary:
+        for n in names:
+            summary[n]["draft_fraction_of_plain_step"] = summary[n]["draft_ms_per_step"] / summary["plain"]["step_ms"]
     summary["draft_cost_fraction"] = dict(head=cost["head"] / cost["target"], w8=cost["w8"] / cost["target"],
                                           seconds=cost)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
