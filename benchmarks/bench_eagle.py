@@ -53,6 +53,9 @@ def _methods(target_model, draft_model, head_net, head_precision, head_act=None)
         # the same with a one-token head (the head's only depth that paid on open prompts at Q4_1)
         "lookup_head_k1": lambda: MultiDraft([PromptLookup(ngram=3, k=10), EagleHead(head_net, k=1, **hp)],
                                              escalate=2.0),
+        # the same with the head's one-forward spine tree of two siblings
+        "lookup_head_k1w2": lambda: MultiDraft([PromptLookup(ngram=3, k=10), EagleHead(head_net, k=1, top_k=2, **hp)],
+                                               escalate=2.0),
         # what `specdec generate --draft auto` builds with an fp32 target (and, before, at every precision)
         "lookup_w8": lambda: MultiDraft([PromptLookup(ngram=3, k=10), DraftModel(HFCausalLM(draft_model), k=6)],
                                         escalate=2.0),
