@@ -180,7 +180,8 @@ def main() -> None:
             summary[n]["draft_fraction_of_plain_step"] = summary[n]["draft_ms_per_step"] / summary["plain"]["step_ms"]
     summary["draft_cost_fraction"] = dict(head=cost["head"] / cost["target"], w8=cost["w8"] / cost["target"],
                                           seconds=cost)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(RESULTS)).stdout.strip()
     rec = dict(benchmark="eagle", args=vars(args), commit=commit, loadavg=load, torch_threads=args.threads,
                head_config=json.load(open(os.path.join(args.head, "config.json"))), summary=summary, runs=runs,
                notes="2 shared CPU cores (load average recorded); greedy, batch 1; head_chain and head_tree run the "

@@ -72,9 +72,10 @@ def _model_options(g: argparse.ArgumentParser) -> None:
                    help="with --draft docs: a text file whose paragraphs (blank-line separated) are the documents "
                         "(repeatable; `--draft docs FILE` is the same as `--draft docs --docs FILE`)")
     g.add_argument("--head", dest="head_opt", default=None, metavar="PATH",
-                   help="a feature head folder: with --draft head it drafts alone (Q8_0, a chain of --k, default 5; "
-                        "--tree W: W candidates per depth); with --draft auto it replaces the w8 draft beside prompt "
-                        "lookup (`--draft head PATH` is the same as `--draft head --head PATH`)")
+                   help="a feature head folder: with --draft head it drafts alone (Q8_0; default: one token and "
+                        "its runner-up as siblings, --k 1 --tree 2; --tree W > 2: a dynamic tree); with --draft "
+                        "auto it replaces the w8 draft beside prompt lookup (`--draft head PATH` is the same as "
+                        "`--draft head --head PATH`)")
     g.add_argument("--k", type=int, default=None,
                    help="draft tokens per step (default: int8 6, w8 6, bf16 8, model 4, lookup 10; suffix / docs: "
                         "the draft depth cap, 16; recycle: the template depth, 6)")

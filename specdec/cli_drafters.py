@@ -92,8 +92,13 @@ def _head(src: DraftSource):
     from specdec.drafters.eagle import load_head
 
     a = src.args
-    return EagleHead(load_head(a.head_opt), k=a.k or 5, top_k=a.tree or 1, precision="q8_0", act="q8",
-                     tree="dynamic" if (a.tree or 1) > 1 else "spine")
+    # default: one head forward per step and its two most likely tokens as siblings (a spine tree of 3 nodes):
+    # on open prompts at Q4_1 it measured 1.12-1.21x plain against 1.04-1.06x for one token and below plain for
+    # a chain of 5 (benchmarks/results/eagle_open_q4_1_q8act_2026-12-07*.json); --k / --tree choose others
+    # (--tree W > 2: a dynamic tree of W candidates per depth)
+    w = a.tree or 2
+    return EagleHead(load_head(a.head_opt), k=a.k or 1, top_k=w, precision="q8_0", act="q8",
+                     tree="dynamic" if a.tree is not None and w > 2 else "spine")
 
 
 def _folder_model(src: DraftSource):
