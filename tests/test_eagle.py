@@ -61,15 +61,21 @@ def _reference_greedy(model, prompts, n):
 
 
 # ------------------------------------------------------------------ the drafting math
-def test_head_lm_equals_a_full_recompute():
-    """HeadLM's cached, tree-shaped drafting gives the logits of a plain causal run of the head over
-    (token p, target feature p - 1) for committed positions and (token, parent's head output) for drafted ones."""
+def _target_with_states():
+    """A tiny target keeping its final states, with a 7-token prompt prefilled: (model, target, cache, prompt)."""
     model = _tiny_llama()
     target = HFCausalLM(model)
     target.capture_hidden((-1,))
     tcache = target.new_cache(1, 40)
     prompt = [3, 14, 15, 92, 65, 35, 89]
     target.prefill(tcache, [prompt])
+    return model, target, tcache, prompt
+
+
+def test_head_lm_equals_a_full_recompute():
+    """HeadLM's cached, tree-shaped drafting gives the logits of a plain causal run of the head over
+    (token p, target feature p - 1) for committed positions and (token, parent's head output) for drafted ones."""
+    model, target, tcache, prompt = _target_with_states()
     torch.manual_seed(2)
     net = HeadNet(_head_config())
     lm = HeadLM(net, target)
@@ -121,12 +127,7 @@ def test_lean_one_request_path_equals_the_batched_path(draft_vocab):
     """HeadLM's batch-1 CPU path (_forward_one: host integers, slices, a rope table) gives the batched gathers'
     logits and cache contents bit for bit, call after call, through a draft step's calls: the root after
     committed text, a drafted node, a catch-up chain, and the cases it leaves to the batched path."""
-    model = _tiny_llama()
-    target = HFCausalLM(model)
-    target.capture_hidden((-1,))
-    tcache = target.new_cache(1, 40)
-    prompt = [3, 14, 15, 92, 65, 35, 89]
-    target.prefill(tcache, [prompt])
+    model, target, tcache, prompt = _target_with_states()
     torch.manual_seed(3)
     net = HeadNet(_head_config(num_heads=2, num_kv_heads=1, draft_vocab=draft_vocab))  # head_dim 32: the table
     lms, caches = [], []
