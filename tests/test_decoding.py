@@ -518,6 +518,19 @@ def test_smollm2_cli_generate_with_a_head(smol, capsys, tmp_path, monkeypatch):
         assert ("draft=head" if argv[0] == "--draft" else "draft=auto") in stats
     assert main(["generate", "hi", "--draft", "lookup", "--head", str(tmp_path / "head")]) != 0
     assert "--head is used with --draft head or --draft auto" in capsys.readouterr().err
+    from specdec.cli import _build_parser, load_target
+
+    def drafter(*extra):
+        return load_target(_build_parser().parse_args(["generate", "hi", *extra]))[1]
+
+    # the head's default shape: one forward, the runner-up as a sibling (a spine tree); --k / --tree change it
+    head = drafter("--draft", "head", "--head", str(tmp_path / "head"))
+    assert (head.k, head.top_k, head.dynamic) == (1, 2, False)
+    head = drafter("--draft", "head", "--head", str(tmp_path / "head"), "--k", "2", "--tree", "3")
+    assert (head.k, head.top_k, head.dynamic) == (2, 3, True)
+    auto = drafter("--head", str(tmp_path / "head"))
+    assert [type(m).__name__ for m in auto.members] == ["PromptLookup", "EagleHead"]
+    assert (auto.members[1].k, auto.members[1].top_k, auto.members[1].dynamic) == (1, 2, False)
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))  # checked before any model is loaded
     assert main(["generate", "hi", "--draft", "head"]) != 0   # the bundled model's head was never trained
     assert "specdec train-head --model smollm2-135m" in capsys.readouterr().err
