@@ -124,12 +124,12 @@ def test_head_lm_equals_a_full_recompute():
 
 @pytest.mark.parametrize("draft_vocab", [0, 40])
 def test_lean_one_request_path_equals_the_batched_path(draft_vocab):
-    """HeadLM's batch-1 CPU path (_forward_one: host integers, slices, a rope table) gives the batched gathers'
-    logits and cache contents bit for bit, call after call, through a draft step's calls: the root after
+    """HeadLM's batch-1 CPU path (_forward_one: host integers and slices) gives the batched gathers' logits and
+    cache contents bit for bit, call after call, through a draft step's calls: the root after
     committed text, a drafted node, a catch-up chain, and the cases it leaves to the batched path."""
     model, target, tcache, prompt = _target_with_states()
     torch.manual_seed(3)
-    net = HeadNet(_head_config(num_heads=2, num_kv_heads=1, draft_vocab=draft_vocab))  # head_dim 32: the table
+    net = HeadNet(_head_config(num_heads=2, num_kv_heads=1, draft_vocab=draft_vocab))  # head_dim 32: rope by table
     lms, caches = [], []
     for lean in (False, True):
         lm = HeadLM(net, target)
@@ -177,6 +177,12 @@ def test_lean_one_request_path_equals_the_batched_path(draft_vocab):
         eye = torch.eye(2, dtype=torch.bool).view(1, 2, 2)
         call([8, 9], [0, 0], mask=eye)              # a tree level: the batched path
         assert taken == [True, True, True, False, False]
+        rope = lms[1].rope  # the head's rope by table (RotaryTable): rope_tables' own bits
+        assert rope.enabled and rope._cos is not None
+        pos = torch.tensor([[0, 9, 13, 39]])
+        want = rope_tables(pos, 32, net.cfg.rope_theta, torch.float32)
+        got = rope(torch.zeros(1, 4, 64), pos, 40)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     finally:
         HeadLM._forward_one = orig
 

@@ -132,7 +132,7 @@ def q8act_weight(owner: object, qweight: torch.Tensor, scales: torch.Tensor, min
     return packed
 
 
-_PACKED_HUGEPAGES = [True]
+_PACKED_HUGEPAGES = True
 
 
 def set_packed_hugepages(on: bool) -> bool:
@@ -142,8 +142,8 @@ def set_packed_hugepages(on: bool) -> bool:
     pays a TLB miss per page. Off: the allocator's pages (the comparison in benchmarks/ab_packed_hugepages.py)."""
     if not isinstance(on, bool):
         raise TypeError(f"set_packed_hugepages: on must be a bool, got {on!r}")
-    was = _PACKED_HUGEPAGES[0]
-    _PACKED_HUGEPAGES[0] = on
+    global _PACKED_HUGEPAGES
+    was, _PACKED_HUGEPAGES = _PACKED_HUGEPAGES, on
     return was
 
 
@@ -152,7 +152,7 @@ def pack_q8act_cpu(qweight: torch.Tensor, scales: torch.Tensor, mins: Optional[t
     """:func:`specdec.ops.pack_q8act`, the result in huge pages (:func:`~specdec.models.hugepages.hugepage_copy`)
     unless :func:`set_packed_hugepages` turned that off. The same bytes either way."""
     packed = ops.pack_q8act(qweight, scales, mins, bits)
-    if _PACKED_HUGEPAGES[0]:
+    if _PACKED_HUGEPAGES:
         from specdec.models.hugepages import hugepage_copy
 
         packed = hugepage_copy(packed)

@@ -25,6 +25,7 @@ import torch
 from specdec import ops
 from specdec.drafters.eagle.net import HeadNet, rope_inverse_frequencies, rope_tables
 from specdec.models.hidden import HiddenKVCache, write_hidden
+from specdec.models.rotary_table import RotaryTable
 
 __all__ = ["HeadLM"]
 
@@ -53,11 +54,11 @@ class HeadLM:
         # the layer as one ops.decoder_layer call (EAGLE-1 layout), or None; the weights as they are now
         self.fused = fused_layer_spec(net)
         self._unit = torch.ones(cfg.hidden_size, dtype=self.dtype, device=self.device)
-        self._inv: Optional[torch.Tensor] = None  # rope's inverse frequencies
+        # the head's rope by table lookup where that gives rope_tables' bits (RotaryTable, as the target's)
+        self.rope = RotaryTable(_HeadRotary(cfg.head_dim, cfg.rope_theta), cfg.head_dim)
         #: one request's chain on the CPU (the batch-1 draft step) takes :meth:`_forward_one`: the same
         #: values from host integers and slices instead of batched gathers (False: always the batched path)
         self.lean = True
-        self._table = None  # rope cos / sin [P, head_dim] per position (a tuple), or False: not bit-identical
 
     def attach(self, features: HiddenKVCache) -> None:
         if not isinstance(features, HiddenKVCache) or features.feature_dim != self.cfg.feature_size:
@@ -132,7 +133,7 @@ class HeadLM:
             hfeat = self._own_parent_features(own, lens, pos, parent, mask, kv_offset, cache.capacity)
         feat = torch.where(from_target, tfeat, hfeat)
         emb = self.embed(tokens.clamp(min=0)).to(self.dtype)
-        cos, sin = self._rope(pos)
+        cos, sin = self.rope(emb, pos, cache.capacity)
         m = mask if mask is None or mask.is_contiguous() else mask.contiguous()
         out = self._layer(cache, emb, feat, cos, sin, m, kv_offset)
         write_hidden(cache, torch.cat((out, pos.to(self.dtype).unsqueeze(2)), dim=2), kv_offset)
@@ -168,7 +169,7 @@ class HeadLM:
         """:meth:`_forward` of one request's chain after its cache on the CPU, where every node's parent is
         committed text the target holds (consecutive positions: one slice of its states) or the call is one
         node after a drafted parent (the head's own last output). The values of the batched gathers, from
-        host integers: the same features, rows and rope tables, so the same bits. None: another case."""
+        host integers: the same features and rows, so the same bits. None: another case."""
         tgt = self.features
         N = tokens.shape[1]
         lens = cache.lens.tolist()[0]
@@ -176,7 +177,7 @@ class HeadLM:
         start = lens + d[0]
         if d != list(range(d[0], d[0] + N)):
             return None
-        if start < 1 or lens + N > cache.capacity or not self._rope_covers(start + N, cache.capacity):
+        if start < 1 or lens + N > cache.capacity:
             return None
         tl = tgt.lens.tolist()[row0]
         H = self.cfg.hidden_size
@@ -187,38 +188,13 @@ class HeadLM:
         else:
             return None
         emb = self.embed(tokens.clamp(min=0)).to(self.dtype)
-        cos_t, sin_t = self._table
-        cos, sin = cos_t[start:start + N].unsqueeze(0), sin_t[start:start + N].unsqueeze(0)
+        pos = torch.arange(start, start + N).view(1, N)
+        cos, sin = self.rope(emb, pos, cache.capacity)
         out = self._layer(cache, emb, feat, cos, sin, None, 0)
         slots = cache.hidden[0, 0, lens:lens + N]
         slots[:, :H].copy_(out[0])
-        slots[:, H].copy_(torch.arange(start, start + N, dtype=self.dtype))
+        slots[:, H].copy_(pos[0])
         return self._logits(out)
-
-    def _rope_covers(self, need: int, capacity: int) -> bool:
-        """Whether the rope table (cos / sin [P, head_dim] of positions 0 .. P - 1, made by rope_tables
-        itself) holds positions below ``need``; (re)built up to ``capacity`` when it does not. Only where a
-        row of it has the bits of a direct call: head_dim a multiple of 32 (torch's vector loops then cover
-        every element of both shapes the same way) and rows checked against direct calls when built."""
-        if self._table is False:
-            return False
-        if self._table is not None and self._table[0].shape[0] >= need:
-            return True
-        cfg = self.cfg
-        P = max(need, capacity)
-        if cfg.head_dim % 32 or P > (1 << 16):  # at most 32 MiB of table
-            return False
-        if self._inv is None or self._inv.device.type != "cpu":
-            self._inv = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, torch.device("cpu"))
-        cos, sin = rope_tables(torch.arange(P), cfg.head_dim, cfg.rope_theta, self.dtype, inv=self._inv)
-        probe = torch.tensor([[0, 1, 7, P // 2, P - 1]])
-        for pos in (probe, probe[:, 3:4]):
-            c, s = rope_tables(pos, cfg.head_dim, cfg.rope_theta, self.dtype, inv=self._inv)
-            if not (torch.equal(c[0], cos[pos[0]]) and torch.equal(s[0], sin[pos[0]])):
-                self._table = False  # never again: the batched path for every call
-                return False
-        self._table = (cos, sin)
-        return True
 
     @staticmethod
     def _own_parent_features(own, lens, pos, parent, tree_mask, kv_offset: int, capacity: int) -> torch.Tensor:
@@ -235,12 +211,19 @@ class HeadLM:
         slot = torch.where(match.any(dim=2), lens + match.to(torch.int8).argmax(dim=2), lens - 1).clamp(min=0)
         return own.gather(1, slot.unsqueeze(2).expand(B, N, H + 1))[:, :, :H]
 
-    def _rope(self, pos: torch.Tensor):
-        """cos, sin [B, N, head_dim] at ``pos`` (rope_tables with the inverse frequencies kept)."""
-        cfg = self.cfg
-        if self._inv is None or self._inv.device != pos.device:
-            self._inv = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, pos.device)
-        return rope_tables(pos, cfg.head_dim, cfg.rope_theta, self.dtype, inv=self._inv)
+
+class _HeadRotary:
+    """The head's rope as a rotary module's call, ``(h, positions) -> (cos, sin)`` [B, N, head_dim] in h's dtype
+    (rope_tables with the inverse frequencies kept): what :class:`RotaryTable` tabulates."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        self.head_dim, self.theta = head_dim, theta
+        self.inv: Optional[torch.Tensor] = None
+
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor):
+        if self.inv is None or self.inv.device != positions.device:
+            self.inv = rope_inverse_frequencies(self.head_dim, self.theta, positions.device)
+        return rope_tables(positions, self.head_dim, self.theta, h.dtype, inv=self.inv)
 
 
 def _slot(mods):
