@@ -10,6 +10,11 @@ micro-timing in the same process, its weights warm in the caches), and per metho
 pass in the decoding loop (``step_ms``) and of drafting in it (``draft_ms_per_step``, also as a fraction of plain
 decoding's step: the drafter as cold as it runs there).
 
+Every method runs on the same KV layout, ``--kv-cache dense`` by default: a head keeps the target's hidden states
+beside a dense cache only, while the other methods would default to the paged cache, whose prefix caching skips
+the prefill of a prompt seen before (the warm-up's prompt, every prompt of a later round). Tokens/s count the
+prefill, so mixed layouts credit the methods without a head with prefills they did not run.
+
     python benchmarks/bench_eagle.py --head DIR [--precision q4_1] [--set open] [--max-new-tokens 96]
 """
 from __future__ import annotations
@@ -124,6 +129,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--methods", default="plain,lookup,w8,head_chain,head_tree,head_goodput")
+    ap.add_argument("--kv-cache", default="dense", choices=["dense", "auto"],
+                    help="the target's KV layout for every method (auto: paged where the method allows it, with "
+                         "prefix caching, so a repeated prompt skips its prefill; a head always runs dense)")
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -138,8 +146,9 @@ def main() -> None:
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                             tokenize=True, return_dict=False)) for t in texts]
     prompts = [list(p["input_ids"]) if isinstance(p, dict) else p for p in prompts]
+    kv = None if args.kv_cache == "auto" else args.kv_cache
     decoders = {n: SpeculativeDecoder(HFCausalLM(model), makers[n](), max_batch=1, max_len=1024,
-                                      policy="fixed" if n in FIXED else "goodput") for n in names}
+                                      policy="fixed" if n in FIXED else "goodput", kv_cache=kv) for n in names}
     for n in names:
         if n.endswith("_batched"):
             decoders[n].drafter.lm.lean = False
@@ -184,9 +193,9 @@ def main() -> None:
                             cwd=os.path.dirname(RESULTS)).stdout.strip()
     rec = dict(benchmark="eagle", args=vars(args), commit=commit, loadavg=load, torch_threads=args.threads,
                head_config=json.load(open(os.path.join(args.head, "config.json"))), summary=summary, runs=runs,
-               notes="2 shared CPU cores (load average recorded); greedy, batch 1; head_chain and head_tree run the "
-                     "fixed policy (their k every step), head_goodput (a chain of up to 6), lookup and w8 the "
-                     "goodput policy")
+               notes="2 shared CPU cores (load average recorded); greedy, batch 1; the head_k* methods, head_chain "
+                     "and head_tree run the fixed policy (their k every step), the others the goodput policy; every "
+                     f"method on the {args.kv_cache} KV layout")
     act = resolve_act(args.act, args.precision)
     name = args.name or f"eagle_{args.set}_{args.precision}{'_q8act' if act else ''}_{date.today().isoformat()}"
     path = os.path.join(RESULTS, name + ".json")
