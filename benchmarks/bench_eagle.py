@@ -61,6 +61,11 @@ def _methods(target_model, draft_model, head_net, head_precision, head_act=None)
         # the same with the head's one-forward spine tree of two siblings
         "lookup_head_k1w2": lambda: MultiDraft([PromptLookup(ngram=3, k=10), EagleHead(head_net, k=1, top_k=2, **hp)],
                                                escalate=2.0),
+        # the same without escalation's price check (MultiDraft gate=False: the head drafts wherever lookup is
+        # not trusted)
+        "lookup_head_k1w2_nogate": lambda: MultiDraft([PromptLookup(ngram=3, k=10),
+                                                       EagleHead(head_net, k=1, top_k=2, **hp)],
+                                                      escalate=2.0, gate=False),
         # what `specdec generate --draft auto` builds with an fp32 target (and, before, at every precision)
         "lookup_w8": lambda: MultiDraft([PromptLookup(ngram=3, k=10), DraftModel(HFCausalLM(draft_model), k=6)],
                                         escalate=2.0),

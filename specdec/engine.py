@@ -24,6 +24,7 @@ the batch never fails for it.
 """
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from contextlib import contextmanager
@@ -298,6 +299,15 @@ class Engine(EngineRows):
                 pass
         return self.scheduler.plan(uids, budgets, closed=self._closed and not self._waiting, behind=behind)
 
+    def _step_costs(self, b: int):
+        """The cost model's seconds of a step of b rows without drafting, by nodes per row (None until it
+        has seen a plain step; a policy's duck-typed cost model may not say)."""
+        cost = getattr(self.scheduler, "cost", None)
+        knows = getattr(cost, "knows_plain", None)
+        if knows is None or not hasattr(cost, "step_seconds") or not knows():
+            return None
+        return functools.partial(cost.step_seconds, b, 0)
+
     def _spec_step(self, deltas) -> List[int]:
         """plan -> propose -> verify -> commit -> emit over every active row; returns the finished rows."""
         clock = self.recorder.clock
@@ -314,7 +324,7 @@ class Engine(EngineRows):
                 draft = Draft(TokenTree.root_only(self._roots))
             else:
                 ctx = StepContext(roots=self._roots, sequences=[r.seq for r in reqs], request_ids=uids,
-                                  budgets=plan.budgets, params=self._step_params())
+                                  budgets=plan.budgets, params=self._step_params(), step_seconds=self._step_costs(b))
                 draft, consulted = self._guard.propose(drafter, ctx)
         tree = draft.tree
         with clock.phase("verify"):

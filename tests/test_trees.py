@@ -323,7 +323,7 @@ def test_multidraft_escalation_skips_the_draft_model_behind_a_trusted_member(toy
                                  False)):
         dm = DraftModel(weak, k=3)
         budgets = _record_budgets(dm)
-        multi = MultiDraft([first, dm], escalate=2.0)
+        multi = MultiDraft([first, dm], escalate=2.0, gate=False)  # trust alone, no price check
         assert "escalate=2" in repr(multi)
         dec = SpeculativeDecoder(target, multi, max_batch=3, max_len=64, policy="fixed")
         out = dec.generate(prompts, max_new_tokens=24)
@@ -352,7 +352,7 @@ def test_multidraft_escalation_starts_new_requests_from_the_decoder_wide_average
                                   name="bad-or-empty")):
         dm = DraftModel(weak, k=3)
         budgets = _record_budgets(dm)
-        multi = MultiDraft([first, dm], escalate=2.0)
+        multi = MultiDraft([first, dm], escalate=2.0, gate=False)  # trust alone, no price check
         dec = SpeculativeDecoder(target, multi, max_batch=3, max_len=64, policy="fixed")
         out = dec.generate(prompts, max_new_tokens=12)
         assert out.tokens == [r[:12] for r in refs[:3]]

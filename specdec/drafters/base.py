@@ -33,7 +33,7 @@ the request.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -59,6 +59,10 @@ class StepContext:
     #: the step's sampling setting for drafting (rows of an Engine batch may differ: then greedy, whose
     #: deterministic candidates are exact under every setting); None: the one given to start()
     params: Optional[SamplingParams] = None
+    #: the scheduler's predicted seconds of this step without drafting (target pass, commit, the rest) when
+    #: every row holds n nodes, root included: ``step_seconds(1)`` is a plain step. None until the cost model
+    #: has seen a plain step (or outside a decoder). A composite drafter weighs a costly member's price by it.
+    step_seconds: Optional[Callable[[int], float]] = None
 
 
 class Drafter:

@@ -46,6 +46,13 @@ model drafts. The decision reads only the members' proposals of this step and ac
 earlier steps -- never this step's verification draws -- so the candidate set stays a function
 of what is known before verification and sampling stays exact.
 
+Price check (``gate=True``, the default with escalation): a later member that may draft for a row
+still skips it when, by the scheduler's cost model, what it has recently ADDED to the accepted path
+(alone, or beside an earlier member's proposal) does not pay for its measured forward and its verify
+rows at the goodput the row reaches without it (:class:`specdec.drafters.pay_gate.PayGate`; skipped
+rows are re-probed with a doubling wait). This is what keeps a feature head from dragging prompt lookup
+down on text that copies its input, while it keeps drafting on open text where lookup has nothing.
+
 Rollback: after verification every member gets the part of the accepted path that lies in its
 own tree (``accept(accepted, num, num_host, foreign=...)``) and the accepted tokens after that
 part (``foreign``), so a draft model feeds them with its next root instead of running a
@@ -59,7 +66,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from specdec._check import check_int, is_int, is_number
+from specdec.drafters import pay_gate
 from specdec.drafters.base import Draft, Drafter, StepContext
+from specdec.drafters.pay_gate import ALONE, BESIDE, PayGate
 from specdec.drafters.validate import check_draft
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
@@ -89,12 +98,15 @@ class MultiDraft(Drafter):
         something and has recently averaged at least ``escalate`` accepted tokens per proposing
         step for that request (see the module docstring). None (default): every member drafts
         for every row.
+    gate : bool
+        With ``escalate``: a later member also skips the rows where its recent contribution does not pay
+        for its cost (see the module docstring). Default True; ignored without ``escalate``.
     """
 
     trusted = True
 
     def __init__(self, drafters: Sequence[Drafter], budgets: Optional[Sequence[int]] = None,
-                 node_budget: Optional[int] = None, escalate: Optional[float] = None) -> None:
+                 node_budget: Optional[int] = None, escalate: Optional[float] = None, gate: bool = True) -> None:
         if isinstance(drafters, Drafter) or not isinstance(drafters, (list, tuple)):
             raise TypeError(f"MultiDraft: drafters must be a list of specdec drafters, got {type(drafters).__name__}")
         if not drafters:
@@ -112,6 +124,8 @@ class MultiDraft(Drafter):
                                  f"got {escalate!r}")
             escalate = float(escalate)
         self.escalate = escalate
+        #: the price check of the later members (escalation only)
+        self.gate: Optional[PayGate] = PayGate(len(self.members)) if escalate is not None and gate else None
         self._trust: Dict[int, List[float]] = {}  # request id -> per member: recent accepted tokens when it proposed
         self._empty: Dict[int, List[int]] = {}    # request id -> per member: asked steps in a row it proposed nothing
         # per member: accepted tokens per proposing step over every request of this decoder (kept across
@@ -185,6 +199,8 @@ class MultiDraft(Drafter):
         self.params = params
         self._ema = [1.0] * len(self.members)
         self._trust, self._empty = {}, {}
+        if self.gate is not None:
+            self.gate.reset()
         self._step = None
         for d in self.members:
             d.start(prompts, params, generator)
@@ -256,19 +272,37 @@ class MultiDraft(Drafter):
             self._trust = {rid: self._trust.get(rid, list(self._global)) for rid in ctx.request_ids}
             self._empty = {rid: self._empty.get(rid, [0] * m) for rid in ctx.request_ids}
             trusted = [False] * b      # a member before the current one is trusted for the row this step
+            if self.gate is not None:
+                self.gate.keep(ctx.request_ids)
+        gate = self.gate
+        situations: List[List[Optional[int]]] = []  # per member, per row: the gate's situation where it decided
         proposed: List[List[int]] = []  # per member, per row: real nodes proposed
         host: List[Tuple[List[List[int]], List[List[int]]]] = []  # per member: (tokens, parents) on the host
         try:
             for i, d in enumerate(self.members):
                 budgets = ctx.budgets
+                skip = trusted if esc is not None else None
                 if esc is not None and i > 0:
                     budgets = [0 if t else x for t, x in zip(trusted, ctx.budgets)]
+                    if gate is not None:
+                        sit: List[Optional[int]] = [None] * b
+                        for r, rid in enumerate(ctx.request_ids):
+                            if budgets[r] > 0:
+                                before = sum(p[r] for p in proposed)
+                                sit[r] = BESIDE if before else ALONE
+                                if not gate.allow(rid, i, sit[r], before, alloc[i], ctx.step_seconds):
+                                    budgets[r] = 0
+                        skip = [t or (s_ is not None and x == 0) for t, s_, x in zip(trusted, sit, budgets)]
+                        situations.append(sit)
                 sub = StepContext(roots=ctx.roots, sequences=ctx.sequences, request_ids=ctx.request_ids,
                                   budgets=budgets, node_budget=1 + alloc[i], params=ctx.params)
+                t0 = pay_gate.clock()
                 try:
                     draft = d.propose(sub)
                 except (ValueError, TypeError) as exc:
                     raise type(exc)(f"{self._name(i)}: {exc}") from exc
+                if gate is not None and i > 0 and max(budgets, default=0) > 0:
+                    gate.timed(i, pay_gate.clock() - t0 - float(getattr(d, "catch_up_seconds", 0.0)))
                 drafts.append(draft)
                 self.catch_up_seconds += float(getattr(d, "catch_up_seconds", 0.0))
                 self.catch_up_positions += int(getattr(d, "catch_up_positions", 0))
@@ -278,7 +312,7 @@ class MultiDraft(Drafter):
                 if esc is not None:
                     n = [sum(1 for x in par[1:] if x >= 0) for par in host[-1][1]]
                     if i > 0:  # a skipped row proposes nothing, whatever the member did with a zero budget
-                        n = [0 if t else x for t, x in zip(trusted, n)]
+                        n = [0 if t else x for t, x in zip(skip, n)]
                     proposed.append(n)
                     for r, rid in enumerate(ctx.request_ids):
                         if trusted[r] or budgets[r] <= 0:
@@ -290,7 +324,7 @@ class MultiDraft(Drafter):
                         else:  # nothing to propose: a trusted member is forgiven _PATIENCE times in a row
                             trusted[r] = empty[i] < _PATIENCE and i < m - 1 and self._trust[rid][i] >= esc
                             empty[i] += 1
-            return self._merge(ctx, drafts, host, alloc, b, proposed if esc is not None else None)
+            return self._merge(ctx, drafts, host, alloc, b, proposed if esc is not None else None, situations)
         except Exception:
             for d in self.members[:len(drafts)]:
                 d.cancel()
@@ -307,7 +341,7 @@ class MultiDraft(Drafter):
                 raise type(exc)(f"{self._name(i)}: {exc}") from exc
 
     def _merge(self, ctx: StepContext, drafts: List[Draft], host, alloc: List[int], b: int,
-               proposed: Optional[List[List[int]]] = None) -> Draft:
+               proposed: Optional[List[List[int]]] = None, situations=None) -> Draft:
         sampling = not self.params.greedy
         roots = [int(seq[-1]) for seq in ctx.sequences]
         all_tok: List[List[int]] = []
@@ -366,7 +400,7 @@ class MultiDraft(Drafter):
                 idx = [torch.tensor(x, dtype=torch.long, device=self.device) for x in (det_r, det_m, det_t)]
                 q.index_put_(tuple(idx), torch.ones(len(det_r), dtype=torch.float32, device=self.device))
         self._step = dict(drafts=drafts, maps=maps, tokens=all_tok, b=b, proposed=proposed,
-                          request_ids=list(ctx.request_ids))
+                          request_ids=list(ctx.request_ids), situations=situations)
         return Draft(tree, q)
 
     def accept(self, accepted: torch.Tensor, num_accepted: torch.Tensor, num_host: Sequence[int],
@@ -377,6 +411,7 @@ class MultiDraft(Drafter):
         b = step["b"]
         acc = accepted.tolist()   # host read: the member mapping runs on the host
         paths = [acc[r][1:int(num_host[r]) + 1] for r in range(b)]
+        own_counts: List[List[int]] = []
         for i, d in enumerate(self.members):
             N_i = step["drafts"][i].tree.size
             rows, nums, extra = [], [], []
@@ -396,6 +431,7 @@ class MultiDraft(Drafter):
                 extra.append(f)
             d.accept(torch.tensor(rows, dtype=torch.int32, device=self.device),
                      torch.tensor(nums, dtype=torch.int32, device=self.device), nums, foreign=extra)
+            own_counts.append(nums)
             self._ema[i] = _EMA * self._ema[i] + (1 - _EMA) * (sum(nums) / max(1, b))
             if step["proposed"] is not None:
                 for r, rid in enumerate(step["request_ids"]):
@@ -403,7 +439,21 @@ class MultiDraft(Drafter):
                         tr = self._trust[rid]
                         tr[i] = _TRUST * tr[i] + (1 - _TRUST) * nums[r]
                         self._global[i] = _GLOBAL * self._global[i] + (1 - _GLOBAL) * nums[r]
+        if step["situations"]:
+            self._observe_gate(step, own_counts, num_host)
         self._step = None
+
+    def _observe_gate(self, step: dict, own_counts: List[List[int]], num_host: Sequence[int]) -> None:
+        """The gate learns, per later member and row it decided for, what the member added to the accepted path
+        (its length less the longest part in an earlier member's own tree) and what the earlier ones got."""
+        proposed = step["proposed"]
+        for i, sit in enumerate(step["situations"], start=1):
+            for r, rid in enumerate(step["request_ids"]):
+                if sit[r] is None:
+                    continue
+                base = max((own_counts[j][r] for j in range(i) if proposed[j][r] > 0), default=0)
+                drafted = proposed[i][r] > 0
+                self.gate.observe(rid, i, sit[r], drafted, int(num_host[r]) - base if drafted else 0, base)
 
     def retire(self, moves: Sequence[Tuple[int, int, int]], active: int) -> None:
         for d in self.members:

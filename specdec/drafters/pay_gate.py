@@ -1,0 +1,135 @@
+"""PayGate: whether a costly member of a MultiDraft drafts for a request this step (escalation's price check).
+
+Escalation (:class:`specdec.MultiDraft` ``escalate=t``) lets a later, costlier member draft for a row
+where no earlier member is trusted. That alone lets a member that costs more than it adds drag the
+merge below its best member: a feature head beside prompt lookup on text that copies its input, where
+the lookup chain is accepted and the head's siblings add nothing but their forward and their verify
+rows. The gate prices each drafting decision with the scheduler's cost model.
+
+For member i and a row, two situations are told apart: ``ALONE`` (no earlier member proposed for the
+row this step) and ``BESIDE`` (one did). Per request and situation the gate keeps ``gain``: the
+accepted tokens the member ADDED when it drafted (the accepted path's length less the longest part of
+it that lay in an earlier member's own tree) as an exponential average (weight 1/2; a new request
+starts from the member's decoder-wide average, weight 0.9, kept across generate calls), and, BESIDE,
+``base``: the earlier members' own accepted tokens in such steps. Per member it keeps the seconds of
+its propose() (catch-up excluded) when it drafted. With ``step_seconds(n)`` (the cost model's seconds
+of a step without drafting when each row holds n nodes) the member's price in plain steps is
+
+    cost = (its seconds + step_seconds(1 + n_before + n_own) - step_seconds(1 + n_before)) / step_seconds(1)
+
+and it drafts when that pays at the goodput the row reaches without it: ``gain * C >= cost * E`` with
+E = 1 + base tokens per step and C = step_seconds(1 + n_before) / step_seconds(1) plain steps (ALONE:
+E = C = 1, a plain step). A member without a measured price or gain drafts (that is how they are
+measured). A row it skips is re-probed after 4 skipped steps, then 8, ... at most 32 (the estimate
+would otherwise never be corrected); a decision that pays resets the wait to 4.
+
+The decision reads timings and acceptance of earlier steps only, never this step's verification, so
+the candidate set stays a function of what is known before verification: sampling stays exact.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+__all__ = ["PayGate", "ALONE", "BESIDE"]
+
+ALONE, BESIDE = 0, 1
+_OWN = 0.5       # weight of the past in a request's averages
+_GLOBAL = 0.9    # weight of the past in a member's decoder-wide averages (a new request's start)
+_SECS = 0.7      # weight of the past in a member's propose seconds
+_WAIT0, _WAIT_MAX = 4, 32  # steps a skipped row waits before a re-probe: first, most
+
+clock = time.perf_counter  # the gate's timer (tests substitute their own)
+
+
+class _Row:
+    """One request's record for one member."""
+
+    __slots__ = ("gain", "base", "skipped", "wait")
+
+    def __init__(self, gain: List[Optional[float]], base: Optional[float]) -> None:
+        self.gain = list(gain)   # per situation: added accepted tokens per drafting step
+        self.base = base         # BESIDE: the earlier members' own accepted tokens per step
+        self.skipped = 0
+        self.wait = _WAIT0
+
+
+class PayGate:
+    """The price check of a MultiDraft's later members (see the module docstring)."""
+
+    def __init__(self, members: int) -> None:
+        self.members = int(members)
+        self.secs: List[Optional[float]] = [None] * self.members
+        self.global_gain: List[List[Optional[float]]] = [[None, None] for _ in range(self.members)]
+        self.global_base: List[Optional[float]] = [None] * self.members
+        self.rows: Dict[int, List[_Row]] = {}
+        self.skips = 0   # rows skipped by the gate (kept across generate calls, for diagnostics)
+
+    def reset(self) -> None:
+        """A new generate call: the requests' records go, the decoder-wide ones and the prices stay."""
+        self.rows = {}
+
+    def keep(self, request_ids: Sequence[int]) -> None:
+        """Forget the records of requests no longer active."""
+        self.rows = {rid: self._rows(rid) for rid in request_ids}
+
+    def _rows(self, rid: int) -> List[_Row]:
+        rows = self.rows.get(rid)
+        if rows is None:
+            rows = self.rows[rid] = [_Row(self.global_gain[i], self.global_base[i]) for i in range(self.members)]
+        return rows
+
+    def timed(self, i: int, seconds: float) -> None:
+        """Member i drafted for at least one row in ``seconds`` (catch-up excluded)."""
+        s = self.secs[i]
+        self.secs[i] = seconds if s is None else _SECS * s + (1 - _SECS) * seconds
+
+    def cost(self, i: int, n_before: int, n_own: int, step_seconds: Callable[[int], float]) -> Optional[float]:
+        """Member i's price in plain steps for a row with ``n_before`` earlier nodes, ``n_own`` of its own."""
+        if self.secs[i] is None:
+            return None
+        plain = step_seconds(1)
+        if not plain > 0:
+            return None
+        extra = max(0.0, step_seconds(1 + n_before + n_own) - step_seconds(1 + n_before))
+        return (self.secs[i] + extra) / plain
+
+    def allow(self, rid: int, i: int, situation: int, n_before: int, n_own: int,
+              step_seconds: Optional[Callable[[int], float]]) -> bool:
+        """Whether member i drafts for request ``rid`` this step."""
+        row = self._rows(rid)[i]
+        gain = row.gain[situation]
+        if gain is None or step_seconds is None:
+            return True
+        cost = self.cost(i, n_before, n_own, step_seconds)
+        if cost is None:
+            return True
+        if situation == ALONE:
+            e, c = 1.0, 1.0
+        else:
+            e = 1.0 + (row.base or 0.0)
+            c = step_seconds(1 + n_before) / step_seconds(1)
+        if gain * c >= cost * e:
+            row.skipped, row.wait = 0, _WAIT0
+            return True
+        if row.skipped >= row.wait:  # a re-probe: the estimate gets corrected if the text changed
+            row.skipped, row.wait = 0, min(_WAIT_MAX, 2 * row.wait)
+            return True
+        row.skipped += 1
+        self.skips += 1
+        return False
+
+    def observe(self, rid: int, i: int, situation: int, drafted: bool, added: int, base: int) -> None:
+        """A verified step: member i ``drafted`` for the row or not; ``added`` accepted tokens it added, ``base``
+        the earlier members' longest own accepted part (BESIDE)."""
+        row = self._rows(rid)[i]
+        if situation == BESIDE:
+            row.base = base if row.base is None else _OWN * row.base + (1 - _OWN) * base
+            g = self.global_base[i]
+            self.global_base[i] = base if g is None else _GLOBAL * g + (1 - _GLOBAL) * base
+        if not drafted:
+            return
+        old = row.gain[situation]
+        row.gain[situation] = added if old is None else _OWN * old + (1 - _OWN) * added
+        g = self.global_gain[i][situation]
+        self.global_gain[i][situation] = added if g is None else _GLOBAL * g + (1 - _GLOBAL) * added
