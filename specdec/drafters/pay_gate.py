@@ -9,7 +9,7 @@ rows. The gate prices each drafting decision with the scheduler's cost model.
 For member i and a row, two situations are told apart: ``ALONE`` (no earlier member proposed for the
 row this step) and ``BESIDE`` (one did). Per request and situation the gate keeps ``gain``: the
 accepted tokens the member ADDED when it drafted (the accepted path's length less the longest part of
-it that lay in an earlier member's own tree) as an exponential average (weight 1/2; a new request
+it that lay in an earlier member's own tree) as an exponential average (weight 0.8; a new request
 starts from the member's decoder-wide average, weight 0.9, kept across generate calls), and, BESIDE,
 ``base``: the earlier members' own accepted tokens in such steps. Per member it keeps the seconds of
 its propose() (catch-up excluded) when it drafted. With ``step_seconds(n)`` (the cost model's seconds
@@ -20,7 +20,7 @@ of a step without drafting when each row holds n nodes) the member's price in pl
 and it drafts when that pays at the goodput the row reaches without it: ``gain * C >= cost * E`` with
 E = 1 + base tokens per step and C = step_seconds(1 + n_before) / step_seconds(1) plain steps (ALONE:
 E = C = 1, a plain step). A member without a measured price or gain drafts (that is how they are
-measured). A row it skips is re-probed after 4 skipped steps, then 8, ... at most 32 (the estimate
+measured). A row it skips is re-probed after 4 skipped steps, then 8, at most 16 (the estimate
 would otherwise never be corrected); a decision that pays resets the wait to 4.
 
 The decision reads timings and acceptance of earlier steps only, never this step's verification, so
@@ -34,10 +34,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 __all__ = ["PayGate", "ALONE", "BESIDE"]
 
 ALONE, BESIDE = 0, 1
-_OWN = 0.5       # weight of the past in a request's averages
+_OWN = 0.8       # weight of the past in a request's averages (one step's gain is 0, 1 or 2 tokens: noisy)
 _GLOBAL = 0.9    # weight of the past in a member's decoder-wide averages (a new request's start)
 _SECS = 0.7      # weight of the past in a member's propose seconds
-_WAIT0, _WAIT_MAX = 4, 32  # steps a skipped row waits before a re-probe: first, most
+_WAIT0, _WAIT_MAX = 4, 16  # steps a skipped row waits before a re-probe: first, most
 
 clock = time.perf_counter  # the gate's timer (tests substitute their own)
 

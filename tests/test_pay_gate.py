@@ -1,0 +1,142 @@
+"""MultiDraft escalation's price check (specdec.drafters.pay_gate): the decision rule on its own, and in the loop
+a later member that adds nothing stops drafting while one that adds tokens keeps drafting, greedy output exact."""
+from __future__ import annotations
+
+import pytest
+
+from specdec import CallableDrafter, MultiDraft, SpeculativeDecoder
+from specdec.drafters.pay_gate import ALONE, BESIDE, PayGate
+
+from test_decoding import TOY_PROMPTS
+from toy_lm import ToyLM
+
+
+def _steps(plain=1.0, per_node=0.1):
+    """Seconds of a step without drafting by nodes per row: a plain step, then a linear price per node."""
+    return lambda n: plain + per_node * (n - 1)
+
+
+def test_gate_rule_alone():
+    gate = PayGate(2)
+    steps = _steps()
+    assert gate.allow(7, 1, ALONE, 0, 2, steps)        # nothing measured: the member drafts (that is how it is)
+    gate.timed(1, 0.2)
+    assert gate.allow(7, 1, ALONE, 0, 2, steps)        # a price but no gain yet
+    gate.observe(7, 1, ALONE, True, 0, 0)               # it drafted and added nothing
+    # price = (0.2 s + 2 nodes x 0.1 s) / 1 s = 0.4 plain steps > gain 0: skipped, re-probed after 4 skips
+    assert [gate.allow(7, 1, ALONE, 0, 2, steps) for _ in range(5)] == [False] * 4 + [True]
+    assert gate.skips == 4
+    # the next wait is 8 skips, then 16 at most
+    assert [gate.allow(7, 1, ALONE, 0, 2, steps) for _ in range(9)] == [False] * 8 + [True]
+    assert gate.cost(1, 0, 2, steps) == pytest.approx(0.4)
+    assert gate.cost(0, 0, 2, steps) is None            # member 0 never timed
+    assert gate.allow(7, 1, ALONE, 0, 2, None)          # no cost model yet: drafts
+    assert [gate.allow(7, 1, ALONE, 0, 2, steps) for _ in range(17)] == [False] * 16 + [True]
+    assert [gate.allow(7, 1, ALONE, 0, 2, steps) for _ in range(17)] == [False] * 16 + [True]
+    # a gain that pays (0.6 > 0.4) resets the wait
+    gate.observe(7, 1, ALONE, True, 3, 0)               # average 0.8 x 0 + 0.2 x 3 = 0.6
+    assert gate.allow(7, 1, ALONE, 0, 2, steps)
+    assert gate.rows[7][1].wait == 4 and gate.rows[7][1].skipped == 0
+
+
+def test_gate_rule_beside_weighs_the_goodput_without_the_member():
+    gate = PayGate(2)
+    steps = _steps(plain=1.0, per_node=0.1)
+    gate.timed(1, 0.1)
+    # beside 4 earlier nodes that got 3 tokens per step: without the member a step emits 4 tokens in
+    # 1.4 plain steps; with it 4 + gain in 1.4 + 0.3 (0.1 s + 2 nodes x 0.1 s): pays iff gain x 1.4 >= 0.3 x 4
+    gate.observe(3, 1, BESIDE, True, 1, 3)
+    assert gate.rows[3][1].base == 3 and gate.rows[3][1].gain[BESIDE] == 1
+    assert gate.allow(3, 1, BESIDE, 4, 2, steps)        # 1.4 >= 1.2
+    gate.observe(3, 1, BESIDE, True, 0, 3)              # gain 0.8: 1.12 < 1.2
+    assert gate.rows[3][1].gain[BESIDE] == pytest.approx(0.8)
+    assert not gate.allow(3, 1, BESIDE, 4, 2, steps)
+    # the same gain ALONE pays (0.8 >= 0.3): the situations are kept apart
+    gate.observe(3, 1, ALONE, True, 0, 0)
+    gate.observe(3, 1, ALONE, True, 4, 0)
+    assert gate.allow(3, 1, ALONE, 0, 2, steps)
+    # a step the member did not draft teaches the base only
+    gate.observe(3, 1, BESIDE, False, 0, 8)
+    assert gate.rows[3][1].base == pytest.approx(4) and gate.rows[3][1].gain[BESIDE] == pytest.approx(0.8)
+
+
+def test_gate_new_requests_start_from_the_decoder_wide_record():
+    gate = PayGate(2)
+    gate.timed(1, 0.5)
+    for _ in range(3):
+        gate.observe(1, 1, ALONE, True, 0, 0)
+    gate.reset()                                        # a new generate call: requests go, the record stays
+    assert 1 not in gate.rows
+    assert not gate.allow(2, 1, ALONE, 0, 1, _steps())  # a new request starts from the member's record
+    gate.keep([5])
+    assert list(gate.rows) == [5]
+
+
+@pytest.fixture(scope="module")
+def toy():
+    target = ToyLM(vocab=12, seed=0)
+    refs = SpeculativeDecoder(target, None, max_batch=4, max_len=64).generate(TOY_PROMPTS[:2],
+                                                                               max_new_tokens=32).tokens
+    return target, refs
+
+
+def _drafting_rows(drafter) -> list:
+    """Per propose call of ``drafter``: the rows it was asked to draft for (budget > 0)."""
+    calls = []
+    propose = drafter.propose
+
+    def spy(ctx):
+        calls.append(sum(1 for x in ctx.budgets if x > 0))
+        return propose(ctx)
+
+    drafter.propose = spy
+    return calls
+
+
+def test_gate_in_the_loop(toy):
+    """Behind a first member that never proposes, a junk member (never accepted) drafts on nearly every step
+    without the gate and only on its probes with it; an oracle member (the target's own continuation) drafts
+    on every step either way. Greedy output equals the target's in every case."""
+    target, refs = toy
+    prompts = TOY_PROMPTS[:2]
+    full = {tuple(p): r for p, r in zip(prompts, refs)}
+
+    def oracle(ctx):
+        for p, r in full.items():
+            if list(ctx[:len(p)]) == list(p):
+                done = len(ctx) - len(p)
+                return [r[done:done + 3]] if done < len(r) else []
+        return []
+
+    def junk(ctx):  # a token the target never picks after ctx[-1] on these prompts
+        seen = {(a, b) for p, r in full.items() for a, b in zip((list(p) + r)[len(p) - 1:], r)}
+        return [[next(t for t in range(12) if (ctx[-1], t) not in seen)] * 3]
+
+    counts = {}
+    for name, fn in (("junk", junk), ("oracle", oracle)):
+        for gate in (True, False):
+            member = CallableDrafter(fn, max_nodes=4, name=name)
+            rows = _drafting_rows(member)
+            multi = MultiDraft([CallableDrafter(lambda ctx: [], max_nodes=4, name="empty"), member], escalate=2.0,
+                               gate=gate)
+            dec = SpeculativeDecoder(target, multi, max_batch=2, max_len=64, policy="fixed")
+            out = dec.generate(prompts, max_new_tokens=32)
+            assert out.tokens == refs
+            counts[name, gate] = sum(rows)
+            if name == "junk":
+                assert out.metrics["accepted_tokens"] == 0
+    # junk: 32 steps per row, the first two wait for the empty member (trusted once); with the gate the
+    # member drafts until it is measured, then only on its re-probes (after 4, 8, 16 skipped steps)
+    assert counts["junk", False] >= 2 * 24
+    assert counts["junk", True] <= 2 * 7, counts
+    # the oracle pays: the gate lets it draft (its chains make the rows finish in fewer steps)
+    assert counts["oracle", True] == counts["oracle", False], counts
+
+
+def test_gate_only_with_escalation():
+    def pair():
+        return [CallableDrafter(lambda ctx: []), CallableDrafter(lambda ctx: [])]
+
+    assert MultiDraft(pair()).gate is None
+    assert MultiDraft(pair(), escalate=1.0, gate=False).gate is None
+    assert isinstance(MultiDraft(pair(), escalate=1.0).gate, PayGate)
