@@ -324,12 +324,36 @@ class MultiDraft(Drafter):
                         else:  # nothing to propose: a trusted member is forgiven _PATIENCE times in a row
                             trusted[r] = empty[i] < _PATIENCE and i < m - 1 and self._trust[rid][i] >= esc
                             empty[i] += 1
+            if esc is not None:
+                single = self._single(host, proposed, alloc)
+                if single is not None:  # one member (or none) proposed: its draft as it is, no host merge
+                    self._step = dict(drafts=drafts, single=single, b=b, proposed=proposed, situations=situations,
+                                      tokens=host[single][0] if single >= 0 else None,
+                                      request_ids=list(ctx.request_ids))
+                    return drafts[single] if single >= 0 else Draft(TokenTree.root_only(ctx.roots))
             return self._merge(ctx, drafts, host, alloc, b, proposed if esc is not None else None, situations)
         except Exception:
             for d in self.members[:len(drafts)]:
                 d.cancel()
             self._step = None
             raise
+
+    @staticmethod
+    def _single(host, proposed: List[List[int]], alloc: List[int]) -> Optional[int]:
+        """The member whose draft is the step's merged tree as it stands (-1: nobody proposed), or None (a merge is
+        needed): only that member proposed for any row, every node of its tree is a real proposal (no node for a
+        skipped row) and its rows fit its share. Escalation makes this the common step."""
+        live = [i for i, n in enumerate(proposed) if any(n)]
+        if not live:
+            return -1
+        if len(live) > 1:
+            return None
+        i = live[0]
+        for n, par in zip(proposed[i], host[i][1]):
+            real = sum(1 for x in par[1:] if x >= 0)
+            if real != n or n > alloc[i]:
+                return None
+        return i
 
     def observe_verify(self, tree: TokenTree, logits: torch.Tensor) -> None:
         """Every member sees the target's logits over the MERGED tree just verified (a member that
@@ -409,29 +433,19 @@ class MultiDraft(Drafter):
         if step is None:
             raise RuntimeError("MultiDraft.accept: no proposal to accept (propose first)")
         b = step["b"]
+        single = step.get("single")
         acc = accepted.tolist()   # host read: the member mapping runs on the host
         paths = [acc[r][1:int(num_host[r]) + 1] for r in range(b)]
         own_counts: List[List[int]] = []
         for i, d in enumerate(self.members):
-            N_i = step["drafts"][i].tree.size
-            rows, nums, extra = [], [], []
-            for r in range(b):
-                own = [0]
-                for node in paths[r]:
-                    j = step["maps"][i][r].get(node)
-                    if j is None:
-                        break
-                    own.append(j)
-                n_own = len(own) - 1
-                f = [step["tokens"][r][node] for node in paths[r][n_own:]]
-                if foreign is not None:
-                    f += list(foreign[r])
-                rows.append(own + [-1] * (N_i - len(own)))
-                nums.append(n_own)
-                extra.append(f)
-            d.accept(torch.tensor(rows, dtype=torch.int32, device=self.device),
-                     torch.tensor(nums, dtype=torch.int32, device=self.device), nums, foreign=extra)
-            own_counts.append(nums)
+            if single is not None and i == single:  # its own tree was verified: the result as it came
+                nums = [int(x) for x in num_host]
+                d.accept(accepted, num_accepted, nums,
+                         foreign=[list(foreign[r]) if foreign is not None else [] for r in range(b)])
+                own_counts.append(nums)
+            else:
+                nums = self._accept_member(i, d, step, paths, foreign)
+                own_counts.append(nums)
             self._ema[i] = _EMA * self._ema[i] + (1 - _EMA) * (sum(nums) / max(1, b))
             if step["proposed"] is not None:
                 for r, rid in enumerate(step["request_ids"]):
@@ -442,6 +456,31 @@ class MultiDraft(Drafter):
         if step["situations"]:
             self._observe_gate(step, own_counts, num_host)
         self._step = None
+
+    def _accept_member(self, i: int, d: Drafter, step: dict, paths: List[List[int]], foreign) -> List[int]:
+        """Member i's part of the accepted paths (through the merge's node map, or none where another member's
+        tree was verified alone) and the tokens after it; returns its accepted counts per row."""
+        N_i = step["drafts"][i].tree.size
+        maps = step.get("maps")
+        rows, nums, extra = [], [], []
+        for r in range(len(paths)):
+            own = [0]
+            if maps is not None:
+                for node in paths[r]:
+                    j = maps[i][r].get(node)
+                    if j is None:
+                        break
+                    own.append(j)
+            n_own = len(own) - 1
+            f = [step["tokens"][r][node] for node in paths[r][n_own:]]
+            if foreign is not None:
+                f += list(foreign[r])
+            rows.append(own + [-1] * (N_i - len(own)))
+            nums.append(n_own)
+            extra.append(f)
+        d.accept(torch.tensor(rows, dtype=torch.int32, device=self.device),
+                 torch.tensor(nums, dtype=torch.int32, device=self.device), nums, foreign=extra)
+        return nums
 
     def _observe_gate(self, step: dict, own_counts: List[List[int]], num_host: Sequence[int]) -> None:
         """The gate learns, per later member and row it decided for, what the member added to the accepted path

@@ -1,5 +1,6 @@
-"""MultiDraft escalation's price check (specdec.drafters.pay_gate): the decision rule on its own, and in the loop
-a later member that adds nothing stops drafting while one that adds tokens keeps drafting, greedy output exact."""
+"""MultiDraft escalation: the price check (specdec.drafters.pay_gate) -- the decision rule on its own, and in the
+loop a later member that adds nothing stops drafting while one that adds tokens keeps drafting -- and the steps
+with one proposing member, verified without a merge. Greedy output exact throughout."""
 from __future__ import annotations
 
 import pytest
@@ -140,3 +141,28 @@ def test_gate_only_with_escalation():
     assert MultiDraft(pair()).gate is None
     assert MultiDraft(pair(), escalate=1.0, gate=False).gate is None
     assert isinstance(MultiDraft(pair(), escalate=1.0).gate, PayGate)
+
+
+def test_single_member_steps_skip_the_merge(toy):
+    """With escalation most steps have one proposing member: its draft is verified as it is (no host merge), the
+    other members get their empty part and the accepted tokens as foreign; greedy output stays exact, and a step
+    where two members propose still merges."""
+    target, refs = toy
+    prompts = TOY_PROMPTS[:2]
+    for first, merges_expected in ((CallableDrafter(lambda ctx: [], max_nodes=4, name="empty"), False),
+                                   (CallableDrafter(lambda ctx: [[(ctx[-1] + 5) % 12] * 2], max_nodes=3,
+                                                    name="junk"), True)):
+        second = CallableDrafter(lambda ctx: [[(ctx[-1] + 1) % 12, (ctx[-1] + 2) % 12]], max_nodes=3, name="next")
+        multi = MultiDraft([first, second], escalate=2.0, gate=False)
+        merges = []
+        merge = multi._merge
+
+        def spy(*args, **kwargs):
+            merges.append(1)
+            return merge(*args, **kwargs)
+
+        multi._merge = spy
+        dec = SpeculativeDecoder(target, multi, max_batch=2, max_len=64, policy="fixed")
+        out = dec.generate(prompts, max_new_tokens=24)
+        assert out.tokens == [r[:24] for r in refs]
+        assert bool(merges) == merges_expected, len(merges)
