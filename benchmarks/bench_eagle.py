@@ -69,6 +69,8 @@ def _methods(target_model, draft_model, head_net, head_precision, head_act=None)
         # what `specdec generate --draft auto` builds with an fp32 target (and, before, at every precision)
         "lookup_w8": lambda: MultiDraft([PromptLookup(ngram=3, k=10), DraftModel(HFCausalLM(draft_model), k=6)],
                                         escalate=2.0),
+        "lookup_w8_nogate": lambda: MultiDraft([PromptLookup(ngram=3, k=10), DraftModel(HFCausalLM(draft_model), k=6)],
+                                               escalate=2.0, gate=False),
         "head_k1": lambda: EagleHead(head_net, k=1, **hp),
         "head_k2": lambda: EagleHead(head_net, k=2, **hp),
         "head_k3": lambda: EagleHead(head_net, k=3, **hp),
