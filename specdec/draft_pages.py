@@ -38,6 +38,9 @@ class DraftPages:
     :meth:`view` gives the rows as the models read a cache, with the draft's own lengths."""
 
     paged = True
+    feature_dim = 0   # a draft model's pages keep no features (PagedKVCache's extra pools: none)
+    extra_k: list = []
+    extra_v: list = []
 
     def __init__(self, pages: PagedKVCache, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32) -> None:

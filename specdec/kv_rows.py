@@ -34,9 +34,10 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def _block_bytes(target, block_size: int) -> int:
-    """The target's K/V bytes of one block over every layer."""
+    """The target's K/V bytes of one block over every layer (and the hidden states it keeps for a feature head)."""
+    width = getattr(target, "hidden_width", 0) if getattr(target, "hidden_spec", None) is not None else 0
     return PagedKVCache.bytes_per_block(target.num_layers, target.num_kv_heads, target.head_dim, block_size,
-                                        target.dtype)
+                                        target.dtype, feature_dim=width)
 
 
 class DenseRows:

@@ -35,16 +35,22 @@ class PagedKVCache:
         every unused block-table entry at it instead of -1: writes past a request's blocks (the
         padding of a ragged prefill group or of a batch's tree) land there and are never read as
         committed positions. The engine's caches use it; :attr:`pad` is the fill value.
+    feature_dim : with > 0, one more pool ``hidden_pages`` [num_blocks, block_size, 1, feature_dim]
+        holds a feature vector per position (the target's hidden states that a feature drafter reads,
+        :meth:`specdec.HFCausalLM.capture_hidden`), in the same blocks as the K/V: shared by a cached
+        prefix, copied by a fork, moved by every commit with them.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int = 16,
                  max_requests: int = 8, max_blocks_per_request: Optional[int] = None,
-                 dtype: torch.dtype = torch.float32, device="cpu", scratch_page: bool = False) -> None:
+                 dtype: torch.dtype = torch.float32, device="cpu", scratch_page: bool = False,
+                 feature_dim: int = 0) -> None:
         owner = "PagedKVCache"
         for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                         ("num_blocks", num_blocks), ("block_size", block_size), ("max_requests", max_requests)):
             check_int(owner, name, v, lo=1)
         check_int(owner, "max_blocks_per_request", max_blocks_per_request, lo=1, allow_none=True)
+        check_int(owner, "feature_dim", feature_dim, lo=0)
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise TypeError(f"{owner}: dtype must be torch.float32, float16 or bfloat16, got {dtype}")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
@@ -55,6 +61,15 @@ class PagedKVCache:
         shape = (num_blocks + int(scratch_page), block_size, num_kv_heads, head_dim)
         self.k_pages = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v_pages = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.feature_dim = int(feature_dim)
+        # the features ride every page move as one more (K, V) pair: K = the features, V = a 16-byte-wide
+        # pool that nothing reads (the paged kv_commit takes pairs whose heads and widths may differ)
+        self.extra_k: List[torch.Tensor] = []
+        self.extra_v: List[torch.Tensor] = []
+        if feature_dim:
+            self.extra_k = [torch.zeros(shape[:2] + (1, feature_dim), dtype=dtype, device=self.device)]
+            self.extra_v = [torch.zeros(shape[:2] + (1, 16 // self.k_pages[0].element_size()), dtype=dtype,
+                                        device=self.device)]
         self.allocator = BlockAllocator(num_blocks)
         self.block_tables = torch.full((max_requests, self.max_blocks), self.pad, dtype=torch.int32,
                                        device=self.device)
@@ -65,13 +80,32 @@ class PagedKVCache:
     # ------------------------------------------------------------------ memory
     @staticmethod
     def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                        dtype: torch.dtype = torch.float32) -> int:
-        """K and V bytes of one block over every layer."""
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+                        dtype: torch.dtype = torch.float32, feature_dim: int = 0) -> int:
+        """K and V bytes of one block over every layer (and its features with ``feature_dim``)."""
+        size = torch.empty((), dtype=dtype).element_size()
+        extra = block_size * (feature_dim * size + 16) if feature_dim else 0
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * size + extra
+
+    @property
+    def hidden_pages(self) -> Optional[torch.Tensor]:
+        """The feature pool [pages, block_size, 1, feature_dim], or None without features."""
+        return self.extra_k[0] if self.extra_k else None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k_pages + self.v_pages)
+        return sum(t.numel() * t.element_size() for t in self.k_pages + self.v_pages + self.extra_k + self.extra_v)
+
+    def feature_slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat indices into ``hidden_pages.view(-1, feature_dim)`` of (row, position) pairs: rows [B] or [B, 1],
+        positions [B, N] (int64). A position past the capacity maps to the scratch page (or page 0 without
+        one): written there, it is never read as a committed position."""
+        bs, cap = self.block_size, self.capacity
+        pos = positions.to(torch.int64)
+        inside = pos < cap
+        blk = (pos.clamp(min=0, max=cap - 1) // bs)
+        pages = self.block_tables[rows.to(torch.int64).view(-1, 1), blk].to(torch.int64)
+        pages = torch.where(inside & (pages >= 0), pages, max(self.pad, 0))
+        return pages * bs + pos.clamp(min=0) % bs
 
     @property
     def num_blocks(self) -> int:
@@ -179,7 +213,7 @@ class PagedKVCache:
         if partial:
             src = self.allocator.blocks(parent)[full]
             (dst,) = self.allocator.allocate(child, 1)
-            for pages in self.k_pages + self.v_pages:
+            for pages in self.k_pages + self.v_pages + self.extra_k + self.extra_v:
                 pages[dst].copy_(pages[src])
             self.block_tables[r, full] = dst
         self.cache_lens[r] = n
@@ -210,6 +244,7 @@ class PagedKVView:
         self.batch = stop - start
         self.capacity = cache.capacity
         self.k, self.v = cache.k_pages, cache.v_pages
+        self.feature_dim = cache.feature_dim
         self.lens = cache.cache_lens[start:stop]
         self.block_tables = cache.block_tables[start:stop]
 
@@ -229,7 +264,9 @@ class PagedKVView:
 
     def commit(self, accepted: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Keep each row's accepted tree path (root included); lens += num_accepted + 1."""
-        paged_ops.kv_commit_paged(self.k, self.v, self.block_tables, self.lens, accepted, num_accepted)
+        pages = self.pages
+        paged_ops.kv_commit_paged(self.k + pages.extra_k, self.v + pages.extra_v, self.block_tables, self.lens,
+                                  accepted, num_accepted)
 
     def reset(self, rows: Optional[List[int]] = None) -> None:
         """Lengths to 0 (timing passes on rows that hold no request; blocks are untouched)."""

@@ -280,6 +280,28 @@ def test_greedy_exact_q8_head_reduced_vocab_and_hook_path(trained):
         assert out.metrics["accepted_tokens"] > 5
 
 
+def test_head_on_the_paged_engine_keeps_prefix_caching(trained):
+    """The target's states live in the paged cache's blocks: the head drafts on the paged engine (the default
+    layout) with the dense engine's output, and a prompt seen before is served from its cached blocks (states
+    included: the head's lazy prompt prefill reads them) with the same output."""
+    model, net, _, _, _ = trained
+    g = torch.Generator().manual_seed(5)
+    prompts = [p + torch.randint(0, V, (20,), generator=g).tolist() for p in PROMPTS]  # >= one full 16-block
+    ref = _reference_greedy(model, prompts, 16)
+    for kv in ("dense", None):
+        dec = SpeculativeDecoder(HFCausalLM(model), EagleHead(net, k=3, top_k=2), max_batch=3, max_len=64,
+                                 policy="fixed", kv_cache=kv)
+        for _ in range(2):
+            out = dec.generate(prompts, max_new_tokens=16)
+            assert out.tokens == ref, kv
+            assert out.metrics["accepted_tokens"] > 5
+        if kv is None:
+            assert type(dec.engine.kv).__name__ == "PagedRows" and dec.engine.kv.cache.feature_dim == 64
+            assert dec.engine.kv.counters["prefix_hit_tokens"] >= 16 * len(prompts)  # the second call's prefixes
+        else:
+            assert type(dec.engine.kv).__name__ == "DenseRows"
+
+
 def test_sampled_distribution_is_exact():
     """The statistical harness of tests/test_decoding.py with a head over a tiny HF target."""
     from test_decoding import assert_sampled_exact
@@ -426,13 +448,22 @@ def test_save_load_round_trip(trained, tmp_path):
         assert torch.equal(x, y), k
 
 
-def test_feature_head_keeps_the_target_dense():
-    """Binding a head turns the target's hidden-state capture on, and that cache is dense: the engine binds
-    such a drafter (Drafter.changes_target) before it chooses the target's cache."""
+def test_feature_head_binds_before_the_target_cache():
+    """Binding a head turns the target's hidden-state capture on: the engine binds such a drafter
+    (Drafter.changes_target) before it builds the target's cache, which then keeps the states -- paged (the
+    default: in the blocks) or dense (a HiddenKVCache)."""
+    from specdec.models.hidden import HiddenKVCache
+
     net = HeadNet(_head_config())
-    dec = SpeculativeDecoder(HFCausalLM(_tiny_llama()), EagleHead(net, k=2), max_batch=2, max_len=48, policy="fixed")
-    assert not dec.engine.kv.paged and dec.engine.stats()["kv_cache"] == "dense"
-    assert len(dec.generate([[1, 2, 3]], max_new_tokens=4).tokens[0]) == 4
+    for kv in (None, "dense"):
+        target = HFCausalLM(_tiny_llama())
+        dec = SpeculativeDecoder(target, EagleHead(net, k=2), max_batch=2, max_len=48, policy="fixed", kv_cache=kv)
+        if kv is None:
+            assert dec.engine.kv.paged and dec.engine.stats()["kv_cache"] == "paged"
+            assert target.feature_cache is dec.engine.kv.cache and target.feature_cache.feature_dim == 64
+        else:
+            assert not dec.engine.kv.paged and isinstance(target.feature_cache, HiddenKVCache)
+        assert len(dec.generate([[1, 2, 3]], max_new_tokens=4).tokens[0]) == 4
 
 
 def test_bad_binding():

@@ -83,3 +83,56 @@ def test_capture_spec_errors():
         lm.capture_hidden((5,))
     with pytest.raises(ValueError, match="empty"):
         lm.capture_hidden(())
+
+
+@pytest.mark.parametrize("path", ["lean", "hooked"])
+def test_paged_cache_keeps_the_verified_hidden_states(path):
+    """With capture on, a paged cache keeps the states in its blocks: after a prefill, a tree pass and its commit
+    they equal a plain forward's at every committed position, read through the block table (TargetFeatures);
+    a fork copies the partial last block's states, a row move keeps them."""
+    from specdec.models.hidden import TargetFeatures
+
+    torch.set_num_threads(1)
+    model = _tiny_llama()
+    lm = HFCausalLM(model, **(dict() if path == "lean" else dict(fast_path=False)))
+    spec = (0, -1)
+    lm.capture_hidden(spec)
+    assert lm.supports_paged
+    cache = lm.new_paged_cache(num_blocks=16, block_size=4, max_requests=3)
+    assert lm.feature_cache is cache and cache.feature_dim == 128 and cache.hidden_pages.shape[1:] == (4, 1, 128)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (7, 5)]
+    for rid, p in enumerate(prompts):
+        cache.add(rid, len(p) + 5, row=rid)
+    view = cache.view(0, 2)
+    lm.prefill(view, prompts)
+    depths = torch.tensor([[0, 1, 1, 2, 2]] * 2, dtype=torch.int32)
+    tokens = torch.randint(0, 97, (2, 5), generator=g)
+    anc = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                       dtype=torch.bool)
+    lm.forward(view, tokens, depths, anc.expand(2, 5, 5).contiguous())
+    view.commit(torch.tensor([[0, 2, 4, -1, -1], [0, 1, -1, -1, -1]], dtype=torch.int32),
+                torch.tensor([2, 1], dtype=torch.int32))
+    seqs = [prompts[0] + [tokens[0, i].item() for i in (0, 2, 4)], prompts[1] + [tokens[1, i].item() for i in (0, 1)]]
+    feats = TargetFeatures(cache)
+    assert feats.lens[:2].tolist() == [len(s) for s in seqs]
+    for r, seq in enumerate(seqs):
+        ref = _reference(model, seq)
+        want = torch.cat([ref[i] for i in spec], dim=-1)
+        got = feats.gather(r, torch.arange(len(seq)).view(1, -1))[0]
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(feats.span(r, 1, 3)[0], got[1:4])
+    before = feats.gather(1, torch.arange(len(seqs[1])).view(1, -1))
+    row = cache.fork(1, "child")                # 7 positions: one shared block, the partial one copied
+    assert cache.block_tables[row, 1] != cache.block_tables[1, 1]
+    torch.testing.assert_close(feats.gather(row, torch.arange(len(seqs[1])).view(1, -1)), before)
+    cache.free(1)
+    cache.move_row("child", 1)
+    torch.testing.assert_close(feats.gather(1, torch.arange(len(seqs[1])).view(1, -1)), before)
+    # the pool's bytes count the features (and the 16-byte pair the commit moves with them)
+    from specdec.paged_cache import PagedKVCache
+
+    per = PagedKVCache.bytes_per_block(2, 2, 16, 4, torch.float32, feature_dim=128)
+    assert per == PagedKVCache.bytes_per_block(2, 2, 16, 4, torch.float32) + 4 * (128 * 4 + 16)
+    with pytest.raises(ValueError, match="keeps no features"):
+        TargetFeatures(HFCausalLM(_tiny_llama()).new_paged_cache(4))

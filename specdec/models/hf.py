@@ -209,10 +209,8 @@ class HFCausalLM:
     @property
     def supports_paged(self) -> bool:
         """Whether forward / prefill take a :class:`~specdec.paged_cache.PagedKVView` (the lean forward, and
-        the hooked path without sliding-window layers; the generic path reads the cache densely). Not while
-        :meth:`capture_hidden` is on (feature drafters read the states from the dense cache)."""
-        if self.hidden_spec is not None:  # capture_hidden keeps its states in a dense HiddenKVCache
-            return False
+        the hooked path without sliding-window layers; the generic path reads the cache densely). With
+        :meth:`capture_hidden` on, the paged cache keeps the hidden states in its blocks too."""
         return self._runner is not None or (self.hooked and self._min_window is None)
 
     def new_paged_cache(self, num_blocks: int, block_size: int = 16, max_requests: int = 8,
@@ -221,9 +219,12 @@ class HFCausalLM:
         if not self.supports_paged:
             raise ValueError(f"HFCausalLM.new_paged_cache: {type(self.model).__name__} runs on a path that reads "
                              f"the cache densely (generic fallback or sliding-window layers); use new_cache()")
-        return PagedKVCache(self.num_layers, self.num_kv_heads, self.head_dim, num_blocks, block_size,
-                            max_requests, max_blocks_per_request, dtype=self.dtype, device=self.device,
-                            scratch_page=True)
+        cache = PagedKVCache(self.num_layers, self.num_kv_heads, self.head_dim, num_blocks, block_size,
+                             max_requests, max_blocks_per_request, dtype=self.dtype, device=self.device,
+                             scratch_page=True, feature_dim=self.hidden_width if self.hidden_spec is not None else 0)
+        if self.hidden_spec is not None:  # the newest one is ``feature_cache`` (a feature drafter reads it)
+            self.feature_cache = cache
+        return cache
 
     @torch.no_grad()
     def forward(self, cache: StaticKVCache, tokens: torch.Tensor, depths: torch.Tensor,
@@ -338,7 +339,7 @@ class HFCausalLM:
             FAST_LINEAR.reset(token)
             if hooks is not None:
                 hooks.active = False
-        if self.hidden_spec is not None and hasattr(cache, "hidden"):
+        if self.hidden_spec is not None and getattr(cache, "feature_dim", 0):
             write_hidden(cache, self._runner.captured if hooks is None else hooks.take(), kv_offset)
         return logits
 

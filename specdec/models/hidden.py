@@ -22,7 +22,7 @@ import torch
 from specdec import ops
 from specdec.cache import StaticKVCache
 
-__all__ = ["HiddenKVCache", "HookCapture", "check_spec", "write_hidden", "enable_capture"]
+__all__ = ["HiddenKVCache", "HookCapture", "check_spec", "write_hidden", "enable_capture", "TargetFeatures"]
 
 _FINAL_NORMS = ("norm", "ln_f", "final_layernorm", "final_layer_norm")
 
@@ -78,6 +78,38 @@ class HiddenKVCache(StaticKVCache):
         return self.hidden[:, 0] if rows is None else self.hidden[list(rows), 0]
 
 
+class TargetFeatures:
+    """What a feature drafter reads of the target's cache, dense (:class:`HiddenKVCache`) or paged (a
+    :class:`~specdec.paged_cache.PagedKVCache` with ``feature_dim``): the committed lengths per row and the
+    features at (row, position) pairs."""
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+        self.feature_dim = int(getattr(cache, "feature_dim", 0))
+        self.paged = not isinstance(cache, HiddenKVCache)
+        if self.paged and getattr(cache, "hidden_pages", None) is None:
+            raise ValueError(f"TargetFeatures: the cache keeps no features (HFCausalLM.capture_hidden), got "
+                             f"{type(cache).__name__}")
+        self.capacity = int(cache.capacity)
+        #: committed positions per cache row (the tensor the cache updates in place)
+        self.lens = cache.cache_lens if self.paged else cache.lens
+
+    def gather(self, row0: int, positions: torch.Tensor) -> torch.Tensor:
+        """Features [B, N, F] of rows row0 .. row0 + B - 1 at ``positions`` [B, N] (int64, in [0, capacity))."""
+        B, N = positions.shape
+        if self.paged:
+            rows = torch.arange(row0, row0 + B, device=positions.device)
+            slots = self.cache.feature_slots(rows, positions)
+            return self.cache.hidden_pages.view(-1, self.feature_dim).index_select(0, slots.view(-1)).view(B, N, -1)
+        return self.cache.hidden[row0:row0 + B, 0].gather(1, positions.unsqueeze(2).expand(B, N, self.feature_dim))
+
+    def span(self, row: int, start: int, n: int) -> torch.Tensor:
+        """Features [1, n, F] of ``row`` at positions start .. start + n - 1 (host integers)."""
+        if self.paged:
+            return self.gather(row, torch.arange(start, start + n).view(1, n))
+        return self.cache.hidden[row:row + 1, 0, start:start + n]
+
+
 def enable_capture(lm, layers: Sequence[int]) -> int:
     """HFCausalLM.capture_hidden: set the spec on the lean runner, or hooks on the model's modules."""
     spec = check_spec(list(layers), lm.num_layers)
@@ -92,13 +124,19 @@ def enable_capture(lm, layers: Sequence[int]) -> int:
     return lm.hidden_width
 
 
-def write_hidden(cache: HiddenKVCache, feats, kv_offset: int) -> None:
+def write_hidden(cache, feats, kv_offset: int) -> None:
     """Write features [B, N, F] (or a list of parts to concatenate) of a call's N nodes at their K/V
-    slots lens[b] + kv_offset + j."""
+    slots lens[b] + kv_offset + j (a HiddenKVCache, or a PagedKVView whose cache keeps features)."""
     if isinstance(feats, (list, tuple)):
         feats = feats[0] if len(feats) == 1 else torch.cat(list(feats), dim=-1)
     B, N, Fd = feats.shape
     slots = cache.lens.to(torch.int64).view(B, 1) + kv_offset + torch.arange(N, device=feats.device).view(1, N)
+    if getattr(cache, "paged", False):  # a PagedKVView of a cache with features: through its block table
+        pages = cache.pages
+        rows = torch.arange(cache.start, cache.start + B, device=feats.device)
+        flat = pages.hidden_pages.view(-1, Fd)
+        flat.index_copy_(0, pages.feature_slots(rows, slots).view(-1), feats.reshape(B * N, Fd).to(flat.dtype))
+        return
     slots = slots.clamp(max=cache.capacity - 1)  # padding past the capacity (never read) stays in range
     cache.hidden[:, 0].scatter_(1, slots.unsqueeze(2).expand(B, N, Fd), feats.to(cache.hidden.dtype))
 

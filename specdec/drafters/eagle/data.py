@@ -77,7 +77,7 @@ def generate_sequences(target, prompts: Sequence[Sequence[int]], max_new_tokens:
     from specdec.decoding import SpeculativeDecoder
 
     longest = max(len(p) for p in prompts) + max_new_tokens
-    dec = SpeculativeDecoder(target, None, max_batch=batch, max_len=longest)
+    dec = SpeculativeDecoder(target, None, max_batch=batch, max_len=longest, kv_cache="dense")  # rows kept after
     out = []
     for i in range(0, len(prompts), batch):
         chunk = [list(p) for p in prompts[i:i + batch]]
@@ -100,7 +100,7 @@ def generate_with_features(target, prompts: Sequence[Sequence[int]], max_new_tok
 
     target.capture_hidden(layers)
     longest = max(len(p) for p in prompts) + max_new_tokens
-    dec = SpeculativeDecoder(target, None, max_batch=batch, max_len=longest)
+    dec = SpeculativeDecoder(target, None, max_batch=batch, max_len=longest, kv_cache="dense")  # rows kept after
     seqs, feats = [], []
     for i in range(0, len(prompts), batch):
         chunk = [list(p) for p in prompts[i:i + batch]]

@@ -24,7 +24,7 @@ import torch
 
 from specdec import ops
 from specdec.drafters.eagle.net import HeadNet, rope_inverse_frequencies, rope_tables
-from specdec.models.hidden import HiddenKVCache, write_hidden
+from specdec.models.hidden import HiddenKVCache, TargetFeatures, write_hidden
 from specdec.models.rotary_table import RotaryTable
 
 __all__ = ["HeadLM"]
@@ -50,7 +50,7 @@ class HeadLM:
         ids = net.draft_to_target()
         self.draft_ids = None if ids is None else ids.to(self.device)
         self.dtype = torch.float32
-        self.features: Optional[HiddenKVCache] = None  # the target's cache (attach() before a generate call)
+        self.features: Optional[TargetFeatures] = None  # the target's cache (attach() before a generate call)
         # the layer as one ops.decoder_layer call (EAGLE-1 layout), or None; the weights as they are now
         self.fused = fused_layer_spec(net)
         self._unit = torch.ones(cfg.hidden_size, dtype=self.dtype, device=self.device)
@@ -60,11 +60,14 @@ class HeadLM:
         #: values from host integers and slices instead of batched gathers (False: always the batched path)
         self.lean = True
 
-    def attach(self, features: HiddenKVCache) -> None:
-        if not isinstance(features, HiddenKVCache) or features.feature_dim != self.cfg.feature_size:
+    def attach(self, features) -> None:
+        """The target's cache that keeps its hidden states: a HiddenKVCache, or a PagedKVCache with features."""
+        if getattr(features, "feature_dim", 0) != self.cfg.feature_size or \
+                (not isinstance(features, HiddenKVCache) and getattr(features, "hidden_pages", None) is None):
             raise ValueError(f"EagleHead: the target's cache must hold features of width {self.cfg.feature_size} "
-                             f"(HFCausalLM.capture_hidden), got {type(features).__name__}")
-        self.features = features
+                             f"(HFCausalLM.capture_hidden), got {type(features).__name__} of width "
+                             f"{getattr(features, 'feature_dim', None)}")
+        self.features = TargetFeatures(features)
 
     def new_cache(self, batch: int, capacity: int) -> HiddenKVCache:
         cfg = self.cfg
@@ -116,8 +119,7 @@ class HeadLM:
         parent = pos - 1
         tgt = self.features
         from_target = (parent < tgt.lens[row0:row0 + B].view(B, 1)).unsqueeze(2)
-        idx = parent.clamp(min=0, max=tgt.capacity - 1).unsqueeze(2)
-        tfeat = tgt.hidden[row0:row0 + B, 0].gather(1, idx.expand(B, N, tgt.feature_dim))
+        tfeat = tgt.gather(row0, parent.clamp(min=0, max=tgt.capacity - 1))
         tfeat = net.input_feature(tfeat.to(self.dtype)) * (parent >= 0).unsqueeze(2)
         H = cfg.hidden_size
         own = cache.hidden[:, 0]                                                 # [B, S, H + 1]
@@ -182,7 +184,7 @@ class HeadLM:
         tl = tgt.lens.tolist()[row0]
         H = self.cfg.hidden_size
         if start - 1 + N <= tl:  # every parent committed: the target's states at start - 1 ..
-            feat = self.net.input_feature(tgt.hidden[row0:row0 + 1, 0, start - 1:start - 1 + N].to(self.dtype))
+            feat = self.net.input_feature(tgt.span(row0, start - 1, N).to(self.dtype))
         elif N == 1 and start - 1 >= tl:  # a drafted parent: the head's own output in the cache's last slot
             feat = cache.hidden[0:1, 0, max(lens - 1, 0):max(lens - 1, 0) + 1, :H]
         else:
