@@ -136,3 +136,34 @@ def test_paged_cache_keeps_the_verified_hidden_states(path):
     assert per == PagedKVCache.bytes_per_block(2, 2, 16, 4, torch.float32) + 4 * (128 * 4 + 16)
     with pytest.raises(ValueError, match="keeps no features"):
         TargetFeatures(HFCausalLM(_tiny_llama()).new_paged_cache(4))
+
+
+def test_paged_feature_writes_agree_host_and_tensor_forms():
+    """write_hidden on a paged view: the host-integer form (a few rows) and the tensor form (index_copy_ through
+    the block table) fill the same slots; positions past the capacity land on the scratch page only."""
+    from specdec.models.hidden import TargetFeatures, write_hidden
+    from specdec.paged_cache import PagedKVCache
+
+    g = torch.Generator().manual_seed(3)
+    feats = torch.randn(2, 40, 8, generator=g)
+    caches = []
+    for chunks in ((0, 40), (0, 20, 40)):  # one call of 80 nodes (tensor form), two of 40 (host form)
+        c = PagedKVCache(1, 1, 4, num_blocks=24, block_size=4, max_requests=2, scratch_page=True, feature_dim=8)
+        c.add("a", 43, row=0)
+        c.add("b", 41, row=1)
+        c.cache_lens[:] = torch.tensor([3, 1], dtype=torch.int32)
+        for a, b in zip(chunks, chunks[1:]):
+            write_hidden(c.view(0, 2), feats[:, a:b], a)
+        caches.append(c)
+    for c in caches:
+        tf = TargetFeatures(c)
+        torch.testing.assert_close(tf.gather(0, torch.arange(3, 43).view(1, -1))[0], feats[0])
+        torch.testing.assert_close(tf.gather(1, torch.arange(1, 41).view(1, -1))[0], feats[1])
+        torch.testing.assert_close(tf.span(0, 5, 9)[0], feats[0, 2:11])
+    torch.testing.assert_close(caches[0].hidden_pages[:24], caches[1].hidden_pages[:24])
+    # past the capacity (96 positions here): the scratch page, no real block touched
+    c = caches[1]
+    before = c.hidden_pages[:24].clone()
+    c.cache_lens[0] = 94
+    write_hidden(c.view(0, 1), torch.ones(1, 6, 8), 0)
+    assert torch.equal(c.hidden_pages[:24][c.block_tables[0, :11].long()], before[c.block_tables[0, :11].long()])

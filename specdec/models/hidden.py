@@ -78,6 +78,21 @@ class HiddenKVCache(StaticKVCache):
         return self.hidden[:, 0] if rows is None else self.hidden[list(rows), 0]
 
 
+def _segments(table: List[int], start: int, n: int, block_size: int, capacity: int, scratch: int):
+    """Positions start .. start + n - 1 of a row with block-table row ``table`` as block-contiguous pieces
+    (j0, page, offset, length); positions past the capacity go to the scratch page (never read)."""
+    out = []
+    j = 0
+    while j < n:
+        pos = start + j
+        off = pos % block_size
+        k = min(n - j, block_size - off)
+        page = table[pos // block_size] if pos < capacity else scratch
+        out.append((j, page if page >= 0 else scratch, off, k))
+        j += k
+    return out
+
+
 class TargetFeatures:
     """What a feature drafter reads of the target's cache, dense (:class:`HiddenKVCache`) or paged (a
     :class:`~specdec.paged_cache.PagedKVCache` with ``feature_dim``): the committed lengths per row and the
@@ -104,9 +119,15 @@ class TargetFeatures:
         return self.cache.hidden[row0:row0 + B, 0].gather(1, positions.unsqueeze(2).expand(B, N, self.feature_dim))
 
     def span(self, row: int, start: int, n: int) -> torch.Tensor:
-        """Features [1, n, F] of ``row`` at positions start .. start + n - 1 (host integers)."""
+        """Features [1, n, F] of ``row`` at positions start .. start + n - 1 (host integers, inside the row)."""
         if self.paged:
-            return self.gather(row, torch.arange(start, start + n).view(1, n))
+            c = self.cache
+            if start + n > self.capacity:
+                return self.gather(row, torch.arange(start, start + n).view(1, n))
+            parts = [c.hidden_pages[page, off:off + k, 0]
+                     for _, page, off, k in _segments(c.block_tables[row].tolist(), start, n, c.block_size,
+                                                      self.capacity, max(c.pad, 0))]
+            return (parts[0] if len(parts) == 1 else torch.cat(parts)).unsqueeze(0)
         return self.cache.hidden[row:row + 1, 0, start:start + n]
 
 
@@ -133,6 +154,13 @@ def write_hidden(cache, feats, kv_offset: int) -> None:
     slots = cache.lens.to(torch.int64).view(B, 1) + kv_offset + torch.arange(N, device=feats.device).view(1, N)
     if getattr(cache, "paged", False):  # a PagedKVView of a cache with features: through its block table
         pages = cache.pages
+        if feats.device.type == "cpu" and B * N <= 64:  # a few rows: block-contiguous slices from host integers
+            hp = pages.hidden_pages
+            for b, (start, table) in enumerate(zip(cache.lens.tolist(), cache.block_tables.tolist())):
+                for j0, page, off, n in _segments(table, start + kv_offset, N, pages.block_size, pages.capacity,
+                                                  max(pages.pad, 0)):
+                    hp[page, off:off + n, 0].copy_(feats[b, j0:j0 + n])
+            return
         rows = torch.arange(cache.start, cache.start + B, device=feats.device)
         flat = pages.hidden_pages.view(-1, Fd)
         flat.index_copy_(0, pages.feature_slots(rows, slots).view(-1), feats.reshape(B * N, Fd).to(flat.dtype))
