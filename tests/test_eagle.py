@@ -72,6 +72,33 @@ def _target_with_states():
     return model, target, tcache, prompt
 
 
+def test_head_prefill_and_forward_last_run_the_lm_head_on_one_row():
+    """A prompt prefill and a catch-up need the logits after their last token only: the head's LM head runs on one
+    row per request there, with the logits of a full forward's last row, on the lean and the batched path."""
+    model, target, tcache, prompt = _target_with_states()
+    torch.manual_seed(2)
+    net = HeadNet(_head_config())
+    for lean in (True, False):
+        lm = HeadLM(net, target)
+        lm.lean = lean
+        lm.attach(tcache)
+        rows = []
+        logits_fn = net.logits
+        net.logits = lambda out, head: (rows.append(out.shape[1]), logits_fn(out, head))[1]
+        try:
+            a, b = lm.new_cache(1, 40), lm.new_cache(1, 40)
+            got = lm.prefill(a, [prompt])                        # [1, V]
+            assert rows == [1]
+            full = lm.forward(b, torch.tensor([prompt]), torch.arange(len(prompt), dtype=torch.int32).view(1, -1))
+            torch.testing.assert_close(got[0], full[0, -1], atol=1e-5, rtol=1e-5)
+            rows.clear()
+            last = lm.forward_last(b, torch.tensor([[5, 6, 7]]), torch.arange(3, dtype=torch.int32).view(1, 3),
+                                   torch.tensor([1]))
+            assert rows == [1] and last.shape == (1, V)
+        finally:
+            net.logits = logits_fn
+
+
 def test_head_lm_equals_a_full_recompute():
     """HeadLM's cached, tree-shaped drafting gives the logits of a plain causal run of the head over
     (token p, target feature p - 1) for committed positions and (token, parent's head output) for drafted ones."""

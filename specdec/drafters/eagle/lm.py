@@ -84,9 +84,10 @@ class HeadLM:
 
     @torch.no_grad()
     def forward_last(self, cache, tokens, depths, last) -> torch.Tensor:
-        logits = self._forward(cache, tokens, depths, None, 0, 0)
+        """:meth:`forward` of a causal chain per request whose logits are computed at one node per row only
+        (``last`` [B]): float32 [B, V] (a catch-up over many tokens needs the logits after the last)."""
         B = tokens.shape[0]
-        return logits[torch.arange(B, device=logits.device), torch.as_tensor(last, device=logits.device).view(B)]
+        return self._forward(cache, tokens, depths, None, 0, 0, last=torch.as_tensor(last).view(B))[:, 0]
 
     @torch.no_grad()
     def prefill(self, cache: HiddenKVCache, prompts: Sequence[Sequence[int]],
@@ -100,16 +101,19 @@ class HeadLM:
                 chunk = torch.tensor([list(p[c0:c0 + 256])], dtype=torch.int64, device=self.device)
                 n = chunk.shape[1]
                 depths = torch.arange(n, dtype=torch.int32, device=self.device).view(1, n)
-                logits = self._forward(view, chunk, depths, None, 0, r)
+                logits = self._forward(view, chunk, depths, None, 0, r, last=torch.tensor([n - 1]))
                 view.lens.add_(n)
-            out[i] = logits[0, -1]
+            out[i] = logits[0, 0]
         return out
 
-    def _forward(self, cache, tokens, depths, tree_mask, kv_offset: int, row0: int) -> torch.Tensor:
+    def _forward(self, cache, tokens, depths, tree_mask, kv_offset: int, row0: int,
+                 last: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits [B, N, V] of the nodes, or [B, 1, V] at node ``last[b]`` of each row (the LM head on those rows
+        only: a prefill or a catch-up needs the logits after its last token)."""
         if self.features is None:
             raise RuntimeError("EagleHead: no target features attached (the drafter attaches them in start())")
         if self.lean and tree_mask is None and kv_offset == 0 and tokens.shape[0] == 1 and tokens.device.type == "cpu":
-            out = self._forward_one(cache, tokens, depths, row0)
+            out = self._forward_one(cache, tokens, depths, row0, last)
             if out is not None:
                 return out
         net, cfg = self.net, self.cfg
@@ -139,6 +143,8 @@ class HeadLM:
         m = mask if mask is None or mask.is_contiguous() else mask.contiguous()
         out = self._layer(cache, emb, feat, cos, sin, m, kv_offset)
         write_hidden(cache, torch.cat((out, pos.to(self.dtype).unsqueeze(2)), dim=2), kv_offset)
+        if last is not None:
+            out = out.gather(1, last.to(device=out.device, dtype=torch.int64).view(B, 1, 1).expand(B, 1, H))
         return self._logits(out)
 
     def _layer(self, cache, emb: torch.Tensor, feat: torch.Tensor, cos, sin, mask, kv_offset: int) -> torch.Tensor:
@@ -167,7 +173,8 @@ class HeadLM:
         full = torch.full((B, N, self.vocab_size), float("-inf"), dtype=torch.float32, device=out.device)
         return full.index_copy_(2, self.draft_ids, logits)
 
-    def _forward_one(self, cache, tokens, depths, row0: int) -> Optional[torch.Tensor]:
+    def _forward_one(self, cache, tokens, depths, row0: int, last: Optional[torch.Tensor] = None
+                     ) -> Optional[torch.Tensor]:
         """:meth:`_forward` of one request's chain after its cache on the CPU, where every node's parent is
         committed text the target holds (consecutive positions: one slice of its states) or the call is one
         node after a drafted parent (the head's own last output). The values of the batched gathers, from
@@ -196,6 +203,9 @@ class HeadLM:
         slots = cache.hidden[0, 0, lens:lens + N]
         slots[:, :H].copy_(out[0])
         slots[:, H].copy_(pos[0])
+        if last is not None:
+            j = int(last[0])
+            out = out[:, j:j + 1]
         return self._logits(out)
 
     @staticmethod
