@@ -10,10 +10,10 @@ micro-timing in the same process, its weights warm in the caches), and per metho
 pass in the decoding loop (``step_ms``) and of drafting in it (``draft_ms_per_step``, also as a fraction of plain
 decoding's step: the drafter as cold as it runs there).
 
-Every method runs on the same KV layout, ``--kv-cache dense`` by default: a head keeps the target's hidden states
-beside a dense cache only, while the other methods would default to the paged cache, whose prefix caching skips
-the prefill of a prompt seen before (the warm-up's prompt, every prompt of a later round). Tokens/s count the
-prefill, so mixed layouts credit the methods without a head with prefills they did not run.
+Every method runs on the same KV layout, ``--kv-cache dense`` by default: on the paged layout prefix caching
+skips the prefill of a prompt seen before (the warm-up's prompt, every prompt of a later round), and tokens/s count
+the prefill. (Before the paged cache kept the target's hidden states, a head ran dense while the other methods
+defaulted to paged: those records credit the methods without a head with prefills they did not run.)
 
     python benchmarks/bench_eagle.py --head DIR [--precision q4_1] [--set open] [--max-new-tokens 96]
 """
@@ -137,8 +137,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--methods", default="plain,lookup,w8,head_chain,head_tree,head_goodput")
     ap.add_argument("--kv-cache", default="dense", choices=["dense", "auto"],
-                    help="the target's KV layout for every method (auto: paged where the method allows it, with "
-                         "prefix caching, so a repeated prompt skips its prefill; a head always runs dense)")
+                    help="the target's KV layout for every method (auto: paged, with prefix caching, so a "
+                         "repeated prompt skips its prefill)")
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
