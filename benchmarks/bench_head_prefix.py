@@ -23,6 +23,7 @@ from datetime import date
 import torch
 
 from specdec import SpeculativeDecoder
+from specdec.bench.record import record_path
 from specdec.bench.workloads import CODE, CSV, EMAIL, PASSAGE
 from specdec.drafters import EagleHead
 from specdec.drafters.eagle import load_head
@@ -117,7 +118,8 @@ def main() -> None:
                          for key in ("ttft_seconds", "tokens_per_second")}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=os.path.dirname(RESULTS)).stdout.strip()
-    rec = dict(benchmark="head_prefix", args=vars(args), commit=commit, loadavg=load, torch_threads=args.threads,
+    rec = dict(benchmark="head_prefix", args=dict(vars(args), head=record_path(args.head)), commit=commit, loadavg=load,
+               torch_threads=args.threads,
                shared_prefix_tokens=shared, summary=summary, runs=runs,
                notes="2 shared CPU cores (load average recorded); greedy, batch 1, requests one after another; the "
                      "target at q4_1 with q8 activations, the head q8_0 with q8 activations (k 1, two siblings), "
