@@ -152,6 +152,26 @@ def test_shared_prefix_blocks_are_never_written(lms):
         assert torch.equal(k0, k[cached]) and torch.equal(v0, v[cached])
 
 
+def test_feature_head_on_the_paged_engine_under_preemption():
+    """A feature head (its target keeping hidden states in the blocks) with staggered arrivals, shared prefixes
+    and a pool too small for the batch: every request gets plain greedy's tokens, the dense engine's too; the
+    cached prefixes are hit, requests are preempted and recomputed, and every block comes back."""
+    from specdec.drafters import EagleHead, HeadConfig, HeadNet
+
+    torch.manual_seed(3)
+    net = HeadNet(HeadConfig(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=V))
+    jobs = [(i, p, RequestParams(max_new_tokens=24)) for i, p in enumerate(_prompts(7, 6))]
+    plain = _run(Engine(_llama(0), None, max_batch=4, max_len=128, kv_cache="dense"), jobs, 2)
+    dense = _run(Engine(_llama(0), EagleHead(net, k=2, top_k=2), max_batch=4, max_len=128, kv_cache="dense"), jobs,
+                 2)
+    eng = Engine(_llama(0), EagleHead(net, k=2, top_k=2), max_batch=4, max_len=128, num_blocks=24, block_size=8)
+    assert eng.kv.paged and eng.kv.cache.feature_dim == 64
+    assert _run(eng, jobs, 2) == dense == plain
+    st = eng.stats()
+    assert st["prefix_hit_tokens"] > 0 and st["preemptions"] > 0 and st["kv_blocks_used"] == 0
+    eng.kv.allocator.check()
+
+
 def test_paged_engine_errors(lms):
     target, _ = lms
     with pytest.raises(ValueError, match="kv_cache='paged' needs a target"):
