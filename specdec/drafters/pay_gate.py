@@ -39,7 +39,7 @@ _GLOBAL = 0.9    # weight of the past in a member's decoder-wide averages (a new
 _SECS = 0.7      # weight of the past in a member's propose seconds
 _WAIT0, _WAIT_MAX = 4, 16  # steps a skipped row waits before a re-probe: first, most
 
-clock = time.perf_counter  # the gate's timer (tests substitute their own)
+clock = time.perf_counter  # the timer of the members' propose() (a module attribute: replaceable)
 
 
 class _Row:
