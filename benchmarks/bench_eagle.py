@@ -1,14 +1,14 @@
 """Feature head (EagleHead) vs plain decoding, prompt lookup and the w8 draft on the bundled model.
 
-Greedy, batch 1, the target at ``--precision`` (default q4_1, the checkpoint's own) with ``--act`` activations
-(auto: q8 at q8_0 / q4_1, as the CLI). Methods run interleaved per prompt (every method on prompt 1, then on
-prompt 2, ...), ``--rounds`` times, after one untimed warm-up generation per method; each run is checked
-token-identical to plain decoding. Recorded per method: tokens/s (median over runs and the ratio to plain on the
-same prompt and round), mean accepted length (tokens per target pass), and the draft cost: the median seconds of
-one head / w8 draft forward of one token against one target forward of one token at the same cache length (a
-micro-timing in the same process, its weights warm in the caches), and per method the milliseconds per target
-pass in the decoding loop (``step_ms``) and of drafting in it (``draft_ms_per_step``, also as a fraction of plain
-decoding's step: the drafter as cold as it runs there).
+Greedy, batch 1 (``--batch B``: B requests per call), the target at ``--precision`` (default q4_1, the checkpoint's
+own) with ``--act`` activations (auto: q8 at q8_0 / q4_1, as the CLI). Methods run interleaved per prompt (every
+method on prompt 1, then on prompt 2, ...), ``--rounds`` times, after one untimed warm-up generation per method;
+each run is checked token-identical to plain decoding. Recorded per method: tokens/s (median over runs and the ratio
+to plain on the same prompt and round), mean accepted length (tokens per target pass), and the draft cost: the
+median seconds of one head / w8 draft forward of one token against one target forward of one token at the same cache
+length (a micro-timing in the same process, its weights warm in the caches), and per method the milliseconds per
+target pass in the decoding loop (``step_ms``) and of drafting in it (``draft_ms_per_step``, also as a fraction of
+plain decoding's step: the drafter as cold as it runs there).
 
 Every method runs on the same KV layout, ``--kv-cache dense`` by default: on the paged layout prefix caching
 skips the prefill of a prompt seen before (the warm-up's prompt, every prompt of a later round), and tokens/s count
@@ -117,8 +117,11 @@ def _step_cost(target_model, draft_model, head_net, head_precision, head_act=Non
     return out
 
 
-def _per_step(run: dict, key: str) -> float:
-    """Milliseconds of ``key`` per target pass of one run (passes = new tokens / mean accepted length)."""
+def _per_step(run: dict, key: str, batch: int = 1) -> float:
+    """Milliseconds of ``key`` per target pass of one run (batch 1: passes = new tokens / mean accepted length;
+    a batch: the decoder's count of target passes)."""
+    if batch > 1:
+        return run[key] * 1e3 / max(1, run["target_passes"])
     return run[key] * 1e3 * run["mean_accepted_length"] / max(1, run["new_tokens"])
 
 
@@ -137,6 +140,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--methods", default="plain,lookup,w8,head_chain,head_tree,head_goodput")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="requests per generate call: the set's prompts in turn, cycled (call i starts at prompt i, so "
+                         "every prompt leads once per round; a set smaller than the batch repeats prompts)")
     ap.add_argument("--kv-cache", default="dense", choices=["dense", "auto"],
                     help="the target's KV layout for every method (auto: paged, with prefix caching, so a "
                          "repeated prompt skips its prefill)")
@@ -155,25 +161,28 @@ def main() -> None:
                                             tokenize=True, return_dict=False)) for t in texts]
     prompts = [list(p["input_ids"]) if isinstance(p, dict) else p for p in prompts]
     kv = None if args.kv_cache == "auto" else args.kv_cache
-    decoders = {n: SpeculativeDecoder(HFCausalLM(model), makers[n](), max_batch=1, max_len=1024,
+    B = max(1, args.batch)
+    groups = [[prompts[(i + j) % len(prompts)] for j in range(B)] for i in range(len(prompts))]
+    decoders = {n: SpeculativeDecoder(HFCausalLM(model), makers[n](), max_batch=B, max_len=1024,
                                       policy="fixed" if n in FIXED else "goodput", kv_cache=kv) for n in names}
     for n in names:
         if n.endswith("_batched"):
             decoders[n].drafter.lm.lean = False
         # warm-up (first calls allocate caches, pack weights and fill the allocator): not timed
-        decoders[n].generate([prompts[0]], max_new_tokens=8, eos_token_id=tok.eos_token_id)
+        decoders[n].generate(groups[0], max_new_tokens=8, eos_token_id=tok.eos_token_id)
     runs = []
     load = [os.getloadavg()]
     for rnd in range(args.rounds):
-        for i, p in enumerate(prompts):
+        for i, p in enumerate(groups):
             ref = None
             for n in names:
-                out = decoders[n].generate([p], max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id)
+                out = decoders[n].generate(p, max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id)
                 m = out.metrics
                 if n == "plain":
                     ref = out.tokens
                 runs.append(dict(method=n, prompt=i, round=rnd, tokens_per_second=m["tokens_per_second"],
                                  mean_accepted_length=m["mean_accepted_length"], new_tokens=m["new_tokens"],
+                                 target_passes=m["target_passes"],
                                  draft_seconds=m["draft_seconds"], verify_seconds=m["verify_seconds"],
                                  total_seconds=m["total_seconds"], identical=ref is None or out.tokens == ref))
                 print(f"round {rnd} prompt {i} {n:10s} {m['tokens_per_second']:7.2f} tok/s  "
@@ -190,8 +199,8 @@ def main() -> None:
                           mean_accepted_length=statistics.mean(r["mean_accepted_length"] for r in rs),
                           all_identical=all(r["identical"] for r in rs),
                           # per target pass, in the decoding loop (the drafter's weights as cold as they are there)
-                          step_ms=statistics.median(_per_step(r, "total_seconds") for r in rs),
-                          draft_ms_per_step=statistics.median(_per_step(r, "draft_seconds") for r in rs))
+                          step_ms=statistics.median(_per_step(r, "total_seconds", B) for r in rs),
+                          draft_ms_per_step=statistics.median(_per_step(r, "draft_seconds", B) for r in rs))
     if "plain" in summary:
         for n in names:
             summary[n]["draft_fraction_of_plain_step"] = summary[n]["draft_ms_per_step"] / summary["plain"]["step_ms"]
@@ -202,11 +211,12 @@ def main() -> None:
     rec = dict(benchmark="eagle", args=dict(vars(args), head=record_path(args.head)), commit=commit, loadavg=load,
                torch_threads=args.threads,
                head_config=json.load(open(os.path.join(args.head, "config.json"))), summary=summary, runs=runs,
-               notes="2 shared CPU cores (load average recorded); greedy, batch 1; the head_k* methods, head_chain "
+               notes=f"2 shared CPU cores (load average recorded); greedy, batch {B}; the head_k* methods, head_chain "
                      "and head_tree run the fixed policy (their k every step), the others the goodput policy; every "
                      f"method on the {args.kv_cache} KV layout")
     act = resolve_act(args.act, args.precision)
-    name = args.name or f"eagle_{args.set}_{args.precision}{'_q8act' if act else ''}_{date.today().isoformat()}"
+    name = args.name or (f"eagle_{args.set}_{args.precision}{'_q8act' if act else ''}{f'_b{B}' if B > 1 else ''}_"
+                         f"{date.today().isoformat()}")
     path = os.path.join(RESULTS, name + ".json")
     with open(path, "w") as f:
         json.dump(rec, f, indent=1)
