@@ -30,7 +30,7 @@ from datetime import date
 import torch
 
 from specdec import SpeculativeDecoder
-from specdec.bench.record import record_path
+from specdec.bench.record import record_path, scrub_paths
 from specdec.bench.workloads import PROMPT_SETS
 from specdec.drafters import DraftModel, EagleHead, MultiDraft, PromptLookup
 from specdec.drafters.eagle import load_head
@@ -208,9 +208,10 @@ def main() -> None:
                                           seconds=cost)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=os.path.dirname(RESULTS)).stdout.strip()
+    with open(os.path.join(args.head, "config.json")) as f:
+        head_config = scrub_paths(json.load(f))
     rec = dict(benchmark="eagle", args=dict(vars(args), head=record_path(args.head)), commit=commit, loadavg=load,
-               torch_threads=args.threads,
-               head_config=json.load(open(os.path.join(args.head, "config.json"))), summary=summary, runs=runs,
+               torch_threads=args.threads, head_config=head_config, summary=summary, runs=runs,
                notes=f"2 shared CPU cores (load average recorded); greedy, batch {B}; the head_k* methods, head_chain "
                      "and head_tree run the fixed policy (their k every step), the others the goodput policy; every "
                      f"method on the {args.kv_cache} KV layout")

@@ -1028,3 +1028,19 @@ def test_cost_table_memo_follows_every_change():
             for _ in range(8):
                 b, x = rng.randint(1, 5), rng.randint(0, 20)
                 assert t.predict(b, x) == fresh.predict(b, x), (trial, b, x)
+
+
+def test_records_carry_no_machine_paths():
+    """A record names paths inside the repository relative to it and any other absolute path by its last part
+    (a head's config.json records the command that made it, output folder included)."""
+    import os
+
+    from specdec.bench.record import record_path, scrub_paths
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    inside = os.path.join(root, "specdec", "ops.py")
+    assert record_path(inside) == os.path.join("specdec", "ops.py")
+    got = scrub_paths({"command": ["specdec", "train-head", "--out", "/somewhere/else/run1", "--steps", 3],
+                       "file": inside, "note": "a relative/path stays", "n": 1.5})
+    assert got == {"command": ["specdec", "train-head", "--out", "run1", "--steps", 3],
+                   "file": os.path.join("specdec", "ops.py"), "note": "a relative/path stays", "n": 1.5}

@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["git_commit", "record_path", "cpu_name", "loadavg"]
+__all__ = ["git_commit", "record_path", "scrub_paths", "cpu_name", "loadavg"]
 
 #: the repository root of a source checkout (specdec/bench/record.py -> the folder holding specdec/)
 _ROOT = Path(__file__).resolve().parent.parent.parent
@@ -35,6 +35,18 @@ def record_path(path) -> Optional[str]:
         return str(p.relative_to(_ROOT))
     except ValueError:
         return p.name
+
+
+def scrub_paths(obj):
+    """``obj`` (dicts, lists, strings, numbers) with every absolute path string as :func:`record_path` gives it
+    (a head's config.json, for one, records the command that made it, output folder included)."""
+    if isinstance(obj, dict):
+        return {k: scrub_paths(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [scrub_paths(v) for v in obj]
+    if isinstance(obj, str) and os.path.isabs(obj) and "\n" not in obj:
+        return record_path(obj)
+    return obj
 
 
 def cpu_name() -> str:
