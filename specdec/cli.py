@@ -58,7 +58,8 @@ def _model_options(g: argparse.ArgumentParser) -> None:
                         "folder")
     g.add_argument("--draft", default=None, choices=list(DRAFTER_PRESETS),
                    help="drafter: auto (prompt lookup first, and with an fp32 target the w8 draft where lookup "
-                        "is not trusted: MultiDraft with escalation; with q8_0 / q4_1 prompt lookup alone), int8 "
+                        "is not trusted: MultiDraft with escalation; with q8_0 / q4_1 the bundled model's trained "
+                        "head there (specdec train-head), else prompt lookup alone), int8 "
                         "(dynamic-quantized) / w8 (weight-only int8) / bf16 copy of the bundled model, prompt lookup "
                         "(n-gram), suffix (suffix decoding), recycle (token recycling), docs FILE (retrieval from "
                         "the text of FILE; see --docs), head [PATH] (a feature "

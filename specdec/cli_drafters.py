@@ -180,6 +180,14 @@ def check_draft_options(args: argparse.Namespace, bundled: bool) -> str:
         if not os.path.isfile(os.path.join(args.head_opt, "config.json")):
             raise ValueError(f"--draft head: no trained head for {args.model} in {args.head_opt}; make it once with "
                              f"`specdec train-head --model {args.model}` or give a head folder: --draft head PATH")
+    if draft == "auto" and bundled and not args.head_opt and args.precision != "fp32":
+        # a head made for the bundled model (`specdec train-head`) goes beside prompt lookup, priced by the
+        # escalation (docs/trees.md); with an fp32 target the w8 copy drafts there instead (docs/benchmarks.md)
+        from specdec.models.bundled import bundled_head_dir
+
+        made = bundled_head_dir(args.model) / "head"
+        if (made / "config.json").is_file():
+            args.head_opt = str(made)
     if args.head_opt and draft not in ("head", "auto"):
         raise ValueError(f"--head is used with --draft head or --draft auto (got --draft {draft})")
     return draft

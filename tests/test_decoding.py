@@ -531,6 +531,14 @@ def test_smollm2_cli_generate_with_a_head(smol, capsys, tmp_path, monkeypatch):
     auto = drafter("--head", str(tmp_path / "head"))
     assert [type(m).__name__ for m in auto.members] == ["PromptLookup", "EagleHead"]
     assert (auto.members[1].k, auto.members[1].top_k, auto.members[1].dynamic) == (1, 2, False)
+    # --draft auto picks up the bundled model's trained head (where `specdec train-head` leaves it) at q4_1
+    monkeypatch.setattr("specdec.models.bundled.bundled_head_dir", lambda name: tmp_path / "heads" / name)
+    assert type(drafter()).__name__ == "PromptLookup"         # no trained head: lookup alone
+    save_head(net, str(tmp_path / "heads" / "smollm2-135m" / "head"))
+    auto = drafter()
+    assert [type(m).__name__ for m in auto.members] == ["PromptLookup", "EagleHead"] and auto.gate is not None
+    assert type(drafter("--precision", "fp32").members[1]).__name__ == "DraftModel"  # fp32: the w8 copy there
+    monkeypatch.undo()
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))  # checked before any model is loaded
     assert main(["generate", "hi", "--draft", "head"]) != 0   # the bundled model's head was never trained
     assert "specdec train-head --model smollm2-135m" in capsys.readouterr().err
