@@ -302,8 +302,7 @@ class MultiDraft(Drafter):
                 except (ValueError, TypeError) as exc:
                     raise type(exc)(f"{self._name(i)}: {exc}") from exc
                 if gate is not None and i > 0 and max(budgets, default=0) > 0:
-                    # catch-ups included: a member that skips rows pays for the tokens it missed when it drafts again
-                    gate.timed(i, pay_gate.clock() - t0)
+                    gate.timed(i, pay_gate.clock() - t0 - float(getattr(d, "catch_up_seconds", 0.0)))
                 drafts.append(draft)
                 self.catch_up_seconds += float(getattr(d, "catch_up_seconds", 0.0))
                 self.catch_up_positions += int(getattr(d, "catch_up_positions", 0))

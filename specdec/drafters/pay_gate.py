@@ -12,8 +12,7 @@ accepted tokens the member ADDED when it drafted (the accepted path's length les
 it that lay in an earlier member's own tree) as an exponential average (weight 0.8; a new request
 starts from the member's decoder-wide average, weight 0.9, kept across generate calls), and, BESIDE,
 ``base``: the earlier members' own accepted tokens in such steps. Per member it keeps the seconds of
-its propose() when it drafted, catch-ups included (a member that skipped rows first feeds the tokens
-accepted meanwhile: a price of drafting there). With ``step_seconds(n)`` (the cost model's seconds
+its propose() (catch-up excluded) when it drafted. With ``step_seconds(n)`` (the cost model's seconds
 of a step without drafting when each row holds n nodes) the member's price in plain steps is
 
     cost = (its seconds + step_seconds(1 + n_before + n_own) - step_seconds(1 + n_before)) / step_seconds(1)
@@ -81,7 +80,7 @@ class PayGate:
         return rows
 
     def timed(self, i: int, seconds: float) -> None:
-        """Member i drafted for at least one row in ``seconds`` (its catch-up included)."""
+        """Member i drafted for at least one row in ``seconds`` (catch-up excluded)."""
         s = self.secs[i]
         self.secs[i] = seconds if s is None else _SECS * s + (1 - _SECS) * seconds
 
