@@ -4,21 +4,8 @@ Each step every member proposes its own tree (rooted at the same root) within it
 the node budget; the trees are merged on the host, member by member in order, and the
 target verifies the union in one pass.
 
-Merging rules (what keeps the output exact):
-
-* greedy: equal tokens under the same parent become one node (greedy verification only
-  compares tokens with the target's argmax, so a duplicate is pure waste);
-* sampling: a node DRAWN from a distribution q keeps its own q row in ``draft_probs`` and is
-  never merged with anything (verifying it against another drafter's q, or folding two
-  independent draws into one, changes the acceptance probabilities and breaks exactness);
-  equal siblings from different draws stay separate nodes, which the SpecInfer multi-step
-  sampler handles exactly (after a rejection the residual is norm(max(0, p - q_c)); a second
-  copy of a rejected deterministic token meets a residual with zero mass on it and is simply
-  rejected -- wasted, never wrong). DETERMINISTIC candidates (prompt lookup, callables,
-  dynamic trees: one-hot q) of different members are merged like in greedy mode: a
-  deterministic candidate set is a function of the context, and the sampler is exact for any
-  such set of distinct tokens. Sibling order is member order then each member's node order,
-  fixed before any verification draw.
+The merge and the mapping of the accepted path back to each member run on the host
+(:mod:`specdec.drafters.multi_merge`, which states the merging rules that keep the output exact).
 
 Node budget: ``budgets=[n_0, n_1, ...]`` gives each member a fixed number of draft nodes;
 otherwise ``node_budget`` (root included; default: the sum of the members' own sizes) is split
@@ -68,6 +55,7 @@ import torch
 from specdec._check import check_int, is_int, is_number
 from specdec.drafters import pay_gate
 from specdec.drafters.base import Draft, Drafter, StepContext
+from specdec.drafters.multi_merge import member_part, merge_drafts, single_member
 from specdec.drafters.pay_gate import ALONE, BESIDE, PayGate
 from specdec.drafters.validate import check_draft
 from specdec.sampling import SamplingParams
@@ -324,36 +312,23 @@ class MultiDraft(Drafter):
                         else:  # nothing to propose: a trusted member is forgiven _PATIENCE times in a row
                             trusted[r] = empty[i] < _PATIENCE and i < m - 1 and self._trust[rid][i] >= esc
                             empty[i] += 1
-            if esc is not None:
-                single = self._single(host, proposed, alloc)
-                if single is not None:  # one member (or none) proposed: its draft as it is, no host merge
-                    self._step = dict(drafts=drafts, single=single, b=b, proposed=proposed, situations=situations,
-                                      tokens=host[single][0] if single >= 0 else None,
-                                      request_ids=list(ctx.request_ids))
-                    return drafts[single] if single >= 0 else Draft(TokenTree.root_only(ctx.roots))
-            return self._merge(ctx, drafts, host, alloc, b, proposed if esc is not None else None, situations)
+            step = dict(drafts=drafts, b=b, proposed=proposed if esc is not None else None, situations=situations,
+                        request_ids=list(ctx.request_ids), single=None, maps=None)
+            single = single_member(host, proposed, alloc) if esc is not None else None
+            if single is not None:  # one member (or none) proposed: its draft as it is, no host merge
+                step.update(single=single, tokens=host[single][0] if single >= 0 else None)
+                draft = drafts[single] if single >= 0 else Draft(TokenTree.root_only(ctx.roots))
+            else:
+                draft, step["maps"], step["tokens"] = merge_drafts(
+                    drafts, host, alloc, [int(seq[-1]) for seq in ctx.sequences], not self.params.greedy,
+                    step["proposed"], self.vocab_size, self.device)
+            self._step = step
+            return draft
         except Exception:
             for d in self.members[:len(drafts)]:
                 d.cancel()
             self._step = None
             raise
-
-    @staticmethod
-    def _single(host, proposed: List[List[int]], alloc: List[int]) -> Optional[int]:
-        """The member whose draft is the step's merged tree as it stands (-1: nobody proposed), or None (a merge is
-        needed): only that member proposed for any row, every node of its tree is a real proposal (no node for a
-        skipped row) and its rows fit its share. Escalation makes this the common step."""
-        live = [i for i, n in enumerate(proposed) if any(n)]
-        if not live:
-            return -1
-        if len(live) > 1:
-            return None
-        i = live[0]
-        for n, par in zip(proposed[i], host[i][1]):
-            real = sum(1 for x in par[1:] if x >= 0)
-            if real != n or n > alloc[i]:
-                return None
-        return i
 
     def observe_verify(self, tree: TokenTree, logits: torch.Tensor) -> None:
         """Every member sees the target's logits over the MERGED tree just verified (a member that
@@ -364,76 +339,13 @@ class MultiDraft(Drafter):
             except (ValueError, TypeError) as exc:
                 raise type(exc)(f"{self._name(i)}: {exc}") from exc
 
-    def _merge(self, ctx: StepContext, drafts: List[Draft], host, alloc: List[int], b: int,
-               proposed: Optional[List[List[int]]] = None, situations=None) -> Draft:
-        sampling = not self.params.greedy
-        roots = [int(seq[-1]) for seq in ctx.sequences]
-        all_tok: List[List[int]] = []
-        all_par: List[List[int]] = []
-        sources: List[List[Optional[Tuple[int, int]]]] = []   # per row, per merged node: (member, node) of q
-        maps: List[List[Dict[int, int]]] = [[{} for _ in range(b)] for _ in drafts]  # merged -> member node
-        for r in range(b):
-            tok, par, src = [roots[r]], [-1], [None]
-            by_key: Dict[Tuple[int, int], int] = {}
-            for i, d in enumerate(drafts):
-                mtok, mpar = host[i][0][r], host[i][1][r]
-                drawn = sampling and d.draft_probs is not None
-                local = {0: 0}
-                maps[i][r][0] = 0
-                kept = 0
-                skip = proposed is not None and proposed[i][r] == 0
-                for j in range(1, 0 if skip else len(mtok)):
-                    p = mpar[j]
-                    if p < 0 or p not in local:
-                        continue  # padding, or below a node cut by the budget
-                    if kept >= alloc[i]:
-                        break
-                    kept += 1
-                    P, t = local[p], int(mtok[j])
-                    key = (P, t)
-                    if not drawn and key in by_key:
-                        m = by_key[key]
-                    else:
-                        m = len(tok)
-                        tok.append(t)
-                        par.append(P)
-                        src.append((i, j) if drawn else None)
-                        if not drawn:
-                            by_key[key] = m
-                    local[j] = m
-                    maps[i][r][m] = j
-            all_tok.append(tok)
-            all_par.append(par)
-            sources.append(src)
-        tree = TokenTree.from_lists(all_tok, all_par, device=self.device)
-        q = None
-        if sampling and any(d.draft_probs is not None for d in drafts):
-            N = tree.size
-            q = torch.zeros(b, N, self.vocab_size, dtype=torch.float32, device=self.device)
-            det_r, det_m, det_t = [], [], []
-            for r in range(b):
-                for m in range(1, len(all_tok[r])):
-                    s = sources[r][m]
-                    if s is None:
-                        det_r.append(r)
-                        det_m.append(m)
-                        det_t.append(all_tok[r][m])
-                    else:
-                        q[r, m] = drafts[s[0]].draft_probs[r, s[1]]
-            if det_r:
-                idx = [torch.tensor(x, dtype=torch.long, device=self.device) for x in (det_r, det_m, det_t)]
-                q.index_put_(tuple(idx), torch.ones(len(det_r), dtype=torch.float32, device=self.device))
-        self._step = dict(drafts=drafts, maps=maps, tokens=all_tok, b=b, proposed=proposed,
-                          request_ids=list(ctx.request_ids), situations=situations)
-        return Draft(tree, q)
-
     def accept(self, accepted: torch.Tensor, num_accepted: torch.Tensor, num_host: Sequence[int],
                foreign: Optional[Sequence[Sequence[int]]] = None) -> None:
         step = self._step
         if step is None:
             raise RuntimeError("MultiDraft.accept: no proposal to accept (propose first)")
         b = step["b"]
-        single = step.get("single")
+        single = step["single"]
         acc = accepted.tolist()   # host read: the member mapping runs on the host
         paths = [acc[r][1:int(num_host[r]) + 1] for r in range(b)]
         own_counts: List[List[int]] = []
@@ -458,26 +370,11 @@ class MultiDraft(Drafter):
         self._step = None
 
     def _accept_member(self, i: int, d: Drafter, step: dict, paths: List[List[int]], foreign) -> List[int]:
-        """Member i's part of the accepted paths (through the merge's node map, or none where another member's
-        tree was verified alone) and the tokens after it; returns its accepted counts per row."""
-        N_i = step["drafts"][i].tree.size
-        maps = step.get("maps")
-        rows, nums, extra = [], [], []
-        for r in range(len(paths)):
-            own = [0]
-            if maps is not None:
-                for node in paths[r]:
-                    j = maps[i][r].get(node)
-                    if j is None:
-                        break
-                    own.append(j)
-            n_own = len(own) - 1
-            f = [step["tokens"][r][node] for node in paths[r][n_own:]]
-            if foreign is not None:
-                f += list(foreign[r])
-            rows.append(own + [-1] * (N_i - len(own)))
-            nums.append(n_own)
-            extra.append(f)
+        """Member i's part of the accepted paths and the tokens after it (:func:`member_part`); returns its
+        accepted counts per row."""
+        maps = step["maps"]
+        rows, nums, extra = member_part(paths, None if maps is None else maps[i], step["tokens"],
+                                        step["drafts"][i].tree.size, foreign)
         d.accept(torch.tensor(rows, dtype=torch.int32, device=self.device),
                  torch.tensor(nums, dtype=torch.int32, device=self.device), nums, foreign=extra)
         return nums
