@@ -17,13 +17,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 from datetime import date
 
 import torch
 
 from specdec import SpeculativeDecoder
-from specdec.bench.record import record_path
+from specdec.bench.record import cpu_name, git_commit, loadavg, record_path
 from specdec.bench.workloads import CODE, CSV, EMAIL, PASSAGE
 from specdec.drafters import EagleHead
 from specdec.drafters.eagle import load_head
@@ -79,7 +78,7 @@ def main() -> None:
     for dec in decoders.values():
         dec.generate([warm], max_new_tokens=8, eos_token_id=tok.eos_token_id)
     runs = []
-    load = [os.getloadavg()]
+    load = [loadavg()]
     for i, p in enumerate(prompts):
         ref = None
         for n, dec in decoders.items():
@@ -96,7 +95,7 @@ def main() -> None:
                              identical=out.tokens == ref))
             print(f"request {i} {n:12s} ttft {m['ttft_seconds'] * 1e3:7.1f} ms  {m['tokens_per_second']:7.2f} tok/s  "
                   f"cached {runs[-1]['prefix_hit_tokens']}/{len(p)}", flush=True)
-    load.append(os.getloadavg())
+    load.append(loadavg())
     summary = {}
     for n in methods:
         rs = [r for r in runs if r["method"] == n]
@@ -116,11 +115,9 @@ def main() -> None:
                          for a, b in (("head_paged", "head_dense"), ("plain_paged", "plain_dense"),
                                       ("head_paged", "plain_paged"), ("head_dense", "plain_dense"))
                          for key in ("ttft_seconds", "tokens_per_second")}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(RESULTS)).stdout.strip()
-    rec = dict(benchmark="head_prefix", args=dict(vars(args), head=record_path(args.head)), commit=commit, loadavg=load,
-               torch_threads=args.threads,
-               shared_prefix_tokens=shared, summary=summary, runs=runs,
+    rec = dict(benchmark="head_prefix", args=dict(vars(args), head=record_path(args.head)), commit=git_commit(),
+               cpu=cpu_name(), loadavg=load, torch_threads=args.threads, shared_prefix_tokens=shared,
+               summary=summary, runs=runs,
                notes="2 shared CPU cores (load average recorded); greedy, batch 1, requests one after another; the "
                      "target at q4_1 with q8 activations, the head q8_0 with q8 activations (k 1, two siblings), "
                      "fixed policy; medians over the requests; ratios per request, then their median")
