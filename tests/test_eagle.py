@@ -265,6 +265,16 @@ def test_reduced_vocabulary_map():
     hc = lm.new_cache(1, 16)
     full = lm.prefill(hc, [[1, 2, 3]])[0]
     assert torch.isinf(full).sum() == V - 10 and torch.isfinite(full[ids]).all()
+    # reduced=True: the same logits over the draft vocabulary alone (column i: target token ids[i])
+    hc2 = lm.new_cache(1, 16)
+    lm.prefill(hc2, [[1, 2, 3]])
+    hc3 = lm.new_cache(1, 16)
+    lm.prefill(hc3, [[1, 2, 3]])
+    step = torch.tensor([[7, 9]])
+    depths = torch.arange(2, dtype=torch.int32).view(1, 2)
+    both = lm.forward(hc2, step, depths)
+    small = lm.forward(hc3, step, depths, reduced=True)
+    assert small.shape == (1, 2, 10) and torch.equal(small, both[:, :, ids])
     with pytest.raises(ValueError, match="distinct"):
         net.set_vocab(torch.tensor([1] * 10))
 
@@ -305,6 +315,61 @@ def test_greedy_exact_q8_head_reduced_vocab_and_hook_path(trained):
             PROMPTS, max_new_tokens=20)
         assert out.tokens == ref
         assert out.metrics["accepted_tokens"] > 5
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_reduced_vocabulary_drafts_equal_the_full_vocabulary_drafts(trained, batch, monkeypatch):
+    """A greedy chain / spine step of a reduced-vocabulary head takes its top tokens from the draft
+    vocabulary's logits (no expansion to the target's): the same proposals, step by step, as over the
+    expanded logits, and greedy output equal to the target's; one request (its host-integer first forward)
+    and a batch."""
+    from specdec.drafters.draft_model.model import DraftModel
+    from specdec.drafters.eagle.lm import HeadLM
+
+    model, net, _, seqs, _ = trained
+    small = HeadNet(_head_config(draft_vocab=48))
+    small.load_state_dict({k: v for k, v in net.state_dict().items()}, strict=False)
+    counts = torch.bincount(torch.tensor([t for s in seqs for t in s]), minlength=V)
+    small.set_vocab(torch.topk(counts, 48).indices)  # unsorted ids: the map, not the order, carries them
+    with torch.no_grad():
+        small.lm_head.weight.copy_(model.get_output_embeddings().weight[small.draft_to_target()])
+    prompts = PROMPTS[:batch]
+    ref = _reference_greedy(model, prompts, 20)
+    widths = []
+    real_logits = HeadLM._logits
+
+    def spy_logits(self, out, reduced=False):
+        got = real_logits(self, out, reduced)
+        widths.append(got.shape[-1])
+        return got
+
+    monkeypatch.setattr(HeadLM, "_logits", spy_logits)
+    runs = {}
+    for reduced in (True, False):
+        if not reduced:
+            monkeypatch.setattr(DraftModel, "_reduced", lambda self: False)
+        for kw in (dict(k=3), dict(k=1, top_k=2), dict(k=2, top_k=3)):
+            head = EagleHead(small, **kw)
+            drafts = []
+            real_propose = type(head).propose
+
+            def propose(ctx, head=head, drafts=drafts, real_propose=real_propose):
+                got = real_propose(head, ctx)
+                drafts.append(got.tree.tokens.tolist())
+                return got
+
+            head.propose = propose
+            widths.clear()
+            out = SpeculativeDecoder(HFCausalLM(model), head, max_batch=batch, max_len=64, policy="fixed").generate(
+                prompts, max_new_tokens=20)
+            assert out.tokens == ref, (reduced, kw)
+            assert out.metrics["accepted_tokens"] > 3, (reduced, kw)
+            # the steps' forwards ran over the draft vocabulary (only prefills / catch-ups expand to V)
+            assert (48 in widths) == reduced and V in widths, (reduced, kw)
+            runs[(reduced, tuple(kw.items()))] = drafts
+    for key, drafts in runs.items():
+        if key[0]:
+            assert drafts == runs[(False, key[1])], key
 
 
 def test_head_on_the_paged_engine_keeps_prefix_caching(trained):

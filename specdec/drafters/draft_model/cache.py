@@ -23,24 +23,37 @@ __all__ = ["feed_root", "catch_up", "frontier_rows", "tree_moves", "spine_in_cac
 
 
 def feed_root(lm, cache, roots: torch.Tensor, b: int, pend_n: torch.Tensor, pend_tok: torch.Tensor, width: int,
-              depths1: torch.Tensor) -> torch.Tensor:
+              depths1: torch.Tensor, reduced: bool = False) -> torch.Tensor:
     """First forward of a step: [pending..., root] per row (right-padded to ``width`` pending tokens).
-    Returns the logits after the root [b, V]; cache.lens then counts the pending tokens and the root."""
+    Returns the logits after the root [b, V] (an LM with ``forward_last`` computes only those); cache.lens
+    then counts the pending tokens and the root. ``reduced``: ask the LM for its reduced-vocabulary logits
+    (:class:`~specdec.drafters.eagle.lm.HeadLM`, a greedy spine step)."""
     P = width
+    kw = {"reduced": True} if reduced else {}
     if P == 0:
-        last = lm.forward(cache, roots.view(b, 1), depths1[:b], None)[:, 0]  # [b, V]
+        last = lm.forward(cache, roots.view(b, 1), depths1[:b], None, **kw)[:, 0]  # [b, V]
         cache.lens.add_(1)
         return last
     device = pend_n.device
-    pn = pend_n[:b]                                                     # [b]
-    j = torch.arange(P + 1, device=device).view(1, P + 1)
-    x = torch.full((b, P + 1), -1, dtype=torch.int64, device=device)
-    x[:, :P] = pend_tok[:b, :P]
-    x = torch.where(j < pn.view(b, 1), x, torch.where(j == pn.view(b, 1), roots.view(b, 1), -1))
-    depths = j.to(torch.int32).expand(b, P + 1)
-    logits = lm.forward(cache, x, depths, None)                         # [b, P + 1, V]
-    cache.lens.add_((pn + 1).to(torch.int32))
-    return logits[torch.arange(b, device=device), pn]                   # [b, V] after the root
+    if b == 1 and device.type == "cpu":  # one request: its chain as it is, no padding (host integers)
+        pn = int(pend_n[0])
+        x = torch.cat((pend_tok[:1, :pn], roots.view(1, 1)), dim=1)
+        depths = torch.arange(pn + 1, dtype=torch.int32).view(1, pn + 1)
+        pn_t = torch.tensor([pn])
+    else:
+        pn = pend_n[:b]                                                 # [b]
+        j = torch.arange(P + 1, device=device).view(1, P + 1)
+        x = torch.full((b, P + 1), -1, dtype=torch.int64, device=device)
+        x[:, :P] = pend_tok[:b, :P]
+        x = torch.where(j < pn.view(b, 1), x, torch.where(j == pn.view(b, 1), roots.view(b, 1), -1))
+        depths = j.to(torch.int32).expand(b, P + 1)
+        pn_t = pn
+    if hasattr(lm, "forward_last"):
+        last = lm.forward_last(cache, x, depths, pn_t, **kw)           # [b, V] after the root
+    else:
+        last = lm.forward(cache, x, depths, None, **kw)[torch.arange(b, device=device), pn_t]
+    cache.lens.add_((pn_t + 1).to(torch.int32))
+    return last
 
 
 def catch_up(lm, full, cache, sequences: Sequence[Sequence[int]], have: List[int], b: int, V: int,

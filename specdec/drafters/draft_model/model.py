@@ -173,6 +173,8 @@ class DraftModel(Drafter):
         self._views = RowViews(self.cache)
         self.device = dev
         self.V = int(self.lm.vocab_size)
+        #: target id of each column of the LM's reduced-vocabulary logits (None: the LM has none)
+        self.draft_ids = getattr(self.lm, "draft_ids", None)
         self.spine_buffers = SpineBuffers(w, k, max_batch, self.max_nodes, dev)
         self._pend_n = torch.zeros(max_batch, dtype=torch.int64, device=dev)                  # pending per row
         self._pend_tok = torch.zeros(max_batch, self._pend_cap, dtype=torch.int64, device=dev)
@@ -185,6 +187,14 @@ class DraftModel(Drafter):
 
     def _view(self, b: int):
         return self._views(b)
+
+    def _reduced(self) -> bool:
+        """Whether this step's draft forwards may return logits over the LM's reduced vocabulary
+        (``lm.draft_ids``, a feature head's draft vocabulary): greedy chains and spine trees without a stop
+        threshold need only each level's top tokens, mapped to target ids (spine._draw_level)."""
+        ids = self.draft_ids
+        return ids is not None and self.params.greedy and not self.dynamic and self.stop_threshold is None \
+            and int(ids.numel()) >= self.top_k
 
     def start(self, prompts: Sequence[Sequence[int]], params: SamplingParams, generator: torch.Generator) -> None:
         if self.cache is None:
@@ -254,9 +264,9 @@ class DraftModel(Drafter):
         else:
             step.base = cache.lens.clone()  # [b] int32: committed draft prefix (pending tokens excluded)
             last = feed_root(self.lm, cache, ctx.roots, b, self._pend_n, self._pend_tok, self._pend_width,
-                             self.spine_buffers.depths1)
+                             self.spine_buffers.depths1, self._reduced())
         if not self.dynamic:
-            rec = propose_spine(self, ctx, k, b, cache, last, limits)
+            rec = propose_spine(self, ctx, k, b, cache, last, limits, self._reduced())
         elif not self.params.greedy and self.sampled_children:
             rec = self._propose_planned(ctx, k, b, cache, last, drawn=True)
         elif self.planned:

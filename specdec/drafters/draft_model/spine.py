@@ -76,9 +76,11 @@ class SpineBuffers:
 
 
 def propose_spine(dm: "DraftModel", ctx: StepContext, k: int, b: int, cache, last: torch.Tensor,
-                  limits: Sequence[int]) -> Proposal:
+                  limits: Sequence[int], reduced: bool = False) -> Proposal:
     """A chain (top_k 1) or spine tree of k levels from ``last``, the draft logits after each row's root;
-    rows deeper than their ``limits`` (and, with a stop threshold, after their stop) are padded."""
+    rows deeper than their ``limits`` (and, with a stop threshold, after their stop) are padded.
+    ``reduced``: the draft forwards return logits over ``dm.draft_ids`` only (greedy, no stop threshold)."""
+    kw = {"reduced": True} if reduced else {}
     buf = dm.spine_buffers
     w = dm.top_k
     sampling = not dm.params.greedy
@@ -104,7 +106,7 @@ def propose_spine(dm: "DraftModel", ctx: StepContext, k: int, b: int, cache, las
                 k_run = i
                 break
         if i < k:
-            last = dm.lm.forward(cache, d.view(b, 1), buf.depths1[:b], None)[:, 0]
+            last = dm.lm.forward(cache, d.view(b, 1), buf.depths1[:b], None, **kw)[:, 0]
             cache.lens.add_(1)
     tree, probs = _spine_tree(dm, tokens, probs, k, k_run, limits, lengths if stop is not None else None)
     return Proposal(tree, probs, b=b, k=k_run, tokens=tokens)
@@ -114,7 +116,8 @@ def _draw_level(dm: "DraftModel", tokens: torch.Tensor, probs: Optional[torch.Te
                 first: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The nodes of one level (spine token at node ``first``, then its siblings) from the draft logits
     ``last`` [b, V]: written into ``tokens`` (and their q into ``probs`` when sampling). Returns the spine
-    tokens [b] and, when sampling, q [b, V] (a view into ``probs``)."""
+    tokens [b] and, when sampling, q [b, V] (a view into ``probs``). Greedy ``last`` may also be logits over
+    the LM's reduced vocabulary [b, len(dm.draft_ids)]: the tokens are then mapped to target ids."""
     w = dm.top_k
     if probs is not None:
         q = probs[:, first]                                        # [b, V] view, written in place
@@ -129,11 +132,16 @@ def _draw_level(dm: "DraftModel", tokens: torch.Tensor, probs: Optional[torch.Te
             tokens[:, first:first + w] = draws
             d = draws[:, 0]
         return d, q
+    ids = dm.draft_ids if last.shape[-1] != dm.V else None
     if w == 1:
         d = last.argmax(dim=-1)
+        if ids is not None:
+            d = ids[d]
         tokens[:, first] = d
     else:  # the w most likely tokens; the argmax continues the spine
         top = torch.topk(last, w, dim=-1).indices                 # [b, w]
+        if ids is not None:
+            top = ids[top]
         tokens[:, first:first + w] = top
         d = top[:, 0]
     return d, None

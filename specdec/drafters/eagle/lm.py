@@ -53,6 +53,10 @@ class HeadLM:
         self.features: Optional[TargetFeatures] = None  # the target's cache (attach() before a generate call)
         # the layer as one ops.decoder_layer call (EAGLE-1 layout), or None; the weights as they are now
         self.fused = fused_layer_spec(net)
+        # fc and the head's own LM head as one op call each, their operands taken now as the layer's are
+        # (a quantized layer's packed weight looked up once, not per call)
+        self._fc = _direct(net.fc)
+        self._lm_head = _direct(net.lm_head) if cfg.style == "eagle" and net.lm_head is not None else None
         self._unit = torch.ones(cfg.hidden_size, dtype=self.dtype, device=self.device)
         # the head's rope by table lookup where that gives rope_tables' bits (RotaryTable, as the target's)
         self.rope = RotaryTable(_HeadRotary(cfg.head_dim, cfg.rope_theta), cfg.head_dim)
@@ -77,17 +81,23 @@ class HeadLM:
     # ------------------------------------------------------------------ calls
     @torch.no_grad()
     def forward(self, cache: HiddenKVCache, tokens: torch.Tensor, depths: torch.Tensor,
-                tree_mask: Optional[torch.Tensor] = None, kv_offset: int = 0) -> torch.Tensor:
-        return self._forward(cache, tokens, depths, tree_mask, kv_offset, 0)
+                tree_mask: Optional[torch.Tensor] = None, kv_offset: int = 0, reduced: bool = False
+                ) -> torch.Tensor:
+        """Logits [B, N, V] of the nodes. ``reduced``: over the draft vocabulary only, [B, N, len(draft_ids)]
+        (column i is target token ``draft_ids[i]``; every other token's logit is -inf), where the head has a
+        reduced vocabulary (else the same as False): what a greedy draft needs, without expanding each row
+        to the target's vocabulary."""
+        return self._forward(cache, tokens, depths, tree_mask, kv_offset, 0, reduced=reduced)
 
     __call__ = forward
 
     @torch.no_grad()
-    def forward_last(self, cache, tokens, depths, last) -> torch.Tensor:
+    def forward_last(self, cache, tokens, depths, last, reduced: bool = False) -> torch.Tensor:
         """:meth:`forward` of a causal chain per request whose logits are computed at one node per row only
         (``last`` [B]): float32 [B, V] (a catch-up over many tokens needs the logits after the last)."""
         B = tokens.shape[0]
-        return self._forward(cache, tokens, depths, None, 0, 0, last=torch.as_tensor(last).view(B))[:, 0]
+        return self._forward(cache, tokens, depths, None, 0, 0, last=torch.as_tensor(last).view(B),
+                             reduced=reduced)[:, 0]
 
     @torch.no_grad()
     def prefill(self, cache: HiddenKVCache, prompts: Sequence[Sequence[int]],
@@ -107,13 +117,13 @@ class HeadLM:
         return out
 
     def _forward(self, cache, tokens, depths, tree_mask, kv_offset: int, row0: int,
-                 last: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 last: Optional[torch.Tensor] = None, reduced: bool = False) -> torch.Tensor:
         """Logits [B, N, V] of the nodes, or [B, 1, V] at node ``last[b]`` of each row (the LM head on those rows
         only: a prefill or a catch-up needs the logits after its last token)."""
         if self.features is None:
             raise RuntimeError("EagleHead: no target features attached (the drafter attaches them in start())")
         if self.lean and tree_mask is None and kv_offset == 0 and tokens.shape[0] == 1 and tokens.device.type == "cpu":
-            out = self._forward_one(cache, tokens, depths, row0, last)
+            out = self._forward_one(cache, tokens, depths, row0, last, reduced)
             if out is not None:
                 return out
         net, cfg = self.net, self.cfg
@@ -145,14 +155,14 @@ class HeadLM:
         write_hidden(cache, torch.cat((out, pos.to(self.dtype).unsqueeze(2)), dim=2), kv_offset)
         if last is not None:
             out = out.gather(1, last.to(device=out.device, dtype=torch.int64).view(B, 1, 1).expand(B, 1, H))
-        return self._logits(out)
+        return self._logits(out, reduced)
 
     def _layer(self, cache, emb: torch.Tensor, feat: torch.Tensor, cos, sin, mask, kv_offset: int) -> torch.Tensor:
         """The head's layer over the nodes' embeddings and features: its output [B, N, H] (K/V appended)."""
         net, cfg = self.net, self.cfg
         k_cache, v_cache, cl = cache.k[0], cache.v[0], cache.lens
         if self.fused is not None:  # fc, then the decoder layer in one call (the layer's own residual = x)
-            x = net.fc(torch.cat((emb, feat), dim=-1))
+            x = self._fc(torch.cat((emb, feat), dim=-1))
             return ops.decoder_layer(x, x, *self.fused, net.post_attention_layernorm, cfg.rms_eps,
                                      self._unit, cfg.rms_eps, k_cache, v_cache, cl, cos, sin, mask, kv_offset,
                                      cfg.head_dim ** -0.5, cfg.num_heads, cfg.num_kv_heads)[1]
@@ -164,17 +174,18 @@ class HeadLM:
 
         return net.layer(emb, feat, cos, sin, attend)
 
-    def _logits(self, out: torch.Tensor) -> torch.Tensor:
-        """The head's logits over the target's vocabulary (-inf outside a reduced draft vocabulary)."""
-        logits = self.net.logits(out, self.target_head).float()
-        if self.draft_ids is None:
+    def _logits(self, out: torch.Tensor, reduced: bool = False) -> torch.Tensor:
+        """The head's logits over the target's vocabulary (-inf outside a reduced draft vocabulary), or with
+        ``reduced`` over the draft vocabulary alone."""
+        logits = (self.net.logits(out, self.target_head) if self._lm_head is None else self._lm_head(out)).float()
+        if self.draft_ids is None or reduced:
             return logits
         B, N = out.shape[:2]
         full = torch.full((B, N, self.vocab_size), float("-inf"), dtype=torch.float32, device=out.device)
         return full.index_copy_(2, self.draft_ids, logits)
 
-    def _forward_one(self, cache, tokens, depths, row0: int, last: Optional[torch.Tensor] = None
-                     ) -> Optional[torch.Tensor]:
+    def _forward_one(self, cache, tokens, depths, row0: int, last: Optional[torch.Tensor] = None,
+                     reduced: bool = False) -> Optional[torch.Tensor]:
         """:meth:`_forward` of one request's chain after its cache on the CPU, where every node's parent is
         committed text the target holds (consecutive positions: one slice of its states) or the call is one
         node after a drafted parent (the head's own last output). The values of the batched gathers, from
@@ -196,7 +207,7 @@ class HeadLM:
             feat = cache.hidden[0:1, 0, max(lens - 1, 0):max(lens - 1, 0) + 1, :H]
         else:
             return None
-        emb = self.embed(tokens.clamp(min=0)).to(self.dtype)
+        emb = self._embed_rows(tokens)
         pos = torch.arange(start, start + N).view(1, N)
         cos, sin = self.rope(emb, pos, cache.capacity)
         out = self._layer(cache, emb, feat, cos, sin, None, 0)
@@ -206,7 +217,16 @@ class HeadLM:
         if last is not None:
             j = int(last[0])
             out = out[:, j:j + 1]
-        return self._logits(out)
+        return self._logits(out, reduced)
+
+    def _embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The embedding of one request's tokens [1, N] as [1, N, H]: a plain ``nn.Embedding`` by one row
+        gather (its forward's values: no max_norm), any other module by its call."""
+        emb = self.embed
+        if type(emb) is torch.nn.Embedding and emb.max_norm is None:
+            return emb.weight.index_select(0, tokens.view(-1).clamp(min=0)).view(1, -1, emb.weight.shape[1]) \
+                .to(self.dtype)
+        return emb(tokens.clamp(min=0)).to(self.dtype)
 
     @staticmethod
     def _own_parent_features(own, lens, pos, parent, tree_mask, kv_offset: int, capacity: int) -> torch.Tensor:
@@ -236,6 +256,17 @@ class _HeadRotary:
         if self.inv is None or self.inv.device != positions.device:
             self.inv = rope_inverse_frequencies(self.head_dim, self.theta, positions.device)
         return rope_tables(positions, self.head_dim, self.theta, h.dtype, inv=self.inv)
+
+
+def _direct(mod):
+    """``mod``'s forward as one op call with its operands taken now (a GroupQuantLinear without a bias: its
+    op weight, on the CPU with quantized activations the packed layout, looked up once); else ``mod``."""
+    from specdec.models.quant import GroupQuantLinear
+
+    if type(mod) is GroupQuantLinear and mod.bias is None:
+        w, scales, mins, bits, act = mod.op_weight(), mod.scales, mod.mins, mod.bits, mod.act
+        return lambda x: ops.qlinear(x, w, scales, mins, None, bits, act=act)
+    return mod
 
 
 def _slot(mods):
