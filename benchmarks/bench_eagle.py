@@ -184,6 +184,7 @@ def main() -> None:
                                  mean_accepted_length=m["mean_accepted_length"], new_tokens=m["new_tokens"],
                                  target_passes=m["target_passes"],
                                  draft_seconds=m["draft_seconds"], verify_seconds=m["verify_seconds"],
+                                 prefill_seconds=m["prefill_seconds"],
                                  total_seconds=m["total_seconds"], identical=ref is None or out.tokens == ref))
                 print(f"round {rnd} prompt {i} {n:10s} {m['tokens_per_second']:7.2f} tok/s  "
                       f"accepted length {m['mean_accepted_length']:.2f}", flush=True)
@@ -200,10 +201,19 @@ def main() -> None:
                           all_identical=all(r["identical"] for r in rs),
                           # per target pass, in the decoding loop (the drafter's weights as cold as they are there)
                           step_ms=statistics.median(_per_step(r, "total_seconds", B) for r in rs),
-                          draft_ms_per_step=statistics.median(_per_step(r, "draft_seconds", B) for r in rs))
+                          draft_ms_per_step=statistics.median(_per_step(r, "draft_seconds", B) for r in rs),
+                          # the same without the prefill: a decoding step of the loop; and its target pass alone
+                          decode_step_ms=statistics.median(
+                              _per_step(dict(r, decode_seconds=r["total_seconds"] - r["prefill_seconds"]),
+                                        "decode_seconds", B) for r in rs),
+                          verify_ms_per_step=statistics.median(_per_step(r, "verify_seconds", B) for r in rs))
     if "plain" in summary:
+        plain = summary["plain"]
         for n in names:
-            summary[n]["draft_fraction_of_plain_step"] = summary[n]["draft_ms_per_step"] / summary["plain"]["step_ms"]
+            d = summary[n]["draft_ms_per_step"]
+            summary[n]["draft_fraction_of_plain_step"] = d / plain["step_ms"]   # step_ms counts the prefill in
+            summary[n]["draft_fraction_of_plain_decode_step"] = d / plain["decode_step_ms"]
+            summary[n]["draft_fraction_of_plain_verify"] = d / plain["verify_ms_per_step"]
     summary["draft_cost_fraction"] = dict(head=cost["head"] / cost["target"], w8=cost["w8"] / cost["target"],
                                           seconds=cost)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
