@@ -41,7 +41,8 @@ EMAIL = ("Hi Sarah,\n\nThank you for your message. I will be out of the office o
 
 CSV = ("name,age,city\nAlice,34,London\nBob,29,Paris\nCharlie,41,Berlin\nDiana,25,Madrid\nEthan,38,Rome")
 
-#: prompt sets (chat template applied): "grounded" answers copy from the input, "open" ones do not
+#: prompt sets (chat template applied): "grounded" answers copy from the input, "open" ones do not, "code" asks
+#: for code the prompt does not contain (code completion without a source to copy from)
 PROMPT_SETS: Dict[str, List[str]] = {
     "grounded": [
         f"Repeat the following text exactly, word for word:\n\n{PASSAGE}",
@@ -58,6 +59,15 @@ PROMPT_SETS: Dict[str, List[str]] = {
         "What are the health benefits of regular exercise?",
         "Describe the city of Paris to someone who has never been there.",
         "Write a poem about the sea at night.",
+    ],
+    "code": [
+        "Write a Python function that returns the n-th Fibonacci number using a loop.",
+        "Write a Python function that checks whether a string is a palindrome, ignoring case and spaces.",
+        "Write a Python class Stack with push, pop, peek and is_empty methods.",
+        "Write a Python function that reads a text file and counts how often each word occurs.",
+        "Write a JavaScript function that removes duplicate values from an array.",
+        "Write a SQL query that lists the ten customers with the highest total order amount, from the tables "
+        "customers and orders.",
     ],
 }
 
