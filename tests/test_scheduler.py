@@ -248,6 +248,28 @@ def test_cost_model_cells_interpolation_and_fit():
         CostModel(smoothing=0)
 
 
+def test_a_plain_step_seen_once_in_a_spike_does_not_price_every_later_step():
+    """While every step speculates the plain step's cells are not measured again: one plain step slowed by
+    the machine at the start must not stand for plain decoding's cost for good (a drafter whose forwards
+    cost more than the target's would then look as if it paid). A pass over more nodes does not cost
+    less: the verify / commit / rest cells of a plain step are predicted at most at a larger size's
+    observed as often."""
+    cm = CostModel()
+    cm.observe(1, 0, 1, 0.0, 0.050, 0.0001, 0.0512)        # the plain step, 10x slow once
+    for _ in range(30):                                     # k = 6, seven nodes: 18 ms of drafting, 5.4 verify
+        cm.observe(1, 6, 7, 0.018, 0.0054, 0.0002, 0.0240)
+    plain = cm.plain_seconds(1)
+    assert plain <= 0.0054 + 0.0002 + 0.0004 + 1e-9
+    # three tokens a step at 24 ms against one per plain step: speculation does not pay
+    assert 3.0 / cm.step_seconds(1, 6, 7) < 1.0 / plain
+    # a larger size observed fewer times than the cell does not cap it (it may be the stale one)
+    cm2 = CostModel()
+    for _ in range(5):
+        cm2.observe(1, 0, 1, 0.0, 0.005, 0.0, None)
+    cm2.observe(1, 2, 3, 0.001, 0.002, 0.0, None)          # one fast observation of a larger pass
+    assert cm2.verify.predict(1, 1) > 0.004
+
+
 # ============================================================================ policy decisions
 def _best_k(alpha: float, cost: SyntheticCost, b: int, k_max: int) -> int:
     g = [b * expected_tokens(alpha, k) / cost.step_seconds(b, k, 1 + k) for k in range(k_max + 1)]

@@ -17,10 +17,15 @@ __all__ = ["CostTable", "CostModel"]
 class CostTable:
     """Exponentially weighted seconds keyed by (rows b, size x), with interpolation and a fit for unseen keys."""
 
-    def __init__(self, smoothing: float, zero_at_zero: bool, single: str) -> None:
+    def __init__(self, smoothing: float, zero_at_zero: bool, single: str, monotone: bool = False) -> None:
         self.smoothing = smoothing
         self.zero_at_zero = zero_at_zero  # x == 0 costs nothing until observed (drafting 0 tokens)
         self.single = single              # one distinct b * x observed: "constant" or "proportional"
+        #: an observed cell is predicted at most at the mean of any larger size at its b observed at least as
+        #: often (a pass over more nodes does not cost less): a cell seen once in a spike and then no more
+        #: (the plain step's, while every step speculates) cannot keep its inflated value against sizes the
+        #: loop keeps measuring
+        self.monotone = monotone
         self.cells: Dict[Tuple[int, int], List[float]] = {}  # (b, x) -> [mean seconds, count]
         self._fit: Optional[Tuple[float, float]] = None
         self._dirty = True
@@ -75,10 +80,13 @@ class CostTable:
             m, c = cell
             if x == 0 and self.zero_at_zero:
                 return m
-            if c >= 16 or self._fitted() is None:
-                return m
-            est = self._estimate(b, x)
-            return (c * m + est) / (c + 1.0)
+            if c < 16 and self._fitted() is not None:
+                m = (c * m + self._estimate(b, x)) / (c + 1.0)
+            if self.monotone:
+                for (bb, xx), (m2, c2) in self.cells.items():
+                    if bb == b and xx > x and c2 >= c and m2 < m:
+                        m = m2
+            return m
         return self._estimate(b, x)
 
     def _estimate(self, b: int, x: int) -> float:
@@ -155,9 +163,10 @@ class CostModel:
         # forward per depth; a free drafter measures ~0 at any depth). Catch-ups (a draft model's
         # prefill, the tokens of plain steps) are kept out of these observations (StepTimes.catch_up).
         self.draft = CostTable(smoothing, zero_at_zero=True, single="proportional")   # (b, k)
-        self.verify = CostTable(smoothing, zero_at_zero=False, single="constant")     # (b, n)
-        self.commit = CostTable(smoothing, zero_at_zero=False, single="constant")     # (b, n)
-        self.rest = CostTable(smoothing, zero_at_zero=False, single="constant")       # (b, n)
+        # verify, commit, rest: a pass over more nodes does not cost less (CostTable.monotone)
+        self.verify = CostTable(smoothing, zero_at_zero=False, single="constant", monotone=True)  # (b, n)
+        self.commit = CostTable(smoothing, zero_at_zero=False, single="constant", monotone=True)  # (b, n)
+        self.rest = CostTable(smoothing, zero_at_zero=False, single="constant", monotone=True)    # (b, n)
         #: seconds of a drafter's catch-up (its lazy prompt prefill, the tokens of plain steps) by the
         #: positions it feeds, bucketed to powers of two (a few positions cost about one forward, a
         #: prompt prefill much less per position): keyed (1, bucket), interpolated between buckets
