@@ -50,8 +50,15 @@ def test_gate_rule_beside_weighs_the_goodput_without_the_member():
     gate.observe(3, 1, BESIDE, True, 1, 3)
     assert gate.rows[3][1].base == 3 and gate.rows[3][1].gain[BESIDE] == 1
     assert gate.allow(3, 1, BESIDE, 4, 2, steps)        # 1.4 >= 1.2
-    gate.observe(3, 1, BESIDE, True, 0, 3)              # gain 0.8: 1.12 < 1.2
+    # a dip within the average's spread still drafts: gain 0.8 (1.12 < 1.2), but 0.8 + sqrt(0.8 x 0.2 / 1.8)
+    # does pay; so does 0.64 (+ 0.27: 1.27); 0.512 (+ 0.24: 1.05 < 1.2) is clearly short: skipped
+    gate.observe(3, 1, BESIDE, True, 0, 3)
     assert gate.rows[3][1].gain[BESIDE] == pytest.approx(0.8)
+    assert gate.allow(3, 1, BESIDE, 4, 2, steps)
+    gate.observe(3, 1, BESIDE, True, 0, 3)
+    assert gate.allow(3, 1, BESIDE, 4, 2, steps)
+    gate.observe(3, 1, BESIDE, True, 0, 3)
+    assert gate.rows[3][1].gain[BESIDE] == pytest.approx(0.512)
     assert not gate.allow(3, 1, BESIDE, 4, 2, steps)
     # the same gain ALONE pays (0.8 >= 0.3): the situations are kept apart
     gate.observe(3, 1, ALONE, True, 0, 0)
@@ -59,7 +66,7 @@ def test_gate_rule_beside_weighs_the_goodput_without_the_member():
     assert gate.allow(3, 1, ALONE, 0, 2, steps)
     # a step the member did not draft teaches the base only
     gate.observe(3, 1, BESIDE, False, 0, 8)
-    assert gate.rows[3][1].base == pytest.approx(4) and gate.rows[3][1].gain[BESIDE] == pytest.approx(0.8)
+    assert gate.rows[3][1].base == pytest.approx(4) and gate.rows[3][1].gain[BESIDE] == pytest.approx(0.512)
 
 
 def test_gate_new_requests_start_from_the_decoder_wide_record():

@@ -17,10 +17,14 @@ of a step without drafting when each row holds n nodes) the member's price in pl
 
     cost = (its seconds + step_seconds(1 + n_before + n_own) - step_seconds(1 + n_before)) / step_seconds(1)
 
-and it drafts when that pays at the goodput the row reaches without it: ``gain * C >= cost * E`` with
-E = 1 + base tokens per step and C = step_seconds(1 + n_before) / step_seconds(1) plain steps (ALONE:
-E = C = 1, a plain step). A member without a measured price or gain drafts (that is how they are
-measured). A row it skips is re-probed after 4 skipped steps, then 8, at most 16 (the estimate
+and it drafts unless that clearly does not pay at the goodput the row reaches without it: it skips when
+``(gain + spread) * C < cost * E``, with E = 1 + base tokens per step and C = step_seconds(1 + n_before) /
+step_seconds(1) plain steps (ALONE: E = C = 1, a plain step), and ``spread`` one standard deviation of the
+average for counts of that mean, sqrt(gain * (1 - w) / (1 + w)) for the average's weight w: a step's gain is
+0, 1 or 2 tokens, so the average of a member that pays (a head adding 0.4 tokens a step against a price of
+0.25) dips below its price every few steps, and each dip would cost a skip until the next re-probe; a
+member that adds nothing (gain near 0) is still skipped. A member without a measured price or gain drafts
+(that is how they are measured). A row it skips is re-probed after 4 skipped steps, then 8, at most 16 (the estimate
 would otherwise never be corrected); a decision that pays resets the wait to 4.
 
 The decision reads timings and acceptance of earlier steps only, never this step's verification, so
@@ -28,6 +32,7 @@ the candidate set stays a function of what is known before verification: samplin
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -109,7 +114,8 @@ class PayGate:
         else:
             e = 1.0 + (row.base or 0.0)
             c = step_seconds(1 + n_before) / step_seconds(1)
-        if gain * c >= cost * e:
+        spread = math.sqrt(max(0.0, gain) * (1.0 - _OWN) / (1.0 + _OWN))
+        if (gain + spread) * c >= cost * e:
             row.skipped, row.wait = 0, _WAIT0
             return True
         if row.skipped >= row.wait:  # a re-probe: the estimate gets corrected if the text changed
