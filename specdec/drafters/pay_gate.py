@@ -24,8 +24,8 @@ average for counts of that mean, sqrt(gain * (1 - w) / (1 + w)) for the average'
 0, 1 or 2 tokens, so the average of a member that pays (a head adding 0.4 tokens a step against a price of
 0.25) dips below its price every few steps, and each dip would cost a skip until the next re-probe; a
 member that adds nothing (gain near 0) is still skipped. A member without a measured price or gain drafts
-(that is how they are measured). A row it skips is re-probed after 4 skipped steps, then 8, at most 16 (the estimate
-would otherwise never be corrected); a decision that pays resets the wait to 4.
+(that is how they are measured). A row it skips is re-probed after 4 skipped steps, then 8, at most 16 (the
+estimate would otherwise never be corrected); a decision that pays resets the wait to 4.
 
 The decision reads timings and acceptance of earlier steps only, never this step's verification, so
 the candidate set stays a function of what is known before verification: sampling stays exact.

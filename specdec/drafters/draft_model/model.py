@@ -194,7 +194,7 @@ class DraftModel(Drafter):
         threshold need only each level's top tokens, mapped to target ids (spine._draw_level)."""
         ids = self.draft_ids
         return ids is not None and self.params.greedy and not self.dynamic and self.stop_threshold is None \
-            and int(ids.numel()) >= self.top_k
+            and self.top_k <= int(ids.numel()) < self.V  # (a map over the whole vocabulary: the expanded logits)
 
     def start(self, prompts: Sequence[Sequence[int]], params: SamplingParams, generator: torch.Generator) -> None:
         if self.cache is None:
