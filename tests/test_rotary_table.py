@@ -53,3 +53,23 @@ def test_table_off_where_not_guaranteed():
     assert torch.equal(on(h, pos, None)[0], on.rotary(h, pos)[0]) and on._cos is None  # no capacity: the module
     huge = (32 << 20) // (2 * 64 * 4) + 1  # cos and sin of that many positions exceed the table's byte cap
     assert torch.equal(on(h, pos, huge)[0], on.rotary(h, pos)[0]) and on._cos is None
+
+
+def test_span_equals_the_call_at_consecutive_positions():
+    """span(h, start, n): one request's consecutive positions as views of the table's rows, the module's values
+    bit for bit; before the table exists, past its end and where it is off: the call's own path."""
+    rot = _rotary()
+    table = RotaryTable(rot, 64)
+    h = torch.zeros(1, 1, 256)
+    for start, n in ((0, 1), (5, 3), (2990, 10)):  # the first call builds the table through the call
+        got = table.span(h.expand(1, n, 256), start, n, 3000)
+        want = rot(h.expand(1, n, 256), torch.arange(start, start + n).view(1, n))
+        assert got[0].shape == (1, n, 64) and got[0].is_contiguous()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    got = table.span(h.expand(1, 2, 256), 3100, 2, 3000)   # past the table: the module's values
+    want = rot(h.expand(1, 2, 256), torch.arange(3100, 3102).view(1, 2))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    off = RotaryTable(_rotary(head_dim=48), 48)
+    got = off.span(torch.zeros(1, 1, 192), 7, 1, 100)
+    want = off.rotary(torch.zeros(1, 1, 192), torch.tensor([[7]]))
+    assert torch.equal(got[0], want[0])

@@ -58,6 +58,15 @@ class RotaryTable:
         shape = (*positions.shape, cos.shape[1])
         return out[0].view(shape), out[1].view(shape)
 
+    def span(self, h: torch.Tensor, start: int, n: int, capacity: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``self(h, [[start, .., start + n - 1]], capacity)`` for one request's consecutive positions: views of
+        the table's rows (the same values, no gather) where the table serves them, else that call."""
+        cos = self._cos
+        if cos is not None and self.enabled and capacity is not None and h.device.type == "cpu" and \
+                cos.dtype == h.dtype and cos.device == h.device and start >= 0 and start + n <= cos.shape[0]:
+            return cos[start:start + n].unsqueeze(0), self._sin[start:start + n].unsqueeze(0)
+        return self(h, torch.arange(start, start + n, device=h.device).view(1, n), capacity)
+
     @torch.no_grad()
     def _build(self, h: torch.Tensor, n: int) -> None:
         pos = torch.arange(n, device=h.device).unsqueeze(0)

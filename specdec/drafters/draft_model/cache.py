@@ -52,7 +52,7 @@ def feed_root(lm, cache, roots: torch.Tensor, b: int, pend_n: torch.Tensor, pend
         last = lm.forward_last(cache, x, depths, pn_t, **kw)           # [b, V] after the root
     else:
         last = lm.forward(cache, x, depths, None, **kw)[torch.arange(b, device=device), pn_t]
-    cache.lens.add_((pn_t + 1).to(torch.int32))
+    cache.lens.add_(pn + 1 if isinstance(pn, int) else (pn_t + 1).to(torch.int32))
     return last
 
 

@@ -208,12 +208,14 @@ class HeadLM:
         else:
             return None
         emb = self._embed_rows(tokens)
-        pos = torch.arange(start, start + N).view(1, N)
-        cos, sin = self.rope(emb, pos, cache.capacity)
+        cos, sin = self.rope.span(emb, start, N, cache.capacity)
         out = self._layer(cache, emb, feat, cos, sin, None, 0)
         slots = cache.hidden[0, 0, lens:lens + N]
         slots[:, :H].copy_(out[0])
-        slots[:, H].copy_(pos[0])
+        if N == 1:
+            slots[0, H] = float(start)
+        else:
+            slots[:, H].copy_(torch.arange(start, start + N))
         if last is not None:
             j = int(last[0])
             out = out[:, j:j + 1]
