@@ -23,15 +23,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import time
 from datetime import date
 
 import torch
 
 from specdec import SpeculativeDecoder
-from specdec.bench.record import record_path, scrub_paths
-from specdec.bench.workloads import PROMPT_SETS
+from specdec.bench.record import cpu_name, git_commit, record_path, scrub_paths, write_record
+from specdec.bench.workloads import PROMPT_SETS, chat_ids
 from specdec.drafters import DraftModel, EagleHead, MultiDraft, PromptLookup
 from specdec.drafters.eagle import load_head
 from specdec.drafters.eagle.lm import HeadLM
@@ -157,9 +156,7 @@ def main() -> None:
     makers = _methods(model, draft, net, args.head_precision, head_act)
     names = args.methods.split(",")
     texts = PROMPT_SETS[args.set][:args.prompts]
-    prompts = [list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)) for t in texts]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) else p for p in prompts]
+    prompts = [chat_ids(tok, t) for t in texts]
     kv = None if args.kv_cache == "auto" else args.kv_cache
     B = max(1, args.batch)
     groups = [[prompts[(i + j) % len(prompts)] for j in range(B)] for i in range(len(prompts))]
@@ -216,23 +213,19 @@ def main() -> None:
             summary[n]["draft_fraction_of_plain_verify"] = d / plain["verify_ms_per_step"]
     summary["draft_cost_fraction"] = dict(head=cost["head"] / cost["target"], w8=cost["w8"] / cost["target"],
                                           seconds=cost)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(RESULTS)).stdout.strip()
     with open(os.path.join(args.head, "config.json")) as f:
         head_config = scrub_paths(json.load(f))
-    rec = dict(benchmark="eagle", args=dict(vars(args), head=record_path(args.head)), commit=commit, loadavg=load,
-               torch_threads=args.threads, head_config=head_config, summary=summary, runs=runs,
+    rec = dict(benchmark="eagle", args=dict(vars(args), head=record_path(args.head)), commit=git_commit(),
+               cpu=cpu_name(), loadavg=load, torch_threads=args.threads, head_config=head_config, summary=summary,
+               runs=runs,
                notes=f"2 shared CPU cores (load average recorded); greedy, batch {B}; the head_k* methods, head_chain "
                      "and head_tree run the fixed policy (their k every step), the others the goodput policy; every "
                      f"method on the {args.kv_cache} KV layout")
     act = resolve_act(args.act, args.precision)
     name = args.name or (f"eagle_{args.set}_{args.precision}{'_q8act' if act else ''}{f'_b{B}' if B > 1 else ''}_"
                          f"{date.today().isoformat()}")
-    path = os.path.join(RESULTS, name + ".json")
-    with open(path, "w") as f:
-        json.dump(rec, f, indent=1)
     print(json.dumps(summary, indent=1))
-    print("written", path)
+    write_record(RESULTS, name, rec)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ from datetime import date
 import torch
 
 from specdec import SpeculativeDecoder
-from specdec.bench.record import cpu_name, git_commit, loadavg, record_path
-from specdec.bench.workloads import CODE, CSV, EMAIL, PASSAGE
+from specdec.bench.record import cpu_name, git_commit, loadavg, record_path, write_record
+from specdec.bench.workloads import CODE, CSV, EMAIL, PASSAGE, chat_ids
 from specdec.drafters import EagleHead
 from specdec.drafters.eagle import load_head
 from specdec.models import HFCausalLM
@@ -58,13 +58,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, tok = load_bundled(precision="q4_1", act="q8")
     net = load_head(args.head)
-
-    def encode(text):
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
-                                      return_dict=False)
-        return list(ids["input_ids"]) if isinstance(ids, dict) else list(ids)
-
-    prompts = [encode(f"{CONTEXT}\n\n{q}") for q in INSTRUCTIONS[:args.requests]]
+    prompts = [chat_ids(tok, f"{CONTEXT}\n\n{q}") for q in INSTRUCTIONS[:args.requests]]
     shared = next(i for i, (a, b) in enumerate(zip(prompts[0], prompts[1])) if a != b)
 
     def head():
@@ -74,7 +68,7 @@ def main() -> None:
                "head_dense": (head, "dense"), "head_paged": (head, "paged")}
     decoders = {n: SpeculativeDecoder(HFCausalLM(model), make() if make else None, max_batch=1, max_len=1024,
                                       policy="fixed", kv_cache=kv) for n, (make, kv) in methods.items()}
-    warm = encode("Name three colours.")
+    warm = chat_ids(tok, "Name three colours.")
     for dec in decoders.values():
         dec.generate([warm], max_new_tokens=8, eos_token_id=tok.eos_token_id)
     runs = []
@@ -121,11 +115,8 @@ def main() -> None:
                notes="2 shared CPU cores (load average recorded); greedy, batch 1, requests one after another; the "
                      "target at q4_1 with q8 activations, the head q8_0 with q8 activations (k 1, two siblings), "
                      "fixed policy; medians over the requests; ratios per request, then their median")
-    path = os.path.join(RESULTS, (args.name or f"head_prefix_{date.today().isoformat()}") + ".json")
-    with open(path, "w") as f:
-        json.dump(rec, f, indent=1)
     print(json.dumps(summary, indent=1))
-    print("written", path)
+    write_record(RESULTS, args.name or f"head_prefix_{date.today().isoformat()}", rec)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ plain-step estimate, every output compared with plain greedy decoding).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -25,8 +24,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from specdec import HFCausalLM, SpeculativeDecoder  # noqa: E402
-from specdec.bench.record import cpu_name, git_commit, loadavg  # noqa: E402
-from specdec.bench.workloads import PROMPT_SETS  # noqa: E402
+from specdec.bench.record import cpu_name, git_commit, loadavg, write_record  # noqa: E402
+from specdec.bench.workloads import PROMPT_SETS, chat_ids  # noqa: E402
 from specdec.drafters import DraftModel  # noqa: E402
 from specdec.models.bundled import load_bundled  # noqa: E402
 
@@ -69,9 +68,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, tok, draft = load_bundled(precision="q4_1", draft="w8", act="q8")
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
-                                       return_dict=False) for t in PROMPT_SETS["code"]]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
+    prompts = [chat_ids(tok, t) for t in PROMPT_SETS["code"]]
     plain = SpeculativeDecoder(HFCausalLM(model), None, max_batch=1, max_len=1024, kv_cache="dense")
     refs = [plain.generate([p], max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id).tokens
             for p in prompts]
@@ -88,10 +85,7 @@ def main() -> None:
     rec = dict(benchmark="stale_plain_step", args=vars(args), commit=git_commit(), cpu=cpu_name(), loadavg=load,
                sides=sides, notes="2 shared CPU cores; greedy, batch 1; the w8 draft (k 6) under the goodput policy on "
                                   "the code prompt set at Q4_1 + q8 act, the decoder's first plain step delayed once")
-    path = os.path.join(RESULTS, (args.name or f"stale_plain_step_{date.today().isoformat()}") + ".json")
-    with open(path, "w") as f:
-        json.dump(rec, f, indent=1)
-    print("written", path)
+    write_record(RESULTS, args.name or f"stale_plain_step_{date.today().isoformat()}", rec)
 
 
 if __name__ == "__main__":

@@ -2,13 +2,14 @@
 safe to record. ``specdec bench`` and the scripts under benchmarks/ share these."""
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["git_commit", "record_path", "scrub_paths", "cpu_name", "loadavg"]
+__all__ = ["git_commit", "record_path", "scrub_paths", "cpu_name", "loadavg", "write_record"]
 
 #: the repository root of a source checkout (specdec/bench/record.py -> the folder holding specdec/)
 _ROOT = Path(__file__).resolve().parent.parent.parent
@@ -62,3 +63,12 @@ def cpu_name() -> str:
 def loadavg():
     """The 1 / 5 / 15 minute load averages (None where the platform has none)."""
     return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def write_record(folder, name: str, rec: dict) -> str:
+    """Write ``rec`` as ``folder/name.json`` (indented JSON), say so on stdout and return the path."""
+    path = os.path.join(folder, name + ".json")
+    with open(path, "w") as f:
+        json.dump(rec, f, indent=1)
+    print("written", path)
+    return path

@@ -51,7 +51,7 @@ import torch
 from specdec.bench.dashboard import write_dashboard
 from specdec.bench.record import cpu_name, git_commit, loadavg
 from specdec.bench.workloads import (ADAPTIVE, DEFAULT_K, PROMPT_SETS, RandomDrafter, Spec, build_workloads,
-                                     is_adaptive, method_name, parse_method, parse_runs)
+                                     chat_ids, is_adaptive, method_name, parse_method, parse_runs)
 
 __all__ = ["run_bench", "summarize", "format_table", "build_parser", "main"]
 
@@ -100,11 +100,7 @@ class _Runner:
         self.decoders: Dict[Tuple[str, int], object] = {}
 
     def encode(self, text: str) -> List[int]:
-        ids = self.tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                           tokenize=True)
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return chat_ids(self.tok, text)
 
     def make_drafter(self, d: str, k: Optional[int]):
         from specdec.drafters import DraftModel, PromptLookup

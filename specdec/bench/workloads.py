@@ -11,8 +11,8 @@ from specdec._check import check_int
 from specdec.drafters.base import Draft, Drafter, StepContext
 from specdec.tree import TokenTree
 
-__all__ = ["PASSAGE", "CODE", "EMAIL", "CSV", "PROMPT_SETS", "DRAFTERS", "DEFAULT_K", "ADAPTIVE", "RandomDrafter",
-           "parse_method", "method_name", "parse_runs", "build_workloads", "is_adaptive"]
+__all__ = ["PASSAGE", "CODE", "EMAIL", "CSV", "PROMPT_SETS", "chat_ids", "DRAFTERS", "DEFAULT_K", "ADAPTIVE",
+           "RandomDrafter", "parse_method", "method_name", "parse_runs", "build_workloads", "is_adaptive"]
 
 PASSAGE = (
     "The Great Barrier Reef is the world's largest coral reef system, composed of over 2,900 individual reefs "
@@ -70,6 +70,17 @@ PROMPT_SETS: Dict[str, List[str]] = {
         "customers and orders.",
     ],
 }
+
+
+
+def chat_ids(tok, text: str) -> List[int]:
+    """``text`` as one user turn through the tokenizer's chat template, ready for the assistant: token ids
+    (the prompt form every benchmark sends)."""
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # a BatchEncoding / dict where the tokenizer returns one
+        ids = ids["input_ids"]
+    return list(ids)
+
 
 DRAFTERS = ("lookup", "w8", "int8", "bf16", "random")
 DEFAULT_K = {"lookup": 10, "w8": 8, "int8": 8, "bf16": 8, "random": 8}

@@ -21,11 +21,12 @@ and it drafts unless that clearly does not pay at the goodput the row reaches wi
 ``(gain + spread) * C < cost * E``, with E = 1 + base tokens per step and C = step_seconds(1 + n_before) /
 step_seconds(1) plain steps (ALONE: E = C = 1, a plain step), and ``spread`` one standard deviation of the
 average for counts of that mean, sqrt(gain * (1 - w) / (1 + w)) for the average's weight w: a step's gain is
-0, 1 or 2 tokens, so the average of a member that pays (a head adding 0.4 tokens a step against a price of
-0.25) dips below its price every few steps, and each dip would cost a skip until the next re-probe; a
-member that adds nothing (gain near 0) is still skipped. A member without a measured price or gain drafts
-(that is how they are measured). A row it skips is re-probed after 4 skipped steps, then 8, at most 16 (the
-estimate would otherwise never be corrected); a decision that pays resets the wait to 4.
+0, 1 or 2 tokens, so the average of a member that pays by a margin (docs/benchmarks.md: a head adding 0.43
+tokens a step against a price of about 0.2) dips below its price every few steps, and each dip would cost skips
+until the next re-probe; a member that adds nothing (gain near 0) is still skipped. A member without a
+measured price or gain drafts (that is how they are measured). A row it skips is re-probed after 4 skipped
+steps, then 8, at most 16 (the estimate would otherwise never be corrected); a decision that pays resets the wait
+to 4.
 
 The decision reads timings and acceptance of earlier steps only, never this step's verification, so
 the candidate set stays a function of what is known before verification: sampling stays exact.

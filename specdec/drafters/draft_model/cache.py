@@ -35,24 +35,24 @@ def feed_root(lm, cache, roots: torch.Tensor, b: int, pend_n: torch.Tensor, pend
         cache.lens.add_(1)
         return last
     device = pend_n.device
+    pn = pend_n[:b]                                                     # [b]
     if b == 1 and device.type == "cpu":  # one request: its chain as it is, no padding (host integers)
-        pn = int(pend_n[0])
-        x = torch.cat((pend_tok[:1, :pn], roots.view(1, 1)), dim=1)
-        depths = torch.arange(pn + 1, dtype=torch.int32).view(1, pn + 1)
-        pn_t = torch.tensor([pn])
+        n = int(pn[0])
+        x = torch.cat((pend_tok[:1, :n], roots.view(1, 1)), dim=1)
+        depths = torch.arange(n + 1, dtype=torch.int32).view(1, n + 1)
+        fed = n + 1
     else:
-        pn = pend_n[:b]                                                 # [b]
         j = torch.arange(P + 1, device=device).view(1, P + 1)
         x = torch.full((b, P + 1), -1, dtype=torch.int64, device=device)
         x[:, :P] = pend_tok[:b, :P]
         x = torch.where(j < pn.view(b, 1), x, torch.where(j == pn.view(b, 1), roots.view(b, 1), -1))
         depths = j.to(torch.int32).expand(b, P + 1)
-        pn_t = pn
+        fed = (pn + 1).to(torch.int32)
     if hasattr(lm, "forward_last"):
-        last = lm.forward_last(cache, x, depths, pn_t, **kw)           # [b, V] after the root
+        last = lm.forward_last(cache, x, depths, pn, **kw)             # [b, V] after the root
     else:
-        last = lm.forward(cache, x, depths, None, **kw)[torch.arange(b, device=device), pn_t]
-    cache.lens.add_(pn + 1 if isinstance(pn, int) else (pn_t + 1).to(torch.int32))
+        last = lm.forward(cache, x, depths, None, **kw)[torch.arange(b, device=device), pn]
+    cache.lens.add_(fed)
     return last
 
 

@@ -256,6 +256,7 @@ class DraftModel(Drafter):
             step.tree = TokenTree.root_only(ctx.roots)
             return step
         limits = [max(0, min(k, int(x))) for x in ctx.budgets]  # per-row depth (the scheduler's choice)
+        reduced = self._reduced()
         cache = self._view(b)
         if self._behind:
             t0 = time.perf_counter()
@@ -264,9 +265,9 @@ class DraftModel(Drafter):
         else:
             step.base = cache.lens.clone()  # [b] int32: committed draft prefix (pending tokens excluded)
             last = feed_root(self.lm, cache, ctx.roots, b, self._pend_n, self._pend_tok, self._pend_width,
-                             self.spine_buffers.depths1, self._reduced())
+                             self.spine_buffers.depths1, reduced)
         if not self.dynamic:
-            rec = propose_spine(self, ctx, k, b, cache, last, limits, self._reduced())
+            rec = propose_spine(self, ctx, k, b, cache, last, limits, reduced)
         elif not self.params.greedy and self.sampled_children:
             rec = self._propose_planned(ctx, k, b, cache, last, drawn=True)
         elif self.planned:
