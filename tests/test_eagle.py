@@ -625,6 +625,39 @@ def test_held_out_evaluation(trained):
     assert [r["step"] for r in runs[1] if "val_accuracy" in r] == [4, 6]
 
 
+def test_bf16_autocast_training_learns_and_repeats(trained):
+    """amp="bf16": the products run in bfloat16 (the weights stay float32), the loss falls as in float32
+    training, two runs from one seed agree exactly, and evaluation scores the first drafted token whatever
+    the unroll (a bad amp name is refused)."""
+    from dataclasses import replace
+
+    from specdec.drafters.eagle.train import evaluate_head
+
+    model, net, _, seqs, feats = trained
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    cfg = TrainConfig(steps=60, lr=3e-3, warmup=5, batch=8, max_len=48, unroll=2, amp="bf16")
+    logs, nets = [], []
+    for _ in range(2):
+        torch.manual_seed(1)
+        fresh = HeadNet(_head_config())
+        logs.append(train_head(fresh, seqs, feats, emb, head, cfg))
+        nets.append(fresh)
+    assert [r["loss"] for r in logs[0]] == [r["loss"] for r in logs[1]]
+    assert all(p.dtype == torch.float32 for p in nets[0].parameters())
+    torch.manual_seed(1)
+    fp32 = train_head(HeadNet(_head_config()), seqs, feats, emb, head, replace(cfg, steps=3, amp=None))
+    assert fp32[0]["loss"] != logs[0][0]["loss"]   # the bf16 products did run
+    first = sum(r["loss"] for r in logs[0][:5]) / 5
+    last = sum(r["loss"] for r in logs[0][-5:]) / 5
+    assert last < 0.8 * first
+    toks = [torch.as_tensor(s) for s in seqs[:6]]
+    one = evaluate_head(net, toks, feats[:6], emb, head, TrainConfig(batch=4, max_len=64, unroll=1))
+    three = evaluate_head(net, toks, feats[:6], emb, head, TrainConfig(batch=4, max_len=64, unroll=3))
+    assert one == three
+    with pytest.raises(ValueError, match="amp"):
+        train_head(HeadNet(_head_config()), seqs[:4], feats[:4], emb, head, TrainConfig(steps=1, amp="fp8"))
+
+
 def test_unrolled_training_steps_equal_chain_drafting():
     """Training-time test: step s of unrolled_outputs at position p gives the logits HeadLM drafts for the
     s-th chain token after the committed p - s (its own features, cached drafted keys)."""

@@ -25,7 +25,8 @@ namespace {
 
 __global__ void q8_quantize_kernel(const float* __restrict__ x, int8_t* __restrict__ a, float* __restrict__ d,
                                    float* __restrict__ s, int64_t K) {
-  const int64_t G = K / 32, m = blockIdx.y, g = blockIdx.x;
+  // one block per (row, group), flattened: a [K / 32, M] grid would cap M at gridDim.y's 65,535
+  const int64_t G = K / 32, m = int64_t(blockIdx.x) / G, g = int64_t(blockIdx.x) % G;
   const int j = threadIdx.x;
   const float xv = x[m * K + g * 32 + j];
   float amax = fabsf(xv);
@@ -83,8 +84,10 @@ __global__ void q8act_dot_kernel(const int8_t* __restrict__ a, const float* __re
 void quantize(const at::Tensor& x32, at::Tensor& a, at::Tensor& d, float* s) {
   const int64_t M = x32.size(0), K = x32.size(1);
   if (M == 0 || K == 0) return;
-  const dim3 grid(unsigned(K / 32), unsigned(M));
-  q8_quantize_kernel<<<grid, 32, 0, at::cuda::getCurrentCUDAStream()>>>(x32.data_ptr<float>(), a.data_ptr<int8_t>(),
+  const int64_t blocks = M * (K / 32);
+  TORCH_CHECK(blocks <= int64_t(0x7fffffff), "specdec qlinear_q8act (CUDA): x holds ", M, " rows of ", K / 32,
+              " blocks; at most 2^31 - 1 (row, block) pairs per call");
+  q8_quantize_kernel<<<unsigned(blocks), 32, 0, at::cuda::getCurrentCUDAStream()>>>(x32.data_ptr<float>(), a.data_ptr<int8_t>(),
                                                                           d.data_ptr<float>(), s, K);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -94,6 +97,8 @@ void launch_dot(const at::Tensor& a, const at::Tensor& d, const float* s, const 
                 const __half* mins, const float* bias, at::Tensor& y, int64_t M, int64_t N, int64_t K) {
   constexpr int kThreads = 256;
   const int64_t blocks = ceil_div(M * N * 32, kThreads);
+  TORCH_CHECK(blocks <= int64_t(0x7fffffff), "specdec qlinear_q8act (CUDA): ", M, " rows x ", N,
+              " outputs need more than 2^31 - 1 blocks of one warp per output; split x's rows");
   q8act_dot_kernel<BITS, MINS><<<unsigned(blocks), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
       a.data_ptr<int8_t>(), d.data_ptr<float>(), s, static_cast<const uint8_t*>(qw.data_ptr()),
       reinterpret_cast<const __half*>(scales.data_ptr<at::Half>()), mins, bias, y.data_ptr<float>(), M, N, K);

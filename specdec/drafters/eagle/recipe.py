@@ -55,6 +55,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unroll", type=int, default=2,
                    help="drafting steps trained (> 1: training-time test on the head's own features; default 2)")
     p.add_argument("--noise", type=float, default=0.0, help="uniform feature noise half-width (default 0)")
+    p.add_argument("--token-weight", type=float, default=0.1,
+                   help="weight of the next-token cross-entropy (default 0.1, EAGLE's)")
+    p.add_argument("--feature-weight", type=float, default=1.0,
+                   help="weight of the smooth-L1 feature loss (default 1.0, EAGLE's; 0 trains on tokens only)")
+    p.add_argument("--amp", default="none", choices=["none", "bf16"],
+                   help="bf16: the training's products in bfloat16 under torch.autocast, weights, losses and optimizer "
+                        "in float32 (default none)")
     p.add_argument("--val-fraction", type=float, default=0.05,
                    help="sequences held out to score the head's next-token accuracy on answers (default 0.05)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt choice, the init and the batches")
@@ -185,10 +192,14 @@ def run(args: argparse.Namespace, argv: Optional[List[str]] = None) -> int:
     val_idx, train_idx = sorted(order[:n_val]), sorted(order[n_val:])
     train_seqs = [seqs[i] for i in train_idx]
     net, head = _make_net(args, model, train_seqs, tok)
+    if args.token_weight < 0 or args.feature_weight < 0 or not (args.token_weight or args.feature_weight):
+        raise SystemExit(f"specdec train-head: --token-weight and --feature-weight must be >= 0 and not both 0, got "
+                         f"{args.token_weight} and {args.feature_weight}")
     if args.unroll < 1:
         raise SystemExit(f"specdec train-head: --unroll must be >= 1, got {args.unroll}")
     cfg = TrainConfig(steps=args.steps, lr=args.lr, batch=args.train_batch, seed=args.seed, noise=args.noise,
-                      unroll=args.unroll,
+                      unroll=args.unroll, token_weight=args.token_weight, feature_weight=args.feature_weight,
+                      amp=None if args.amp == "none" else args.amp,
                       warmup=max(1, args.steps // 20), checkpoint_every=max(1, args.steps // 10),
                       eval_every=max(1, args.steps // 20) if n_val else 0)
     val = ([seqs[i] for i in val_idx], [feats[i] for i in val_idx], [plen[i] for i in val_idx]) if n_val else None

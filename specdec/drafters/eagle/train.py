@@ -22,10 +22,11 @@ threads, same device).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -52,6 +53,7 @@ class TrainConfig:
     checkpoint_every: int = 200
     eval_every: int = 0            # > 0 (with held-out sequences): evaluate every this many steps, and at the end
     unroll: int = 1                # drafting steps trained (> 1: training-time test on the head's own features)
+    amp: Optional[str] = None      # "bf16": products in bfloat16 under torch.autocast (weights, losses, optimizer fp32)
 
 
 def head_losses(net: HeadNet, tokens: torch.Tensor, feats: torch.Tensor, lengths: torch.Tensor,
@@ -95,9 +97,9 @@ def head_losses(net: HeadNet, tokens: torch.Tensor, feats: torch.Tensor, lengths
         valid = (col < lengths.view(B, 1)) & (col >= step)                    # step s needs its root c - s
         fl = torch.zeros((), device=dev)
         if hc.style == "eagle" and cfg.feature_weight:
-            per = F.smooth_l1_loss(out, feats.to(out.dtype), reduction="none").mean(dim=2)
+            per = F.smooth_l1_loss(out.float(), feats.float(), reduction="none").mean(dim=2)
             fl = (per * valid).sum() / valid.sum().clamp(min=1)
-        logits = net.logits(out[:, :-1], head_fn)
+        logits = net.logits(out[:, :-1], head_fn).float()
         lab = torch.where(has_next & (col[:, :-1] >= step), labels, -100)
         tl = torch.nan_to_num(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1),
                                               ignore_index=-100))  # nan: no label in the draft vocabulary
@@ -191,6 +193,7 @@ def evaluate_head(net: HeadNet, tokens: Sequence[torch.Tensor], feats: Sequence[
     predicts)."""
     was = net.training
     net.eval()
+    one = replace(cfg, unroll=1, noise=0.0)  # what is scored: the first drafted token, teacher-forced
     hits = scored = in_vocab = 0
     tl = fl = 0.0
     for i in range(0, len(tokens), cfg.batch):
@@ -202,8 +205,9 @@ def evaluate_head(net: HeadNet, tokens: Sequence[torch.Tensor], feats: Sequence[
             tok[j, :t.numel()], ft[j, :t.numel()] = t, f.float()
         lengths = torch.tensor([t.numel() for t, _ in rows])
         frm = None if answer_from is None else torch.tensor([int(a) for a in answer_from[i:i + cfg.batch]])
-        _, f_l, t_l, _, (h, n, v) = head_losses(net, tok, ft, lengths, target_head, cfg, embed,
-                                                torch.zeros(len(rows), dtype=torch.int64), None, frm, counts=True)
+        with _autocast(cfg, tok.device):
+            _, f_l, t_l, _, (h, n, v) = head_losses(net, tok, ft, lengths, target_head, one, embed,
+                                                    torch.zeros(len(rows), dtype=torch.int64), None, frm, counts=True)
         hits, scored, in_vocab = hits + h, scored + n, in_vocab + v
         tl += float(t_l) * v
         fl += float(f_l) * n
@@ -211,6 +215,15 @@ def evaluate_head(net: HeadNet, tokens: Sequence[torch.Tensor], feats: Sequence[
     # accuracy over every scored next token: one outside the draft vocabulary is a miss, as when drafting
     return dict(val_accuracy=hits / max(scored, 1), val_token_loss=tl / max(in_vocab, 1),
                 val_feature_loss=fl / max(scored, 1), val_positions=scored)
+
+
+def _autocast(cfg: TrainConfig, device: torch.device):
+    """torch.autocast for cfg.amp ("bf16"), or a context that changes nothing."""
+    if cfg.amp is None:
+        return contextlib.nullcontext()
+    if cfg.amp != "bf16":
+        raise ValueError(f"train_head: amp must be None or 'bf16', got {cfg.amp!r}")
+    return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 def _lr(cfg: TrainConfig, step: int) -> float:
@@ -263,7 +276,8 @@ def train_head(net: HeadNet, tokens: Sequence[Sequence[int]], feats: Sequence[to
         for g in opt.param_groups:
             g["lr"] = _lr(cfg, step)
         tok, ft, lengths, start, prev = _batch(toks, list(feats), cfg, gen)
-        loss, fl, tl, acc = head_losses(net, tok, ft, lengths, head_w, cfg, embed, start, gen, prev=prev)
+        with _autocast(cfg, tok.device):
+            loss, fl, tl, acc = head_losses(net, tok, ft, lengths, head_w, cfg, embed, start, gen, prev=prev)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.clip:
