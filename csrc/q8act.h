@@ -45,6 +45,9 @@ std::string q8act_tiers();  // the tiers this CPU runs, comma-separated, best fi
 // How many packed blocks ahead the AVX2 tier prefetches its weight (0: none; default 16); process-wide,
 // for A/Bs; returns the previous value. The bits do not depend on it.
 int64_t set_q8act_prefetch(int64_t blocks);
+// Whether the AVX-512 VNNI tier runs one- and two-row passes over Q4 weights on two groups of 16 weight
+// rows at once (true) or one (false); the same bits either way. Returns the previous value.
+bool set_q8act_group_pairs(bool on);
 }  // namespace cpu
 
 namespace checks {

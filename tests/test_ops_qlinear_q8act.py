@@ -243,3 +243,22 @@ def test_prefetch_distance_does_not_change_the_bits(fmt, tier):
         assert _C.set_q8act_prefetch(16) == 4096
     finally:
         _C.set_q8act_prefetch(was)
+
+
+@pytest.mark.parametrize("fmt", list(FMTS))
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_group_pairs_do_not_change_the_bits(fmt, rows, tier):
+    """One- and two-row passes on two weight groups at once or one at a time (an odd group count: the
+    paired loop's remainder) give the reference's bits in every tier."""
+    qw, d, m = case(70, 576, fmt, seed=4)
+    packed = ops.pack_q8act(qw, d, m, FMTS[fmt])
+    x = activations(rows, 576, seed=6)
+    want = reference_q8act.qlinear_q8act(x, qw, d, m, None, FMTS[fmt])
+    was = _C.set_q8act_group_pairs(True)
+    try:
+        for on in (True, False):
+            _C.set_q8act_group_pairs(on)
+            assert torch.equal(ops.qlinear(x, packed, d, m, None, FMTS[fmt], act="q8"), want), on
+        assert _C.set_q8act_group_pairs(True) is False
+    finally:
+        _C.set_q8act_group_pairs(was)

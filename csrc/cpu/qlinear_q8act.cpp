@@ -109,6 +109,19 @@ namespace {
 
 std::atomic<int> g_tier{kQ8TierAuto};
 std::atomic<int64_t> g_prefetch{kQ8PrefetchBlocks};
+// The AVX-512 VNNI tier's one- and two-row Q4 passes over two weight groups at once: measured faster on an
+// Intel AVX-512 VNNI CPU (docs/benchmarks.md), slower on an AMD one (family 25: a decode step 0.87x, a two-row
+// pass 0.81x with one group at a time, benchmarks/results/q8act_pairs_ab_2026-12-07.json), where the weights
+// stream from DRAM; so off on AMD CPUs, on elsewhere.
+bool default_group_pairs() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();  // a static initializer may run before libgcc's own
+  return !__builtin_cpu_is("amd");
+#else
+  return true;
+#endif
+}
+std::atomic<bool> g_group_pairs{default_group_pairs()};
 
 bool tier_supported(int t) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -168,6 +181,8 @@ int64_t set_q8act_prefetch(int64_t blocks) {
   return g_prefetch.exchange(blocks);
 }
 
+bool set_q8act_group_pairs(bool on) { return g_group_pairs.exchange(on); }
+
 std::string q8act_tiers() {
   std::string out;
   for (int t = kQ8Avx512Vnni; t <= kQ8Scalar; ++t)
@@ -213,6 +228,7 @@ void qlinear_q8act_raw(const float* x, int64_t x_stride, const QLinearParams& Q)
   P.bits = Q.bits;
   P.mins = mins;
   P.prefetch = g_prefetch.load(std::memory_order_relaxed);
+  P.group_pairs = g_group_pairs.load(std::memory_order_relaxed);
   auto rows = tier == kQ8Avx512Vnni ? &q8act_rows_avx512vnni
               : tier == kQ8AvxVnni  ? &q8act_rows_avxvnni
               : tier == kQ8Avx2     ? &q8act_rows_avx2

@@ -88,7 +88,8 @@ inline void rows_t(const Q8ActParams& P, int64_t t_begin, int64_t t_end) {
   // group's codes do not fit the registers beside the first's (two-row pass 1.153 -> 1.089x a one-row pass
   // in benchmarks/results/q8act_cpu_2026-12-06j.json against archive/q8act_cpu_2026-12-06i.json)
   if constexpr (BITS == 4) {
-    if (P.M == 1)
+    if (!P.group_pairs) {
+    } else if (P.M == 1)
       for (; t + 2 <= t_end; t += 2) tile<BITS, MINS, 2, 1>(P, t, 0);
     else if (P.M == 2)
       for (; t + 2 <= t_end; t += 2) tile<BITS, MINS, 2, 2>(P, t, 0);

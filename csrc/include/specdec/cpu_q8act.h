@@ -66,6 +66,7 @@ struct Q8ActParams {
   int bits;
   bool mins;               // Q4_1
   int64_t prefetch = kQ8PrefetchBlocks;  // packed blocks the AVX2 tier prefetches ahead (0: none)
+  bool group_pairs = true;  // AVX-512 VNNI, Q4 weights, one or two rows: two groups of 16 rows per tile
 };
 
 // Tiers, best first; kQ8TierAuto: the best this CPU runs.
