@@ -1,7 +1,9 @@
-"""qlinear_q8act's AVX-512 VNNI one- and two-row Q4 passes on two weight groups at once or one, A/B in one process.
+"""qlinear_q8act's AVX-512 VNNI tier, A/B of a switch in one process: two weight groups or one, block prefetch.
 
-    python benchmarks/ab_q8act_pairs.py [--rounds 25] [--reps 5] [--threads 2] [--new 48]
+    python benchmarks/ab_q8act_pairs.py [--switch pairs|block_prefetch] [--rounds 25] [--reps 5] [--threads 2]
+        [--new 48]
 
+``--switch pairs`` (the default):
 ``specdec._C.set_q8act_group_pairs(on)`` switches, between calls, whether the AVX-512 VNNI tier runs a pass of
 one or two activation rows over Q4 weights on two groups of 16 weight rows at once ("pairs") or one group at a
 time ("single"); the bits are the same either way (checked here on every forward). The bundled model at q4_1
@@ -9,8 +11,10 @@ with q8 activations (the CLI's default target), a 150-token prefix: per round an
 forwards of N = 1, 2, 3, 4 chain nodes (a decode step at N = 1, verify passes above; the same positions
 rewritten), then plain greedy decoding of --new tokens on two chat prompts (tokens/s); the sides' order
 alternates by round. Reported per case: the medians, the median of per-round ratios (single / pairs) and their
-geometric mean with a 95 % interval. The CPU must run the AVX-512 VNNI tier (elsewhere the switch changes
-nothing). Writes benchmarks/results/q8act_pairs_ab_<date>.json.
+geometric mean with a 95 % interval. ``--switch block_prefetch``: ``set_q8act_block_prefetch`` at 0 ("pairs"
+columns: the one-line hint) and 2 ("single" columns: every line of the block two blocks ahead, the default) with
+N = 1, 4, 6, 8 (the tiles of many rows take it). The CPU must run the AVX-512 VNNI tier (elsewhere the switches
+change nothing). Writes benchmarks/results/q8act_pairs_ab_<date>.json (q8act_block_prefetch_ab_<date>.json).
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ def _summary(pairs, single):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--switch", default="pairs", choices=["pairs", "block_prefetch"])
     ap.add_argument("--rounds", type=int, default=25)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
@@ -70,16 +75,21 @@ def main() -> None:
     cache = lm.new_cache(1, 512)
     lm.prefill(cache, [list(range(1, 151))])
     prompts = [chat_ids(tok, p) for p in PROMPTS]
-    default = _C.set_q8act_group_pairs(True)
-    _C.set_q8act_group_pairs(default)
+    nodes = NODES if a.switch == "pairs" else (1, 4, 6, 8)
+    setter = _C.set_q8act_group_pairs if a.switch == "pairs" else \
+        (lambda on: _C.set_q8act_block_prefetch(0 if on else 2))
+    default = _C.set_q8act_group_pairs(True) if a.switch == "pairs" else _C.set_q8act_block_prefetch(2)
+    restore = (lambda: _C.set_q8act_group_pairs(default)) if a.switch == "pairs" else \
+        (lambda: _C.set_q8act_block_prefetch(default))
+    restore()
     load = [loadavg()]
-    step = {(s, n): [] for s in (True, False) for n in NODES}
+    step = {(s, n): [] for s in (True, False) for n in nodes}
     gen = {s: [] for s in (True, False)}
     ref, ref_gen = {}, None
     for r in range(a.rounds + 1):  # round 0 warms up
         for side in ((True, False) if r % 2 else (False, True)):
-            _C.set_q8act_group_pairs(side)
-            for n in NODES:
+            setter(side)
+            for n in nodes:
                 tk, dep = torch.zeros(1, n, dtype=torch.long), torch.arange(n)[None]
                 t0 = time.perf_counter()
                 for _ in range(a.reps):
@@ -105,9 +115,9 @@ def main() -> None:
         if r:
             print(f"round {r}: N=1 pairs {step[(True, 1)][-1]:.2f} ms, single {step[(False, 1)][-1]:.2f} ms; "
                   f"greedy {gen[True][-1]:.1f} / {gen[False][-1]:.1f} tokens/s", flush=True)
-    _C.set_q8act_group_pairs(default)
+    restore()
     load.append(loadavg())
-    summary = {f"forward N={n} (ms)": _summary(step[(True, n)], step[(False, n)]) for n in NODES}
+    summary = {f"forward N={n} (ms)": _summary(step[(True, n)], step[(False, n)]) for n in nodes}
     g = _summary([1 / x for x in gen[True]], [1 / x for x in gen[False]])  # seconds per token: lower is better
     summary["greedy plain (tokens/s)"] = {"pairs_median": statistics.median(gen[True]),
                                           "single_median": statistics.median(gen[False]),
@@ -122,11 +132,15 @@ def main() -> None:
         else:
             print(f"{k}: pairs {v['pairs_median']:.1f}, single {v['single_median']:.1f}; seconds per token single / "
                   f"pairs {v['single_over_pairs_seconds_per_token']:.3f}")
-    res = {"benchmark": "q8act_pairs_ab", "date": _dt.date.today().isoformat(), "commit": git_commit(),
+    bench = "q8act_pairs_ab" if a.switch == "pairs" else "q8act_block_prefetch_ab"
+    res = {"benchmark": bench, "switch": a.switch,
+           "sides": ["pairs: two groups", "single: one group"] if a.switch == "pairs" else
+           ["pairs columns: block_prefetch 0 (one-line hint)", "single columns: block_prefetch 2"],
+           "date": _dt.date.today().isoformat(), "commit": git_commit(),
            "cpu": cpu_name(), "threads": a.threads, "rounds": a.rounds, "reps": a.reps, "new_tokens": a.new,
-           "default_group_pairs": default, "loadavg": load, "summary": summary,
+           "default": default, "loadavg": load, "summary": summary,
            "notes": "one process, the sides alternating by round; logits and greedy outputs equal between the sides"}
-    out = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / f"q8act_pairs_ab_{res['date']}.json"
+    out = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / f"{bench}_{res['date']}.json"
     out.write_text(json.dumps(res, indent=1))
     print(f"wrote {out}")
 

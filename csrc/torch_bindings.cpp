@@ -175,6 +175,10 @@ PYBIND11_MODULE(_C, m) {
         "Whether qlinear_q8act's AVX-512 VNNI tier runs one- and two-row passes over Q4 weights on two groups of 16 "
         "weight rows at once (True) or one group at a time (False). Returns the previous value. The same bits "
         "either way; for A/Bs.");
+  m.def("set_q8act_block_prefetch", &specdec::cpu::set_q8act_block_prefetch, pybind11::arg("blocks"),
+        "How many packed blocks ahead qlinear_q8act's AVX-512 VNNI tiles of many activation rows (Q8_0 from 4, Q4 "
+        "from 6) prefetch every line of a block (0: the one-line hint two blocks ahead; the default 2). Returns the "
+        "previous value. The same bits at any distance; for A/Bs.");
   m.def("q8act_tier", &specdec::cpu::q8act_tier, "The CPU tier qlinear_q8act calls take now.");
   m.def("q8act_tiers", &specdec::cpu::q8act_tiers, "The qlinear_q8act tiers this CPU runs, best first.");
   m.def("cpu_avx512", &specdec::cpu::avx512_active, "Whether verify-size CPU linears take the AVX-512 kernels.");

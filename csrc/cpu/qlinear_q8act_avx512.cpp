@@ -40,7 +40,16 @@ inline void tile(const Q8ActParams& P, int64_t t0, int64_t m0) {
   for (int64_t g = 0; g < G; ++g) {
     for (int q = 0; q < NG; ++q) {
       const uint8_t* b = P.packed + ((t0 + q) * G + g) * blk;
-      if (g + 2 < G) _mm_prefetch(reinterpret_cast<const char*>(b + 2 * blk), _MM_HINT_T0);
+      // many rows: the products outlast the stream, so every line of a block further ahead (the hardware
+      // prefetcher alone fell behind: single-thread harness, Q8_0 from 4 rows, Q4 from 6)
+      constexpr bool kBlockPf = MR >= (BITS == 8 ? 4 : 6);
+      if (kBlockPf && P.block_prefetch > 0) {
+        if (g + P.block_prefetch < G)
+          for (int64_t o = 0; o < blk; o += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(b + P.block_prefetch * blk + o), _MM_HINT_T0);
+      } else if (g + 2 < G) {
+        _mm_prefetch(reinterpret_cast<const char*>(b + 2 * blk), _MM_HINT_T0);
+      }
       __m512i w[8];  // w[e]: the codes multiplying activation word e (elements 4e..4e+3)
       if constexpr (BITS == 8) {
         for (int k = 0; k < 8; ++k) w[k] = _mm512_loadu_si512(b + 64 * k);

@@ -46,6 +46,10 @@ namespace cpu {
 
 constexpr int64_t kQ8Block = 32;
 constexpr int64_t kQ8Rows = 16;  // weight rows per packed group
+// The AVX-512 VNNI tier's tiles of many activation rows (Q8_0 from 4 rows, Q4 from 6), whose products outlast
+// the weight stream, prefetch every line of the block this many blocks ahead (set_q8act_block_prefetch; 0: the
+// one-line hint two blocks ahead that the other tiles take).
+constexpr int64_t kQ8BlockPrefetch = 2;
 constexpr int64_t kQ8PrefetchBlocks = 16;  // the AVX2 tier's default prefetch distance (set_q8act_prefetch)
 
 // Bytes per (group of 16 rows, block) of the packed layout, and the offset of its scales.
@@ -67,6 +71,7 @@ struct Q8ActParams {
   bool mins;               // Q4_1
   int64_t prefetch = kQ8PrefetchBlocks;  // packed blocks the AVX2 tier prefetches ahead (0: none)
   bool group_pairs = true;  // AVX-512 VNNI, Q4 weights, one or two rows: two groups of 16 rows per tile
+  int64_t block_prefetch = kQ8BlockPrefetch;  // AVX-512 VNNI many-row tiles: every line this many blocks ahead
 };
 
 // Tiers, best first; kQ8TierAuto: the best this CPU runs.
