@@ -110,8 +110,8 @@ namespace {
 std::atomic<int> g_tier{kQ8TierAuto};
 std::atomic<int64_t> g_prefetch{kQ8PrefetchBlocks};
 // The AVX-512 VNNI tier's one- and two-row Q4 passes over two weight groups at once: measured faster on an
-// Intel AVX-512 VNNI CPU (docs/benchmarks.md), slower on an AMD one (family 25: a decode step 0.87x, a two-row
-// pass 0.81x with one group at a time, benchmarks/results/q8act_pairs_ab_2026-12-07.json), where the weights
+// Intel AVX-512 VNNI CPU (docs/benchmarks.md), slower on an AMD one (family 25: a decode step 0.79x, a two-row
+// pass 0.77x with one group at a time, benchmarks/results/q8act_pairs_ab_2026-12-07.json), where the weights
 // stream from DRAM; so off on AMD CPUs, on elsewhere.
 bool default_group_pairs() {
 #if defined(__x86_64__) || defined(__i386__)

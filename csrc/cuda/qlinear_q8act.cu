@@ -87,8 +87,8 @@ void quantize(const at::Tensor& x32, at::Tensor& a, at::Tensor& d, float* s) {
   const int64_t blocks = M * (K / 32);
   TORCH_CHECK(blocks <= int64_t(0x7fffffff), "specdec qlinear_q8act (CUDA): x holds ", M, " rows of ", K / 32,
               " blocks; at most 2^31 - 1 (row, block) pairs per call");
-  q8_quantize_kernel<<<unsigned(blocks), 32, 0, at::cuda::getCurrentCUDAStream()>>>(x32.data_ptr<float>(), a.data_ptr<int8_t>(),
-                                                                          d.data_ptr<float>(), s, K);
+  q8_quantize_kernel<<<unsigned(blocks), 32, 0, at::cuda::getCurrentCUDAStream()>>>(
+      x32.data_ptr<float>(), a.data_ptr<int8_t>(), d.data_ptr<float>(), s, K);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
