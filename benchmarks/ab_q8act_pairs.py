@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import math
 import statistics
 import sys
@@ -32,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specdec.bench.record import cpu_name, git_commit, loadavg  # noqa: E402
+from specdec.bench.record import cpu_name, git_commit, loadavg, write_record  # noqa: E402
 
 PROMPTS = ["Explain why the sky is blue in two sentences.", "Write a short story about a robot learning to paint."]
 NODES = (1, 2, 3, 4)
@@ -141,8 +140,7 @@ def main() -> None:
            "default": default, "loadavg": load, "summary": summary,
            "notes": "one process, the sides alternating by round; logits and greedy outputs equal between the sides"}
     out = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / f"{bench}_{res['date']}.json"
-    out.write_text(json.dumps(res, indent=1))
-    print(f"wrote {out}")
+    write_record(str(out.parent), out.stem, res)
 
 
 if __name__ == "__main__":

@@ -282,3 +282,18 @@ def test_block_prefetch_does_not_change_the_bits(fmt, tier):
         assert _C.set_q8act_block_prefetch(2) == 64
     finally:
         _C.set_q8act_block_prefetch(was)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_more_rows_than_a_grid_dimension_holds(device, fmt):
+    """70,000 activation rows (a long prefill): more than CUDA's 65,535 blocks in a grid's y dimension, which
+    the quantizer's grid once used for rows; every row's codes, scales and outputs are the reference's."""
+    M = 70_000
+    x = torch.randn(M, 64, generator=gen(9))
+    qw, d, m = case(16, 64, fmt, seed=10)
+    a, s = ops.quantize_q8(x.to(device))
+    ra, rs = reference_q8act.quantize_q8(x)
+    assert torch.equal(a.cpu(), ra) and torch.equal(s.cpu(), rs)
+    y = ops.qlinear(x.to(device), qw.to(device), d.to(device), put(m, device), None, FMTS[fmt], act="q8")
+    assert torch.equal(y.cpu(), reference_q8act.qlinear_q8act(x, qw, d, m, None, FMTS[fmt]))
