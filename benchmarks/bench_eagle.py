@@ -39,12 +39,13 @@ from specdec.models.bundled import load_bundled
 
 # run at their own k every step; the others under the goodput policy
 FIXED = ("head_chain", "head_tree", "head_k1", "head_k2", "head_k3", "head_k1w2", "head_k1w3", "head_k2w2",
-         "head_k1_batched")
+         "head_k1_batched", "head_k1w2_q4")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def _methods(target_model, draft_model, head_net, head_precision, head_act=None):
     hp = dict(precision=head_precision, act=head_act)
+    hq4 = dict(precision="q4_1", act="q8")  # the *_q4 methods: a Q4_1 copy of the head, whatever --head-precision
     return {
         "plain": lambda: None,
         "lookup": lambda: PromptLookup(ngram=3, k=10),
@@ -80,6 +81,10 @@ def _methods(target_model, draft_model, head_net, head_precision, head_act=None)
         "head_k1w2": lambda: EagleHead(head_net, k=1, top_k=2, **hp),
         "head_k1w3": lambda: EagleHead(head_net, k=1, top_k=3, **hp),
         "head_k2w2": lambda: EagleHead(head_net, k=2, top_k=2, **hp),
+        # the same two with a Q4_1 copy of the head (half the bytes a draft forward reads after the target's pass)
+        "head_k1w2_q4": lambda: EagleHead(head_net, k=1, top_k=2, **hq4),
+        "lookup_head_k1w2_q4": lambda: MultiDraft([PromptLookup(ngram=3, k=10),
+                                                   EagleHead(head_net, k=1, top_k=2, **hq4)], escalate=2.0),
     }
 
 
