@@ -81,11 +81,20 @@ def _methods(target_model, draft_model, head_net, head_precision, head_act=None)
         "head_k1w2": lambda: EagleHead(head_net, k=1, top_k=2, **hp),
         "head_k1w3": lambda: EagleHead(head_net, k=1, top_k=3, **hp),
         "head_k2w2": lambda: EagleHead(head_net, k=2, top_k=2, **hp),
+        # lookup_head_k1w2 with the price check of before 2026-12-07 (one price per member, the catch-up subtracted)
+        "lookup_head_k1w2_oldgate": lambda: _old_gate(MultiDraft([PromptLookup(ngram=3, k=10),
+                                                                  EagleHead(head_net, k=1, top_k=2, **hp)],
+                                                                 escalate=2.0)),
         # the same two with a Q4_1 copy of the head (half the bytes a draft forward reads after the target's pass)
         "head_k1w2_q4": lambda: EagleHead(head_net, k=1, top_k=2, **hq4),
         "lookup_head_k1w2_q4": lambda: MultiDraft([PromptLookup(ngram=3, k=10),
                                                    EagleHead(head_net, k=1, top_k=2, **hq4)], escalate=2.0),
     }
+
+
+def _old_gate(multi):
+    multi.gate.price_catch_up = False
+    return multi
 
 
 def _step_cost(target_model, draft_model, head_net, head_precision, head_act=None, ctx_len=200, reps=30):

@@ -81,6 +81,9 @@ class Drafter:
     catch_up_seconds: float = 0.0
     #: positions (tokens over all rows) that catch-up fed in the last propose()
     catch_up_positions: int = 0
+    #: the part of ``catch_up_seconds`` spent on the prompts of rows the drafter had not seen (a lazy
+    #: admission's prefill): a once-per-request cost, unlike the tokens of steps it did not draft
+    prompt_seconds: float = 0.0
 
     def pending_catch_up(self, lengths: Sequence[int]) -> List[int]:
         """Per active row (``lengths``: its prompt + emitted tokens), the positions the next proposal

@@ -251,6 +251,7 @@ class MultiDraft(Drafter):
         drafts: List[Draft] = []
         self.catch_up_seconds = 0.0
         self.catch_up_positions = 0
+        self.prompt_seconds = 0.0
         esc = self.escalate
         if esc is not None:
             # a new request starts from each member's decoder-wide record (every member is trusted on a
@@ -290,10 +291,17 @@ class MultiDraft(Drafter):
                 except (ValueError, TypeError) as exc:
                     raise type(exc)(f"{self._name(i)}: {exc}") from exc
                 if gate is not None and i > 0 and max(budgets, default=0) > 0:
-                    gate.timed(i, pay_gate.clock() - t0 - float(getattr(d, "catch_up_seconds", 0.0)))
+                    # the member's price (PayGate: steady, or behind with the catch-up over the steps it did
+                    # not draft), a new request's prompt prefill excluded (once per request, whatever the gate)
+                    behind = any(budgets[r] > 0 and gate.behind(rid, i) for r, rid in enumerate(ctx.request_ids))
+                    spent = pay_gate.clock() - t0 - float(getattr(d, "prompt_seconds", 0.0))
+                    if not gate.price_catch_up:
+                        spent -= float(getattr(d, "catch_up_seconds", 0.0)) - float(getattr(d, "prompt_seconds", 0.0))
+                    gate.timed(i, spent, behind)
                 drafts.append(draft)
                 self.catch_up_seconds += float(getattr(d, "catch_up_seconds", 0.0))
                 self.catch_up_positions += int(getattr(d, "catch_up_positions", 0))
+                self.prompt_seconds += float(getattr(d, "prompt_seconds", 0.0))
                 if not d.trusted:
                     check_draft(draft, self._name(i), ctx.request_ids, self.vocab_size, int(d.max_nodes))
                 host.append((draft.tree.tokens.tolist(), draft.tree.parents.tolist()))  # the merge runs on the host
@@ -301,6 +309,9 @@ class MultiDraft(Drafter):
                     n = [sum(1 for x in par[1:] if x >= 0) for par in host[-1][1]]
                     if i > 0:  # a skipped row proposes nothing, whatever the member did with a zero budget
                         n = [0 if t else x for t, x in zip(skip, n)]
+                        if gate is not None:
+                            for r, rid in enumerate(ctx.request_ids):
+                                gate.mark(rid, i, n[r] > 0)
                     proposed.append(n)
                     for r, rid in enumerate(ctx.request_ids):
                         if trusted[r] or budgets[r] <= 0:

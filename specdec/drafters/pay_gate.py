@@ -12,8 +12,14 @@ accepted tokens the member ADDED when it drafted (the accepted path's length les
 it that lay in an earlier member's own tree) as an exponential average (weight 0.8; a new request
 starts from the member's decoder-wide average, weight 0.9, kept across generate calls), and, BESIDE,
 ``base``: the earlier members' own accepted tokens in such steps. Per member it keeps the seconds of
-its propose() (catch-up excluded) when it drafted. With ``step_seconds(n)`` (the cost model's seconds
-of a step without drafting when each row holds n nodes) the member's price in plain steps is
+its propose() when it drafted, a new request's prompt prefill excluded (``Drafter.prompt_seconds``: paid
+once per request whatever the gate decides), as two prices: ``steady`` when every row it drafted for had
+drafted the step before, ``behind`` when one had not, which includes the catch-up over the steps it did
+not draft (a feature head feeds them in the same forward that drafts: excluding the catch-up priced that
+forward at nothing after a skip, and let the head draft where it did not pay). A row's decision takes
+the price of its own state (``behind`` until measured: the steady one). With ``step_seconds(n)``
+(the cost model's seconds of a step without drafting when each row holds n nodes) the member's price in
+plain steps is
 
     cost = (its seconds + step_seconds(1 + n_before + n_own) - step_seconds(1 + n_before)) / step_seconds(1)
 
@@ -51,13 +57,14 @@ clock = time.perf_counter  # the timer of the members' propose() (a module attri
 class _Row:
     """One request's record for one member."""
 
-    __slots__ = ("gain", "base", "skipped", "wait")
+    __slots__ = ("gain", "base", "skipped", "wait", "behind")
 
     def __init__(self, gain: List[Optional[float]], base: Optional[float]) -> None:
         self.gain = list(gain)   # per situation: added accepted tokens per drafting step
         self.base = base         # BESIDE: the earlier members' own accepted tokens per step
         self.skipped = 0
         self.wait = _WAIT0
+        self.behind = False      # the member did not draft for the row in the last step (its next draft catches up)
 
 
 class PayGate:
@@ -65,7 +72,10 @@ class PayGate:
 
     def __init__(self, members: int) -> None:
         self.members = int(members)
-        self.secs: List[Optional[float]] = [None] * self.members
+        self.secs: List[Optional[float]] = [None] * self.members         # steady price (seconds)
+        self.secs_behind: List[Optional[float]] = [None] * self.members  # after a step without drafting
+        #: False: one price, the catch-up subtracted (the gate before the two prices; kept for A/B runs)
+        self.price_catch_up = True
         self.global_gain: List[List[Optional[float]]] = [[None, None] for _ in range(self.members)]
         self.global_base: List[Optional[float]] = [None] * self.members
         self.rows: Dict[int, List[_Row]] = {}
@@ -85,20 +95,34 @@ class PayGate:
             rows = self.rows[rid] = [_Row(self.global_gain[i], self.global_base[i]) for i in range(self.members)]
         return rows
 
-    def timed(self, i: int, seconds: float) -> None:
-        """Member i drafted for at least one row in ``seconds`` (catch-up excluded)."""
-        s = self.secs[i]
-        self.secs[i] = seconds if s is None else _SECS * s + (1 - _SECS) * seconds
+    def timed(self, i: int, seconds: float, behind: bool = False) -> None:
+        """Member i drafted for at least one row in ``seconds`` (a new request's prompt prefill excluded);
+        ``behind``: for a row it had not drafted for in the step before (:meth:`behind`)."""
+        prices = self.secs_behind if behind and self.price_catch_up else self.secs
+        s = prices[i]
+        prices[i] = seconds if s is None else _SECS * s + (1 - _SECS) * seconds
 
-    def cost(self, i: int, n_before: int, n_own: int, step_seconds: Callable[[int], float]) -> Optional[float]:
-        """Member i's price in plain steps for a row with ``n_before`` earlier nodes, ``n_own`` of its own."""
-        if self.secs[i] is None:
+    def mark(self, rid: int, i: int, drafted: bool) -> None:
+        """After a proposal: whether member i drafted for request ``rid`` this step."""
+        self._rows(rid)[i].behind = not drafted
+
+    def behind(self, rid: int, i: int) -> bool:
+        """Whether member i's next draft for request ``rid`` follows a step it did not draft (a catch-up)."""
+        rows = self.rows.get(rid)
+        return rows is not None and rows[i].behind
+
+    def cost(self, i: int, n_before: int, n_own: int, step_seconds: Callable[[int], float],
+             behind: bool = False) -> Optional[float]:
+        """Member i's price in plain steps for a row with ``n_before`` earlier nodes, ``n_own`` of its own;
+        ``behind``: its draft would follow a step it did not draft."""
+        secs = self.secs_behind[i] if behind and self.secs_behind[i] is not None else self.secs[i]
+        if secs is None:
             return None
         plain = step_seconds(1)
         if not plain > 0:
             return None
         extra = max(0.0, step_seconds(1 + n_before + n_own) - step_seconds(1 + n_before))
-        return (self.secs[i] + extra) / plain
+        return (secs + extra) / plain
 
     def allow(self, rid: int, i: int, situation: int, n_before: int, n_own: int,
               step_seconds: Optional[Callable[[int], float]]) -> bool:
@@ -107,7 +131,7 @@ class PayGate:
         gain = row.gain[situation]
         if gain is None or step_seconds is None:
             return True
-        cost = self.cost(i, n_before, n_own, step_seconds)
+        cost = self.cost(i, n_before, n_own, step_seconds, row.behind)
         if cost is None:
             return True
         if situation == ALONE:

@@ -15,6 +15,7 @@ accepted nodes, :func:`tree_moves`); what remains of the accepted path becomes p
 """
 from __future__ import annotations
 
+import time
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -57,7 +58,7 @@ def feed_root(lm, cache, roots: torch.Tensor, b: int, pend_n: torch.Tensor, pend
 
 
 def catch_up(lm, full, cache, sequences: Sequence[Sequence[int]], have: List[int], b: int, V: int,
-             device: torch.device, tokens_per_forward: int, valid_prefix=None) -> Tuple[torch.Tensor, int]:
+             device: torch.device, tokens_per_forward: int, valid_prefix=None) -> Tuple[torch.Tensor, int, float]:
     """Feed every committed token the draft cache lacks, then the root, as one chain per row.
 
     ``full``: the whole draft cache, ``cache``: its view of the ``b`` active rows, ``have``: their lengths
@@ -68,10 +69,13 @@ def catch_up(lm, full, cache, sequences: Sequence[Sequence[int]], have: List[int
     cache's capacity. With an LM that has ``forward_last`` (HFCausalLM) only the logits after each
     row's last fed token are computed. ``valid_prefix(row, limit)``: a draft in the target's pages
     (specdec.draft_pages) starts an empty row after its shared blocks whose draft K/V is valid.
-    Returns the draft logits after each row's root [b, V] and the positions fed."""
+    Returns the draft logits after each row's root [b, V], the positions fed and the seconds spent on
+    the prompts of the rows that joined since (their prefill)."""
     fresh = [r for r in range(b) if have[r] == 0 and len(sequences[r]) > 1]
     fed = 0
+    prompt_seconds = 0.0
     if fresh:
+        t0 = time.perf_counter()
         starts = [valid_prefix(r, len(sequences[r]) - 2) if valid_prefix else 0 for r in fresh]
         prompts = [list(sequences[r][s:-1]) for r, s in zip(fresh, starts)]
         if any(starts):
@@ -80,10 +84,11 @@ def catch_up(lm, full, cache, sequences: Sequence[Sequence[int]], have: List[int
             lm.prefill(full, prompts, rows=fresh)
         have = cache.lens.tolist()
         fed = sum(len(sequences[r]) - 1 - s for r, s in zip(fresh, starts))
+        prompt_seconds = time.perf_counter() - t0
     rows = [list(seq[h:]) for seq, h in zip(sequences, have)]   # [pending..., skipped roots..., root]
     positions = sum(len(r) for r in rows) + fed
     last = _feed_chains(lm, cache, rows, have, full.capacity, V, device, max(1, tokens_per_forward // max(1, b)))
-    return last, positions
+    return last, positions, prompt_seconds
 
 
 def _feed_chains(lm, cache, rows: List[List[int]], have: List[int], cap: int, V: int, device: torch.device,

@@ -246,6 +246,7 @@ class DraftModel(Drafter):
         b = len(ctx.request_ids)
         self.catch_up_seconds = 0.0
         self.catch_up_positions = 0
+        self.prompt_seconds = 0.0
         if ctx.params is not None:
             self.params = ctx.params
         k = min(self.k, max(ctx.budgets))
@@ -294,9 +295,9 @@ class DraftModel(Drafter):
         have = self._host_lens()[:b]
         self._lens_host = None  # the catch-up moves them
         pages = self.cache.pages if isinstance(self.cache, DraftPagesView) else None
-        last, self.catch_up_positions = catch_up(self.lm, self.cache, cache, ctx.sequences, have, b, self.V,
-                                                 self.device, self.catch_up_tokens,
-                                                 None if pages is None else pages.valid_prefix)
+        last, self.catch_up_positions, self.prompt_seconds = catch_up(
+            self.lm, self.cache, cache, ctx.sequences, have, b, self.V, self.device, self.catch_up_tokens,
+            None if pages is None else pages.valid_prefix)
         if pages is not None:  # rows that just got their prompts: their keyed blocks now hold valid draft K/V
             for r in range(b):
                 if have[r] == 0:
