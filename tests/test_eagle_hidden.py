@@ -167,3 +167,30 @@ def test_paged_feature_writes_agree_host_and_tensor_forms():
     c.cache_lens[0] = 94
     write_hidden(c.view(0, 1), torch.ones(1, 6, 8), 0)
     assert torch.equal(c.hidden_pages[:24][c.block_tables[0, :11].long()], before[c.block_tables[0, :11].long()])
+
+
+def test_dense_feature_writes_agree_host_and_tensor_forms():
+    """write_hidden on a dense HiddenKVCache: the host-integer slice copies (a few rows on the CPU) and the
+    scatter (more rows) fill the same slots, at a kv_offset too; nodes past the capacity are not written
+    (the scatter clamps them onto the last slot, which holds padding)."""
+    from specdec.models.hidden import write_hidden
+
+    g = torch.Generator().manual_seed(5)
+    feats = torch.randn(3, 30, 8, generator=g)
+    caches = []
+    for chunks in ((0, 30), (0, 10, 30)):  # one call of 90 nodes (scatter), calls of 30 and 60 (host form)
+        c = HiddenKVCache(1, 3, 1, 4, 48, 8)
+        c.lens[:] = torch.tensor([0, 7, 20], dtype=torch.int32)
+        for a, b in zip(chunks, chunks[1:]):
+            write_hidden(c, feats[:, a:b], a)
+        caches.append(c)
+    for c in caches:
+        for r, start in enumerate((0, 7, 20)):
+            n = min(30, 47 - start)  # the scatter's clamp leaves slot 47 holding some padding node
+            torch.testing.assert_close(c.hidden[r, 0, start:start + n], feats[r, :n])
+    torch.testing.assert_close(caches[0].hidden[:, :, :47], caches[1].hidden[:, :, :47])
+    # a node past the capacity: the host form writes nothing there, and nothing else
+    c = HiddenKVCache(1, 1, 1, 4, 8, 8)
+    c.lens[:] = 6
+    write_hidden(c, torch.ones(1, 4, 8), 0)
+    assert torch.equal(c.hidden[0, 0, 6:], torch.ones(2, 8)) and not c.hidden[0, 0, :6].any()

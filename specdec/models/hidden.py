@@ -147,26 +147,45 @@ def enable_capture(lm, layers: Sequence[int]) -> int:
 
 def write_hidden(cache, feats, kv_offset: int) -> None:
     """Write features [B, N, F] (or a list of parts to concatenate) of a call's N nodes at their K/V
-    slots lens[b] + kv_offset + j (a HiddenKVCache, or a PagedKVView whose cache keeps features)."""
+    slots lens[b] + kv_offset + j (a HiddenKVCache, or a PagedKVView whose cache keeps features).
+
+    On the CPU with a few rows: slice copies from host integers (one per row or block segment). A decode
+    step calls this right after the target's forward has streamed its weights through the caches, where
+    each distinct tensor operation costs several times what it costs warm: one copy per row is cheaper
+    than the slot arithmetic and a scatter."""
     if isinstance(feats, (list, tuple)):
         feats = feats[0] if len(feats) == 1 else torch.cat(list(feats), dim=-1)
     B, N, Fd = feats.shape
-    slots = cache.lens.to(torch.int64).view(B, 1) + kv_offset + torch.arange(N, device=feats.device).view(1, N)
+    few = feats.device.type == "cpu" and B * N <= 64
     if getattr(cache, "paged", False):  # a PagedKVView of a cache with features: through its block table
         pages = cache.pages
-        if feats.device.type == "cpu" and B * N <= 64:  # a few rows: block-contiguous slices from host integers
+        if few:  # block-contiguous slices
             hp = pages.hidden_pages
             for b, (start, table) in enumerate(zip(cache.lens.tolist(), cache.block_tables.tolist())):
                 for j0, page, off, n in _segments(table, start + kv_offset, N, pages.block_size, pages.capacity,
                                                   max(pages.pad, 0)):
                     hp[page, off:off + n, 0].copy_(feats[b, j0:j0 + n])
             return
+        slots = _slots(cache, B, N, kv_offset, feats.device)
         rows = torch.arange(cache.start, cache.start + B, device=feats.device)
         flat = pages.hidden_pages.view(-1, Fd)
         flat.index_copy_(0, pages.feature_slots(rows, slots).view(-1), feats.reshape(B * N, Fd).to(flat.dtype))
         return
-    slots = slots.clamp(max=cache.capacity - 1)  # padding past the capacity (never read) stays in range
+    if few:  # one slice per row; padding past the capacity (never read) is not written
+        hid, cap = cache.hidden, cache.capacity
+        for b, start in enumerate(cache.lens.tolist()):
+            start += kv_offset
+            n = max(0, min(N, cap - start))
+            if n:
+                hid[b, 0, start:start + n].copy_(feats[b, :n])
+        return
+    slots = _slots(cache, B, N, kv_offset, feats.device).clamp(max=cache.capacity - 1)  # padding stays in range
     cache.hidden[:, 0].scatter_(1, slots.unsqueeze(2).expand(B, N, Fd), feats.to(cache.hidden.dtype))
+
+
+def _slots(cache, B: int, N: int, kv_offset: int, device) -> torch.Tensor:
+    """[B, N] int64: the nodes' slots lens[b] + kv_offset + j."""
+    return cache.lens.to(torch.int64).view(B, 1) + kv_offset + torch.arange(N, device=device).view(1, N)
 
 
 class HookCapture:
