@@ -145,6 +145,10 @@ def enable_capture(lm, layers: Sequence[int]) -> int:
     return lm.hidden_width
 
 
+#: False: write_hidden always takes its tensor form (the A/B of benchmarks/ab_capture_write.py)
+HOST_FORM = True
+
+
 def write_hidden(cache, feats, kv_offset: int) -> None:
     """Write features [B, N, F] (or a list of parts to concatenate) of a call's N nodes at their K/V
     slots lens[b] + kv_offset + j (a HiddenKVCache, or a PagedKVView whose cache keeps features).
@@ -156,7 +160,7 @@ def write_hidden(cache, feats, kv_offset: int) -> None:
     if isinstance(feats, (list, tuple)):
         feats = feats[0] if len(feats) == 1 else torch.cat(list(feats), dim=-1)
     B, N, Fd = feats.shape
-    few = feats.device.type == "cpu" and B * N <= 64
+    few = HOST_FORM and feats.device.type == "cpu" and B * N <= 64
     if getattr(cache, "paged", False):  # a PagedKVView of a cache with features: through its block table
         pages = cache.pages
         if few:  # block-contiguous slices
