@@ -11,6 +11,9 @@ before, ``hidden.HOST_FORM = False``). The bundled model at q4_1 with q8 activat
 cache; each round times --steps forwards of N nodes per side, the sides' order rotating. Reported per N:
 medians of the per-forward times and, against "off", the median and geometric mean (95 % interval: two
 standard errors of the mean log ratio) of the per-round ratios. The logits of all sides are checked equal.
+Also recorded: what one small tensor operation (an int32 [1] tensor's ``.to(torch.int64)``) costs as the first
+operation after a forward and as the next one (medians over --rounds forwards of one node), the cost the host
+form saves per operation it avoids.
 Writes benchmarks/results/capture_write_ab_<date>.json.
 """
 from __future__ import annotations
@@ -96,11 +99,28 @@ def main() -> None:
                   f"{row[f'{name}_over_off']['geomean']:.4f} (95 % {row[f'{name}_over_off']['interval_95']})",
                   flush=True)
         result[str(N)] = row
+    side("off")
+    small = torch.tensor([3], dtype=torch.int32)
+    first, second = [], []
+    tok, dep = torch.full((1, 1), 7, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int32)
+    for _ in range(a.rounds):
+        lm.forward(cache, tok, dep)
+        t0 = time.perf_counter()
+        small.to(torch.int64)
+        t1 = time.perf_counter()
+        small.to(torch.int64)
+        t2 = time.perf_counter()
+        first.append((t1 - t0) * 1e6)
+        second.append((t2 - t1) * 1e6)
+    small_op = {"first_after_forward_us": round(statistics.median(first), 2),
+                "second_us": round(statistics.median(second), 2)}
+    print(f"a small op after a forward: {small_op['first_after_forward_us']} us, the next: {small_op['second_us']} us")
     side("host")
     load.append(loadavg())
     res = {"benchmark": "capture_write_ab", "date": _dt.date.today().isoformat(), "commit": git_commit(),
            "cpu": cpu_name(), "threads": a.threads, "prefix": a.prefix, "rounds": a.rounds, "steps": a.steps,
            "loadavg": load, "q8act_tier": specdec._C.q8act_tier(), "logits_equal": True, "nodes": result,
+           "small_op": small_op,
            "notes": "one process, sides rotating round by round; shared 2-core host (see loadavg)"}
     path = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / f"capture_write_ab_{res['date']}.json"
     path.write_text(json.dumps(res, indent=1))
