@@ -337,14 +337,21 @@ class Engine(EngineRows):
                 cache.lens += 1
             else:
                 cache.commit(accepted, num)                # ops.kv_commit; lens += num + 1
-        # THE host sync of the step: accepted counts and tokens, to append them and check stops
-        host = torch.cat([num.view(b, 1).to(torch.int64), out], dim=1).tolist()
+        # THE host sync of the step: accepted counts and tokens, to append them and check stops (on the CPU two
+        # host reads: each tensor operation right after the target's forward costs several times its warm price)
+        if out.device.type == "cpu":
+            host = [[n] + o for n, o in zip(num.tolist(), out.tolist())]
+        else:
+            host = torch.cat([num.view(b, 1).to(torch.int64), out], dim=1).tolist()
         clock.synced()
         num_host = [h[0] for h in host]
         if consulted:
             with clock.phase("commit"):
                 drafter.accept(accepted, num, num_host)    # drafter rollback (kv_commit)
-        self._roots = out.gather(1, num.view(b, 1).to(torch.int64)).view(b)   # next roots [b]
+        if out.device.type == "cpu":  # next roots [b], from the host values
+            self._roots = torch.tensor([h[1 + h[0]] for h in host], dtype=torch.int64)
+        else:
+            self._roots = out.gather(1, num.view(b, 1).to(torch.int64)).view(b)
         t_now = time.perf_counter()
         drafted = tree.num_drafted
         emitted, finished = self._emit_step(reqs, host, drafted, deltas)

@@ -31,6 +31,8 @@ import torch
 __all__ = ["TokenTree", "ancestor_mask", "expected_tokens", "expected_tokens_chain", "expected_tokens_tree",
            "plan_tree"]
 
+_ROOT_ONLY: Dict[Tuple[int, torch.device], Tuple[torch.Tensor, torch.Tensor]] = {}  # root_only's parents, depths
+
 
 @dataclass
 class TokenTree:
@@ -96,10 +98,14 @@ class TokenTree:
     def root_only(roots: torch.Tensor) -> "TokenTree":
         """A 0-length draft: [B, 1] holding the roots (plain decoding step)."""
         B = roots.shape[0]
-        tokens = roots.reshape(B, 1).to(torch.int64)
-        parents = torch.full((B, 1), -1, dtype=torch.int32, device=roots.device)
-        depths = torch.zeros((B, 1), dtype=torch.int32, device=roots.device)
-        return TokenTree(tokens, parents, depths, [1] * B, is_chain=True)
+        tokens = roots.view(B, 1) if roots.dtype == torch.int64 and roots.is_contiguous() \
+            else roots.reshape(B, 1).to(torch.int64)
+        key = (B, roots.device)
+        consts = _ROOT_ONLY.get(key)
+        if consts is None:  # read-only constants, made once per batch size (a plain step runs many)
+            consts = _ROOT_ONLY[key] = (torch.full((B, 1), -1, dtype=torch.int32, device=roots.device),
+                                        torch.zeros((B, 1), dtype=torch.int32, device=roots.device))
+        return TokenTree(tokens, consts[0], consts[1], [1] * B, is_chain=True)
 
     @staticmethod
     def chain(tokens: torch.Tensor, num_nodes: Optional[Sequence[int]] = None,
