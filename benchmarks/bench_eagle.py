@@ -81,7 +81,8 @@ def _methods(target_model, draft_model, head_net, head_precision, head_act=None)
         "head_k1w2": lambda: EagleHead(head_net, k=1, top_k=2, **hp),
         "head_k1w3": lambda: EagleHead(head_net, k=1, top_k=3, **hp),
         "head_k2w2": lambda: EagleHead(head_net, k=2, top_k=2, **hp),
-        # lookup_head_k1w2 with the price check of before 2026-12-07 (one price per member, the catch-up subtracted)
+        # lookup_head_k1w2 with the price check of before 2026-12-07 (every step prices the member, its catch-up
+        # subtracted: after a skipped step that left the head's tree builder alone)
         "lookup_head_k1w2_oldgate": lambda: _old_gate(MultiDraft([PromptLookup(ngram=3, k=10),
                                                                   EagleHead(head_net, k=1, top_k=2, **hp)],
                                                                  escalate=2.0)),
@@ -93,7 +94,7 @@ def _methods(target_model, draft_model, head_net, head_precision, head_act=None)
 
 
 def _old_gate(multi):
-    multi.gate.price_catch_up = False
+    multi.gate.steady_price = False
     return multi
 
 

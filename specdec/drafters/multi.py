@@ -291,11 +291,12 @@ class MultiDraft(Drafter):
                 except (ValueError, TypeError) as exc:
                     raise type(exc)(f"{self._name(i)}: {exc}") from exc
                 if gate is not None and i > 0 and max(budgets, default=0) > 0:
-                    # the member's price (PayGate: steady, or behind with the catch-up over the steps it did
-                    # not draft), a new request's prompt prefill excluded (once per request, whatever the gate)
+                    # the member's price (PayGate: learnt from steady steps; a step after one it did not draft,
+                    # whose forward runs inside its catch-up, is kept apart), a new request's prompt prefill
+                    # excluded (once per request, whatever the gate)
                     behind = any(budgets[r] > 0 and gate.behind(rid, i) for r, rid in enumerate(ctx.request_ids))
                     spent = pay_gate.clock() - t0 - float(getattr(d, "prompt_seconds", 0.0))
-                    if not gate.price_catch_up:
+                    if not gate.steady_price:
                         spent -= float(getattr(d, "catch_up_seconds", 0.0)) - float(getattr(d, "prompt_seconds", 0.0))
                     gate.timed(i, spent, behind)
                 drafts.append(draft)

@@ -13,11 +13,13 @@ it that lay in an earlier member's own tree) as an exponential average (weight 0
 starts from the member's decoder-wide average, weight 0.9, kept across generate calls), and, BESIDE,
 ``base``: the earlier members' own accepted tokens in such steps. Per member it keeps the seconds of
 its propose() when it drafted, a new request's prompt prefill excluded (``Drafter.prompt_seconds``: paid
-once per request whatever the gate decides), as two prices: ``steady`` when every row it drafted for had
-drafted the step before, ``behind`` when one had not, which includes the catch-up over the steps it did
-not draft (a feature head feeds them in the same forward that drafts: excluding the catch-up priced that
-forward at nothing after a skip, and let the head draft where it did not pay). A row's decision takes
-the price of its own state (``behind`` until measured: the steady one). With ``step_seconds(n)``
+once per request whatever the gate decides). The price is learnt from ``steady`` steps, where every row it
+drafted for had drafted the step before. A step after one it did not draft (``behind``) catches up first,
+and a feature head does so in the same forward that drafts: such a step's seconds less its catch-up are its
+tree builder alone, which once pulled the price toward nothing and let the head draft where it did not pay,
+while its whole seconds include tokens that are fed once whenever it drafts again (not a cost of drafting
+now rather than later). So behind steps are kept apart (their whole seconds) and price the member only
+until a steady step has been measured. With ``step_seconds(n)``
 (the cost model's seconds of a step without drafting when each row holds n nodes) the member's price in
 plain steps is
 
@@ -74,8 +76,8 @@ class PayGate:
         self.members = int(members)
         self.secs: List[Optional[float]] = [None] * self.members         # steady price (seconds)
         self.secs_behind: List[Optional[float]] = [None] * self.members  # after a step without drafting
-        #: False: one price, the catch-up subtracted (the gate before the two prices; kept for A/B runs)
-        self.price_catch_up = True
+        #: False: every step prices the member, its catch-up subtracted (the gate of before; kept for A/B runs)
+        self.steady_price = True
         self.global_gain: List[List[Optional[float]]] = [[None, None] for _ in range(self.members)]
         self.global_base: List[Optional[float]] = [None] * self.members
         self.rows: Dict[int, List[_Row]] = {}
@@ -98,7 +100,7 @@ class PayGate:
     def timed(self, i: int, seconds: float, behind: bool = False) -> None:
         """Member i drafted for at least one row in ``seconds`` (a new request's prompt prefill excluded);
         ``behind``: for a row it had not drafted for in the step before (:meth:`behind`)."""
-        prices = self.secs_behind if behind and self.price_catch_up else self.secs
+        prices = self.secs_behind if behind and self.steady_price else self.secs
         s = prices[i]
         prices[i] = seconds if s is None else _SECS * s + (1 - _SECS) * seconds
 
@@ -111,11 +113,9 @@ class PayGate:
         rows = self.rows.get(rid)
         return rows is not None and rows[i].behind
 
-    def cost(self, i: int, n_before: int, n_own: int, step_seconds: Callable[[int], float],
-             behind: bool = False) -> Optional[float]:
-        """Member i's price in plain steps for a row with ``n_before`` earlier nodes, ``n_own`` of its own;
-        ``behind``: its draft would follow a step it did not draft."""
-        secs = self.secs_behind[i] if behind and self.secs_behind[i] is not None else self.secs[i]
+    def cost(self, i: int, n_before: int, n_own: int, step_seconds: Callable[[int], float]) -> Optional[float]:
+        """Member i's price in plain steps for a row with ``n_before`` earlier nodes, ``n_own`` of its own."""
+        secs = self.secs[i] if self.secs[i] is not None else self.secs_behind[i]
         if secs is None:
             return None
         plain = step_seconds(1)
@@ -131,7 +131,7 @@ class PayGate:
         gain = row.gain[situation]
         if gain is None or step_seconds is None:
             return True
-        cost = self.cost(i, n_before, n_own, step_seconds, row.behind)
+        cost = self.cost(i, n_before, n_own, step_seconds)
         if cost is None:
             return True
         if situation == ALONE:
