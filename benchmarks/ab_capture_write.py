@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import math
 import statistics
 import sys
@@ -32,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specdec.bench.record import cpu_name, git_commit, loadavg  # noqa: E402
+from specdec.bench.record import cpu_name, git_commit, loadavg, write_record  # noqa: E402
 
 SIDES = ("off", "host", "tensor")
 
@@ -123,8 +122,7 @@ def main() -> None:
            "small_op": small_op,
            "notes": "one process, sides rotating round by round; shared 2-core host (see loadavg)"}
     path = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / f"capture_write_ab_{res['date']}.json"
-    path.write_text(json.dumps(res, indent=1))
-    print(f"wrote {path}")
+    write_record(str(path.parent), path.stem, res)
 
 
 if __name__ == "__main__":
