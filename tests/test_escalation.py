@@ -237,3 +237,41 @@ def test_gate_price_counts_the_catch_up_not_the_prompt(toy, monkeypatch):
     # follows steps it did not draft (behind), the others are steady
     assert prices[True] == (pytest.approx(2.5e-6), pytest.approx(2.5e-6))
     assert prices[False] == (pytest.approx(1e-6), None)
+
+
+def test_advice_takes_the_gate_decision_before_the_plan(toy):
+    """With escalation, the price check and two members, has_proposals answers False for a row whose first member
+    has no proposal and whose second the gate skips (that decision taken there, kept for propose): the row is
+    planned as a plain step. Under the fixed policy the plan is the budgets, so the member drafts on exactly the
+    same rows with the advice as without it, and the output is the target's."""
+    from specdec import PromptLookup
+
+    target, refs = toy
+    prompts = TOY_PROMPTS[:2]
+    full = {tuple(p): r for p, r in zip(prompts, refs)}
+
+    def junk(ctx):  # never what the target picks next
+        seen = {(a, b) for p, r in full.items() for a, b in zip((list(p) + r)[len(p) - 1:], r)}
+        return [[next(t for t in range(12) if (ctx[-1], t) not in seen)] * 3]
+
+    rows, answers = {}, []
+    for advise in (True, False):
+        member = CallableDrafter(junk, max_nodes=4, name="junk")
+        drafting = _drafting_rows(member)
+        multi = MultiDraft([PromptLookup(ngram=4, k=3), member], escalate=2.0)
+        multi.advise = advise
+        real = multi.has_proposals
+
+        def spy(ids, seqs, real=real):
+            got = real(ids, seqs)
+            answers.append((advise, got))
+            return got
+
+        multi.has_proposals = spy
+        dec = SpeculativeDecoder(target, multi, max_batch=2, max_len=64, policy="fixed")
+        assert dec.generate(prompts, max_new_tokens=32).tokens == refs
+        rows[advise] = sum(drafting)
+    assert rows[True] == rows[False], rows
+    said = [x for advise, got in answers if advise and got is not None for x in got]
+    assert said and not all(said)                        # the advice ran and planned rows plainly
+    assert all(got is None for advise, got in answers if not advise)

@@ -147,6 +147,10 @@ class MultiDraft(Drafter):
         self.vocab_size = None
         self.params: Optional[SamplingParams] = None
         self._step: Optional[dict] = None
+        #: has_proposals takes the price check's decision for a row whose first member has nothing (False: never)
+        self.advise = True
+        self._advice: Dict[int, bool] = {}   # request id -> the gate's decision for member 1 this step
+        self._costs = None                   # (rows, step_seconds) of the last step: the advice's prices
 
     def __repr__(self) -> str:
         inner = ", ".join(repr(d) for d in self.members)
@@ -187,6 +191,7 @@ class MultiDraft(Drafter):
         self.params = params
         self._ema = [1.0] * len(self.members)
         self._trust, self._empty = {}, {}
+        self._advice.clear()
         if self.gate is not None:
             self.gate.reset()
         self._step = None
@@ -233,6 +238,28 @@ class MultiDraft(Drafter):
             d.cancel()
         self._step = None
 
+    def has_proposals(self, request_ids: Sequence[int], sequences: Sequence[Sequence[int]]) -> Optional[List[bool]]:
+        """Advisory (asked before the step is planned): with escalation, the price check and two members, a row
+        has nothing to draft when the first member has no proposal for it, is not forgiven for that, and the
+        gate skips the second one: the gate's decision is taken here (its skip counted, or its re-probe), kept
+        for this step's propose(), and the row is planned as a plain step without weighing depths. None
+        elsewhere (and when the first member cannot tell, or before a step has handed over its costs)."""
+        gate, esc = self.gate, self.escalate
+        if not self.advise or gate is None or len(self.members) != 2 or self._costs is None or \
+                self._costs[0] != len(request_ids):
+            return None
+        first = self.members[0].has_proposals(request_ids, sequences)
+        if first is None or len(first) != len(request_ids):
+            return None
+        out, n_own = [], self.split()[1]
+        for rid, has in zip(request_ids, first):
+            if not has:
+                trust, empty = self._trust.get(rid, self._global)[0], self._empty.get(rid, [0, 0])[0]
+                if not (empty < _PATIENCE and trust >= esc):  # not forgiven: the gate decides for member 1
+                    has = self._advice[rid] = gate.allow(rid, 1, ALONE, 0, n_own, self._costs[1])
+            out.append(bool(has))
+        return out
+
     def pending_catch_up(self, lengths: Sequence[int]) -> List[int]:
         out = [0] * len(lengths)
         for d in self.members:
@@ -248,6 +275,8 @@ class MultiDraft(Drafter):
         if ctx.params is not None:
             self.params = ctx.params
         b = len(ctx.request_ids)
+        if ctx.step_seconds is not None:  # the next step's advice (has_proposals) prices with these
+            self._costs = (b, ctx.step_seconds)
         drafts: List[Draft] = []
         self.catch_up_seconds = 0.0
         self.catch_up_positions = 0
@@ -279,7 +308,9 @@ class MultiDraft(Drafter):
                             if budgets[r] > 0:
                                 before = sum(p[r] for p in proposed)
                                 sit[r] = BESIDE if before else ALONE
-                                if not gate.allow(rid, i, sit[r], before, alloc[i], ctx.step_seconds):
+                                advised = self._advice.pop(rid, None) if sit[r] == ALONE else None
+                                if not (advised if advised is not None else
+                                        gate.allow(rid, i, sit[r], before, alloc[i], ctx.step_seconds)):
                                     budgets[r] = 0
                         skip = [t or (s_ is not None and x == 0) for t, s_, x in zip(trusted, sit, budgets)]
                         situations.append(sit)
@@ -335,8 +366,10 @@ class MultiDraft(Drafter):
                     drafts, host, alloc, [int(seq[-1]) for seq in ctx.sequences], not self.params.greedy,
                     step["proposed"], self.vocab_size, self.device)
             self._step = step
+            self._advice.clear()
             return draft
         except Exception:
+            self._advice.clear()
             for d in self.members[:len(drafts)]:
                 d.cancel()
             self._step = None
