@@ -91,11 +91,6 @@ def _methods(target_model, draft_model, head_net, head_precision, head_act=None)
         "lookup_head_k1w2_noadvice": lambda: _no_advice(MultiDraft([PromptLookup(ngram=3, k=10),
                                                                     EagleHead(head_net, k=1, top_k=2, **hp)],
                                                                    escalate=2.0)),
-        # lookup_head_k1w2 priced by its propose seconds and the cost model's verify rows (PayGate.measured False:
-        # no measured premium)
-        "lookup_head_k1w2_modeled": lambda: _modeled(MultiDraft([PromptLookup(ngram=3, k=10),
-                                                                 EagleHead(head_net, k=1, top_k=2, **hp)],
-                                                                escalate=2.0)),
         # the same two with a Q4_1 copy of the head (half the bytes a draft forward reads after the target's pass)
         "head_k1w2_q4": lambda: EagleHead(head_net, k=1, top_k=2, **hq4),
         "lookup_head_k1w2_q4": lambda: MultiDraft([PromptLookup(ngram=3, k=10),
@@ -110,11 +105,6 @@ def _old_gate(multi):
 
 def _no_advice(multi):
     multi.advise = False
-    return multi
-
-
-def _modeled(multi):
-    multi.gate.measured = False
     return multi
 
 

@@ -275,34 +275,3 @@ def test_advice_takes_the_gate_decision_before_the_plan(toy):
     said = [x for advise, got in answers if advise and got is not None for x in got]
     assert said and not all(said)                        # the advice ran and planned rows plainly
     assert all(got is None for advise, got in answers if not advise)
-
-
-def test_gate_premium_measured_from_proposal_to_proposal(monkeypatch):
-    """One request: a later member that drafted from a steady state is priced by the wall time from that
-    proposal to the next less the cost model's step without its nodes, per situation; a change of requests in
-    between (an admission, another generate call) gives no sample; measured=False keeps the modeled price."""
-    from specdec.drafters import pay_gate
-
-    now = [10.0]
-    monkeypatch.setattr(pay_gate, "clock", lambda: now[0])
-    steps = _steps(plain=1.0, per_node=0.1)
-    gate = PayGate(2)
-    gate.timed(1, 0.1)
-    assert gate.cost(1, 0, 2, steps, ALONE) == pytest.approx(0.3)   # modeled: 0.1 s + 2 nodes x 0.1 s
-    gate.begin_step([5], steps)
-    gate.end_step([5], [(1, ALONE, 0)])
-    now[0] += 1.6                                                    # the step took 1.6 s against 1.0 plain
-    gate.begin_step([5], steps)
-    assert gate.premium[1][ALONE] == pytest.approx(0.6)
-    assert gate.cost(1, 0, 2, steps, ALONE) == pytest.approx(0.6)
-    assert gate.cost(1, 4, 2, steps, BESIDE) == pytest.approx(0.3)  # BESIDE not measured: modeled
-    gate.end_step([5], [(1, BESIDE, 4)])
-    now[0] += 2.0
-    gate.begin_step([6], steps)                                      # another request: no sample
-    assert gate.premium[1][BESIDE] is None
-    gate.end_step([6], [(1, BESIDE, 4)])
-    now[0] += 2.0                                                    # 2.0 s against 1.4 without its nodes
-    gate.begin_step([6], steps)
-    assert gate.premium[1][BESIDE] == pytest.approx(0.6)
-    gate.measured = False
-    assert gate.cost(1, 0, 2, steps, ALONE) == pytest.approx(0.3)

@@ -277,11 +277,6 @@ class MultiDraft(Drafter):
         b = len(ctx.request_ids)
         if ctx.step_seconds is not None:  # the next step's advice (has_proposals) prices with these
             self._costs = (b, ctx.step_seconds)
-        steady = None  # one request: per member, whether it drafted for it in the step before (the premium)
-        if self.gate is not None:
-            self.gate.begin_step(ctx.request_ids, ctx.step_seconds)
-            if b == 1:
-                steady = [not self.gate.behind(ctx.request_ids[0], i) for i in range(len(self.members))]
         drafts: List[Draft] = []
         self.catch_up_seconds = 0.0
         self.catch_up_positions = 0
@@ -372,10 +367,6 @@ class MultiDraft(Drafter):
                     step["proposed"], self.vocab_size, self.device)
             self._step = step
             self._advice.clear()
-            if steady is not None:
-                gate.end_step(ctx.request_ids, [(i, sit[0], sum(p[0] for p in proposed[:i]))
-                                                for i, sit in enumerate(situations, start=1)
-                                                if sit[0] is not None and proposed[i][0] > 0 and steady[i]])
             return draft
         except Exception:
             self._advice.clear()

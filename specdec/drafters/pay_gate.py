@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 __all__ = ["PayGate", "ALONE", "BESIDE"]
 
@@ -78,12 +78,6 @@ class PayGate:
         self.secs_behind: List[Optional[float]] = [None] * self.members  # after a step without drafting
         #: False: every step prices the member, its catch-up subtracted (the gate of before; kept for A/B runs)
         self.steady_price = True
-        #: per member and situation: the measured premium of a step it drafted (:meth:`stepped`)
-        self.premium: List[List[Optional[float]]] = [[None, None] for _ in range(self.members)]
-        #: False: price by the propose seconds and the cost model's verify rows only (kept for A/B runs)
-        self.measured = True
-        self._wall = None   # (request ids, proposal start, steady drafts) of the last single-request step
-        self._t = 0.0
         self.global_gain: List[List[Optional[float]]] = [[None, None] for _ in range(self.members)]
         self.global_base: List[Optional[float]] = [None] * self.members
         self.rows: Dict[int, List[_Row]] = {}
@@ -119,41 +113,13 @@ class PayGate:
         rows = self.rows.get(rid)
         return rows is not None and rows[i].behind
 
-    def begin_step(self, request_ids: Sequence[int], step_seconds: Optional[Callable[[int], float]]) -> None:
-        """A proposal starts. If the step before it served the same single request and a later member drafted
-        there from a steady state, that member gets a premium sample: the wall time from that proposal to this
-        one (its propose, the verify pass, the commit, its accept, the bookkeeping) less the cost model's step
-        without its nodes."""
-        now = clock()
-        last, self._wall = self._wall, None
-        self._t = now
-        if last is None or step_seconds is None or list(request_ids) != last[0]:
-            return
-        for i, situation, n_before in last[2]:
-            self.stepped(i, situation, now - last[1] - step_seconds(1 + n_before))
-
-    def end_step(self, request_ids: Sequence[int], drafted: Sequence[Tuple[int, int, int]]) -> None:
-        """A proposal of one request ends: ``drafted`` holds (member, situation, earlier nodes) of each later
-        member that drafted from a steady state (:meth:`begin_step` prices them at the next proposal)."""
-        self._wall = (list(request_ids), self._t, list(drafted)) if drafted else None
-
-    def stepped(self, i: int, situation: int, seconds: float) -> None:
-        """A step in which member i drafted (steadily) took ``seconds`` more than the cost model's step without
-        its nodes: the measured premium (one request, from one proposal to the next)."""
-        p = self.premium[i][situation]
-        self.premium[i][situation] = seconds if p is None else _SECS * p + (1 - _SECS) * seconds
-
-    def cost(self, i: int, n_before: int, n_own: int, step_seconds: Callable[[int], float],
-             situation: Optional[int] = None) -> Optional[float]:
-        """Member i's price in plain steps for a row with ``n_before`` earlier nodes, ``n_own`` of its own: the
-        measured premium of the situation where known, else its propose seconds and the cost model's rows."""
-        plain = step_seconds(1)
-        if not plain > 0:
-            return None
-        if self.measured and situation is not None and self.premium[i][situation] is not None:
-            return max(0.0, self.premium[i][situation]) / plain
+    def cost(self, i: int, n_before: int, n_own: int, step_seconds: Callable[[int], float]) -> Optional[float]:
+        """Member i's price in plain steps for a row with ``n_before`` earlier nodes, ``n_own`` of its own."""
         secs = self.secs[i] if self.secs[i] is not None else self.secs_behind[i]
         if secs is None:
+            return None
+        plain = step_seconds(1)
+        if not plain > 0:
             return None
         extra = max(0.0, step_seconds(1 + n_before + n_own) - step_seconds(1 + n_before))
         return (secs + extra) / plain
@@ -165,7 +131,7 @@ class PayGate:
         gain = row.gain[situation]
         if gain is None or step_seconds is None:
             return True
-        cost = self.cost(i, n_before, n_own, step_seconds, situation)
+        cost = self.cost(i, n_before, n_own, step_seconds)
         if cost is None:
             return True
         if situation == ALONE:
