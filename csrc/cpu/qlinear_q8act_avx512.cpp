@@ -37,16 +37,16 @@ inline void tile(const Q8ActParams& P, int64_t t0, int64_t m0) {
   for (int q = 0; q < NG; ++q)
     for (int m = 0; m < MR; ++m) acc[q][m] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(15);
+  // many rows: the products outlast the stream, so every line of a block further ahead (the hardware
+  // prefetcher alone fell behind: single-thread harness, Q8_0 from 4 rows, Q4 from 6)
+  const int64_t block_pf = MR >= (BITS == 8 ? 4 : 6) ? P.block_prefetch : 0;
   for (int64_t g = 0; g < G; ++g) {
     for (int q = 0; q < NG; ++q) {
       const uint8_t* b = P.packed + ((t0 + q) * G + g) * blk;
-      // many rows: the products outlast the stream, so every line of a block further ahead (the hardware
-      // prefetcher alone fell behind: single-thread harness, Q8_0 from 4 rows, Q4 from 6)
-      constexpr bool kBlockPf = MR >= (BITS == 8 ? 4 : 6);
-      if (kBlockPf && P.block_prefetch > 0) {
-        if (g + P.block_prefetch < G)
+      if (block_pf > 0) {
+        if (g + block_pf < G)
           for (int64_t o = 0; o < blk; o += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(b + P.block_prefetch * blk + o), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(b + block_pf * blk + o), _MM_HINT_T0);
       } else if (g + 2 < G) {
         _mm_prefetch(reinterpret_cast<const char*>(b + 2 * blk), _MM_HINT_T0);
       }
@@ -92,15 +92,15 @@ inline void tile(const Q8ActParams& P, int64_t t0, int64_t m0) {
 template <int BITS, bool MINS>
 inline void rows_t(const Q8ActParams& P, int64_t t_begin, int64_t t_end) {
   int64_t t = t_begin;
-  // Q4 weights, one or two activation rows: two groups in flight (at 3 or 4 rows it measured no faster).
-  // Q8_0 weights (8 code vectors per group and block, the LM head) take one group at a time: a second
-  // group's codes do not fit the registers beside the first's (two-row pass 1.153 -> 1.089x a one-row pass
-  // in benchmarks/results/q8act_cpu_2026-12-06j.json against archive/q8act_cpu_2026-12-06i.json)
+  // Q4 weights, one or two activation rows: two groups in flight where group_pairs is on (the default except
+  // on AMD CPUs; at 3 or 4 rows it measured no faster). Q8_0 weights (8 code vectors per group and block, the
+  // LM head) take one group at a time: a second group's codes do not fit the registers beside the first's
+  // (two-row pass 1.153 -> 1.089x a one-row pass in benchmarks/results/q8act_cpu_2026-12-06j.json against
+  // archive/q8act_cpu_2026-12-06i.json)
   if constexpr (BITS == 4) {
-    if (!P.group_pairs) {
-    } else if (P.M == 1)
+    if (P.group_pairs && P.M == 1)
       for (; t + 2 <= t_end; t += 2) tile<BITS, MINS, 2, 1>(P, t, 0);
-    else if (P.M == 2)
+    else if (P.group_pairs && P.M == 2)
       for (; t + 2 <= t_end; t += 2) tile<BITS, MINS, 2, 2>(P, t, 0);
   }
   for (; t < t_end; ++t) {
