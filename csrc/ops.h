@@ -43,6 +43,10 @@ bool gemm_enabled();
 // returns the previous value. avx512_active(): the switch is on and the CPU has it.
 bool set_avx512(bool on);
 bool avx512_active();
+// How many key blocks (64 keys) of K / V the CPU verify_attention requests ahead of the block it computes
+// (software prefetch; csrc/include/specdec/cpu_attention.h; 0: none). The same bits at any distance; a
+// process-wide switch for A/Bs (specdec._C.set_attention_prefetch); returns the previous value.
+int64_t set_attention_prefetch(int64_t blocks);
 // Prefill rows (thread-local, off by default; specdec._C.set_cpu_prefill, specdec.ops.prefill_rows()):
 // while on, the calling thread's CPU linears take the GEMM tiles at EVERY row count (float32 weights up
 // to kLinearGemmRows rows), not only above kLinearBlasRows. A prompt's rows then give the same bits

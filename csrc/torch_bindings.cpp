@@ -165,6 +165,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_cpu_avx512", &specdec::cpu::set_avx512, pybind11::arg("on"),
         "The AVX-512 few-row linear / qlinear kernels at verify sizes, 4 or 5 to 32 rows (True, the default, where the "
         "CPU has AVX-512) or the AVX2 ones (False): the same bits either way. Returns the previous value. For A/Bs and tests.");
+  m.def("set_attention_prefetch", &specdec::cpu::set_attention_prefetch, pybind11::arg("blocks"),
+        "How many key blocks (64 keys) of K / V the CPU verify_attention requests ahead of the block it computes "
+        "(0: none; the default 2). Returns the previous value. The same bits at any distance; for A/Bs.");
   m.def("set_q8act_tier", &specdec::cpu::set_q8act_tier, pybind11::arg("name"),
         "The CPU tier of qlinear_q8act: auto (the default: the best this CPU runs), avx512_vnni, avx_vnni, avx2 "
         "or scalar; the same bits in every tier. Returns the previous setting. For A/Bs and tests.");

@@ -309,3 +309,32 @@ def test_paged_ops_cuda(device, page_size, mode):
     d = kps[0].to(device), vps[0].to(device)
     paged_ops.append_kv_paged(*d, kn.to(device), kn.to(device), tables.to(device), ref_lens.to(device))
     assert torch.equal(d[0].cpu(), ref[0]) and torch.equal(d[1].cpu(), ref[1])
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("mode", ["causal", "tree"])
+def test_attention_prefetch_distance_does_not_change_the_bits(page_size, mode):
+    """The CPU kernel's software prefetch of K / V blocks ahead (``_C.set_attention_prefetch``) only asks
+    for lines earlier: dense and paged outputs are the same bits at every distance, and past the last
+    block (a distance longer than the prefix) nothing is read from outside the request's pages (the
+    tables hold -1 there)."""
+    from specdec import _C
+    c = _case(5, page_size, torch.float32, mode, S=300)
+    was = _C.set_attention_prefetch(0)
+    try:
+        want = ops.verify_attention(c["q"], c["k"], c["v"], c["lens"], c["mask"], c["scale"])
+        want_paged = paged_ops.verify_attention_paged(c["q"], c["kp"], c["vp"], c["tables"], c["lens"], c["mask"],
+                                                      c["scale"])
+        assert torch.equal(want_paged, want)
+        for blocks in (1, 2, 64):
+            _C.set_attention_prefetch(blocks)
+            assert torch.equal(ops.verify_attention(c["q"], c["k"], c["v"], c["lens"], c["mask"], c["scale"]),
+                               want), blocks
+            got = paged_ops.verify_attention_paged(c["q"], c["kp"], c["vp"], c["tables"], c["lens"], c["mask"],
+                                                   c["scale"])
+            assert torch.equal(got, want), blocks
+        with pytest.raises(RuntimeError, match=r"set_attention_prefetch: blocks must be in 0\.\.64, got 65"):
+            _C.set_attention_prefetch(65)
+        assert _C.set_attention_prefetch(2) == 64
+    finally:
+        _C.set_attention_prefetch(was)

@@ -4,6 +4,7 @@
 // at::parallel_for.
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <cstring>
 
 #include "checks.h"
@@ -33,7 +34,14 @@ DType to_dtype(at::ScalarType s) {
   }
 }
 
+std::atomic<int64_t> g_prefetch{kAttentionPrefetchBlocks};
+
 }  // namespace
+
+int64_t set_attention_prefetch(int64_t blocks) {
+  TORCH_CHECK(blocks >= 0 && blocks <= 64, "set_attention_prefetch: blocks must be in 0..64, got ", blocks);
+  return g_prefetch.exchange(blocks);
+}
 
 std::vector<uint64_t> pack_tree_mask(const bool* mp, int64_t rows, int64_t Nkv) {
   const int64_t W = (Nkv + 63) / 64;  // W words of 64 bits per row
@@ -47,6 +55,7 @@ std::vector<uint64_t> pack_tree_mask(const bool* mp, int64_t rows, int64_t Nkv) 
 void verify_attention_raw(const AttentionParams& P_in) {
   const bool avx2 = has_avx2_fma_f16c();
   AttentionParams P = P_in;
+  P.prefetch = g_prefetch.load(std::memory_order_relaxed);
   // Fewer (request, KV head) tasks than a multiple of the threads (one request of a model with 3 KV
   // heads on 2 threads: one thread runs 2 tasks, the other 1) leave threads idle. The query rows of
   // a KV head then split into chunks (whole row tiles) so that the task count is a multiple of the

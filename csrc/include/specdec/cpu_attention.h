@@ -51,6 +51,7 @@ struct AttentionParams {
   float scale;
   DType dtype;
   int64_t row_chunk = 0;    // query rows per task (a multiple of the row tile); 0: chosen by verify_attention_raw
+  int64_t prefetch = 0;     // key blocks of K / V requested ahead of the one computed (0: none; set_attention_prefetch)
   // Paged caches (k_cache / v_cache [num_pages, page_size, Hkv, D], D contiguous, K and V with one set
   // of strides: NHD, or a view such as HND's transpose): key s of request b, head h sits in page
   // block_table[b * max_blocks + s / page_size], slot s % page_size, at element
@@ -59,6 +60,9 @@ struct AttentionParams {
   int64_t page_size = 0, max_blocks = 0;
   int64_t page_stride = 0, slot_stride = 0, head_stride = 0;  // in elements
 };
+
+// Key blocks of K / V the CPU kernel requests ahead by default (set_attention_prefetch).
+constexpr int64_t kAttentionPrefetchBlocks = 2;
 
 // Tasks of a call: (request, KV head, chunk of query rows). Rows never interact (each is its own
 // online softmax over the same key blocks), so how they are chunked changes no result bit.
@@ -84,6 +88,16 @@ struct AttentionScratch {
   std::vector<float> qt, at, st;  // one tile of a tree node's rows: q, acc, scores
   std::vector<int64_t> keys, rows;  // a tree node's visible new keys (slots) and its rows in the task
 };
+
+// A software prefetch of the cache line holding p. An asm statement on x86: GCC drops a
+// __builtin_prefetch whose only caller is a lambda it finds free of side effects (the call goes).
+inline void prefetch_line(const char* p) {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  asm volatile("prefetcht0 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
 
 constexpr int64_t kRowTile = 3;     // query rows per micro-kernel call (3 x 4 accumulators)
 
@@ -297,7 +311,22 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, int64
   // With a tree mask the rows share only the prefix's full key blocks; the rest is each node's own
   // (below), so that a node sees its visible keys at the positions a decode step would.
   const int64_t joint_end = P.mask ? std::min(keys_end, len / kKeyBlock * kKeyBlock) : keys_end;
+  // Software prefetch of the K / V rows P.prefetch blocks ahead: a decode step's keys of one KV head
+  // (150 keys: ~77 KB of fp32 K and V) come from DRAM after the layer's weights went through the
+  // caches, and the blocks are too short for the hardware prefetcher to reach full speed. Values are
+  // only requested earlier, so no result bit depends on it.
+  const int64_t line_step = 64, row_bytes = D * es;
+  auto prefetch_block = [&](int64_t s0) {
+    for (int64_t s = s0, e = std::min(s0 + kKeyBlock, keys_end); s < e; ++s) {
+      const char* kr = kv_row(P.k_cache, s);
+      const char* vr = kv_row(P.v_cache, s);
+      for (int64_t o = 0; o < row_bytes; o += line_step) prefetch_line(kr + o), prefetch_line(vr + o);
+      prefetch_line(kr + row_bytes - 1), prefetch_line(vr + row_bytes - 1);  // a row's last line
+    }
+  };
+  for (int64_t i = 0; i < P.prefetch; ++i) prefetch_block(i * kKeyBlock);
   for (int64_t s0 = 0; s0 < joint_end; s0 += kKeyBlock) {
+    if (P.prefetch > 0) prefetch_block(s0 + P.prefetch * kKeyBlock);
     const int64_t nk = std::min(kKeyBlock, total - s0);
     // K block -> transposed fp32 Kt[d, k]; V block -> fp32 V[k, d], keys k < nk (the lanes of
     // the keys past nk hold earlier values: their scores are overwritten with -inf below).
