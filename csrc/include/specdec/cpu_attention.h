@@ -89,13 +89,14 @@ struct AttentionScratch {
   std::vector<int64_t> keys, rows;  // a tree node's visible new keys (slots) and its rows in the task
 };
 
-// A software prefetch of the cache line holding p. An asm statement on x86: GCC drops a
-// __builtin_prefetch whose only caller is a lambda it finds free of side effects (the call goes).
+// A software prefetch of the cache line holding p into L2 (a block of K and V is 32 KiB of fp32 at
+// D = 64: two blocks ahead into L1 would evict the block being computed). An asm statement on x86:
+// GCC drops a __builtin_prefetch whose only caller is a lambda it finds free of side effects.
 inline void prefetch_line(const char* p) {
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-  asm volatile("prefetcht0 %0" : : "m"(*p));
+  asm volatile("prefetcht1 %0" : : "m"(*p));
 #else
-  __builtin_prefetch(p, 0, 3);
+  __builtin_prefetch(p, 0, 2);
 #endif
 }
 
@@ -313,8 +314,8 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, int64
   const int64_t joint_end = P.mask ? std::min(keys_end, len / kKeyBlock * kKeyBlock) : keys_end;
   // Software prefetch of the K / V rows P.prefetch blocks ahead: a decode step's keys of one KV head
   // (150 keys: ~77 KB of fp32 K and V) come from DRAM after the layer's weights went through the
-  // caches, and the blocks are too short for the hardware prefetcher to reach full speed. Values are
-  // only requested earlier, so no result bit depends on it.
+  // caches, and without it the kernel waits on them (measured: benchmarks/bench_attention_prefetch.py).
+  // Values are only requested earlier, so no result bit depends on it.
   const int64_t line_step = 64, row_bytes = D * es;
   auto prefetch_block = [&](int64_t s0) {
     for (int64_t s = s0, e = std::min(s0 + kKeyBlock, keys_end); s < e; ++s) {
