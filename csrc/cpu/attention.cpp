@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <memory>
 
 #include "checks.h"
 #include "ops.h"
@@ -21,8 +22,11 @@ void attention_range_avx2(const AttentionParams& P, int64_t begin, int64_t end);
 namespace {
 
 void attention_range_base(const AttentionParams& P, int64_t begin, int64_t end) {
-  thread_local base::AttentionScratch scratch;  // reused across calls (see attention_task)
-  base::attention_range(P, begin, end, scratch);
+  // Reused across calls (see attention_task); held by pointer: with the thread_local object itself inlined
+  // into the kernel, GCC re-derived its address (a __tls_get_addr call) inside the key loops.
+  thread_local std::unique_ptr<base::AttentionScratch> scratch;
+  if (!scratch) scratch = std::make_unique<base::AttentionScratch>();
+  base::attention_range(P, begin, end, *scratch);
 }
 
 DType to_dtype(at::ScalarType s) {
