@@ -51,6 +51,10 @@ bool set_q8act_group_pairs(bool on);
 // How many blocks ahead the AVX-512 VNNI tier's many-row tiles prefetch every line of a packed weight block
 // (0: the one-line hint the other tiles take); the same bits at any distance. Returns the previous value.
 int64_t set_q8act_block_prefetch(int64_t blocks);
+// How many blocks ahead the AVX-512 VNNI tier's tiles of few activation rows prefetch every line of a packed
+// weight block into L2 (0: the one-line hint two blocks ahead); the same bits at any distance. Returns the
+// previous value.
+int64_t set_q8act_stream_prefetch(int64_t blocks);
 }  // namespace cpu
 
 namespace checks {

@@ -182,6 +182,11 @@ PYBIND11_MODULE(_C, m) {
         "How many packed blocks ahead qlinear_q8act's AVX-512 VNNI tiles of many activation rows (Q8_0 from 4, Q4 "
         "from 6) prefetch every line of a block (0: the one-line hint two blocks ahead; the default 2). Returns the "
         "previous value. The same bits at any distance; for A/Bs.");
+  m.def("set_q8act_stream_prefetch", &specdec::cpu::set_q8act_stream_prefetch, pybind11::arg("blocks"),
+        "How many packed blocks ahead qlinear_q8act's AVX-512 VNNI tiles of few activation rows (Q8_0 below 4, Q4 "
+        "below 6) prefetch every line of a block into L2, into the next weight group past a group's end (0: the "
+        "one-line hint two blocks ahead; the default 2). Returns the previous value. The same bits at any distance; "
+        "for A/Bs.");
   m.def("q8act_tier", &specdec::cpu::q8act_tier, "The CPU tier qlinear_q8act calls take now.");
   m.def("q8act_tiers", &specdec::cpu::q8act_tiers, "The qlinear_q8act tiers this CPU runs, best first.");
   m.def("cpu_avx512", &specdec::cpu::avx512_active, "Whether verify-size CPU linears take the AVX-512 kernels.");

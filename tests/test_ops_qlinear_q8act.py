@@ -284,6 +284,32 @@ def test_block_prefetch_does_not_change_the_bits(fmt, tier):
         _C.set_q8act_block_prefetch(was)
 
 
+@pytest.mark.parametrize("fmt", list(FMTS))
+def test_stream_prefetch_does_not_change_the_bits(fmt, tier):
+    """The few-row tiles' stream prefetch (every line of a block ahead, into L2, past a group's end into the next
+    group's blocks and past the packed weight's end) at any distance, group pairs on and off: the reference's
+    bits."""
+    qw, d, m = case(70, 576, fmt, seed=11)
+    packed = ops.pack_q8act(qw, d, m, FMTS[fmt])
+    x = activations(5, 576, seed=12)
+    want = reference_q8act.qlinear_q8act(x, qw, d, m, None, FMTS[fmt])
+    was, pairs = _C.set_q8act_stream_prefetch(2), _C.set_q8act_group_pairs(True)
+    try:
+        for on in (True, False):
+            _C.set_q8act_group_pairs(on)
+            for blocks in (0, 1, 2, 17, 64):
+                _C.set_q8act_stream_prefetch(blocks)
+                for rows in (1, 2, 3, 5):
+                    got = ops.qlinear(x[:rows], packed, d, m, None, FMTS[fmt], act="q8")
+                    assert torch.equal(got, want[:rows]), (on, blocks, rows)
+        with pytest.raises(RuntimeError, match=r"set_q8act_stream_prefetch: blocks must be in 0\.\.64, got 65"):
+            _C.set_q8act_stream_prefetch(65)
+        assert _C.set_q8act_stream_prefetch(2) == 64
+    finally:
+        _C.set_q8act_stream_prefetch(was)
+        _C.set_q8act_group_pairs(pairs)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 def test_more_rows_than_a_grid_dimension_holds(device, fmt):

@@ -123,6 +123,7 @@ bool default_group_pairs() {
 }
 std::atomic<bool> g_group_pairs{default_group_pairs()};
 std::atomic<int64_t> g_block_prefetch{kQ8BlockPrefetch};
+std::atomic<int64_t> g_stream_prefetch{kQ8StreamPrefetch};
 
 bool tier_supported(int t) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -189,6 +190,11 @@ int64_t set_q8act_block_prefetch(int64_t blocks) {
   return g_block_prefetch.exchange(blocks);
 }
 
+int64_t set_q8act_stream_prefetch(int64_t blocks) {
+  TORCH_CHECK(blocks >= 0 && blocks <= 64, "set_q8act_stream_prefetch: blocks must be in 0..64, got ", blocks);
+  return g_stream_prefetch.exchange(blocks);
+}
+
 std::string q8act_tiers() {
   std::string out;
   for (int t = kQ8Avx512Vnni; t <= kQ8Scalar; ++t)
@@ -236,6 +242,7 @@ void qlinear_q8act_raw(const float* x, int64_t x_stride, const QLinearParams& Q)
   P.prefetch = g_prefetch.load(std::memory_order_relaxed);
   P.group_pairs = g_group_pairs.load(std::memory_order_relaxed);
   P.block_prefetch = g_block_prefetch.load(std::memory_order_relaxed);
+  P.stream_prefetch = g_stream_prefetch.load(std::memory_order_relaxed);
   auto rows = tier == kQ8Avx512Vnni ? &q8act_rows_avx512vnni
               : tier == kQ8AvxVnni  ? &q8act_rows_avxvnni
               : tier == kQ8Avx2     ? &q8act_rows_avx2

@@ -39,7 +39,13 @@ inline void tile(const Q8ActParams& P, int64_t t0, int64_t m0) {
   const __m512i low4 = _mm512_set1_epi8(15);
   // many rows: the products outlast the stream, so every line of a block further ahead (the hardware
   // prefetcher alone fell behind: single-thread harness, Q8_0 from 4 rows, Q4 from 6)
-  const int64_t block_pf = MR >= (BITS == 8 ? 4 : 6) ? P.block_prefetch : 0;
+  const bool many = MR >= (BITS == 8 ? 4 : 6);
+  const int64_t block_pf = many ? P.block_prefetch : 0;
+  // few rows: the stream outruns the products; every line of the block stream_prefetch blocks ahead into L2,
+  // past the group's end into the next group's blocks (a thread's groups lie one after another). Into L1 it
+  // evicted the blocks in use; the one-line hint alone left a decode step waiting on DRAM (AMD family 25:
+  // benchmarks/results/q8act_stream_prefetch_*.json).
+  const int64_t stream_pf = many ? 0 : P.stream_prefetch;
   for (int64_t g = 0; g < G; ++g) {
     for (int q = 0; q < NG; ++q) {
       const uint8_t* b = P.packed + ((t0 + q) * G + g) * blk;
@@ -47,6 +53,9 @@ inline void tile(const Q8ActParams& P, int64_t t0, int64_t m0) {
         if (g + block_pf < G)
           for (int64_t o = 0; o < blk; o += 64)
             _mm_prefetch(reinterpret_cast<const char*>(b + block_pf * blk + o), _MM_HINT_T0);
+      } else if (stream_pf > 0) {
+        for (int64_t o = 0; o < blk; o += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(b + stream_pf * blk + o), _MM_HINT_T1);
       } else if (g + 2 < G) {
         _mm_prefetch(reinterpret_cast<const char*>(b + 2 * blk), _MM_HINT_T0);
       }

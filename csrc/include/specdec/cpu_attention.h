@@ -314,7 +314,7 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, int64
   const int64_t joint_end = P.mask ? std::min(keys_end, len / kKeyBlock * kKeyBlock) : keys_end;
   // Software prefetch of the K / V rows P.prefetch blocks ahead: a decode step's keys of one KV head
   // (150 keys: ~77 KB of fp32 K and V) come from DRAM after the layer's weights went through the
-  // caches, and without it the kernel waits on them (measured: benchmarks/bench_attention_prefetch.py).
+  // caches, and without it the kernel waits on them (measured: benchmarks/bench_prefetch.py).
   // Values are only requested earlier, so no result bit depends on it.
   const int64_t line_step = 64, row_bytes = D * es;
   auto prefetch_block = [&](int64_t s0) {

@@ -50,6 +50,7 @@ constexpr int64_t kQ8Rows = 16;  // weight rows per packed group
 // the weight stream, prefetch every line of the block this many blocks ahead (set_q8act_block_prefetch; 0: the
 // one-line hint two blocks ahead that the other tiles take).
 constexpr int64_t kQ8BlockPrefetch = 2;
+constexpr int64_t kQ8StreamPrefetch = 2;  // set_q8act_stream_prefetch
 constexpr int64_t kQ8PrefetchBlocks = 16;  // the AVX2 tier's default prefetch distance (set_q8act_prefetch)
 
 // Bytes per (group of 16 rows, block) of the packed layout, and the offset of its scales.
@@ -72,6 +73,7 @@ struct Q8ActParams {
   int64_t prefetch = kQ8PrefetchBlocks;  // packed blocks the AVX2 tier prefetches ahead (0: none)
   bool group_pairs = true;  // AVX-512 VNNI, Q4 weights, one or two rows: two groups of 16 rows per tile
   int64_t block_prefetch = kQ8BlockPrefetch;  // AVX-512 VNNI many-row tiles: every line this many blocks ahead
+  int64_t stream_prefetch = kQ8StreamPrefetch;  // AVX-512 VNNI few-row tiles: every line into L2 this many ahead
 };
 
 // Tiers, best first; kQ8TierAuto: the best this CPU runs.

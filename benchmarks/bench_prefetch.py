@@ -1,16 +1,18 @@
-"""The CPU attention's software prefetch of K / V blocks in whole forwards.
+"""The CPU kernels' software prefetch distances in whole forwards.
 
-    python benchmarks/bench_attention_prefetch.py [--rounds 8] [--reps 30] [--prefixes 150,600,1500]
-        [--distances 0,1,2,4] [--threads 2] [--out FILE]
+    python benchmarks/bench_prefetch.py [--knob attention|q8act_stream] [--rounds 8] [--reps 30]
+        [--prefixes 150,600,1500] [--nodes 1,8] [--distances 0,1,2,4] [--threads 2] [--out FILE]
 
-One process, the bundled SmolLM2-135M at q4_1 with q8 activations (the CLI's default). Per prefix
-length, round and distance (``specdec._C.set_attention_prefetch``: key blocks of 64 keys requested
-ahead of the one computed; the order reversed every other round): the median of --reps forwards of
-N = 1 and N = 8 chain nodes (a decode step, a verify pass) over a prefilled cache. A decode step reads
-the layers' K / V (fp32, 3 KV heads of 64: 1.5 KiB per key and layer) after ~100 MB of weights went
-through the caches, so they come from DRAM. Reported: medians over rounds and, per distance, the
-median of the per-round ratios to no prefetch (0). The logits of every distance are compared bit for
-bit with distance 0's. Writes benchmarks/results/attention_prefetch_<date>.json.
+One process, the bundled SmolLM2-135M at q4_1 with q8 activations (the CLI's default). The knob:
+``attention`` (``specdec._C.set_attention_prefetch``: key blocks of 64 keys of K / V requested ahead of
+the one computed; a decode step reads the layers' fp32 K / V, 1.5 KiB per key and layer, after ~100 MB of
+weights went through the caches) or ``q8act_stream`` (``specdec._C.set_q8act_stream_prefetch``: packed
+weight blocks the AVX-512 VNNI tiles of few activation rows request ahead, every line into L2; 0 = the
+one-line hint two blocks ahead). Per prefix length, round and distance (the order reversed every other
+round): the median of --reps forwards of N chain nodes (N = 1: a decode step; more: verify passes) over
+a prefilled cache. Reported: medians over rounds and, per distance, the median of the per-round ratios
+to distance 0. The logits of every distance are compared bit for bit with distance 0's. Writes
+benchmarks/results/<knob>_prefetch_<date>.json.
 """
 from __future__ import annotations
 
@@ -29,14 +31,16 @@ sys.path.insert(0, str(ROOT))
 
 from specdec.bench.record import cpu_name, git_commit, loadavg  # noqa: E402
 
-NODES = (1, 8)
+KNOBS = {"attention": "set_attention_prefetch", "q8act_stream": "set_q8act_stream_prefetch"}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--knob", default="attention", choices=sorted(KNOBS))
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--prefixes", default="150,600,1500")
+    ap.add_argument("--nodes", default="1,8")
     ap.add_argument("--distances", default="0,1,2,4")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
@@ -48,14 +52,16 @@ def main() -> None:
     from specdec.models.quant import set_activation_quant
 
     prefixes = [int(p) for p in a.prefixes.split(",")]
+    nodes = [int(n) for n in a.nodes.split(",")]
+    setter = getattr(_C, KNOBS[a.knob])
     dists = [int(d) for d in a.distances.split(",")]
     if 0 not in dists:
-        raise SystemExit("bench_attention_prefetch: --distances must include 0 (the baseline)")
+        raise SystemExit("bench_prefetch: --distances must include 0 (the baseline)")
     model, _ = load_bundled("smollm2-135m", precision="q4_1")
     set_activation_quant(model, "q8")
     lm = specdec.HFCausalLM(model)
     load = [loadavg()]
-    was = _C.set_attention_prefetch(0)
+    was = setter(0)
     per = {}
     same_bits = True
     try:
@@ -64,8 +70,8 @@ def main() -> None:
             lm.prefill(cache, [[1 + i % 4000 for i in range(prefix)]])
             for r in range(a.rounds):
                 for d in (dists if r % 2 == 0 else dists[::-1]):
-                    _C.set_attention_prefetch(d)
-                    for n in NODES:
+                    setter(d)
+                    for n in nodes:
                         tok = torch.ones(1, n, dtype=torch.int64)
                         dep = torch.arange(n, dtype=torch.int32).view(1, n)
                         out = lm.forward(cache, tok, dep)
@@ -77,17 +83,17 @@ def main() -> None:
                             lm.forward(cache, tok, dep)
                             ts.append(time.perf_counter() - t0)
                         per.setdefault((prefix, n, d), []).append(statistics.median(ts) * 1e3)
-                print(f"prefix {prefix} round {r}: N=1 " + ", ".join(
-                    f"d{d} {per[(prefix, 1, d)][-1]:.2f}" for d in dists) + " ms", flush=True)
-            for n in NODES:
+                print(f"prefix {prefix} round {r}: N={nodes[0]} " + ", ".join(
+                    f"d{d} {per[(prefix, nodes[0], d)][-1]:.2f}" for d in dists) + " ms", flush=True)
+            for n in nodes:
                 logits = per.pop((prefix, n, "logits"))
                 same_bits &= all(torch.equal(logits[d], logits[0]) for d in dists)
     finally:
-        _C.set_attention_prefetch(was)
+        setter(was)
     load.append(loadavg())
     summary = {}
     for prefix in prefixes:
-        for n in NODES:
+        for n in nodes:
             base = per[(prefix, n, 0)]
             row = {}
             for d in dists:
@@ -98,14 +104,15 @@ def main() -> None:
             print(f"prefix {prefix} N={n}: " + ", ".join(f"d{d} {v['ms']:.2f} ms ({v['ratio_to_none']:.3f}x)"
                                                           for d, v in zip(dists, row.values())))
     print(f"logits equal at every distance: {same_bits}")
-    res = {"benchmark": "attention_prefetch", "date": _dt.date.today().isoformat(), "commit": git_commit(),
+    res = {"benchmark": f"{a.knob}_prefetch", "knob": KNOBS[a.knob], "nodes": nodes, "q8act_tier": _C.q8act_tier(),
+           "date": _dt.date.today().isoformat(), "commit": git_commit(),
            "cpu": cpu_name(), "threads": a.threads, "precision": "q4_1", "act": "q8", "loadavg": load,
            "rounds": a.rounds, "reps": a.reps, "prefixes": prefixes, "distances": dists,
            "logits_equal_at_every_distance": bool(same_bits), "summary": summary,
            "rounds_ms": {f"prefix={p} N={n} d{d}": [round(x, 3) for x in per[(p, n, d)]]
-                         for p in prefixes for n in NODES for d in dists},
+                         for p in prefixes for n in nodes for d in dists},
            "notes": "shared 2-core host (see loadavg); ratios are medians of per-round ratios, one process"}
-    out = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / f"attention_prefetch_{res['date']}.json"
+    out = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / f"{a.knob}_prefetch_{res['date']}.json"
     out.write_text(json.dumps(res, indent=1))
     print(f"wrote {out}")
 
