@@ -53,9 +53,9 @@ inline void tile(const Q8ActParams& P, int64_t t0, int64_t m0) {
         if (g + block_pf < G)
           for (int64_t o = 0; o < blk; o += 64)
             _mm_prefetch(reinterpret_cast<const char*>(b + block_pf * blk + o), _MM_HINT_T0);
-      } else if (stream_pf > 0) {
-        for (int64_t o = 0; o < blk; o += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(b + stream_pf * blk + o), _MM_HINT_T1);
+      } else if (stream_pf > 0) {  // the address may lie past the weight's end (integer arithmetic; never read)
+        const uintptr_t f = reinterpret_cast<uintptr_t>(b) + uintptr_t(stream_pf * blk);
+        for (int64_t o = 0; o < blk; o += 64) _mm_prefetch(reinterpret_cast<const char*>(f + uintptr_t(o)), _MM_HINT_T1);
       } else if (g + 2 < G) {
         _mm_prefetch(reinterpret_cast<const char*>(b + 2 * blk), _MM_HINT_T0);
       }
