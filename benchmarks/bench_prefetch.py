@@ -1,18 +1,20 @@
 """The CPU kernels' software prefetch distances in whole forwards.
 
-    python benchmarks/bench_prefetch.py [--knob attention|q8act_stream] [--rounds 8] [--reps 30]
-        [--prefixes 150,600,1500] [--nodes 1,8] [--distances 0,1,2,4] [--threads 2] [--out FILE]
+    python benchmarks/bench_prefetch.py [--knob attention|q8act_stream|q8act_level] [--tier TIER] [--rounds 8]
+        [--reps 30] [--prefixes 150,600,1500] [--nodes 1,8] [--distances 0,1,2,4] [--threads 2] [--out FILE]
 
 One process, the bundled SmolLM2-135M at q4_1 with q8 activations (the CLI's default). The knob:
 ``attention`` (``specdec._C.set_attention_prefetch``: key blocks of 64 keys of K / V requested ahead of
 the one computed; a decode step reads the layers' fp32 K / V, 1.5 KiB per key and layer, after ~100 MB of
 weights went through the caches) or ``q8act_stream`` (``specdec._C.set_q8act_stream_prefetch``: packed
 weight blocks the AVX-512 VNNI tiles of few activation rows request ahead, every line into L2; 0 = the
-one-line hint two blocks ahead). Per prefix length, round and distance (the order reversed every other
-round): the median of --reps forwards of N chain nodes (N = 1: a decode step; more: verify passes) over
-a prefilled cache. Reported: medians over rounds and, per distance, the median of the per-round ratios
-to distance 0. The logits of every distance are compared bit for bit with distance 0's. Writes
-benchmarks/results/<knob>_prefetch_<date>.json.
+one-line hint two blocks ahead) or ``q8act_level`` (``specdec._C.set_q8act_prefetch_level``: the cache
+level, 1 or 2, the AVX2 / AVX-VNNI tiers prefetch into; --distances are then levels, 1 the baseline;
+--tier forces qlinear_q8act's tier, e.g. avx2). Per prefix length, round and value (the order reversed
+every other round): the median of --reps forwards of N chain nodes (N = 1: a decode step; more: verify
+passes) over a prefilled cache. Reported: medians over rounds and, per value, the median of the
+per-round ratios to the baseline (0; level 1). The logits of every value are compared bit for bit with
+the baseline's. Writes benchmarks/results/<knob>_prefetch_<date>.json.
 """
 from __future__ import annotations
 
@@ -31,12 +33,14 @@ sys.path.insert(0, str(ROOT))
 
 from specdec.bench.record import cpu_name, git_commit, loadavg  # noqa: E402
 
-KNOBS = {"attention": "set_attention_prefetch", "q8act_stream": "set_q8act_stream_prefetch"}
+KNOBS = {"attention": ("set_attention_prefetch", 0), "q8act_stream": ("set_q8act_stream_prefetch", 0),
+         "q8act_level": ("set_q8act_prefetch_level", 1)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--knob", default="attention", choices=sorted(KNOBS))
+    ap.add_argument("--tier", default="auto", help="qlinear_q8act's CPU tier (specdec._C.set_q8act_tier)")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--prefixes", default="150,600,1500")
@@ -53,15 +57,16 @@ def main() -> None:
 
     prefixes = [int(p) for p in a.prefixes.split(",")]
     nodes = [int(n) for n in a.nodes.split(",")]
-    setter = getattr(_C, KNOBS[a.knob])
+    setter, base_value = getattr(_C, KNOBS[a.knob][0]), KNOBS[a.knob][1]
     dists = [int(d) for d in a.distances.split(",")]
-    if 0 not in dists:
-        raise SystemExit("bench_prefetch: --distances must include 0 (the baseline)")
+    if base_value not in dists:
+        raise SystemExit(f"bench_prefetch: --distances must include {base_value} (the baseline)")
+    tier_was = _C.set_q8act_tier(a.tier)
     model, _ = load_bundled("smollm2-135m", precision="q4_1")
     set_activation_quant(model, "q8")
     lm = specdec.HFCausalLM(model)
     load = [loadavg()]
-    was = setter(0)
+    was = setter(base_value)
     per = {}
     same_bits = True
     try:
@@ -87,28 +92,31 @@ def main() -> None:
                     f"d{d} {per[(prefix, nodes[0], d)][-1]:.2f}" for d in dists) + " ms", flush=True)
             for n in nodes:
                 logits = per.pop((prefix, n, "logits"))
-                same_bits &= all(torch.equal(logits[d], logits[0]) for d in dists)
+                same_bits &= all(torch.equal(logits[d], logits[base_value]) for d in dists)
+        tier = _C.q8act_tier()
     finally:
         setter(was)
+        _C.set_q8act_tier(tier_was)
     load.append(loadavg())
     summary = {}
     for prefix in prefixes:
         for n in nodes:
-            base = per[(prefix, n, 0)]
+            base = per[(prefix, n, base_value)]
             row = {}
             for d in dists:
                 v = per[(prefix, n, d)]
                 row[f"d{d}"] = {"ms": round(statistics.median(v), 3),
-                                "ratio_to_none": round(statistics.median([x / b for x, b in zip(v, base)]), 4)}
+                                "ratio_to_baseline": round(statistics.median([x / b for x, b in zip(v, base)]), 4)}
             summary[f"prefix={prefix} N={n}"] = row
-            print(f"prefix {prefix} N={n}: " + ", ".join(f"d{d} {v['ms']:.2f} ms ({v['ratio_to_none']:.3f}x)"
+            print(f"prefix {prefix} N={n}: " + ", ".join(f"d{d} {v['ms']:.2f} ms ({v['ratio_to_baseline']:.3f}x)"
                                                           for d, v in zip(dists, row.values())))
-    print(f"logits equal at every distance: {same_bits}")
-    res = {"benchmark": f"{a.knob}_prefetch", "knob": KNOBS[a.knob], "nodes": nodes, "q8act_tier": _C.q8act_tier(),
+    print(f"logits equal to the baseline's: {same_bits}")
+    res = {"benchmark": f"{a.knob}_prefetch", "knob": KNOBS[a.knob][0], "baseline": base_value, "nodes": nodes,
+           "q8act_tier": tier,
            "date": _dt.date.today().isoformat(), "commit": git_commit(),
            "cpu": cpu_name(), "threads": a.threads, "precision": "q4_1", "act": "q8", "loadavg": load,
            "rounds": a.rounds, "reps": a.reps, "prefixes": prefixes, "distances": dists,
-           "logits_equal_at_every_distance": bool(same_bits), "summary": summary,
+           "logits_equal_to_the_baseline": bool(same_bits), "summary": summary,
            "rounds_ms": {f"prefix={p} N={n} d{d}": [round(x, 3) for x in per[(p, n, d)]]
                          for p in prefixes for n in nodes for d in dists},
            "notes": "shared 2-core host (see loadavg); ratios are medians of per-round ratios, one process"}

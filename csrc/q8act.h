@@ -55,6 +55,9 @@ int64_t set_q8act_block_prefetch(int64_t blocks);
 // weight block into L2 (0: the one-line hint two blocks ahead); the same bits at any distance. Returns the
 // previous value.
 int64_t set_q8act_stream_prefetch(int64_t blocks);
+// The cache level the AVX2 / AVX-VNNI tiers' prefetch (set_q8act_prefetch) fills: 1 (L1) or 2 (L2, the default);
+// the same bits either way. Returns the previous value.
+int64_t set_q8act_prefetch_level(int64_t level);
 }  // namespace cpu
 
 namespace checks {

@@ -124,6 +124,7 @@ bool default_group_pairs() {
 std::atomic<bool> g_group_pairs{default_group_pairs()};
 std::atomic<int64_t> g_block_prefetch{kQ8BlockPrefetch};
 std::atomic<int64_t> g_stream_prefetch{kQ8StreamPrefetch};
+std::atomic<int64_t> g_prefetch_level{2};
 
 bool tier_supported(int t) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -195,6 +196,11 @@ int64_t set_q8act_stream_prefetch(int64_t blocks) {
   return g_stream_prefetch.exchange(blocks);
 }
 
+int64_t set_q8act_prefetch_level(int64_t level) {
+  TORCH_CHECK(level == 1 || level == 2, "set_q8act_prefetch_level: level must be 1 (L1) or 2 (L2), got ", level);
+  return g_prefetch_level.exchange(level);
+}
+
 std::string q8act_tiers() {
   std::string out;
   for (int t = kQ8Avx512Vnni; t <= kQ8Scalar; ++t)
@@ -243,6 +249,7 @@ void qlinear_q8act_raw(const float* x, int64_t x_stride, const QLinearParams& Q)
   P.group_pairs = g_group_pairs.load(std::memory_order_relaxed);
   P.block_prefetch = g_block_prefetch.load(std::memory_order_relaxed);
   P.stream_prefetch = g_stream_prefetch.load(std::memory_order_relaxed);
+  P.prefetch_l1 = g_prefetch_level.load(std::memory_order_relaxed) == 1;
   auto rows = tier == kQ8Avx512Vnni ? &q8act_rows_avx512vnni
               : tier == kQ8AvxVnni  ? &q8act_rows_avxvnni
               : tier == kQ8Avx2     ? &q8act_rows_avx2

@@ -85,12 +85,18 @@ inline void half_tile(const Q8ActParams& P, int64_t t, int h, int64_t m0) {
 #else
 // The packed weight is read front to back (groups, then blocks), so the block P.prefetch blocks ahead is
 // requested while this one is computed (set_q8act_prefetch; kQ8PrefetchBlocks by default): one core's hardware prefetch
-// alone leaves a weight read from DRAM below the read bandwidth. Prefetches past the weight's end are
-// harmless.
+// alone leaves a weight read from DRAM below the read bandwidth. Into L2 by default (P.prefetch_l1 false;
+// set_q8act_prefetch_level): into L1 the stream evicted the lines in use (an AMD family-25 CPU with the tier
+// forced: benchmarks/results/q8act_prefetch_level_*.json). Prefetches past the weight's end are harmless
+// (the address formed in integers, never read).
 template <int64_t BLK>
-inline void prefetch_ahead(const uint8_t* b, int64_t blocks) {
-  if (blocks > 0)
-    for (int64_t i = 0; i < BLK; i += 64) _mm_prefetch(reinterpret_cast<const char*>(b + blocks * BLK + i), _MM_HINT_T0);
+inline void prefetch_ahead(const uint8_t* b, int64_t blocks, bool l1) {
+  if (blocks <= 0) return;
+  const uintptr_t f = reinterpret_cast<uintptr_t>(b) + uintptr_t(blocks * BLK);
+  if (l1)
+    for (int64_t i = 0; i < BLK; i += 64) _mm_prefetch(reinterpret_cast<const char*>(f + uintptr_t(i)), _MM_HINT_T0);
+  else
+    for (int64_t i = 0; i < BLK; i += 64) _mm_prefetch(reinterpret_cast<const char*>(f + uintptr_t(i)), _MM_HINT_T1);
 }
 
 // y[m0.., 16 t..] = the accumulators (+ bias), rows past N left out.
@@ -125,7 +131,7 @@ inline void group_tile(const Q8ActParams& P, int64_t t, int64_t m0) {
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* b = P.packed + (t * G + g) * blk;
     const int8_t* a0 = P.a + m0 * P.K + g * kQ8Block;
-    prefetch_ahead<blk>(b, P.prefetch);
+    prefetch_ahead<blk>(b, P.prefetch, P.prefetch_l1);
     __m256i s[2][MR];
     for (int m = 0; m < MR; ++m) s[0][m] = s[1][m] = _mm256_setzero_si256();
     if constexpr (BITS == 4) {
