@@ -55,7 +55,7 @@ int64_t set_q8act_block_prefetch(int64_t blocks);
 // weight block into L2 (0: the one-line hint two blocks ahead); the same bits at any distance. Returns the
 // previous value.
 int64_t set_q8act_stream_prefetch(int64_t blocks);
-// The cache level the AVX2 / AVX-VNNI tiers' prefetch (set_q8act_prefetch) fills: 1 (L1) or 2 (L2, the default);
+// The cache level the AVX2 / AVX-VNNI tiers' prefetch (set_q8act_prefetch) fills: 1 (L1, the default) or 2 (L2);
 // the same bits either way. Returns the previous value.
 int64_t set_q8act_prefetch_level(int64_t level);
 }  // namespace cpu

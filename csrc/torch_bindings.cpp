@@ -188,8 +188,8 @@ PYBIND11_MODULE(_C, m) {
         "one-line hint two blocks ahead; the default 2). Returns the previous value. The same bits at any distance; "
         "for A/Bs.");
   m.def("set_q8act_prefetch_level", &specdec::cpu::set_q8act_prefetch_level, pybind11::arg("level"),
-        "The cache level qlinear_q8act's AVX2 / AVX-VNNI tiers prefetch their weight into: 1 (L1) or 2 (L2, the "
-        "default). Returns the previous value. The same bits either way; for A/Bs.");
+        "The cache level qlinear_q8act's AVX2 / AVX-VNNI tiers prefetch their weight into: 1 (L1, the default) or 2 "
+        "(L2). Returns the previous value. The same bits either way; for A/Bs.");
   m.def("q8act_tier", &specdec::cpu::q8act_tier, "The CPU tier qlinear_q8act calls take now.");
   m.def("q8act_tiers", &specdec::cpu::q8act_tiers, "The qlinear_q8act tiers this CPU runs, best first.");
   m.def("cpu_avx512", &specdec::cpu::avx512_active, "Whether verify-size CPU linears take the AVX-512 kernels.");

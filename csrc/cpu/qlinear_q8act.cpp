@@ -124,7 +124,7 @@ bool default_group_pairs() {
 std::atomic<bool> g_group_pairs{default_group_pairs()};
 std::atomic<int64_t> g_block_prefetch{kQ8BlockPrefetch};
 std::atomic<int64_t> g_stream_prefetch{kQ8StreamPrefetch};
-std::atomic<int64_t> g_prefetch_level{2};
+std::atomic<int64_t> g_prefetch_level{1};
 
 bool tier_supported(int t) {
 #if defined(__x86_64__) || defined(__i386__)

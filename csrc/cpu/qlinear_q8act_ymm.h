@@ -85,10 +85,10 @@ inline void half_tile(const Q8ActParams& P, int64_t t, int h, int64_t m0) {
 #else
 // The packed weight is read front to back (groups, then blocks), so the block P.prefetch blocks ahead is
 // requested while this one is computed (set_q8act_prefetch; kQ8PrefetchBlocks by default): one core's hardware prefetch
-// alone leaves a weight read from DRAM below the read bandwidth. Into L2 by default (P.prefetch_l1 false;
-// set_q8act_prefetch_level): into L1 the stream evicted the lines in use (an AMD family-25 CPU with the tier
-// forced: benchmarks/results/q8act_prefetch_level_*.json). Prefetches past the weight's end are harmless
-// (the address formed in integers, never read).
+// alone leaves a weight read from DRAM below the read bandwidth. Into L1 by default (P.prefetch_l1;
+// set_q8act_prefetch_level 1 / 2 for A/Bs): into L2 a decode step was slower on an AMD family-25 CPU with the
+// tier forced (benchmarks/results/q8act_level_prefetch_*.json), unlike the AVX-512 VNNI tier's stream prefetch
+// at two blocks. Prefetches past the weight's end are harmless (the address formed in integers, never read).
 template <int64_t BLK>
 inline void prefetch_ahead(const uint8_t* b, int64_t blocks, bool l1) {
   if (blocks <= 0) return;

@@ -71,7 +71,7 @@ struct Q8ActParams {
   int bits;
   bool mins;               // Q4_1
   int64_t prefetch = kQ8PrefetchBlocks;  // packed blocks the AVX2 tier prefetches ahead (0: none)
-  bool prefetch_l1 = false;  // the AVX2 / AVX-VNNI tiers' prefetch into L1 (true) or L2 (false, the default)
+  bool prefetch_l1 = true;  // the AVX2 / AVX-VNNI tiers' prefetch into L1 (true, the default) or L2 (false)
   bool group_pairs = true;  // AVX-512 VNNI, Q4 weights, one or two rows: two groups of 16 rows per tile
   int64_t block_prefetch = kQ8BlockPrefetch;  // AVX-512 VNNI many-row tiles: every line this many blocks ahead
   int64_t stream_prefetch = kQ8StreamPrefetch;  // AVX-512 VNNI few-row tiles: every line into L2 this many ahead
