@@ -1,7 +1,8 @@
 """The CPU kernels' software prefetch distances in whole forwards.
 
-    python benchmarks/bench_prefetch.py [--knob attention|q8act|q8act_stream|q8act_level] [--tier TIER] [--rounds 8]
-        [--reps 30] [--prefixes 150,600,1500] [--nodes 1,8] [--distances 0,1,2,4] [--threads 2] [--out FILE]
+    python benchmarks/bench_prefetch.py [--knob attention|q8act|q8act_stream|q8act_block|q8act_level]
+        [--tier TIER] [--rounds 8] [--reps 30] [--prefixes 150,600,1500] [--nodes 1,8] [--distances 0,1,2,4]
+        [--baseline B] [--threads 2] [--out FILE]
 
 One process, the bundled SmolLM2-135M at q4_1 with q8 activations (the CLI's default). The knob:
 ``attention`` (``specdec._C.set_attention_prefetch``: key blocks of 64 keys of K / V requested ahead of
@@ -9,13 +10,15 @@ the one computed; a decode step reads the layers' fp32 K / V, 1.5 KiB per key an
 of weights went through the caches), ``q8act`` (``specdec._C.set_q8act_prefetch``: packed weight blocks
 the AVX2 / AVX-VNNI tiers request ahead; 16 the baseline), ``q8act_stream``
 (``specdec._C.set_q8act_stream_prefetch``: packed weight blocks the AVX-512 VNNI tiles of few activation
-rows request ahead, every line into L2; 0 = the one-line hint two blocks ahead) or ``q8act_level``
+rows request ahead, every line into L2; 0 = the one-line hint two blocks ahead), ``q8act_block``
+(``specdec._C.set_q8act_block_prefetch``: the same for the tiles of many rows, every line into L1; 0 = the
+hint) or ``q8act_level``
 (``specdec._C.set_q8act_prefetch_level``: the cache level, 1 or 2, the AVX2 / AVX-VNNI tiers prefetch
 into; --distances are then levels, 1 the baseline). --tier forces qlinear_q8act's tier (e.g. avx2).
 Per prefix length, round and value (the order reversed every other round): the median of --reps
 forwards of N chain nodes (N = 1: a decode step; more: verify passes) over a prefilled cache. Reported:
 medians over rounds and, per value, the median of the per-round ratios to the baseline (0; 16 for
-q8act; level 1). The logits of every value are compared bit for bit with the baseline's. Writes
+q8act; level 1; --baseline sets another). The logits of every value are compared bit for bit with the baseline's. Writes
 benchmarks/results/<knob>_prefetch_<date>.json.
 """
 from __future__ import annotations
@@ -36,7 +39,8 @@ sys.path.insert(0, str(ROOT))
 from specdec.bench.record import cpu_name, git_commit, loadavg  # noqa: E402
 
 KNOBS = {"attention": ("set_attention_prefetch", 0), "q8act": ("set_q8act_prefetch", 16),
-         "q8act_stream": ("set_q8act_stream_prefetch", 0), "q8act_level": ("set_q8act_prefetch_level", 1)}
+         "q8act_stream": ("set_q8act_stream_prefetch", 0), "q8act_block": ("set_q8act_block_prefetch", 0),
+         "q8act_level": ("set_q8act_prefetch_level", 1)}
 
 
 def main() -> None:
@@ -48,6 +52,8 @@ def main() -> None:
     ap.add_argument("--prefixes", default="150,600,1500")
     ap.add_argument("--nodes", default="1,8")
     ap.add_argument("--distances", default="0,1,2,4")
+    ap.add_argument("--baseline", type=int, default=None, help="the value the ratios are taken to (default: the "
+                    "knob's own, above)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -60,6 +66,8 @@ def main() -> None:
     prefixes = [int(p) for p in a.prefixes.split(",")]
     nodes = [int(n) for n in a.nodes.split(",")]
     setter, base_value = getattr(_C, KNOBS[a.knob][0]), KNOBS[a.knob][1]
+    if a.baseline is not None:
+        base_value = a.baseline
     dists = [int(d) for d in a.distances.split(",")]
     if base_value not in dists:
         raise SystemExit(f"bench_prefetch: --distances must include {base_value} (the baseline)")

@@ -38,7 +38,9 @@ inline void tile(const Q8ActParams& P, int64_t t0, int64_t m0) {
     for (int m = 0; m < MR; ++m) acc[q][m] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(15);
   // many rows: the products outlast the stream, so every line of a block further ahead (the hardware
-  // prefetcher alone fell behind: single-thread harness, Q8_0 from 4 rows, Q4 from 6)
+  // prefetcher alone fell behind: single-thread harness, Q8_0 from 4 rows, Q4 from 6), past the group's end
+  // into the next group's blocks as the few-row tiles do (a layer of K = 576 has 18 blocks a group: stopping
+  // at the group's end left each group's first blocks unrequested)
   const bool many = MR >= (BITS == 8 ? 4 : 6);
   const int64_t block_pf = many ? P.block_prefetch : 0;
   // few rows: the stream outruns the products; every line of the block stream_prefetch blocks ahead into L2,
@@ -50,9 +52,8 @@ inline void tile(const Q8ActParams& P, int64_t t0, int64_t m0) {
     for (int q = 0; q < NG; ++q) {
       const uint8_t* b = P.packed + ((t0 + q) * G + g) * blk;
       if (block_pf > 0) {
-        if (g + block_pf < G)
-          for (int64_t o = 0; o < blk; o += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(b + block_pf * blk + o), _MM_HINT_T0);
+        const uintptr_t f = reinterpret_cast<uintptr_t>(b) + uintptr_t(block_pf * blk);
+        for (int64_t o = 0; o < blk; o += 64) _mm_prefetch(reinterpret_cast<const char*>(f + uintptr_t(o)), _MM_HINT_T0);
       } else if (stream_pf > 0) {  // the address may lie past the weight's end (integer arithmetic; never read)
         const uintptr_t f = reinterpret_cast<uintptr_t>(b) + uintptr_t(stream_pf * blk);
         for (int64_t o = 0; o < blk; o += 64) _mm_prefetch(reinterpret_cast<const char*>(f + uintptr_t(o)), _MM_HINT_T1);
