@@ -4,8 +4,9 @@
 //
 // A zmm lane is one of a packed group's 16 weight rows: per block, the group's 4 (Q4) or 8 (Q8_0)
 // 64-byte code vectors are read once (Q4: split into low / high nibbles, 8 vectors) and every
-// activation row takes 8 vpdpbusd against its 8 broadcast 4-code words, giving the 16 rows' exact block
-// dots in one register; then one subtraction of the offset, one convert and one fused multiply-add by
+// activation row takes 8 vpdpbusd against its 8 broadcast 4-code words, in two chains the first of which starts
+// from the codes' offset (Q8_0 / Q4_0), giving the 16 rows' exact block dots in one register; then one convert
+// and one fused multiply-add by
 // dw * d (16 scales widened at once), and Q4_1's min term by one more. Up to 8 activation rows share
 // the decoded codes; with Q4 weights a decode step (one activation row) and a pass of two rows run two
 // groups at once for independent chains.
@@ -76,16 +77,18 @@ inline void tile(const Q8ActParams& P, int64_t t0, int64_t m0) {
       for (int m = 0; m < MR; ++m) {
         const int64_t mg = (m0 + m) * G + g;
         const int8_t* a = P.a + (m0 + m) * P.K + g * kQ8Block;
-        __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], bcast_word(a));
+        // the codes' offset (Q8_0: 128, Q4_0: 8, times the block's activation sum) starts the chain
+        __m512i p = shift >= 0 ? _mm512_set1_epi32(-(P.R[mg] << (shift >= 0 ? shift : 0))) : _mm512_setzero_si512();
+        // two chains: one dpbusd chain per row was slower at 4-16 rows (AMD family 25, whole forwards)
         __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], bcast_word(a + 4));
-        p0 = _mm512_dpbusd_epi32(p0, w[2], bcast_word(a + 8));
+        p = _mm512_dpbusd_epi32(p, w[0], bcast_word(a));
+        p = _mm512_dpbusd_epi32(p, w[2], bcast_word(a + 8));
         p1 = _mm512_dpbusd_epi32(p1, w[3], bcast_word(a + 12));
-        p0 = _mm512_dpbusd_epi32(p0, w[4], bcast_word(a + 16));
+        p = _mm512_dpbusd_epi32(p, w[4], bcast_word(a + 16));
         p1 = _mm512_dpbusd_epi32(p1, w[5], bcast_word(a + 20));
-        p0 = _mm512_dpbusd_epi32(p0, w[6], bcast_word(a + 24));
+        p = _mm512_dpbusd_epi32(p, w[6], bcast_word(a + 24));
         p1 = _mm512_dpbusd_epi32(p1, w[7], bcast_word(a + 28));
-        __m512i p = _mm512_add_epi32(p0, p1);
-        if constexpr (shift >= 0) p = _mm512_sub_epi32(p, _mm512_set1_epi32(P.R[mg] << shift));
+        p = _mm512_add_epi32(p, p1);
         acc[q][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw, _mm512_set1_ps(P.d[mg])), acc[q][m]);
         if constexpr (MINS) acc[q][m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(P.s[mg]), acc[q][m]);
       }
