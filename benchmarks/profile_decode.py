@@ -1,9 +1,10 @@
 """Where each thread of a CPU decode step spends its time: a sampling profile (Linux perf) of greedy
 decode steps of the bundled model, per thread and category.
 
-    python benchmarks/profile_decode.py [--seconds 10] [--threads 2] [--precision q4_1] [--act q8]
+    python benchmarks/profile_decode.py [--seconds 10] [--threads 2] [--precision q4_1] [--act q8] [--nodes 1]
 
-One process decodes one request (a 150-token prefix, then N = 1 steps) while ``perf record`` samples it
+One process decodes one request (a 150-token prefix, then N = 1 steps; ``--nodes N``: verify passes of N chain
+nodes) while ``perf record`` samples it
 for --seconds after a warm-up. Samples are grouped per thread (the main thread: Python, the serial parts
 of each layer and its share of every parallel region; the others: OpenMP workers) into the q8act /
 linear product tiles, attention, OpenMP waiting (libgomp: a thread spinning for work or at a region's
@@ -56,6 +57,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--precision", default="q4_1")
     ap.add_argument("--act", default="q8", choices=["q8", "none"])
+    ap.add_argument("--nodes", type=int, default=1, help="chain nodes per forward (1: decode steps; more: verify "
+                    "passes)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     perf = shutil.which("perf")
@@ -72,8 +75,8 @@ def main() -> None:
     lm = specdec.HFCausalLM(model)
     cache = lm.new_cache(1, 512)
     lm.prefill(cache, [list(range(1, 151))])
-    tok = torch.ones(1, 1, dtype=torch.int64)
-    dep = torch.zeros(1, 1, dtype=torch.int32)
+    tok = torch.ones(1, a.nodes, dtype=torch.int64)
+    dep = torch.arange(a.nodes, dtype=torch.int32).view(1, a.nodes)
     for _ in range(20):
         lm.forward(cache, tok, dep)
     load = [loadavg()]
@@ -115,7 +118,7 @@ def main() -> None:
                                     "share": {k: round(v / total, 4) for k, v in c.most_common()}}
     res = {"benchmark": "decode_profile", "date": _dt.date.today().isoformat(), "commit": git_commit(),
            "cpu": cpu_name(), "threads": a.threads, "precision": a.precision, "act": a.act, "prefix": 150,
-           "seconds": a.seconds, "steps": steps, "ms_per_step": round(wall / max(steps, 1) * 1e3, 3),
+           "nodes": a.nodes, "seconds": a.seconds, "steps": steps, "ms_per_step": round(wall / max(steps, 1) * 1e3, 3),
            "loadavg": load, "q8act_tier": specdec._C.q8act_tier(), "per_thread": threads,
            "notes": "perf record -p PID (cycles, default frequency) during decode steps; shares of each thread's "
                     "samples; a spinning OpenMP worker is sampled while it waits"}
