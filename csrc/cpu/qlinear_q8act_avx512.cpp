@@ -39,10 +39,11 @@ inline void tile(const Q8ActParams& P, int64_t t0, int64_t m0) {
     for (int m = 0; m < MR; ++m) acc[q][m] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(15);
   // many rows: the products outlast the stream, so every line of a block further ahead (the hardware
-  // prefetcher alone fell behind: single-thread harness, Q8_0 from 4 rows, Q4 from 6), past the group's end
-  // into the next group's blocks as the few-row tiles do (a layer of K = 576 has 18 blocks a group: stopping
-  // at the group's end left each group's first blocks unrequested)
-  const bool many = MR >= (BITS == 8 ? 4 : 6);
+  // prefetcher alone fell behind), past the group's end into the next group's blocks as the few-row tiles do
+  // (a layer of K = 576 has 18 blocks a group: stopping at the group's end left each group's first blocks
+  // unrequested). From 3 rows with Q8_0, 4 with Q4: with the prefetch across groups, 4- and 5-node verify passes
+  // ran faster this way than with the few-row stream prefetch (it was from 4 / 6; benchmarks/results/q8act_many_*).
+  const bool many = MR >= (BITS == 8 ? 3 : 4);
   const int64_t block_pf = many ? P.block_prefetch : 0;
   // few rows: the stream outruns the products; every line of the block stream_prefetch blocks ahead into L2,
   // past the group's end into the next group's blocks (a thread's groups lie one after another). Into L1 it

@@ -46,7 +46,7 @@ namespace cpu {
 
 constexpr int64_t kQ8Block = 32;
 constexpr int64_t kQ8Rows = 16;  // weight rows per packed group
-// The AVX-512 VNNI tier's tiles of many activation rows (Q8_0 from 4 rows, Q4 from 6), whose products outlast
+// The AVX-512 VNNI tier's tiles of many activation rows (Q8_0 from 3 rows, Q4 from 4), whose products outlast
 // the weight stream, prefetch every line of the block this many blocks ahead, past a group's end into the next
 // group's (set_q8act_block_prefetch; 0: the one-line hint two blocks ahead that the other tiles take). 8: verify
 // passes of 6-16 nodes 0.92-0.95x the distance of 2 (AMD family 25, benchmarks/results/q8act_block_prefetch_*).
