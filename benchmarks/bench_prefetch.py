@@ -1,6 +1,6 @@
 """The CPU kernels' software prefetch distances in whole forwards.
 
-    python benchmarks/bench_prefetch.py [--knob attention|q8act|q8act_stream|q8act_block|q8act_level]
+    python benchmarks/bench_prefetch.py [--knob attention|q8act|q8act_stream|q8act_block|q8act_many|q8act_level]
         [--tier TIER] [--rounds 8] [--reps 30] [--prefixes 150,600,1500] [--nodes 1,8] [--distances 0,1,2,4]
         [--baseline B] [--threads 2] [--out FILE]
 
@@ -12,14 +12,16 @@ the AVX2 / AVX-VNNI tiers request ahead; 16 the baseline), ``q8act_stream``
 (``specdec._C.set_q8act_stream_prefetch``: packed weight blocks the AVX-512 VNNI tiles of few activation
 rows request ahead, every line into L2; 0 = the one-line hint two blocks ahead), ``q8act_block``
 (``specdec._C.set_q8act_block_prefetch``: the same for the tiles of many rows, every line into L1; 0 = the
-hint) or ``q8act_level``
+hint), ``q8act_many`` (``specdec._C.set_q8act_many_rows``: from how many activation rows those tiles count as
+many, two digits per value, Q8_0's then Q4's: 46 = from 4 / from 6, the baseline; 34 the default) or
+``q8act_level``
 (``specdec._C.set_q8act_prefetch_level``: the cache level, 1 or 2, the AVX2 / AVX-VNNI tiers prefetch
 into; --distances are then levels, 1 the baseline). --tier forces qlinear_q8act's tier (e.g. avx2).
 Per prefix length, round and value (the order reversed every other round): the median of --reps
 forwards of N chain nodes (N = 1: a decode step; more: verify passes) over a prefilled cache. Reported:
 medians over rounds and, per value, the median of the per-round ratios to the baseline (0; 16 for
-q8act; level 1; --baseline sets another). The logits of every value are compared bit for bit with the baseline's. Writes
-benchmarks/results/<knob>_prefetch_<date>.json.
+q8act; level 1; 46 for q8act_many; --baseline sets another). The logits of every value are compared bit
+for bit with the baseline's. Writes benchmarks/results/<knob>_prefetch_<date>.json.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ from specdec.bench.record import cpu_name, git_commit, loadavg  # noqa: E402
 
 KNOBS = {"attention": ("set_attention_prefetch", 0), "q8act": ("set_q8act_prefetch", 16),
          "q8act_stream": ("set_q8act_stream_prefetch", 0), "q8act_block": ("set_q8act_block_prefetch", 0),
-         "q8act_level": ("set_q8act_prefetch_level", 1)}
+         "q8act_level": ("set_q8act_prefetch_level", 1), "q8act_many": ("set_q8act_many_rows", 46)}
 
 
 def main() -> None:
@@ -66,6 +68,12 @@ def main() -> None:
     prefixes = [int(p) for p in a.prefixes.split(",")]
     nodes = [int(n) for n in a.nodes.split(",")]
     setter, base_value = getattr(_C, KNOBS[a.knob][0]), KNOBS[a.knob][1]
+    if a.knob == "q8act_many":  # two digits: the Q8_0 and the Q4 threshold
+        pair = setter
+
+        def setter(v):
+            q8, q4 = pair(int(v) // 10, int(v) % 10)
+            return 10 * q8 + q4
     if a.baseline is not None:
         base_value = a.baseline
     dists = [int(d) for d in a.distances.split(",")]

@@ -178,6 +178,10 @@ PYBIND11_MODULE(_C, m) {
         "Whether qlinear_q8act's AVX-512 VNNI tier runs one- and two-row passes over Q4 weights on two groups of 16 "
         "weight rows at once (True) or one group at a time (False). Returns the previous value. The same bits "
         "either way; for A/Bs.");
+  m.def("set_q8act_many_rows", &specdec::cpu::set_q8act_many_rows, pybind11::arg("q8_rows"), pybind11::arg("q4_rows"),
+        "From how many activation rows qlinear_q8act's AVX-512 VNNI tiles count as many (the block prefetch) rather "
+        "than few (the stream prefetch), for Q8_0 and for Q4 weights (defaults 3 and 4; 9: never). Returns the "
+        "previous pair. The same bits either way; for A/Bs.");
   m.def("set_q8act_block_prefetch", &specdec::cpu::set_q8act_block_prefetch, pybind11::arg("blocks"),
         "How many packed blocks ahead qlinear_q8act's AVX-512 VNNI tiles of many activation rows (Q8_0 from 3, Q4 "
         "from 4) prefetch every line of a block (0: the one-line hint two blocks ahead; the default 8). Returns the "

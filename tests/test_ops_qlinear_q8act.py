@@ -292,6 +292,28 @@ def test_block_prefetch_does_not_change_the_bits(fmt, tier):
 
 
 @pytest.mark.parametrize("fmt", list(FMTS))
+def test_many_rows_threshold_does_not_change_the_bits(fmt, tier):
+    """Which tiles take the many-row prefetch (set_q8act_many_rows) changes no bit; the setter checks its range."""
+    qw, d, m = case(70, 576, fmt, seed=13)
+    packed = ops.pack_q8act(qw, d, m, FMTS[fmt])
+    x = activations(9, 576, seed=14)
+    want = reference_q8act.qlinear_q8act(x, qw, d, m, None, FMTS[fmt])
+    was = _C.set_q8act_many_rows(3, 4)
+    try:
+        assert was == (3, 4)  # the defaults
+        for q8, q4 in ((1, 1), (9, 9), (4, 6)):
+            _C.set_q8act_many_rows(q8, q4)
+            for rows in range(1, 10):
+                got = ops.qlinear(x[:rows], packed, d, m, None, FMTS[fmt], act="q8")
+                assert torch.equal(got, want[:rows]), (q8, q4, rows)
+        with pytest.raises(RuntimeError, match=r"set_q8act_many_rows: q8_rows and q4_rows must be in 1\.\.9"):
+            _C.set_q8act_many_rows(0, 4)
+        assert _C.set_q8act_many_rows(3, 4) == (4, 6)
+    finally:
+        _C.set_q8act_many_rows(*was)
+
+
+@pytest.mark.parametrize("fmt", list(FMTS))
 def test_stream_prefetch_does_not_change_the_bits(fmt, tier):
     """The few-row tiles' stream prefetch (every line of a block ahead, into L2, past a group's end into the next
     group's blocks and past the packed weight's end) at any distance, group pairs on and off: the reference's

@@ -186,6 +186,14 @@ int64_t set_q8act_prefetch(int64_t blocks) {
 
 bool set_q8act_group_pairs(bool on) { return g_group_pairs.exchange(on); }
 
+std::atomic<int64_t> g_many_q8{kQ8ManyRowsQ8}, g_many_q4{kQ8ManyRowsQ4};
+std::tuple<int64_t, int64_t> set_q8act_many_rows(int64_t q8_rows, int64_t q4_rows) {
+  TORCH_CHECK(q8_rows >= 1 && q8_rows <= 9 && q4_rows >= 1 && q4_rows <= 9,
+              "set_q8act_many_rows: q8_rows and q4_rows must be in 1..9 (9: never, tiles hold at most 8 rows), got ",
+              q8_rows, " and ", q4_rows);
+  return {g_many_q8.exchange(q8_rows), g_many_q4.exchange(q4_rows)};
+}
+
 int64_t set_q8act_block_prefetch(int64_t blocks) {
   TORCH_CHECK(blocks >= 0 && blocks <= 64, "set_q8act_block_prefetch: blocks must be in 0..64, got ", blocks);
   return g_block_prefetch.exchange(blocks);
@@ -247,6 +255,8 @@ void qlinear_q8act_raw(const float* x, int64_t x_stride, const QLinearParams& Q)
   P.mins = mins;
   P.prefetch = g_prefetch.load(std::memory_order_relaxed);
   P.group_pairs = g_group_pairs.load(std::memory_order_relaxed);
+  P.many_rows_q8 = g_many_q8.load(std::memory_order_relaxed);
+  P.many_rows_q4 = g_many_q4.load(std::memory_order_relaxed);
   P.block_prefetch = g_block_prefetch.load(std::memory_order_relaxed);
   P.stream_prefetch = g_stream_prefetch.load(std::memory_order_relaxed);
   P.prefetch_l1 = g_prefetch_level.load(std::memory_order_relaxed) == 1;

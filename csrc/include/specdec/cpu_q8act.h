@@ -51,6 +51,10 @@ constexpr int64_t kQ8Rows = 16;  // weight rows per packed group
 // group's (set_q8act_block_prefetch; 0: the one-line hint two blocks ahead that the other tiles take). 8: verify
 // passes of 6-16 nodes 0.92-0.95x the distance of 2 (AMD family 25, benchmarks/results/q8act_block_prefetch_*).
 constexpr int64_t kQ8BlockPrefetch = 8;
+// The first tile size (activation rows) that takes the many-row prefetch, per weight format
+// (set_q8act_many_rows).
+constexpr int64_t kQ8ManyRowsQ8 = 3;
+constexpr int64_t kQ8ManyRowsQ4 = 4;
 constexpr int64_t kQ8StreamPrefetch = 2;  // set_q8act_stream_prefetch
 constexpr int64_t kQ8PrefetchBlocks = 16;  // the AVX2 tier's default prefetch distance (set_q8act_prefetch)
 
@@ -73,6 +77,8 @@ struct Q8ActParams {
   bool mins;               // Q4_1
   int64_t prefetch = kQ8PrefetchBlocks;  // packed blocks the AVX2 tier prefetches ahead (0: none)
   bool prefetch_l1 = true;  // the AVX2 / AVX-VNNI tiers' prefetch into L1 (true, the default) or L2 (false)
+  int64_t many_rows_q8 = kQ8ManyRowsQ8;  // AVX-512 VNNI: tiles of at least this many rows are "many" (Q8_0)
+  int64_t many_rows_q4 = kQ8ManyRowsQ4;  // the same for Q4_0 / Q4_1 weights
   bool group_pairs = true;  // AVX-512 VNNI, Q4 weights, one or two rows: two groups of 16 rows per tile
   int64_t block_prefetch = kQ8BlockPrefetch;  // AVX-512 VNNI many-row tiles: every line this many blocks ahead
   int64_t stream_prefetch = kQ8StreamPrefetch;  // AVX-512 VNNI few-row tiles: every line into L2 this many ahead
