@@ -97,6 +97,7 @@ def main() -> None:
                              capture_output=True, text=True).stdout
     load.append(loadavg())
     per = collections.defaultdict(collections.Counter)
+    syms = collections.defaultdict(collections.Counter)
     for line in out.splitlines():
         parts = line.split(None, 1)
         if len(parts) < 2 or not parts[0].isdigit():
@@ -105,6 +106,7 @@ def main() -> None:
         dso = rest[rest.rfind("(") + 1:rest.rfind(")")] if "(" in rest else ""
         sym = rest[:rest.rfind("(")].strip() if "(" in rest else rest.strip()
         per[int(parts[0])][category(sym, dso)] += 1
+        syms[int(parts[0])][f"{sym} ({os.path.basename(dso)})"] += 1
     # the decoding thread holds the most non-OpenMP samples; the rest are the OpenMP workers
     busy = {tid: sum(c.values()) - c["openmp wait"] for tid, c in per.items()}
     main_tid = max(busy, key=busy.get) if busy else None
@@ -115,13 +117,14 @@ def main() -> None:
             continue
         role = "decoding thread" if tid == main_tid else "worker"
         threads[f"{role} {tid}"] = {"samples": total,
-                                    "share": {k: round(v / total, 4) for k, v in c.most_common()}}
+                                    "share": {k: round(v / total, 4) for k, v in c.most_common()},
+                                    "top_symbols": {k: round(v / total, 4) for k, v in syms[tid].most_common(12)}}
     res = {"benchmark": "decode_profile", "date": _dt.date.today().isoformat(), "commit": git_commit(),
            "cpu": cpu_name(), "threads": a.threads, "precision": a.precision, "act": a.act, "prefix": 150,
            "nodes": a.nodes, "seconds": a.seconds, "steps": steps, "ms_per_step": round(wall / max(steps, 1) * 1e3, 3),
            "loadavg": load, "q8act_tier": specdec._C.q8act_tier(), "per_thread": threads,
            "notes": "perf record -p PID (cycles, default frequency) during decode steps; shares of each thread's "
-                    "samples; a spinning OpenMP worker is sampled while it waits"}
+                    "samples (and its 12 most sampled symbols); a spinning OpenMP worker is sampled while it waits"}
     for name, t in threads.items():
         print(f"{name}: " + ", ".join(f"{k} {100 * v:.1f} %" for k, v in t["share"].items()))
     path = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / f"decode_profile_{res['date']}.json"
