@@ -13,7 +13,7 @@ the AVX2 / AVX-VNNI tiers request ahead; 16 the baseline), ``q8act_stream``
 rows request ahead, every line into L2; 0 = the one-line hint two blocks ahead), ``q8act_block``
 (``specdec._C.set_q8act_block_prefetch``: the same for the tiles of many rows, every line into L1; 0 = the
 hint), ``q8act_many`` (``specdec._C.set_q8act_many_rows``: from how many activation rows those tiles count as
-many, two digits per value, Q8_0's then Q4's: 46 = from 4 / from 6, the baseline; 34 the default) or
+many, two digits per value, Q8_0's then Q4's: 46 = from 4 / from 6, the default and baseline) or
 ``q8act_level``
 (``specdec._C.set_q8act_prefetch_level``: the cache level, 1 or 2, the AVX2 / AVX-VNNI tiers prefetch
 into; --distances are then levels, 1 the baseline). --tier forces qlinear_q8act's tier (e.g. avx2).

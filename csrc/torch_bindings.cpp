@@ -180,15 +180,15 @@ PYBIND11_MODULE(_C, m) {
         "either way; for A/Bs.");
   m.def("set_q8act_many_rows", &specdec::cpu::set_q8act_many_rows, pybind11::arg("q8_rows"), pybind11::arg("q4_rows"),
         "From how many activation rows qlinear_q8act's AVX-512 VNNI tiles count as many (the block prefetch) rather "
-        "than few (the stream prefetch), for Q8_0 and for Q4 weights (defaults 3 and 4; 9: never). Returns the "
+        "than few (the stream prefetch), for Q8_0 and for Q4 weights (defaults 4 and 6; 9: never). Returns the "
         "previous pair. The same bits either way; for A/Bs.");
   m.def("set_q8act_block_prefetch", &specdec::cpu::set_q8act_block_prefetch, pybind11::arg("blocks"),
-        "How many packed blocks ahead qlinear_q8act's AVX-512 VNNI tiles of many activation rows (Q8_0 from 3, Q4 "
-        "from 4) prefetch every line of a block (0: the one-line hint two blocks ahead; the default 8). Returns the "
+        "How many packed blocks ahead qlinear_q8act's AVX-512 VNNI tiles of many activation rows (Q8_0 from 4, Q4 "
+        "from 6) prefetch every line of a block (0: the one-line hint two blocks ahead; the default 8). Returns the "
         "previous value. The same bits at any distance; for A/Bs.");
   m.def("set_q8act_stream_prefetch", &specdec::cpu::set_q8act_stream_prefetch, pybind11::arg("blocks"),
-        "How many packed blocks ahead qlinear_q8act's AVX-512 VNNI tiles of few activation rows (Q8_0 below 3, Q4 "
-        "below 4) prefetch every line of a block into L2, into the next weight group past a group's end (0: the "
+        "How many packed blocks ahead qlinear_q8act's AVX-512 VNNI tiles of few activation rows (Q8_0 below 4, Q4 "
+        "below 6) prefetch every line of a block into L2, into the next weight group past a group's end (0: the "
         "one-line hint two blocks ahead; the default 2). Returns the previous value. The same bits at any distance; "
         "for A/Bs.");
   m.def("set_q8act_prefetch_level", &specdec::cpu::set_q8act_prefetch_level, pybind11::arg("level"),

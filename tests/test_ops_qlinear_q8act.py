@@ -272,7 +272,7 @@ def test_group_pairs_do_not_change_the_bits(fmt, rows, tier):
 
 @pytest.mark.parametrize("fmt", list(FMTS))
 def test_block_prefetch_does_not_change_the_bits(fmt, tier):
-    """The many-row tiles' block prefetch (Q8_0 from 3 rows, Q4 from 4; past a group's end into the next group's
+    """The many-row tiles' block prefetch (Q8_0 from 4 rows, Q4 from 6; past a group's end into the next group's
     blocks and past the packed weight's end) at any distance: the reference's bits."""
     qw, d, m = case(70, 576, fmt, seed=7)
     packed = ops.pack_q8act(qw, d, m, FMTS[fmt])
@@ -298,17 +298,17 @@ def test_many_rows_threshold_does_not_change_the_bits(fmt, tier):
     packed = ops.pack_q8act(qw, d, m, FMTS[fmt])
     x = activations(9, 576, seed=14)
     want = reference_q8act.qlinear_q8act(x, qw, d, m, None, FMTS[fmt])
-    was = _C.set_q8act_many_rows(3, 4)
+    was = _C.set_q8act_many_rows(4, 6)
     try:
-        assert was == (3, 4)  # the defaults
-        for q8, q4 in ((1, 1), (9, 9), (4, 6)):
+        assert was == (4, 6)  # the defaults
+        for q8, q4 in ((1, 1), (9, 9), (3, 4)):
             _C.set_q8act_many_rows(q8, q4)
             for rows in range(1, 10):
                 got = ops.qlinear(x[:rows], packed, d, m, None, FMTS[fmt], act="q8")
                 assert torch.equal(got, want[:rows]), (q8, q4, rows)
         with pytest.raises(RuntimeError, match=r"set_q8act_many_rows: q8_rows and q4_rows must be in 1\.\.9"):
             _C.set_q8act_many_rows(0, 4)
-        assert _C.set_q8act_many_rows(3, 4) == (4, 6)
+        assert _C.set_q8act_many_rows(4, 6) == (3, 4)
     finally:
         _C.set_q8act_many_rows(*was)
 

@@ -41,8 +41,7 @@ inline void tile(const Q8ActParams& P, int64_t t0, int64_t m0) {
   // many rows: the products outlast the stream, so every line of a block further ahead (the hardware
   // prefetcher alone fell behind), past the group's end into the next group's blocks as the few-row tiles do
   // (a layer of K = 576 has 18 blocks a group: stopping at the group's end left each group's first blocks
-  // unrequested). From 3 rows with Q8_0, 4 with Q4 (set_q8act_many_rows): with the prefetch across groups, 4- and 5-node verify passes
-  // ran faster this way than with the few-row stream prefetch (it was from 4 / 6; benchmarks/results/q8act_many_*).
+  // unrequested). From 4 rows with Q8_0, 6 with Q4 (set_q8act_many_rows, kQ8ManyRows*).
   const bool many = MR >= (BITS == 8 ? P.many_rows_q8 : P.many_rows_q4);
   const int64_t block_pf = many ? P.block_prefetch : 0;
   // few rows: the stream outruns the products; every line of the block stream_prefetch blocks ahead into L2,

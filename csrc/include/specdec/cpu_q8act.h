@@ -46,15 +46,16 @@ namespace cpu {
 
 constexpr int64_t kQ8Block = 32;
 constexpr int64_t kQ8Rows = 16;  // weight rows per packed group
-// The AVX-512 VNNI tier's tiles of many activation rows (Q8_0 from 3 rows, Q4 from 4), whose products outlast
+// The AVX-512 VNNI tier's tiles of many activation rows (Q8_0 from 4 rows, Q4 from 6), whose products outlast
 // the weight stream, prefetch every line of the block this many blocks ahead, past a group's end into the next
 // group's (set_q8act_block_prefetch; 0: the one-line hint two blocks ahead that the other tiles take). 8: verify
 // passes of 6-16 nodes 0.92-0.95x the distance of 2 (AMD family 25, benchmarks/results/q8act_block_prefetch_*).
 constexpr int64_t kQ8BlockPrefetch = 8;
 // The first tile size (activation rows) that takes the many-row prefetch, per weight format
-// (set_q8act_many_rows).
-constexpr int64_t kQ8ManyRowsQ8 = 3;
-constexpr int64_t kQ8ManyRowsQ4 = 4;
+// (set_q8act_many_rows). From 3 / 4 rows instead, 4- and 5-node verify passes ran 0.98x / 1.05x and 0.90x / 0.95x
+// in two runs (benchmarks/results/q8act_many_*_2026-12-07.json), within the host's noise then: these stay.
+constexpr int64_t kQ8ManyRowsQ8 = 4;
+constexpr int64_t kQ8ManyRowsQ4 = 6;
 constexpr int64_t kQ8StreamPrefetch = 2;  // set_q8act_stream_prefetch
 constexpr int64_t kQ8PrefetchBlocks = 16;  // the AVX2 tier's default prefetch distance (set_q8act_prefetch)
 
