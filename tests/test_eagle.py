@@ -589,6 +589,10 @@ def test_q8_activation_head_runs_the_integer_kernels():
         assert all(m.act == act for m in head.net.modules() if isinstance(m, GroupQuantLinear))
         lm = HeadLM(head.net, target)
         assert lm.fused is not None and all(b == (40 if act else 8) for b in lm.fused[4])
+        # fc (with EAGLE's bias) as one op call: the module's own values, bias included
+        assert head.net.fc.bias is not None and lm._fc is not head.net.fc
+        x = torch.randn(1, 3, 2 * head.net.cfg.hidden_size)
+        assert torch.equal(lm._fc(x), head.net.fc(x))
         lm.attach(tcache)
         logits[act] = lm.prefill(lm.new_cache(1, 24), [[1, 2, 3, 4, 5]])
     assert not torch.equal(logits[None], logits["q8"])

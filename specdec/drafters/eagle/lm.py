@@ -261,13 +261,14 @@ class _HeadRotary:
 
 
 def _direct(mod):
-    """``mod``'s forward as one op call with its operands taken now (a GroupQuantLinear without a bias: its
-    op weight, on the CPU with quantized activations the packed layout, looked up once); else ``mod``."""
+    """``mod``'s forward as one op call with its operands taken now (a GroupQuantLinear with a float32 bias or
+    none, as the head's float32 activations take it: its op weight, on the CPU with quantized activations
+    the packed layout, looked up once; EAGLE's ``fc`` has a bias); else ``mod``."""
     from specdec.models.quant import GroupQuantLinear
 
-    if type(mod) is GroupQuantLinear and mod.bias is None:
-        w, scales, mins, bits, act = mod.op_weight(), mod.scales, mod.mins, mod.bits, mod.act
-        return lambda x: ops.qlinear(x, w, scales, mins, None, bits, act=act)
+    if type(mod) is GroupQuantLinear and (mod.bias is None or mod.bias.dtype == torch.float32):
+        w, scales, mins, bias, bits, act = mod.op_weight(), mod.scales, mod.mins, mod.bias, mod.bits, mod.act
+        return lambda x: ops.qlinear(x, w, scales, mins, bias, bits, act=act) if x.dtype == torch.float32 else mod(x)
     return mod
 
 
