@@ -48,6 +48,7 @@ int64_t set_q8act_prefetch(int64_t blocks);
 // Whether the AVX-512 VNNI tier runs one- and two-row passes over Q4 weights on two groups of 16 weight
 // rows at once (true) or one (false); the same bits either way. Returns the previous value.
 bool set_q8act_group_pairs(bool on);
+bool set_q8act_parallel_quantize(bool on);
 std::tuple<int64_t, int64_t> set_q8act_many_rows(int64_t q8_rows, int64_t q4_rows);
 // How many blocks ahead the AVX-512 VNNI tier's many-row tiles prefetch every line of a packed weight block
 // (0: the one-line hint the other tiles take); the same bits at any distance. Returns the previous value.

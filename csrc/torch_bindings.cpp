@@ -182,6 +182,10 @@ PYBIND11_MODULE(_C, m) {
         "From how many activation rows qlinear_q8act's AVX-512 VNNI tiles count as many (the block prefetch) rather "
         "than few (the stream prefetch), for Q8_0 and for Q4 weights (defaults 4 and 6; 9: never). Returns the "
         "previous pair. The same bits either way; for A/Bs.");
+  m.def("set_q8act_parallel_quantize", &specdec::cpu::set_q8act_parallel_quantize, pybind11::arg("on"),
+        "Whether qlinear_q8act on the CPU quantizes several activation rows on all its threads, in the parallel "
+        "region of the products (True, the default), or on the calling thread before it (False). Returns the "
+        "previous value. The same bits either way; for A/Bs.");
   m.def("set_q8act_block_prefetch", &specdec::cpu::set_q8act_block_prefetch, pybind11::arg("blocks"),
         "How many packed blocks ahead qlinear_q8act's AVX-512 VNNI tiles of many activation rows (Q8_0 from 4, Q4 "
         "from 6) prefetch every line of a block (0: the one-line hint two blocks ahead; the default 8). Returns the "

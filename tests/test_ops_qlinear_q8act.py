@@ -292,6 +292,30 @@ def test_block_prefetch_does_not_change_the_bits(fmt, tier):
 
 
 @pytest.mark.parametrize("fmt", list(FMTS))
+def test_parallel_quantization_does_not_change_the_bits(fmt, tier):
+    """Several activation rows quantized on all threads inside the products' parallel region, or on the calling
+    thread first (set_q8act_parallel_quantize): the reference's bits, on 1 and 3 threads, at row counts that
+    split evenly and not."""
+    qw, d, m = case(300, 576, fmt, seed=15)
+    packed = ops.pack_q8act(qw, d, m, FMTS[fmt])
+    x = activations(11, 576, seed=16)
+    want = reference_q8act.qlinear_q8act(x, qw, d, m, None, FMTS[fmt])
+    was, threads = _C.set_q8act_parallel_quantize(True), torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            for on in (True, False):
+                _C.set_q8act_parallel_quantize(on)
+                for rows in (1, 2, 3, 5, 11):
+                    got = ops.qlinear(x[:rows], packed, d, m, None, FMTS[fmt], act="q8")
+                    assert torch.equal(got, want[:rows]), (n, on, rows)
+        assert _C.set_q8act_parallel_quantize(True) is False
+    finally:
+        torch.set_num_threads(threads)
+        _C.set_q8act_parallel_quantize(was)
+
+
+@pytest.mark.parametrize("fmt", list(FMTS))
 def test_many_rows_threshold_does_not_change_the_bits(fmt, tier):
     """Which tiles take the many-row prefetch (set_q8act_many_rows) changes no bit; the setter checks its range."""
     qw, d, m = case(70, 576, fmt, seed=13)

@@ -7,6 +7,9 @@
 // Compiled with -ffp-contract=off (CMakeLists.txt): the definition's fused multiply-adds are explicit
 // (std::fma here, fma intrinsics in the vector tiers); every other product and sum rounds on its own.
 #include <ATen/Parallel.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -125,6 +128,7 @@ std::atomic<bool> g_group_pairs{default_group_pairs()};
 std::atomic<int64_t> g_block_prefetch{kQ8BlockPrefetch};
 std::atomic<int64_t> g_stream_prefetch{kQ8StreamPrefetch};
 std::atomic<int64_t> g_prefetch_level{1};
+std::atomic<bool> g_parallel_quantize{true};
 
 bool tier_supported(int t) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -186,6 +190,8 @@ int64_t set_q8act_prefetch(int64_t blocks) {
 
 bool set_q8act_group_pairs(bool on) { return g_group_pairs.exchange(on); }
 
+bool set_q8act_parallel_quantize(bool on) { return g_parallel_quantize.exchange(on); }
+
 std::atomic<int64_t> g_many_q8{kQ8ManyRowsQ8}, g_many_q4{kQ8ManyRowsQ4};
 std::tuple<int64_t, int64_t> set_q8act_many_rows(int64_t q8_rows, int64_t q4_rows) {
   TORCH_CHECK(q8_rows >= 1 && q8_rows <= 9 && q4_rows >= 1 && q4_rows <= 9,
@@ -237,8 +243,12 @@ void qlinear_q8act_raw(const float* x, int64_t x_stride, const QLinearParams& Q)
     q8_pack(Q.qw, Q.scales, Q.mins, Q.N, K, Q.bits, out);
     packed = out;
   }
-  if (tier == kQ8Scalar) q8_quantize_scalar(x, x_stride, M, K, a, d, R, s);
-  else q8_quantize_avx2(x, x_stride, M, K, a, d, R, s);
+  auto quantize = [&](int64_t m0, int64_t m1) {  // rows m0..m1 of the activations
+    if (m1 <= m0) return;
+    const float* xm = x + m0 * x_stride;
+    if (tier == kQ8Scalar) q8_quantize_scalar(xm, x_stride, m1 - m0, K, a + m0 * K, d + m0 * G, R + m0 * G, s + m0 * G);
+    else q8_quantize_avx2(xm, x_stride, m1 - m0, K, a + m0 * K, d + m0 * G, R + m0 * G, s + m0 * G);
+  };
   Q8ActParams P;
   P.a = a;
   P.d = d;
@@ -266,6 +276,27 @@ void qlinear_q8act_raw(const float* x, int64_t x_stride, const QLinearParams& Q)
                                     : &q8act_rows_scalar;
   // tasks of >= ~128K integer multiply-adds: a 576 x 576 decode-step weight splits over 2 threads
   const int64_t grain = std::max<int64_t>(1, (int64_t(128) << 10) / std::max<int64_t>(1, kQ8Rows * K * M));
+#ifdef _OPENMP
+  // Several activation rows: the threads quantize a share of the rows each, meet at a barrier, then take the
+  // weight groups as at::parallel_for would split them (one parallel region; the quantization on the calling
+  // thread alone kept the others waiting: a few percent of an 8-node pass). The same bits either way: each row
+  // is quantized by itself (set_q8act_parallel_quantize(false): the calling thread quantizes, for A/Bs).
+  const int64_t nthreads = at::get_num_threads();
+  if (M >= 2 && nthreads > 1 && T > grain && !at::in_parallel_region() &&
+      g_parallel_quantize.load(std::memory_order_relaxed)) {
+#pragma omp parallel num_threads(static_cast<int>(nthreads))
+    {
+      const int64_t n = omp_get_num_threads(), tid = omp_get_thread_num();
+      quantize(M * tid / n, M * (tid + 1) / n);
+#pragma omp barrier
+      const int64_t workers = std::min<int64_t>(n, (T + grain - 1) / grain), chunk = (T + workers - 1) / workers;
+      const int64_t t0 = tid * chunk;
+      if (tid < workers && t0 < T) rows(P, t0, std::min(T, t0 + chunk));
+    }
+    return;
+  }
+#endif
+  quantize(0, M);
   at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) { rows(P, begin, end); });
 }
 
