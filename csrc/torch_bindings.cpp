@@ -183,7 +183,7 @@ PYBIND11_MODULE(_C, m) {
         "than few (the stream prefetch), for Q8_0 and for Q4 weights (defaults 4 and 6; 9: never). Returns the "
         "previous pair. The same bits either way; for A/Bs.");
   m.def("set_q8act_parallel_quantize", &specdec::cpu::set_q8act_parallel_quantize, pybind11::arg("on"),
-        "Whether qlinear_q8act on the CPU quantizes four activation rows or more on all its threads, in the parallel "
+        "Whether qlinear_q8act on the CPU quantizes five activation rows or more on all its threads, in the parallel "
         "region of the products (True, the default), or on the calling thread before it (False). Returns the "
         "previous value. The same bits either way; for A/Bs.");
   m.def("set_q8act_block_prefetch", &specdec::cpu::set_q8act_block_prefetch, pybind11::arg("blocks"),

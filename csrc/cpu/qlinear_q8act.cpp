@@ -277,14 +277,14 @@ void qlinear_q8act_raw(const float* x, int64_t x_stride, const QLinearParams& Q)
   // tasks of >= ~128K integer multiply-adds: a 576 x 576 decode-step weight splits over 2 threads
   const int64_t grain = std::max<int64_t>(1, (int64_t(128) << 10) / std::max<int64_t>(1, kQ8Rows * K * M));
 #ifdef _OPENMP
-  // Four activation rows or more: the threads quantize a share of the rows each, meet at a barrier, then take
+  // Five activation rows or more: the threads quantize a share of the rows each, meet at a barrier, then take
   // the weight groups as at::parallel_for would split them (one parallel region; the quantization on the calling
-  // thread alone kept the others waiting: 8- and 16-node passes 0.95x / 0.94x, 4 nodes 0.97x; at 2 rows the
-  // barrier cost more than it saved, 1.09x: benchmarks/results/q8act_pquant_prefetch_2026-12-07.json). The same
-  // bits either way: each row is quantized by itself (set_q8act_parallel_quantize(false): the calling thread
-  // quantizes, for A/Bs).
+  // thread alone kept the others waiting: 8-node passes 0.95x / 0.92x in two runs, 16 nodes 0.94x, 5 nodes 0.94x;
+  // 4 nodes 0.97x / 1.05x; at 2 rows the barrier cost more than it saved, 1.09x:
+  // benchmarks/results/q8act_pquant_prefetch_2026-12-07*.json). The same bits either way: each row is quantized
+  // by itself (set_q8act_parallel_quantize(false): the calling thread quantizes, for A/Bs).
   const int64_t nthreads = at::get_num_threads();
-  if (M >= 4 && nthreads > 1 && T > grain && !at::in_parallel_region() &&
+  if (M >= 5 && nthreads > 1 && T > grain && !at::in_parallel_region() &&
       g_parallel_quantize.load(std::memory_order_relaxed)) {
 #pragma omp parallel num_threads(static_cast<int>(nthreads))
     {
