@@ -1,7 +1,8 @@
 // qlinear_q8act, CPU backend: group-quantized weights (Q8_0 / Q4_0 / Q4_1) times activations
 // quantized per row and block of 32 to int8 (the definition: csrc/include/specdec/cpu_q8act.h).
-// This file: validation, the activation quantization (once per call, on the calling thread: M * K
-// values), the scalar tier, the tier choice and the parallel split over output rows. The vector
+// This file: validation, the activation quantization (once per call: M * K values, on the calling thread, or
+// from 5 rows on every thread inside the products' parallel region), the scalar tier, the tier choice and the
+// parallel split over output rows. The vector
 // tiers live in qlinear_q8act_avx2.cpp / _avxvnni.cpp / _avx512.cpp; all give the same bits.
 //
 // Compiled with -ffp-contract=off (CMakeLists.txt): the definition's fused multiply-adds are explicit
