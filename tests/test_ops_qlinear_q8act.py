@@ -227,12 +227,17 @@ def test_errors():
         ops.pack_q8act(torch.zeros(8, 64, dtype=torch.int8), d, m, 8)
 
 
+def _switch_case(fmt, n, rows, weight_seed, x_seed):
+    """A weight of n x 576 in ``fmt``, its packed layout, ``rows`` activation rows and the reference's product: the
+    setup of the tests that flip a CPU switch and expect the same bits."""
+    qw, d, m = case(n, 576, fmt, seed=weight_seed)
+    x = activations(rows, 576, seed=x_seed)
+    return qw, d, m, ops.pack_q8act(qw, d, m, FMTS[fmt]), x, reference_q8act.qlinear_q8act(x, qw, d, m, None, FMTS[fmt])
+
+
 @pytest.mark.parametrize("fmt", list(FMTS))
 def test_prefetch_distance_does_not_change_the_bits(fmt, tier):
-    qw, d, m = case(70, 576, fmt, seed=3)
-    packed = ops.pack_q8act(qw, d, m, FMTS[fmt])
-    x = activations(6, 576, seed=5)
-    want = reference_q8act.qlinear_q8act(x, qw, d, m, None, FMTS[fmt])
+    qw, d, m, packed, x, want = _switch_case(fmt, 70, 6, 3, 5)
     was, level = _C.set_q8act_prefetch(16), _C.set_q8act_prefetch_level(1)
     try:
         for lv in (1, 2):  # the AVX2 / AVX-VNNI tiers' prefetch into L1 or L2
@@ -256,10 +261,7 @@ def test_prefetch_distance_does_not_change_the_bits(fmt, tier):
 def test_group_pairs_do_not_change_the_bits(fmt, rows, tier):
     """One- and two-row passes on two weight groups at once or one at a time (an odd group count: the
     paired loop's remainder) give the reference's bits in every tier."""
-    qw, d, m = case(70, 576, fmt, seed=4)
-    packed = ops.pack_q8act(qw, d, m, FMTS[fmt])
-    x = activations(rows, 576, seed=6)
-    want = reference_q8act.qlinear_q8act(x, qw, d, m, None, FMTS[fmt])
+    qw, d, m, packed, x, want = _switch_case(fmt, 70, rows, 4, 6)
     was = _C.set_q8act_group_pairs(True)
     try:
         for on in (True, False):
@@ -274,10 +276,7 @@ def test_group_pairs_do_not_change_the_bits(fmt, rows, tier):
 def test_block_prefetch_does_not_change_the_bits(fmt, tier):
     """The many-row tiles' block prefetch (Q8_0 from 4 rows, Q4 from 6; past a group's end into the next group's
     blocks and past the packed weight's end) at any distance: the reference's bits."""
-    qw, d, m = case(70, 576, fmt, seed=7)
-    packed = ops.pack_q8act(qw, d, m, FMTS[fmt])
-    x = activations(9, 576, seed=8)  # one tile of 8 rows and one of 1
-    want = reference_q8act.qlinear_q8act(x, qw, d, m, None, FMTS[fmt])
+    qw, d, m, packed, x, want = _switch_case(fmt, 70, 9, 7, 8)  # one tile of 8 rows and one of 1
     was = _C.set_q8act_block_prefetch(2)
     try:
         for blocks in (0, 1, 2, 17, 64):
@@ -296,10 +295,7 @@ def test_parallel_quantization_does_not_change_the_bits(fmt, tier):
     """Five activation rows or more quantized on all threads inside the products' parallel region, or on the calling
     thread first (set_q8act_parallel_quantize): the reference's bits, on 1 and 3 threads, at row counts that
     split evenly and not."""
-    qw, d, m = case(300, 576, fmt, seed=15)
-    packed = ops.pack_q8act(qw, d, m, FMTS[fmt])
-    x = activations(11, 576, seed=16)
-    want = reference_q8act.qlinear_q8act(x, qw, d, m, None, FMTS[fmt])
+    qw, d, m, packed, x, want = _switch_case(fmt, 300, 11, 15, 16)
     was, threads = _C.set_q8act_parallel_quantize(True), torch.get_num_threads()
     try:
         for n in (1, 3):
@@ -318,10 +314,7 @@ def test_parallel_quantization_does_not_change_the_bits(fmt, tier):
 @pytest.mark.parametrize("fmt", list(FMTS))
 def test_many_rows_threshold_does_not_change_the_bits(fmt, tier):
     """Which tiles take the many-row prefetch (set_q8act_many_rows) changes no bit; the setter checks its range."""
-    qw, d, m = case(70, 576, fmt, seed=13)
-    packed = ops.pack_q8act(qw, d, m, FMTS[fmt])
-    x = activations(9, 576, seed=14)
-    want = reference_q8act.qlinear_q8act(x, qw, d, m, None, FMTS[fmt])
+    qw, d, m, packed, x, want = _switch_case(fmt, 70, 9, 13, 14)
     was = _C.set_q8act_many_rows(4, 6)
     try:
         assert was == (4, 6)  # the defaults
@@ -342,10 +335,7 @@ def test_stream_prefetch_does_not_change_the_bits(fmt, tier):
     """The few-row tiles' stream prefetch (every line of a block ahead, into L2, past a group's end into the next
     group's blocks and past the packed weight's end) at any distance, group pairs on and off: the reference's
     bits."""
-    qw, d, m = case(70, 576, fmt, seed=11)
-    packed = ops.pack_q8act(qw, d, m, FMTS[fmt])
-    x = activations(5, 576, seed=12)
-    want = reference_q8act.qlinear_q8act(x, qw, d, m, None, FMTS[fmt])
+    qw, d, m, packed, x, want = _switch_case(fmt, 70, 5, 11, 12)
     was, pairs = _C.set_q8act_stream_prefetch(2), _C.set_q8act_group_pairs(True)
     try:
         for on in (True, False):
