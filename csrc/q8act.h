@@ -48,7 +48,11 @@ int64_t set_q8act_prefetch(int64_t blocks);
 // Whether the AVX-512 VNNI tier runs one- and two-row passes over Q4 weights on two groups of 16 weight
 // rows at once (true) or one (false); the same bits either way. Returns the previous value.
 bool set_q8act_group_pairs(bool on);
+// Whether the CPU quantizes 5 activation rows or more on all threads inside the products' parallel region (true)
+// or on the calling thread first (false); the same bits either way. Returns the previous value.
 bool set_q8act_parallel_quantize(bool on);
+// From how many activation rows the AVX-512 VNNI tiles take the many-row prefetch, for Q8_0 and Q4 weights (1-9;
+// 9: never); the same bits either way. Returns the previous pair.
 std::tuple<int64_t, int64_t> set_q8act_many_rows(int64_t q8_rows, int64_t q4_rows);
 // How many blocks ahead the AVX-512 VNNI tier's many-row tiles prefetch every line of a packed weight block
 // (0: the one-line hint the other tiles take); the same bits at any distance. Returns the previous value.
