@@ -184,10 +184,15 @@ std::string set_q8act_tier(const std::string& name) {
 
 std::string q8act_tier() { return kTierNames[active_tier()]; }
 
-int64_t set_q8act_prefetch(int64_t blocks) {
-  TORCH_CHECK(blocks >= 0 && blocks <= 4096, "set_q8act_prefetch: blocks must be in 0..4096, got ", blocks);
-  return g_prefetch.exchange(blocks);
+namespace {
+// A prefetch distance switch: `blocks` checked against 0..hi, stored; the previous value returned.
+int64_t exchange_blocks(std::atomic<int64_t>& knob, int64_t blocks, int64_t hi, const char* name) {
+  TORCH_CHECK(blocks >= 0 && blocks <= hi, name, ": blocks must be in 0..", hi, ", got ", blocks);
+  return knob.exchange(blocks);
 }
+}  // namespace
+
+int64_t set_q8act_prefetch(int64_t blocks) { return exchange_blocks(g_prefetch, blocks, 4096, "set_q8act_prefetch"); }
 
 bool set_q8act_group_pairs(bool on) { return g_group_pairs.exchange(on); }
 
@@ -202,13 +207,11 @@ std::tuple<int64_t, int64_t> set_q8act_many_rows(int64_t q8_rows, int64_t q4_row
 }
 
 int64_t set_q8act_block_prefetch(int64_t blocks) {
-  TORCH_CHECK(blocks >= 0 && blocks <= 64, "set_q8act_block_prefetch: blocks must be in 0..64, got ", blocks);
-  return g_block_prefetch.exchange(blocks);
+  return exchange_blocks(g_block_prefetch, blocks, 64, "set_q8act_block_prefetch");
 }
 
 int64_t set_q8act_stream_prefetch(int64_t blocks) {
-  TORCH_CHECK(blocks >= 0 && blocks <= 64, "set_q8act_stream_prefetch: blocks must be in 0..64, got ", blocks);
-  return g_stream_prefetch.exchange(blocks);
+  return exchange_blocks(g_stream_prefetch, blocks, 64, "set_q8act_stream_prefetch");
 }
 
 int64_t set_q8act_prefetch_level(int64_t level) {

@@ -38,26 +38,21 @@ inline void tile(const Q8ActParams& P, int64_t t0, int64_t m0) {
   for (int q = 0; q < NG; ++q)
     for (int m = 0; m < MR; ++m) acc[q][m] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(15);
-  // many rows: the products outlast the stream, so every line of a block further ahead (the hardware
-  // prefetcher alone fell behind), past the group's end into the next group's blocks as the few-row tiles do
-  // (a layer of K = 576 has 18 blocks a group: stopping at the group's end left each group's first blocks
-  // unrequested). From 4 rows with Q8_0, 6 with Q4 (set_q8act_many_rows, kQ8ManyRows*).
-  const bool many = MR >= (BITS == 8 ? P.many_rows_q8 : P.many_rows_q4);
-  const int64_t block_pf = many ? P.block_prefetch : 0;
-  // few rows: the stream outruns the products; every line of the block stream_prefetch blocks ahead into L2,
+  // Many rows (from 4 with Q8_0, 6 with Q4: set_q8act_many_rows): the products outlast the stream, so every
+  // line of a block block_prefetch blocks ahead into L1 (the hardware prefetcher alone fell behind), past the
+  // group's end into the next group's blocks as the few-row tiles do (a layer of K = 576 has 18 blocks a group:
+  // stopping at the group's end left each group's first blocks unrequested).
+  // Few rows: the stream outruns the products; every line of the block stream_prefetch blocks ahead into L2,
   // past the group's end into the next group's blocks (a thread's groups lie one after another). Into L1 it
   // evicted the blocks in use; the one-line hint alone left a decode step waiting on DRAM (AMD family 25:
-  // benchmarks/results/q8act_stream_prefetch_*.json).
-  const int64_t stream_pf = many ? 0 : P.stream_prefetch;
+  // benchmarks/results/q8act_stream_prefetch_*.json). Either distance 0: the one-line hint two blocks ahead.
+  const bool many = MR >= (BITS == 8 ? P.many_rows_q8 : P.many_rows_q4);
+  const int64_t ahead = (many ? P.block_prefetch : P.stream_prefetch) * blk;
   for (int64_t g = 0; g < G; ++g) {
     for (int q = 0; q < NG; ++q) {
       const uint8_t* b = P.packed + ((t0 + q) * G + g) * blk;
-      if (block_pf > 0) {
-        const uintptr_t f = reinterpret_cast<uintptr_t>(b) + uintptr_t(block_pf * blk);
-        for (int64_t o = 0; o < blk; o += 64) _mm_prefetch(reinterpret_cast<const char*>(f + uintptr_t(o)), _MM_HINT_T0);
-      } else if (stream_pf > 0) {  // the address may lie past the weight's end (integer arithmetic; never read)
-        const uintptr_t f = reinterpret_cast<uintptr_t>(b) + uintptr_t(stream_pf * blk);
-        for (int64_t o = 0; o < blk; o += 64) _mm_prefetch(reinterpret_cast<const char*>(f + uintptr_t(o)), _MM_HINT_T1);
+      if (ahead > 0) {
+        prefetch_lines_ahead(b, ahead, blk, many);
       } else if (g + 2 < G) {
         _mm_prefetch(reinterpret_cast<const char*>(b + 2 * blk), _MM_HINT_T0);
       }
@@ -78,7 +73,8 @@ inline void tile(const Q8ActParams& P, int64_t t0, int64_t m0) {
         const int64_t mg = (m0 + m) * G + g;
         const int8_t* a = P.a + (m0 + m) * P.K + g * kQ8Block;
         // the codes' offset (Q8_0: 128, Q4_0: 8, times the block's activation sum) starts the chain
-        __m512i p = shift >= 0 ? _mm512_set1_epi32(-(P.R[mg] << (shift >= 0 ? shift : 0))) : _mm512_setzero_si512();
+        __m512i p = _mm512_setzero_si512();
+        if constexpr (shift >= 0) p = _mm512_set1_epi32(-(P.R[mg] << shift));
         // two chains: one dpbusd chain per row was slower at 4-16 rows (AMD family 25, whole forwards)
         __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], bcast_word(a + 4));
         p = _mm512_dpbusd_epi32(p, w[0], bcast_word(a));

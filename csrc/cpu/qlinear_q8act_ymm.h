@@ -91,12 +91,7 @@ inline void half_tile(const Q8ActParams& P, int64_t t, int h, int64_t m0) {
 // at two blocks. Prefetches past the weight's end are harmless (the address formed in integers, never read).
 template <int64_t BLK>
 inline void prefetch_ahead(const uint8_t* b, int64_t blocks, bool l1) {
-  if (blocks <= 0) return;
-  const uintptr_t f = reinterpret_cast<uintptr_t>(b) + uintptr_t(blocks * BLK);
-  if (l1)
-    for (int64_t i = 0; i < BLK; i += 64) _mm_prefetch(reinterpret_cast<const char*>(f + uintptr_t(i)), _MM_HINT_T0);
-  else
-    for (int64_t i = 0; i < BLK; i += 64) _mm_prefetch(reinterpret_cast<const char*>(f + uintptr_t(i)), _MM_HINT_T1);
+  if (blocks > 0) prefetch_lines_ahead(b, blocks * BLK, BLK, l1);
 }
 
 // y[m0.., 16 t..] = the accumulators (+ bias), rows past N left out.

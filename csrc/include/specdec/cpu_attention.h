@@ -316,13 +316,16 @@ inline void attention_task(const AttentionParams& P, int64_t b, int64_t h, int64
   // (150 keys: ~77 KB of fp32 K and V) come from DRAM after the layer's weights went through the
   // caches, and without it the kernel waits on them (measured: benchmarks/bench_prefetch.py).
   // Values are only requested earlier, so no result bit depends on it.
-  const int64_t line_step = 64, row_bytes = D * es;
+  const int64_t row_bytes = D * es;
+  auto prefetch_row = [&](const char* r) {  // every 64-byte line the row touches, once
+    const uintptr_t first = reinterpret_cast<uintptr_t>(r) & ~uintptr_t(63);
+    for (uintptr_t a = first; a < reinterpret_cast<uintptr_t>(r) + uintptr_t(row_bytes); a += 64)
+      prefetch_line(reinterpret_cast<const char*>(a));
+  };
   auto prefetch_block = [&](int64_t s0) {
     for (int64_t s = s0, e = std::min(s0 + kKeyBlock, keys_end); s < e; ++s) {
-      const char* kr = kv_row(P.k_cache, s);
-      const char* vr = kv_row(P.v_cache, s);
-      for (int64_t o = 0; o < row_bytes; o += line_step) prefetch_line(kr + o), prefetch_line(vr + o);
-      prefetch_line(kr + row_bytes - 1), prefetch_line(vr + row_bytes - 1);  // a row's last line
+      prefetch_row(kv_row(P.k_cache, s));
+      prefetch_row(kv_row(P.v_cache, s));
     }
   };
   for (int64_t i = 0; i < P.prefetch; ++i) prefetch_block(i * kKeyBlock);
