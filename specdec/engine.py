@@ -37,6 +37,7 @@ from specdec.drafters.base import Draft, Drafter, StepContext
 from specdec.drafters.guard import DraftGuard
 from specdec.engine_rows import EngineRows
 from specdec.kv_rows import make_rows
+from specdec.lazy_verify import MAX_ROWS, LazyGreedyVerify
 from specdec.metrics import MetricsRecorder, static_memory_bytes
 from specdec.request import QueueFull, Request, RequestOutput, RequestParams
 from specdec.sampling import make_generator
@@ -114,6 +115,8 @@ class Engine(EngineRows):
         self.counters = dict(requests_added=0, requests_finished=0, requests_aborted=0, steps=0,
                              generated_tokens=0, drafted_tokens=0, accepted_tokens=0, drafter_errors=0, preemptions=0)
         self._guard = DraftGuard(name, drafter_errors, self.vocab_size, self.max_nodes, self.counters)
+        #: greedy steps' verification with the LM head along the accepted path (when _lazy_ok)
+        self.lazy_verify = LazyGreedyVerify()
 
     @staticmethod
     def _check_args(name, target, drafter, max_batch, max_len, policy, max_waiting, drafter_errors) -> None:
@@ -328,10 +331,13 @@ class Engine(EngineRows):
                 draft, consulted = self._guard.propose(drafter, ctx)
         tree = draft.tree
         with clock.phase("verify"):
-            logits = self.target.forward(cache, tree.tokens, tree.depths, tree.attention_mask())   # [b, N, V]
-            if consulted:
-                drafter.observe_verify(tree, logits)       # before warping (in place); no host sync
-            accepted, num, out = self._verify(tree, logits, draft.draft_probs, reqs)
+            if self._lazy_ok(tree, reqs, consulted):   # greedy: the LM head along the accepted path only
+                accepted, num, out = self.lazy_verify(self.target, cache, tree, uids)
+            else:
+                logits = self.target.forward(cache, tree.tokens, tree.depths, tree.attention_mask())   # [b, N, V]
+                if consulted:
+                    drafter.observe_verify(tree, logits)       # before warping (in place); no host sync
+                accepted, num, out = self._verify(tree, logits, draft.draft_probs, reqs)
         with clock.phase("commit"):
             if tree.size == 1:  # root only (no drafter, or nothing proposed): nothing moves, each row appends one
                 cache.lens += 1
@@ -365,6 +371,14 @@ class Engine(EngineRows):
                                  num_host, emitted, times))
         self._t_prev = t_now
         return finished
+
+    def _lazy_ok(self, tree, reqs: Sequence[Request], consulted: bool) -> bool:
+        """Whether this step verifies with :class:`~specdec.lazy_verify.LazyGreedyVerify`: a tree beyond the root
+        of at most 64 rows in all, every row greedy and uncoupled, a target whose head may run on any rows
+        (``HFCausalLM.lazy_head``), and no drafter reading the logits of every node (``observe_verify``)."""
+        return tree.size > 1 and tree.tokens.numel() <= MAX_ROWS and getattr(self.target, "lazy_head", False) and \
+            not (consulted and self.drafter.reads_verify_logits) and \
+            all(r.sampling.greedy and r.coupling is None for r in reqs)
 
     def _emit_step(self, reqs: Sequence[Request], host: List[List[int]], drafted: Sequence[int],
                    deltas) -> Tuple[List[int], List[int]]:

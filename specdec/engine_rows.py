@@ -125,6 +125,7 @@ class EngineRows:
     # ------------------------------------------------------------------ rows
     def _forget(self, req: Request) -> None:
         self._by_id.pop(req.rid, None)
+        self.lazy_verify.forget(req.uid)
         if req.uid >= 0:
             self.scheduler.requests.pop(req.uid, None)
         if req.finish != "abort":

@@ -127,6 +127,12 @@ class Drafter:
     def observe_verify(self, tree: TokenTree, logits: torch.Tensor) -> None:
         """The target's logits [b, N, V] of every node of the tree just verified (read only, before warping)."""
 
+    @property
+    def reads_verify_logits(self) -> bool:
+        """Whether :meth:`observe_verify` reads the logits (it is overridden): then every step computes all of them,
+        and a greedy step cannot run the LM head along the accepted path only (specdec.lazy_verify)."""
+        return type(self).observe_verify is not Drafter.observe_verify
+
     def accept(self, accepted: torch.Tensor, num_accepted: torch.Tensor, num_host: Sequence[int],
                foreign: Optional[Sequence[Sequence[int]]] = None) -> None:
         """Verification result of the last proposal: accepted [b, N] int32, num_accepted [b] int32.

@@ -375,6 +375,10 @@ class MultiDraft(Drafter):
             self._step = None
             raise
 
+    @property
+    def reads_verify_logits(self) -> bool:
+        return any(d.reads_verify_logits for d in self.members)
+
     def observe_verify(self, tree: TokenTree, logits: torch.Tensor) -> None:
         """Every member sees the target's logits over the MERGED tree just verified (a member that
         learns from the target, such as TokenRecycling, learns from every node, whoever proposed it)."""

@@ -103,6 +103,15 @@ def _linear_fn(module: torch.nn.Module, fast_linear: bool) -> Callable[[torch.Te
     return module  # e.g. torch.ao dynamic-quantized Linear: its own forward
 
 
+def _batch_invariant(module: torch.nn.Module, fast_linear: bool) -> bool:
+    """Whether :func:`_linear_fn` calls ``module`` through ops.linear / ops.qlinear (batch invariant up to 64 rows)."""
+    from specdec.models.quant import GroupQuantLinear, Int8Linear
+
+    if type(module) is torch.nn.Linear:
+        return bool(fast_linear) and module.weight.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    return type(module) in (GroupQuantLinear, Int8Linear)
+
+
 class _Layer:
     __slots__ = ("ln1_w", "ln1_eps", "ln2_w", "ln2_eps", "q", "k", "v", "o", "gate", "up", "down", "scale",
                  "qkv", "gate_up", "fused")
@@ -201,6 +210,9 @@ class LlamaRunner:
         self.rotary = inner.rotary_emb
         self.norm_w, self.norm_eps = inner.norm.weight, float(inner.norm.variance_epsilon)
         self.lm_head = _linear_fn(model.lm_head, fast_linear)
+        #: whether lm_head is one of specdec's batch-invariant ops (a row's logits the same bits whatever rows
+        #: share the call, up to 64): then the head may run on any subset of a pass's rows (HFCausalLM.head_logits)
+        self.head_batch_invariant = _batch_invariant(model.lm_head, fast_linear)
         self.layers = layers
         self.hq, self.hkv, self.head_dim = heads
         self.rope = RotaryTable(self.rotary, self.head_dim)  # the rotary module's values, by table lookup
@@ -251,9 +263,11 @@ class LlamaRunner:
         return x * cos + rot * sin
 
     def __call__(self, cache, ids: torch.Tensor, positions: torch.Tensor, tree_mask: Optional[torch.Tensor],
-                 logits_to_keep, kv_offset: int = 0) -> torch.Tensor:
+                 logits_to_keep, kv_offset: int = 0, head: bool = True) -> torch.Tensor:
+        """Logits of the kept rows; ``head=False``: their final normed hidden states instead (the LM head's
+        input: :meth:`lm_head` on any subset of them gives those rows' logits, the head being batch invariant)."""
         if self.fused_ops:
-            return self._fused(cache, ids, positions, tree_mask, logits_to_keep, kv_offset)
+            return self._fused(cache, ids, positions, tree_mask, logits_to_keep, kv_offset, head)
         B, N = ids.shape
         h = self.embed_fn(ids)
         cos, sin = self.rope(h, positions, getattr(cache, "capacity", None))  # [B, N, D] in h's dtype
@@ -275,7 +289,7 @@ class LlamaRunner:
         self._keep_end(keep, x)
         if isinstance(logits_to_keep, torch.Tensor) or logits_to_keep != 0:
             x = slice_logits_to_keep(x, logits_to_keep)  # the norm is per row: slicing after it is the same
-        return self.lm_head(x)
+        return self.lm_head(x) if head else x
 
     def _keep_start(self) -> Optional[dict]:
         self.captured = None
@@ -286,7 +300,7 @@ class LlamaRunner:
             self.captured = [final.clone() if i == -1 else keep[i] for i in self.capture]
 
 
-    def _fused(self, cache, ids, positions, tree_mask, logits_to_keep, kv_offset):
+    def _fused(self, cache, ids, positions, tree_mask, logits_to_keep, kv_offset, head=True):
         B, N = ids.shape
         D, hq, hkv = self.head_dim, self.hq, self.hkv
         h = self.embed_fn(ids)
@@ -335,7 +349,7 @@ class LlamaRunner:
         self._keep_end(keep, x)
         if isinstance(logits_to_keep, torch.Tensor) or logits_to_keep != 0:
             x = slice_logits_to_keep(x, logits_to_keep)  # the norm is per row: slicing after it is the same
-        return self.lm_head(x)
+        return self.lm_head(x) if head else x
 
 
 def build(model: torch.nn.Module, fast_linear: bool = True, fused_ops: bool = True,

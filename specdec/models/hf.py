@@ -141,6 +141,8 @@ class HFCausalLM:
         self.fast_path = self._runner is not None
         self.hidden_spec = None  # capture_hidden(): which hidden states every forward keeps in the cache
         self._capture = None
+        #: greedy verification may run the LM head along the accepted path only (see :attr:`lazy_head`)
+        self.lazy_verify = True
 
     # ------------------------------------------------------------------ construction
     def _probe_hooked(self):
@@ -250,6 +252,31 @@ class HFCausalLM:
 
     __call__ = forward
 
+    @property
+    def lazy_head(self) -> bool:
+        """Whether :meth:`forward_hidden` + :meth:`head_logits` may stand for :meth:`forward`: the lean forward on
+        the CPU with a batch-invariant LM head (``ops.linear`` / ``ops.qlinear``), so the logits of any subset of a
+        pass's rows (up to 64) are the bits the whole pass gives them. A greedy verification then computes the
+        head only along the accepted path (:mod:`specdec.lazy_verify`); ``lazy_verify = False`` turns that off."""
+        r = self._runner
+        return self.lazy_verify and r is not None and r.head_batch_invariant and self.device.type == "cpu"
+
+    @torch.no_grad()
+    def forward_hidden(self, cache: StaticKVCache, tokens: torch.Tensor, depths: torch.Tensor,
+                       tree_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """:meth:`forward` without the LM head: the final normed hidden states [B, N, H] (model dtype), whose rows
+        :meth:`head_logits` turns into the logits forward returns (needs :attr:`lazy_head`)."""
+        if not self.lazy_head:
+            raise ValueError("HFCausalLM.forward_hidden: needs the lean forward on the CPU with a batch-invariant LM "
+                             "head and lazy_verify on (see HFCausalLM.lazy_head)")
+        self._check_call(cache, tokens, depths, tree_mask, 0)
+        return self._forward(cache, tokens, depths, tree_mask, logits_to_keep=0, head=False)
+
+    @torch.no_grad()
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [M, V] of hidden rows [M, H] from :meth:`forward_hidden` (the LM head, as forward runs it)."""
+        return self._runner.lm_head(hidden).float()
+
     @torch.no_grad()
     def forward_last(self, cache: StaticKVCache, tokens: torch.Tensor, depths: torch.Tensor,
                      last: torch.Tensor) -> torch.Tensor:
@@ -327,14 +354,16 @@ class HFCausalLM:
                              f"{cache.capacity}")
         return kv_offset
 
-    def _forward(self, cache, tokens, depths, tree_mask, logits_to_keep, kv_offset: int = 0) -> torch.Tensor:
-        """Shared by forward and prefill; logits_to_keep as transformers' slice_logits_to_keep."""
+    def _forward(self, cache, tokens, depths, tree_mask, logits_to_keep, kv_offset: int = 0,
+                 head: bool = True) -> torch.Tensor:
+        """Shared by forward and prefill; logits_to_keep as transformers' slice_logits_to_keep; ``head=False``
+        (the lean forward only): the LM head's input instead of the logits."""
         token = FAST_LINEAR.set(self.fast_linear)
         hooks = self._capture  # capture_hidden() on the hooked / generic paths
         if hooks is not None:
             hooks.active = True
         try:
-            logits = self._forward_impl(cache, tokens, depths, tree_mask, logits_to_keep, kv_offset)
+            logits = self._forward_impl(cache, tokens, depths, tree_mask, logits_to_keep, kv_offset, head)
         finally:
             FAST_LINEAR.reset(token)
             if hooks is not None:
@@ -343,11 +372,13 @@ class HFCausalLM:
             write_hidden(cache, self._runner.captured if hooks is None else hooks.take(), kv_offset)
         return logits
 
-    def _forward_impl(self, cache, tokens, depths, tree_mask, logits_to_keep, kv_offset: int = 0) -> torch.Tensor:
+    def _forward_impl(self, cache, tokens, depths, tree_mask, logits_to_keep, kv_offset: int = 0,
+                      head: bool = True) -> torch.Tensor:
         if self._runner is not None:
             positions = cache.lens.unsqueeze(1) + depths  # [B, N], int32 or int64 (the runner's rope takes either)
-            return self._runner(cache, tokens.clamp(min=0), positions, tree_mask, logits_to_keep,
-                                kv_offset=kv_offset).float()
+            out = self._runner(cache, tokens.clamp(min=0), positions, tree_mask, logits_to_keep, kv_offset=kv_offset,
+                               head=head)
+            return out.float() if head else out
         B, N = tokens.shape
         call = AttentionCall(cache=cache, tree_mask=tree_mask, kv_offset=kv_offset)
         if not self.hooked:

@@ -1,0 +1,180 @@
+"""Greedy verification with the LM head along the accepted path (specdec.lazy_verify): the same integers as
+ops.greedy_verify on the full logits, for chains, trees, ragged batches, duplicate children and NaN rows, with
+and without a chunk history; and in the Engine, greedy output equal to plain greedy decoding with fewer head
+rows computed, while sampled rows and drafters that read every node's logits keep the full pass."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+
+from specdec import DraftModel, HFCausalLM, MultiDraft, PromptLookup, SpeculativeDecoder, TokenRecycling, ops
+from specdec.lazy_verify import LazyGreedyVerify, best_chunk, head_cost
+from specdec.tree import TokenTree
+from conftest import gen, make_trees
+
+V = 97
+
+
+class FakeTarget:
+    """forward_hidden: fixed hidden states; head_logits: a linear map (rows independent), calls recorded."""
+
+    def __init__(self, hidden: torch.Tensor, w: torch.Tensor, nan_rows=()) -> None:
+        self.hidden, self.w, self.nan_rows = hidden, w, set(nan_rows)
+        self.calls = []
+
+    def forward_hidden(self, cache, tokens, depths, mask):
+        return self.hidden
+
+    def head_logits(self, x):
+        self.calls.append(x.shape[0])
+        out = x @ self.w.T
+        for i in range(x.shape[0]):  # a row whose first feature is NaN gets NaN logits at a few columns
+            if torch.isnan(x[i, 0]):
+                out[i, 3] = out[i, 7] = float("nan")
+        return out
+
+    def full(self):
+        b, n, _ = self.hidden.shape
+        return torch.stack([torch.stack([self.head_logits(self.hidden[r, v:v + 1])[0] for v in range(n)])
+                            for r in range(b)])
+
+
+def _case(seed: int, B: int, N: int, kind: str, ragged: bool, nan: bool = False):
+    g = gen(seed)
+    tokens, parents, counts = make_trees(B, N, V, kind, g=g, ragged=ragged)
+    H = 16
+    hidden = torch.randn(B, N, H, generator=g)
+    if nan:
+        hidden[0, 0, 0] = float("nan")
+        hidden[B - 1, N // 2, 0] = float("nan")
+    t = FakeTarget(hidden, torch.randn(V, H, generator=g))
+    full = t.full()
+    rng = random.Random(seed)
+    for r in range(B):  # children take their parent's argmax often (long accepted paths), duplicates included
+        for c in range(1, int(counts[r])):
+            p = int(parents[r, c])
+            if rng.random() < 0.7:
+                tokens[r, c] = int(full[r, p].argmax())
+    depths = torch.zeros(B, N, dtype=torch.int32)
+    for r in range(B):
+        for c in range(1, int(counts[r])):
+            depths[r, c] = depths[r, int(parents[r, c])] + 1
+    tree = TokenTree(tokens, parents, depths, counts.tolist())
+    t.calls.clear()
+    return t, tree, full
+
+
+@pytest.mark.parametrize("kind", ["chain", "random", "wide", "deep", "mixed"])
+def test_equals_greedy_verify_on_full_logits(kind):
+    verifier = LazyGreedyVerify(window=4)
+    for seed in range(60):
+        B, N = (1 + seed % 4, 2 + seed % 13)
+        t, tree, full = _case(seed, B, N, kind, ragged=seed % 2 == 1, nan=seed % 7 == 0)
+        keys = [f"r{r}" for r in range(B)]  # the same keys every case: the chunk history carries over
+        got = verifier(t, None, tree, keys)
+        want = ops.greedy_verify(tree.tokens, tree.parents, full)
+        for a, w, name in zip(got, want, ("accepted", "num_accepted", "out_tokens")):
+            assert a.dtype == w.dtype and torch.equal(a, w), f"{kind} seed {seed}: {name} {a} != {w}"
+        assert all(c <= 64 for c in t.calls)
+    assert verifier.steps == 60 and verifier.rows < verifier.nodes  # the history cut the rows computed
+
+
+def test_chunks_follow_the_history():
+    assert best_chunk([], 9) == 9                       # no history: every node, one call
+    assert best_chunk([1, 1, 1, 1], 9) == 1             # paths end at the root: the root alone
+    assert best_chunk([9] * 8, 9) == 9                  # whole chains accepted: all in one call
+    assert 2 <= best_chunk([1, 5, 2, 1, 6, 1], 9) <= 6
+    assert head_cost(1) == head_cost(3) == 1.0 and head_cost(13) == pytest.approx(2.0)
+    t, tree, full = _case(3, 1, 8, "chain", ragged=False)
+    path = int(ops.greedy_verify(tree.tokens, tree.parents, full)[1][0]) + 1  # nodes the walk reads
+    v = LazyGreedyVerify()
+    v(t, None, tree, ["a"])
+    assert t.calls == [8] and list(v._history["a"]) == [path]  # no history: the full pass's rows, one call
+    v._history["a"].extend([1] * 15)                          # paths that ended at the root
+    t.calls.clear()
+    v(t, None, tree, ["a"])
+    assert t.calls[0] == 3  # the root, padded to the free rows; more calls only while the path goes on
+    assert sum(t.calls) <= max(3, path + 3) and len(t.calls) <= 1 + (path - 1) // 3 + 1
+    v.forget("a")
+    assert "a" not in v._history
+
+
+def test_errors():
+    t, tree, _ = _case(0, 2, 4, "chain", ragged=False)
+    with pytest.raises(ValueError, match=r"LazyGreedyVerify: keys must name the tree's 2 rows, got 1"):
+        LazyGreedyVerify()(t, None, tree, ["x"])
+    with pytest.raises(ValueError, match=r"LazyGreedyVerify: window must be >= 1, got 0"):
+        LazyGreedyVerify(window=0)
+    t, tree, _ = _case(0, 5, 13, "chain", ragged=False)
+    with pytest.raises(ValueError, match=r"exceeds the head's batch-invariant 64 rows"):
+        LazyGreedyVerify()(t, None, tree, list(range(5)))
+
+
+# ----------------------------------------------------------------------------- in the engine
+def _llama(seed: int, noise: float = 0.0) -> HFCausalLM:
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    if noise:
+        g = torch.Generator().manual_seed(99)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(noise * torch.randn(p.shape, generator=g))
+    return HFCausalLM(model)
+
+
+@pytest.fixture(scope="module")
+def lms():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield _llama(0), _llama(0, noise=0.02)
+    torch.set_num_threads(before)
+
+
+def _prompts(n: int, seed: int):
+    rng = random.Random(seed)
+    base = [rng.randrange(V) for _ in range(12)]
+    return [base * 2 + [rng.randrange(V) for _ in range(rng.randint(1, 8))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("make", [lambda d: DraftModel(d, k=4),
+                                  lambda d: DraftModel(d, k=3, top_k=2, tree="dynamic", node_budget=8),
+                                  lambda d: MultiDraft([PromptLookup(ngram=2, k=5), DraftModel(d, k=3)])],
+                         ids=["chain", "dynamic_tree", "lookup_merge"])
+def test_engine_greedy_equals_plain_with_fewer_head_rows(lms, make):
+    target, weak = lms
+    assert target.lazy_head
+    prompts = _prompts(3, 1)
+    ref = SpeculativeDecoder(target, None, max_batch=3, max_len=160).generate(prompts, max_new_tokens=30).tokens
+    dec = SpeculativeDecoder(target, make(weak), max_batch=3, max_len=160, policy="fixed")
+    got = dec.generate(prompts, max_new_tokens=30)
+    lv = dec.engine.lazy_verify
+    assert got.tokens == ref
+    assert lv.steps > 0 and lv.rows < lv.nodes, (lv.steps, lv.rows, lv.nodes)
+    target.lazy_verify = False
+    try:
+        assert not target.lazy_head
+        off = SpeculativeDecoder(target, make(weak), max_batch=3, max_len=160, policy="fixed")
+        assert off.generate(prompts, max_new_tokens=30).tokens == ref and off.engine.lazy_verify.steps == 0
+    finally:
+        target.lazy_verify = True
+
+
+def test_full_pass_where_rows_sample_or_the_drafter_reads_logits(lms):
+    target, weak = lms
+    prompts = _prompts(2, 2)
+    dec = SpeculativeDecoder(target, DraftModel(weak, k=3), max_batch=2, max_len=128, policy="fixed")
+    dec.generate(prompts, max_new_tokens=10, temperature=0.8, seed=5)
+    assert dec.engine.lazy_verify.steps == 0
+    rec = TokenRecycling()
+    assert rec.reads_verify_logits and MultiDraft([PromptLookup(), rec]).reads_verify_logits
+    assert not DraftModel(weak, k=2).reads_verify_logits
+    dec = SpeculativeDecoder(target, MultiDraft([PromptLookup(ngram=2, k=4), rec]), max_batch=2, max_len=128,
+                             policy="fixed")
+    ref = SpeculativeDecoder(target, None, max_batch=2, max_len=128).generate(prompts, max_new_tokens=20).tokens
+    assert dec.generate(prompts, max_new_tokens=20).tokens == ref
+    assert dec.engine.lazy_verify.steps == 0
