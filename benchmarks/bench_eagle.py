@@ -180,14 +180,20 @@ def main() -> None:
     head_act = None if args.head_act == "none" or args.head_precision == "fp32" else args.head_act
     makers = _methods(model, draft, net, args.head_precision, head_act)
     names = args.methods.split(",")
+    for n in names:  # NAME_full: method NAME with every verify pass's LM head on all rows (no lazy verification)
+        if n.endswith("_full") and n not in makers:
+            makers[n] = makers[n[:-len("_full")]]
     texts = PROMPT_SETS[args.set][:args.prompts]
     prompts = [chat_ids(tok, t) for t in texts]
     kv = None if args.kv_cache == "auto" else args.kv_cache
     B = max(1, args.batch)
     groups = [[prompts[(i + j) % len(prompts)] for j in range(B)] for i in range(len(prompts))]
     decoders = {n: SpeculativeDecoder(HFCausalLM(model), makers[n](), max_batch=B, max_len=1024,
-                                      policy="fixed" if n in FIXED else "goodput", kv_cache=kv) for n in names}
+                                      policy="fixed" if n.removesuffix("_full") in FIXED else "goodput",
+                                      kv_cache=kv) for n in names}
     for n in names:
+        if n.endswith("_full"):
+            decoders[n].target.lazy_verify = False
         if n.endswith("_batched"):
             decoders[n].drafter.lm.lean = False
         # warm-up (first calls allocate caches, pack weights and fill the allocator): not timed
@@ -198,6 +204,8 @@ def main() -> None:
         for i, p in enumerate(groups):
             ref = None
             for n in names:
+                lv = decoders[n].engine.lazy_verify
+                before = (lv.rows, lv.nodes, lv.steps)
                 out = decoders[n].generate(p, max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id)
                 m = out.metrics
                 if n == "plain":
@@ -207,7 +215,10 @@ def main() -> None:
                                  target_passes=m["target_passes"],
                                  draft_seconds=m["draft_seconds"], verify_seconds=m["verify_seconds"],
                                  prefill_seconds=m["prefill_seconds"],
-                                 total_seconds=m["total_seconds"], identical=ref is None or out.tokens == ref))
+                                 total_seconds=m["total_seconds"], identical=ref is None or out.tokens == ref,
+                                 # lazy verification (specdec.lazy_verify): steps, head rows computed, tree nodes
+                                 lazy_steps=lv.steps - before[2], head_rows=lv.rows - before[0],
+                                 head_nodes=lv.nodes - before[1]))
                 print(f"round {rnd} prompt {i} {n:10s} {m['tokens_per_second']:7.2f} tok/s  "
                       f"accepted length {m['mean_accepted_length']:.2f}", flush=True)
         load.append(os.getloadavg())
@@ -228,7 +239,9 @@ def main() -> None:
                           decode_step_ms=statistics.median(
                               _per_step(dict(r, decode_seconds=r["total_seconds"] - r["prefill_seconds"]),
                                         "decode_seconds", B) for r in rs),
-                          verify_ms_per_step=statistics.median(_per_step(r, "verify_seconds", B) for r in rs))
+                          verify_ms_per_step=statistics.median(_per_step(r, "verify_seconds", B) for r in rs),
+                          lazy_steps=sum(r["lazy_steps"] for r in rs),
+                          head_rows_per_node=sum(r["head_rows"] for r in rs) / max(1, sum(r["head_nodes"] for r in rs)))
     if "plain" in summary:
         plain = summary["plain"]
         for n in names:
