@@ -6,18 +6,27 @@ the current node is accepted, and the argmax at the last accepted node is the st
 (:func:`specdec.ops.greedy_verify`). On a CPU the LM head is a large part of a verify pass (49,152 x
 576 for the bundled model: a fifth of an 8-node pass), and most rows of a tree or a long chain are
 never read. :class:`LazyGreedyVerify` runs the target without its head
-(:meth:`~specdec.HFCausalLM.forward_hidden`), then the head on short chunks of rows as the walk needs
-them: each chunk is a first-child path from the node where the walk stopped, every chunk of a step's
-rows in one head call. Because the head is batch invariant (a row's logits are the same bits in any
-call of up to 64 rows) the argmax at every node read is the one the full pass gives: the outputs equal
-``ops.greedy_verify`` on the full logits, integer for integer (tests/test_lazy_verify.py).
+(:meth:`~specdec.HFCausalLM.forward_hidden`), then the head on as few rows as the walk needs:
+
+* first the first c nodes of every row (index order: a chain's first-child path, a tree's top levels;
+  parents precede their children, so they form a tree of their own), on whose logits alone
+  ``ops.greedy_verify`` walks; a row is decided unless its path ends at a node with a later child that
+  holds the argmax there (the op checked the earlier children first, as the whole tree's walk does);
+* then, for such rows only, chunks down the first children from the node where the walk left, written
+  into a logits buffer on which the op walks again (each path is right up to its first node not computed
+  yet; the next chunk starts there), until every path is read.
+
+Because the head is batch invariant (a row's logits are the same bits in any call of up to 64 rows),
+the argmax at every node read is the one the full pass gives: the outputs equal ``ops.greedy_verify``
+on the full logits, integer for integer (tests/test_lazy_verify.py).
 
 The chunk length follows each request's recent accepted paths: the length that minimises the expected
 head cost over its last ``window`` path lengths, a head call of m rows costing
 ``1 + 0.1 * max(0, m - 3)`` calls of one row (its weight is read once per call; up to 3 rows cost what
-one does on the CPU's integer tiles) and each further round one more call. A request without history
-takes every node (the full pass's cost, in one call). Short calls are padded with further unread
-nodes (index order) up to 3 rows, which cost nothing extra and often hold a tree's other children.
+one does on the CPU's integer tiles) and each further round one more call; the first call takes the
+longest chunk a row asks for and at least 3 rows. A request without history takes every node (the
+full pass's rows, in one call). Later calls of fewer than 3 rows are padded with further unread nodes
+(index order), which cost nothing extra.
 """
 from __future__ import annotations
 
@@ -25,6 +34,8 @@ from collections import deque
 from typing import Deque, Dict, Hashable, List, Sequence, Tuple
 
 import torch
+
+from specdec import ops
 
 __all__ = ["LazyGreedyVerify", "head_cost"]
 
@@ -66,6 +77,7 @@ class LazyGreedyVerify:
         self.window = int(window)
         self._history: Dict[Hashable, Deque[int]] = {}
         self.steps = self.rounds = self.rows = self.nodes = 0
+        self._buf = None
 
     def forget(self, key: Hashable) -> None:
         self._history.pop(key, None)
@@ -80,45 +92,89 @@ class LazyGreedyVerify:
             raise ValueError(f"LazyGreedyVerify: a tree of {b} x {n} nodes exceeds the head's batch-invariant "
                              f"{MAX_ROWS} rows")
         hidden = target.forward_hidden(cache, tokens, tree.depths, tree.attention_mask())   # [b, N, H]
+        # the first head call: the first c nodes of every row (index order: a chain's first-child path; a tree's
+        # top levels), c the longest chunk the rows' histories ask for, at least the free rows. Parents precede
+        # their children, so those nodes are a tree of their own, which the op walks on these logits alone
+        c = min(n, max([FREE_ROWS] + [best_chunk(self._history.get(k, ()), n) for k in keys]))
+        lg = target.head_logits(hidden[:, :c].reshape(b * c, hidden.shape[-1])).view(b, c, -1)
+        self.rounds += 1
+        self.rows += b * c
+        accepted, num, out = ops.greedy_verify(tokens[:, :c], parents[:, :c], lg)
         toks, pars = tokens.tolist(), parents.tolist()
+        acc, nums, outs = accepted.tolist(), num.tolist(), out.tolist()
+        # a path that ends at a node with a child past the c nodes holding the argmax there goes on (the op
+        # checked the children among the c nodes first, as the whole tree's walk does: index order)
+        ends = [(acc[r][nums[r]], outs[r][nums[r]]) for r in range(b)]   # (last accepted node, argmax there)
+        goes_on = [next((v for v in range(c, n) if pars[r][v] == ends[r][0] and toks[r][v] == ends[r][1]), -1)
+                   for r in range(b)]
+        if all(v < 0 for v in goes_on):
+            for r in range(b):
+                self._history.setdefault(keys[r], deque(maxlen=self.window)).append(nums[r] + 1)
+            self.steps += 1
+            self.nodes += b * n
+            if c < n:
+                accepted = torch.cat([accepted, accepted.new_full((b, n - c), -1)], dim=1)
+                out = torch.cat([out, out.new_full((b, n - c), -1)], dim=1)
+            return accepted, num, out
+        logits = self._logits(b, n, lg.shape[-1])
+        logits[:, :c] = lg
+        return self._go_on(target, tree, keys, hidden, logits, c, toks, pars, acc, nums, goes_on)
+
+    def _go_on(self, target, tree, keys, hidden, logits, c, toks, pars, acc, nums, goes_on):
+        """Further head calls for the rows whose walk left the first c nodes: each from the node where it left,
+        down its first children (chunk lengths from the history), until every row's path is read."""
+        tokens, parents = tree.tokens, tree.parents
+        b, n = tokens.shape
         kids: List[List[List[int]]] = []
         for r in range(b):
             ch: List[List[int]] = [[] for _ in range(n)]
-            for c in range(1, n):
-                p = pars[r][c]
-                if 0 <= p < n and toks[r][c] >= 0:
-                    ch[p].append(c)
+            for v in range(1, n):
+                p = pars[r][v]
+                if 0 <= p < n and toks[r][v] >= 0:
+                    ch[p].append(v)
             kids.append(ch)
-        real = [{c for ch in k for c in ch} for k in kids]          # the nodes that are not padding
-        best: List[Dict[int, int]] = [{} for _ in range(b)]       # node -> the head's argmax there
-        path = [[0] for _ in range(b)]
-        emitted: List[List[int]] = [[] for _ in range(b)]
-        want = [self._chunk(kids[r], 0, best_chunk(self._history.get(keys[r], ()), n)) for r in range(b)]
-        while any(want):
-            self._pad(want, real, best)
+        real = [{v for ch in k for v in ch} for k in kids]          # the nodes that are not padding
+        read: List[set] = [set(range(c)) for _ in range(b)]          # nodes whose logits are in the buffer
+        want = [[] if goes_on[r] < 0 else
+                self._chunk(kids[r], goes_on[r], best_chunk(self._history.get(keys[r], ()), n - nums[r] - 1))
+                for r in range(b)]
+        while True:
+            self._pad(want, real, read)
             rows = [(r, v) for r in range(b) for v in want[r]]
-            ri = torch.tensor([r for r, _ in rows], dtype=torch.int64)
-            vi = torch.tensor([v for _, v in rows], dtype=torch.int64)
-            arg = target.head_logits(hidden[ri, vi]).argmax(dim=-1).tolist()
+            ri = torch.tensor([r for r, _ in rows], dtype=torch.int64, device=hidden.device)
+            vi = torch.tensor([v for _, v in rows], dtype=torch.int64, device=hidden.device)
+            logits[ri, vi] = target.head_logits(hidden[ri, vi])
             self.rounds += 1
             self.rows += len(rows)
-            for (r, v), t in zip(rows, arg):
-                best[r][v] = int(t)
+            for r, v in rows:
+                read[r].add(v)
+            # the op walks every row on the rows read so far (and stale rows beyond): each row's path is right up
+            # to its first node not read yet, whose row the next call computes
+            accepted, num, out = ops.greedy_verify(tokens, parents, logits)
+            acc, nums = accepted.tolist(), num.tolist()
+            want = [[] for _ in range(b)]
             for r in range(b):
-                want[r] = [] if not want[r] else self._walk(r, kids[r], toks[r], best[r], path[r], emitted[r],
-                                                            keys[r], n)
+                path = acc[r][:nums[r] + 1]
+                stop = next((i for i, v in enumerate(path) if v not in read[r]), -1)
+                if stop < 0:   # the whole path read: row r is decided
+                    self._history.setdefault(keys[r], deque(maxlen=self.window)).append(len(path))
+                else:
+                    want[r] = self._chunk(kids[r], path[stop], best_chunk(self._history.get(keys[r], ()), n - stop))
+            if not any(want):
+                break
         self.steps += 1
         self.nodes += b * n
-        accepted = torch.full((b, n), -1, dtype=torch.int32)
-        num = torch.tensor([len(p) - 1 for p in path], dtype=torch.int32)
-        out = torch.full((b, n), -1, dtype=torch.int64)
-        for r in range(b):
-            accepted[r, :len(path[r])] = torch.tensor(path[r], dtype=torch.int32)
-            out[r, :len(emitted[r])] = torch.tensor(emitted[r], dtype=torch.int64)
-        dev = tokens.device
-        return accepted.to(dev), num.to(dev), out.to(dev)
+        return accepted, num, out
 
-    # ------------------------------------------------------------------ the walk
+    def _logits(self, b: int, n: int, vocab: int) -> torch.Tensor:
+        """The [b, n, vocab] float32 buffer of a step's logits rows (one allocation kept across steps; rows not
+        computed this step hold earlier values: a walk that reaches one is cut there and continued)."""
+        need = b * n * vocab
+        if self._buf is None or self._buf.numel() < need:
+            self._buf = torch.zeros(need, dtype=torch.float32)
+        return self._buf[:need].view(b, n, vocab)
+
+    # ------------------------------------------------------------------ chunks
     @staticmethod
     def _chunk(kids: List[List[int]], start: int, length: int) -> List[int]:
         """Up to ``length`` nodes from ``start`` down its first children."""
@@ -128,7 +184,7 @@ class LazyGreedyVerify:
         return out
 
     @staticmethod
-    def _pad(want: List[List[int]], real: List[set], best: List[Dict[int, int]]) -> None:
+    def _pad(want: List[List[int]], real: List[set], read: List[set]) -> None:
         """Fill a head call of fewer than FREE_ROWS rows with unread nodes of its rows (index order; free)."""
         total = sum(len(w) for w in want)
         for r, w in enumerate(want):
@@ -137,22 +193,6 @@ class LazyGreedyVerify:
             for v in sorted(real[r]):
                 if total >= FREE_ROWS:
                     return
-                if v not in best[r] and v not in w:
+                if v not in read[r] and v not in w:
                     w.append(v)
                     total += 1
-
-    def _walk(self, r: int, kids: List[List[int]], toks: List[int], best: Dict[int, int], path: List[int],
-              emitted: List[int], key: Hashable, n: int) -> List[int]:
-        """Advance row r's accepted path over the nodes read so far; the next chunk to read, or [] when done."""
-        v = path[-1]
-        while v in best:
-            t = best[v]
-            nxt = next((c for c in kids[v] if toks[c] == t), -1)
-            emitted.append(t)
-            if nxt < 0:  # no child holds the argmax: t is the step's new token
-                hist = self._history.setdefault(key, deque(maxlen=self.window))
-                hist.append(len(path))
-                return []
-            path.append(nxt)
-            v = nxt
-        return self._chunk(kids, v, best_chunk(self._history.get(key, ()), n - len(path) + 1))
