@@ -331,8 +331,10 @@ class Engine(EngineRows):
                 draft, consulted = self._guard.propose(drafter, ctx)
         tree = draft.tree
         with clock.phase("verify"):
-            if self._lazy_ok(tree, reqs, consulted):   # greedy: the LM head along the accepted path only
-                accepted, num, out = self.lazy_verify(self.target, cache, tree, uids)
+            greedy = self._greedy_only(tree, reqs, consulted)
+            chunk = self.lazy_verify.plan(uids, tree.size) if greedy else None
+            if chunk is not None:   # greedy: the LM head along the accepted path only
+                accepted, num, out = self.lazy_verify(self.target, cache, tree, uids, chunk)
             else:
                 logits = self.target.forward(cache, tree.tokens, tree.depths, tree.attention_mask())   # [b, N, V]
                 if consulted:
@@ -351,6 +353,8 @@ class Engine(EngineRows):
             host = torch.cat([num.view(b, 1).to(torch.int64), out], dim=1).tolist()
         clock.synced()
         num_host = [h[0] for h in host]
+        if greedy and chunk is None:  # the paths the lazy head's plan learns from
+            self.lazy_verify.observe(uids, num_host)
         if consulted:
             with clock.phase("commit"):
                 drafter.accept(accepted, num, num_host)    # drafter rollback (kv_commit)
@@ -372,10 +376,11 @@ class Engine(EngineRows):
         self._t_prev = t_now
         return finished
 
-    def _lazy_ok(self, tree, reqs: Sequence[Request], consulted: bool) -> bool:
-        """Whether this step verifies with :class:`~specdec.lazy_verify.LazyGreedyVerify`: a tree beyond the root
-        of at most 64 rows in all, every row greedy and uncoupled, a target whose head may run on any rows
-        (``HFCausalLM.lazy_head``), and no drafter reading the logits of every node (``observe_verify``)."""
+    def _greedy_only(self, tree, reqs: Sequence[Request], consulted: bool) -> bool:
+        """Whether this step may verify with :class:`~specdec.lazy_verify.LazyGreedyVerify` (which runs it when
+        its plan expects a saving): a tree beyond the root of at most 64 rows in all, every row greedy and
+        uncoupled, a target whose head may run on any rows (``HFCausalLM.lazy_head``), and no drafter reading
+        the logits of every node (``observe_verify``)."""
         return tree.size > 1 and tree.tokens.numel() <= MAX_ROWS and getattr(self.target, "lazy_head", False) and \
             not (consulted and self.drafter.reads_verify_logits) and \
             all(r.sampling.greedy and r.coupling is None for r in reqs)

@@ -24,14 +24,17 @@ The chunk length follows each request's recent accepted paths: the length that m
 head cost over its last ``window`` path lengths, a head call of m rows costing
 ``1 + 0.1 * max(0, m - 3)`` calls of one row (its weight is read once per call; up to 3 rows cost what
 one does on the CPU's integer tiles) and each further round one more call; the first call takes the
-longest chunk a row asks for and at least 3 rows. A request without history takes every node (the
-full pass's rows, in one call). Later calls of fewer than 3 rows are padded with further unread nodes
-(index order), which cost nothing extra.
+longest chunk a row asks for and at least 3 rows. Later calls of fewer than 3 rows are padded with
+further unread nodes (index order), which cost nothing extra. The Engine runs a step lazily only where
+that expected cost, plus the lazy path's own overhead (0.2 calls), is below the full pass's head
+(:meth:`LazyGreedyVerify.plan`): never for trees of 3 nodes or fewer, nor for requests without history
+or whose paths often run long; the full pass's paths feed the history too.
 """
 from __future__ import annotations
 
+import functools
 from collections import deque
-from typing import Deque, Dict, Hashable, List, Sequence, Tuple
+from typing import Deque, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -48,18 +51,25 @@ def head_cost(rows: int) -> float:
     return 1.0 + 0.1 * max(0, rows - FREE_ROWS)
 
 
-def best_chunk(history: Sequence[int], nodes: int) -> int:
-    """The first chunk's length (nodes along the first-child path) for a request whose last accepted paths read
-    ``history`` nodes each (accepted + 1), in a tree of ``nodes`` nodes: the minimiser of the expected head cost
-    (one call of the chunk, plus one call of the rest for each path longer than it); ``nodes`` without history."""
-    if not history:
-        return nodes
+OVERHEAD = 0.2    # the lazy path's own price per step (its extra op calls and host reads), in head calls
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(history: Tuple[int, ...], nodes: int) -> Tuple[int, float]:
     best, best_c = None, nodes
-    for c in range(1, nodes + 1):
+    for c in sorted({min(nodes, FREE_ROWS), nodes} | {n for n in history if FREE_ROWS < n < nodes}):
         cost = head_cost(c) + sum(head_cost(n - c) for n in history if n > c) / len(history)
         if best is None or cost < best - 1e-9:
             best, best_c = cost, c
-    return best_c
+    return best_c, best
+
+
+def best_chunk(history: Sequence[int], nodes: int) -> int:
+    """The first chunk's length (nodes along the first-child path) for a request whose last accepted paths read
+    ``history`` nodes each (accepted + 1), in a tree of ``nodes`` nodes: the minimiser of the expected head cost
+    (one call of the chunk, plus one call of the rest for each path longer than it; the optimum lies at the free
+    rows, a path length or ``nodes``); ``nodes`` without history."""
+    return _plan(tuple(history), nodes)[0] if history else nodes
 
 
 class LazyGreedyVerify:
@@ -67,14 +77,23 @@ class LazyGreedyVerify:
 
     ``verifier(target, cache, tree, keys)`` runs ``target.forward_hidden`` on the tree and returns
     ``(accepted [b, N] int32, num_accepted [b] int32, out_tokens [b, N] int64)`` as ``ops.greedy_verify``;
-    ``keys[r]`` names row r's request (its chunk history); :meth:`forget` drops one. Counters: ``steps``,
+    ``keys[r]`` names row r's request (its chunk history: paths of this verifier's steps and those
+    :meth:`observe` records); :meth:`plan` says whether a step should run lazily, with which first chunk;
+    :meth:`forget` drops a request. Counters: ``steps``,
     ``rounds`` (head calls), ``rows`` (head rows computed), ``nodes`` (rows a full pass would have computed).
     """
 
-    def __init__(self, window: int = 16) -> None:
+    MODES = ("auto", "always", "never")
+
+    def __init__(self, window: int = 16, mode: str = "auto") -> None:
         if int(window) < 1:
             raise ValueError(f"LazyGreedyVerify: window must be >= 1, got {window}")
+        if mode not in self.MODES:
+            raise ValueError(f"LazyGreedyVerify: mode must be one of {self.MODES}, got {mode!r}")
         self.window = int(window)
+        #: "auto": :meth:`plan` runs the lazy path where the cost model expects a saving; "always": on every
+        #: eligible step; "never": the full pass always
+        self.mode = mode
         self._history: Dict[Hashable, Deque[int]] = {}
         self.steps = self.rounds = self.rows = self.nodes = 0
         self._buf = None
@@ -82,7 +101,31 @@ class LazyGreedyVerify:
     def forget(self, key: Hashable) -> None:
         self._history.pop(key, None)
 
-    def __call__(self, target, cache, tree, keys: Sequence[Hashable]
+    def observe(self, keys: Sequence[Hashable], num_accepted: Sequence[int]) -> None:
+        """Record the paths of a greedy step verified with the full pass (num_accepted + 1 nodes read per row)."""
+        for k, a in zip(keys, num_accepted):
+            self._history.setdefault(k, deque(maxlen=self.window)).append(int(a) + 1)
+
+    def plan(self, keys: Sequence[Hashable], nodes: int) -> Optional[int]:
+        """The first head call's chunk for rows ``keys`` of ``nodes`` nodes each when the lazy path is expected to
+        cost less than the full pass's head (by the cost model, its own OVERHEAD included), else None: a row
+        without history, or paths that run past the chunk often enough that the further calls eat the saving."""
+        b = len(keys)
+        if self.mode == "never" or b == 0 or b * nodes > MAX_ROWS:
+            return None
+        if self.mode == "always":
+            return max(best_chunk(self._history.get(k, ()), nodes) for k in keys)
+        if nodes <= FREE_ROWS:
+            return None
+        hists = [self._history.get(k) for k in keys]
+        if any(not h for h in hists):
+            return None
+        c = max(_plan(tuple(h), nodes)[0] for h in hists)
+        further = min(1.0, sum(sum(1 for n in h if n > c) / len(h) for h in hists))  # P(another head call)
+        lazy = head_cost(b * c) + further * head_cost(b * (nodes - c)) + OVERHEAD
+        return c if lazy < head_cost(b * nodes) else None
+
+    def __call__(self, target, cache, tree, keys: Sequence[Hashable], chunk: Optional[int] = None
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         tokens, parents = tree.tokens, tree.parents
         b, n = tokens.shape
@@ -95,7 +138,9 @@ class LazyGreedyVerify:
         # the first head call: the first c nodes of every row (index order: a chain's first-child path; a tree's
         # top levels), c the longest chunk the rows' histories ask for, at least the free rows. Parents precede
         # their children, so those nodes are a tree of their own, which the op walks on these logits alone
-        c = min(n, max([FREE_ROWS] + [best_chunk(self._history.get(k, ()), n) for k in keys]))
+        if chunk is None:
+            chunk = max(best_chunk(self._history.get(k, ()), n) for k in keys)
+        c = min(n, max(FREE_ROWS, int(chunk)))
         lg = target.head_logits(hidden[:, :c].reshape(b * c, hidden.shape[-1])).view(b, c, -1)
         self.rounds += 1
         self.rows += b * c

@@ -12,6 +12,7 @@ import transformers
 
 from specdec import DraftModel, HFCausalLM, MultiDraft, PromptLookup, SpeculativeDecoder, TokenRecycling, ops
 from specdec.lazy_verify import LazyGreedyVerify, best_chunk, head_cost
+from specdec.drafters.base import Draft, Drafter
 from specdec.tree import TokenTree
 from conftest import gen, make_trees
 
@@ -84,9 +85,9 @@ def test_equals_greedy_verify_on_full_logits(kind):
 
 def test_chunks_follow_the_history():
     assert best_chunk([], 9) == 9                       # no history: every node, one call
-    assert best_chunk([1, 1, 1, 1], 9) == 1             # paths end at the root: the root alone
+    assert best_chunk([1, 1, 1, 1], 9) == 3             # paths end at the root: the free rows
     assert best_chunk([9] * 8, 9) == 9                  # whole chains accepted: all in one call
-    assert 2 <= best_chunk([1, 5, 2, 1, 6, 1], 9) <= 6
+    assert best_chunk([1, 5, 2, 1, 6, 1], 9) in (3, 5, 6)
     assert head_cost(1) == head_cost(3) == 1.0 and head_cost(13) == pytest.approx(2.0)
     t, tree, full = _case(3, 1, 8, "chain", ragged=False)
     path = int(ops.greedy_verify(tree.tokens, tree.parents, full)[1][0]) + 1  # nodes the walk reads
@@ -151,8 +152,9 @@ def test_engine_greedy_equals_plain_with_fewer_head_rows(lms, make):
     prompts = _prompts(3, 1)
     ref = SpeculativeDecoder(target, None, max_batch=3, max_len=160).generate(prompts, max_new_tokens=30).tokens
     dec = SpeculativeDecoder(target, make(weak), max_batch=3, max_len=160, policy="fixed")
-    got = dec.generate(prompts, max_new_tokens=30)
     lv = dec.engine.lazy_verify
+    lv.mode = "always"   # every greedy step lazily (the default, "auto", only where its plan expects a saving)
+    got = dec.generate(prompts, max_new_tokens=30)
     assert got.tokens == ref
     assert lv.steps > 0 and lv.rows < lv.nodes, (lv.steps, lv.rows, lv.nodes)
     target.lazy_verify = False
@@ -168,6 +170,7 @@ def test_full_pass_where_rows_sample_or_the_drafter_reads_logits(lms):
     target, weak = lms
     prompts = _prompts(2, 2)
     dec = SpeculativeDecoder(target, DraftModel(weak, k=3), max_batch=2, max_len=128, policy="fixed")
+    dec.engine.lazy_verify.mode = "always"
     dec.generate(prompts, max_new_tokens=10, temperature=0.8, seed=5)
     assert dec.engine.lazy_verify.steps == 0
     rec = TokenRecycling()
@@ -175,6 +178,46 @@ def test_full_pass_where_rows_sample_or_the_drafter_reads_logits(lms):
     assert not DraftModel(weak, k=2).reads_verify_logits
     dec = SpeculativeDecoder(target, MultiDraft([PromptLookup(ngram=2, k=4), rec]), max_batch=2, max_len=128,
                              policy="fixed")
+    dec.engine.lazy_verify.mode = "always"
     ref = SpeculativeDecoder(target, None, max_batch=2, max_len=128).generate(prompts, max_new_tokens=20).tokens
     assert dec.generate(prompts, max_new_tokens=20).tokens == ref
     assert dec.engine.lazy_verify.steps == 0
+
+
+class JunkChain(Drafter):
+    """k tokens the target never takes (its greedy token + 1 at each node would need the logits: any fixed
+    token off the greedy path does; paths then read the root alone)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    @property
+    def max_nodes(self) -> int:
+        return self.k + 1
+
+    def propose(self, ctx):
+        b = ctx.roots.shape[0]
+        toks = [[int(r)] + [(int(r) * 7 + j) % V for j in range(1, self.k + 1)] for r in ctx.roots.tolist()]
+        return Draft(TokenTree.chain(torch.tensor(toks), [self.k + 1] * b))
+
+
+def test_auto_runs_lazily_where_it_pays(lms):
+    target, _ = lms
+    prompts = _prompts(1, 3)
+    ref = SpeculativeDecoder(target, None, max_batch=1, max_len=128).generate(prompts, max_new_tokens=16).tokens
+    dec = SpeculativeDecoder(target, JunkChain(9), max_batch=1, max_len=128, policy="fixed")
+    got = dec.generate(prompts, max_new_tokens=16)
+    lv = dec.engine.lazy_verify
+    assert got.tokens == ref and lv.mode == "auto"
+    # the first step has no history (full pass, observed); then paths of one node: 3 rows of 10 per step
+    assert lv.steps >= 10 and lv.rows == 3 * lv.steps and lv.nodes == 10 * lv.steps
+    assert lv.plan(["x"], 10) is None                      # no history
+    lv.observe(["x"] * 4, [0, 0, 0, 0])
+    assert lv.plan(["x"], 10) == 3 and lv.plan(["x"], 3) is None   # a 3-node tree cannot save anything
+    lv.observe(["y"] * 8, [9, 0] * 4)                      # half the paths run the whole chain: not worth it
+    assert lv.plan(["y"], 10) is None and lv.plan(["x", "x"], 10) == 3
+    lv.mode = "never"
+    assert lv.plan(["x"], 10) is None
+    with pytest.raises(ValueError, match=r"LazyGreedyVerify: mode must be one of \('auto', 'always', 'never'\), "
+                                         r"got 'sometimes'"):
+        LazyGreedyVerify(mode="sometimes")
