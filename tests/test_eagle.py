@@ -291,10 +291,13 @@ def test_greedy_exact_chain_and_trees(trained, precision):
     shapes = [dict(k=4), dict(k=3, top_k=2), dict(k=3, top_k=2, tree="dynamic"),
               dict(k=3, top_k=2, tree="planned", node_budget=7)]
     for kw in shapes:
-        dec = SpeculativeDecoder(HFCausalLM(model), EagleHead(net, **kw), max_batch=3, max_len=64, policy="fixed")
-        out = dec.generate(PROMPTS, max_new_tokens=24)
-        assert out.tokens == ref, (precision, kw)
-        assert out.metrics["accepted_tokens"] > 10, (precision, kw)  # the trained head really drafts
+        for lazy in ("auto", "always"):  # always: every step's LM head along the accepted path (specdec.lazy_verify)
+            dec = SpeculativeDecoder(HFCausalLM(model), EagleHead(net, **kw), max_batch=3, max_len=64, policy="fixed")
+            dec.engine.lazy_verify.mode = lazy
+            out = dec.generate(PROMPTS, max_new_tokens=24)
+            assert out.tokens == ref, (precision, kw, lazy)
+            assert out.metrics["accepted_tokens"] > 10, (precision, kw)  # the trained head really drafts
+            assert lazy == "auto" or dec.engine.lazy_verify.steps > 0
 
 
 def test_greedy_exact_q8_head_reduced_vocab_and_hook_path(trained):

@@ -142,16 +142,17 @@ def _prompts(n: int, seed: int):
     return [base * 2 + [rng.randrange(V) for _ in range(rng.randint(1, 8))] for _ in range(n)]
 
 
+@pytest.mark.parametrize("kv", ["dense", "paged"])
 @pytest.mark.parametrize("make", [lambda d: DraftModel(d, k=4),
                                   lambda d: DraftModel(d, k=3, top_k=2, tree="dynamic", node_budget=8),
                                   lambda d: MultiDraft([PromptLookup(ngram=2, k=5), DraftModel(d, k=3)])],
                          ids=["chain", "dynamic_tree", "lookup_merge"])
-def test_engine_greedy_equals_plain_with_fewer_head_rows(lms, make):
+def test_engine_greedy_equals_plain_with_fewer_head_rows(lms, make, kv):
     target, weak = lms
     assert target.lazy_head
     prompts = _prompts(3, 1)
     ref = SpeculativeDecoder(target, None, max_batch=3, max_len=160).generate(prompts, max_new_tokens=30).tokens
-    dec = SpeculativeDecoder(target, make(weak), max_batch=3, max_len=160, policy="fixed")
+    dec = SpeculativeDecoder(target, make(weak), max_batch=3, max_len=160, policy="fixed", kv_cache=kv)
     lv = dec.engine.lazy_verify
     lv.mode = "always"   # every greedy step lazily (the default, "auto", only where its plan expects a saving)
     got = dec.generate(prompts, max_new_tokens=30)
@@ -160,7 +161,7 @@ def test_engine_greedy_equals_plain_with_fewer_head_rows(lms, make):
     target.lazy_verify = False
     try:
         assert not target.lazy_head
-        off = SpeculativeDecoder(target, make(weak), max_batch=3, max_len=160, policy="fixed")
+        off = SpeculativeDecoder(target, make(weak), max_batch=3, max_len=160, policy="fixed", kv_cache=kv)
         assert off.generate(prompts, max_new_tokens=30).tokens == ref and off.engine.lazy_verify.steps == 0
     finally:
         target.lazy_verify = True
