@@ -51,12 +51,9 @@ def main() -> None:
     import specdec
     from specdec.lazy_verify import LazyGreedyVerify
     from specdec.models import load_bundled
-    from specdec.models.quant import set_activation_quant
     from specdec.tree import TokenTree
 
-    model, _ = load_bundled("smollm2-135m", precision=a.precision)
-    if a.act == "q8":
-        set_activation_quant(model, "q8")
+    model, _ = load_bundled("smollm2-135m", precision=a.precision, act=None if a.act == "none" else a.act)
     lm = specdec.HFCausalLM(model)
     assert lm.lazy_head, "the lean forward with a batch-invariant head is needed"
     cache = lm.new_cache(1, 512)

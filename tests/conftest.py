@@ -201,3 +201,22 @@ def one_thread_unless_smollm2(request):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def tiny_llama(seed: int, layers: int = 2, noise: float = 0.0, vocab: int = 97):
+    """An HFCausalLM over a random 64-wide Llama built with a fixed seed; ``noise`` > 0: its weights perturbed
+    (a fixed generator), a draft close to the seed's model: accepted often, not always."""
+    import transformers
+
+    from specdec import HFCausalLM
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    if noise:
+        g = torch.Generator().manual_seed(99)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(noise * torch.randn(p.shape, generator=g))
+    return HFCausalLM(model)

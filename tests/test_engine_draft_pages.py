@@ -7,8 +7,8 @@ from typing import Dict, List
 
 import pytest
 import torch
-import transformers
 
+from conftest import tiny_llama
 from specdec import DraftModel, Engine, HFCausalLM, MultiDraft, PagedKVCache, PromptLookup, RequestParams
 from specdec.cache import StaticKVCache
 from specdec.draft_pages import DraftPages, DraftPagesView
@@ -17,16 +17,7 @@ V = 97
 
 
 def _llama(seed: int, layers: int = 2, noise: float = 0.0) -> HFCausalLM:
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    if noise:  # a draft close to the target: accepted often, not always
-        g = torch.Generator().manual_seed(99)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(noise * torch.randn(p.shape, generator=g))
-    return HFCausalLM(model)
+    return tiny_llama(seed, layers, noise, V)
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,12 @@ import random
 
 import pytest
 import torch
-import transformers
 
 from specdec import DraftModel, HFCausalLM, MultiDraft, PromptLookup, SpeculativeDecoder, TokenRecycling, ops
 from specdec.lazy_verify import LazyGreedyVerify, best_chunk, head_cost
 from specdec.drafters.base import Draft, Drafter
 from specdec.tree import TokenTree
-from conftest import gen, make_trees
+from conftest import gen, make_trees, tiny_llama
 
 V = 97
 
@@ -115,17 +114,8 @@ def test_errors():
 
 
 # ----------------------------------------------------------------------------- in the engine
-def _llama(seed: int, noise: float = 0.0) -> HFCausalLM:
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    if noise:
-        g = torch.Generator().manual_seed(99)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(noise * torch.randn(p.shape, generator=g))
-    return HFCausalLM(model)
+def _llama(seed: int, layers: int = 2, noise: float = 0.0) -> HFCausalLM:
+    return tiny_llama(seed, layers, noise, V)
 
 
 @pytest.fixture(scope="module")
