@@ -1,7 +1,8 @@
 """The CPU kernels' software prefetch distances (and other switches of theirs) in whole forwards.
 
     python benchmarks/bench_prefetch.py
-        [--knob attention|q8act|q8act_stream|q8act_block|q8act_many|q8act_pquant|q8act_level] [--tier TIER]
+        [--knob attention|q8act|q8act_stream|q8act_block|q8act_many|q8act_pquant|q8act_level|fused_rows]
+        [--tier TIER]
         [--rounds 8] [--reps 30] [--prefixes 150,600,1500] [--nodes 1,8] [--distances 0,1,2,4] [--baseline B]
         [--threads 2] [--out FILE]
 
@@ -16,7 +17,8 @@ rows request ahead, every line into L2; 0 = the one-line hint two blocks ahead),
 hint), ``q8act_many`` (``specdec._C.set_q8act_many_rows``: from how many activation rows those tiles count as
 many, two digits per value, Q8_0's then Q4's: 46 = from 4 / from 6, the default and baseline), ``q8act_pquant``
 (``specdec._C.set_q8act_parallel_quantize``: 0 the activations quantized on the calling thread, the baseline; 1
-on all threads) or ``q8act_level``
+on all threads), ``fused_rows`` (``specdec._C.set_fused_row_elems``: elements per task of the CPU RMSNorm /
+RoPE, rows of H = 576 elements; 32768 the baseline: up to 56 rows on the calling thread) or ``q8act_level``
 (``specdec._C.set_q8act_prefetch_level``: the cache level, 1 or 2, the AVX2 / AVX-VNNI tiers prefetch
 into; --distances are then levels, 1 the baseline). --tier forces qlinear_q8act's tier (e.g. avx2).
 Per prefix length, round and value (the order reversed every other round): the median of --reps
@@ -45,7 +47,7 @@ from specdec.bench.record import cpu_name, git_commit, loadavg  # noqa: E402
 KNOBS = {"attention": ("set_attention_prefetch", 0), "q8act": ("set_q8act_prefetch", 16),
          "q8act_stream": ("set_q8act_stream_prefetch", 0), "q8act_block": ("set_q8act_block_prefetch", 0),
          "q8act_level": ("set_q8act_prefetch_level", 1), "q8act_many": ("set_q8act_many_rows", 46),
-         "q8act_pquant": ("set_q8act_parallel_quantize", 0)}
+         "q8act_pquant": ("set_q8act_parallel_quantize", 0), "fused_rows": ("set_fused_row_elems", 32768)}
 
 
 def main() -> None:

@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "checks.h"
+#include "cpu/raw.h"
 #include "ops.h"
 #include "q8act.h"
 #include "specdec/cpu_isa.h"
@@ -182,6 +183,10 @@ PYBIND11_MODULE(_C, m) {
         "From how many activation rows qlinear_q8act's AVX-512 VNNI tiles count as many (the block prefetch) rather "
         "than few (the stream prefetch), for Q8_0 and for Q4 weights (defaults 4 and 6; 9: never). Returns the "
         "previous pair. The same bits either way; for A/Bs.");
+  m.def("set_fused_row_elems", &specdec::cpu::set_fused_row_elems, pybind11::arg("elems"),
+        "Elements per task of the CPU rms_norm / add_rms_norm / rope (rows of H elements: elems / H rows per task; "
+        "default 32768: one-row decode steps and small verify passes on the calling thread). Returns the previous "
+        "value. The same bits for any value (rows never interact); for A/Bs.");
   m.def("set_q8act_parallel_quantize", &specdec::cpu::set_q8act_parallel_quantize, pybind11::arg("on"),
         "Whether qlinear_q8act on the CPU quantizes five activation rows or more on all its threads, in the parallel "
         "region of the products (True, the default), or on the calling thread before it (False). Returns the "

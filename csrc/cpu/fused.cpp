@@ -15,6 +15,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <cmath>
 #include <type_traits>
 
@@ -35,8 +36,12 @@ inline float rnd(float v) {
   return static_cast<float>(static_cast<T>(v));  // round to T (RNE), back to float
 }
 
-// Rows of H elements per task: at least ~32K elements so that decode sizes run inline.
-inline int64_t row_grain(int64_t H) { return std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, H)); }
+// Rows of H elements per task of rms_norm / add_rms_norm / rope: at least g_row_elems elements (a one-row decode
+// step runs inline; set_fused_row_elems for A/Bs). The same bits for any split: rows never interact.
+std::atomic<int64_t> g_row_elems{int64_t(1) << 15};
+inline int64_t row_grain(int64_t H) {
+  return std::max<int64_t>(1, g_row_elems.load(std::memory_order_relaxed) / std::max<int64_t>(1, H));
+}
 
 // silu * up per task: 4096 values (~3 us); a verify pass of 3+ nodes of a 1536-wide MLP uses both
 // cores (measured, 2 threads: 8 nodes 11.2 -> 8.4 us, 32 nodes 37.1 -> 22.1 us; elementwise, so
@@ -192,6 +197,11 @@ namespace cpu {
 void rms_norm_f32(const float* x, const float* res, const float* w, float* out, float* sum, int64_t rows, int64_t H,
                   float eps) {
   rms_rows<float>(x, res, w, out, sum, rows, H, eps);
+}
+
+int64_t set_fused_row_elems(int64_t elems) {
+  TORCH_CHECK(elems >= 1, "set_fused_row_elems: elems must be >= 1, got ", elems);
+  return g_row_elems.exchange(elems);
 }
 
 void rope_f32(const float* x, int64_t x_stride, const float* cos, const float* sin, float* out, int64_t BN,
