@@ -115,7 +115,7 @@ class Engine(EngineRows):
         self.counters = dict(requests_added=0, requests_finished=0, requests_aborted=0, steps=0,
                              generated_tokens=0, drafted_tokens=0, accepted_tokens=0, drafter_errors=0, preemptions=0)
         self._guard = DraftGuard(name, drafter_errors, self.vocab_size, self.max_nodes, self.counters)
-        #: greedy steps' verification with the LM head along the accepted path (when _lazy_ok)
+        #: greedy steps verified with the LM head along the accepted path (where _greedy_only and its plan allow)
         self.lazy_verify = LazyGreedyVerify()
 
     @staticmethod

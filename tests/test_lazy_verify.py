@@ -212,3 +212,27 @@ def test_auto_runs_lazily_where_it_pays(lms):
     with pytest.raises(ValueError, match=r"LazyGreedyVerify: mode must be one of \('auto', 'always', 'never'\), "
                                          r"got 'sometimes'"):
         LazyGreedyVerify(mode="sometimes")
+
+
+def test_forward_hidden_and_head_logits_give_forward_bits(lms):
+    target, _ = lms
+    prompt = _prompts(1, 4)[0]
+    tokens = torch.tensor([[5, 17, 29, 3, 8]])
+    depths = torch.tensor([[0, 1, 1, 2, 3]], dtype=torch.int32)
+    mask = torch.tensor([[[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]]],
+                        dtype=torch.bool)
+    cache = target.new_cache(1, 64)
+    target.prefill(cache, [prompt])
+    full = target.forward(cache, tokens, depths, mask)
+    hidden = target.forward_hidden(cache, tokens, depths, mask)
+    assert hidden.shape == (1, 5, 64)
+    assert torch.equal(target.head_logits(hidden[0]), full[0])
+    for rows in ([0], [3], [1, 4], [0, 2, 3]):  # any subset of the rows: the same bits (batch invariance)
+        assert torch.equal(target.head_logits(hidden[0, rows]), full[0, rows])
+    target.lazy_verify = False
+    try:
+        with pytest.raises(ValueError, match=r"HFCausalLM.forward_hidden: needs the lean forward on the CPU with a "
+                                             r"batch-invariant LM head and lazy_verify on"):
+            target.forward_hidden(cache, tokens, depths, mask)
+    finally:
+        target.lazy_verify = True
