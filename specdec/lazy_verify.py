@@ -180,9 +180,12 @@ class LazyGreedyVerify:
             kids.append(ch)
         real = [{v for ch in k for v in ch} for k in kids]          # the nodes that are not padding
         read: List[set] = [set(range(c)) for _ in range(b)]          # nodes whose logits are in the buffer
-        want = [[] if goes_on[r] < 0 else
-                self._chunk(kids[r], goes_on[r], best_chunk(self._history.get(keys[r], ()), n - nums[r] - 1))
-                for r in range(b)]
+        pending = {r for r in range(b) if goes_on[r] >= 0}
+        for r in range(b):
+            if r not in pending:  # decided by the first call
+                self._history.setdefault(keys[r], deque(maxlen=self.window)).append(nums[r] + 1)
+        want = [self._chunk(kids[r], goes_on[r], best_chunk(self._history.get(keys[r], ()), n - nums[r] - 1))
+                if r in pending else [] for r in range(b)]
         while True:
             self._pad(want, real, read)
             rows = [(r, v) for r in range(b) for v in want[r]]
@@ -198,14 +201,15 @@ class LazyGreedyVerify:
             accepted, num, out = ops.greedy_verify(tokens, parents, logits)
             acc, nums = accepted.tolist(), num.tolist()
             want = [[] for _ in range(b)]
-            for r in range(b):
+            for r in sorted(pending):
                 path = acc[r][:nums[r] + 1]
                 stop = next((i for i, v in enumerate(path) if v not in read[r]), -1)
-                if stop < 0:   # the whole path read: row r is decided
+                if stop < 0:   # the whole path read: row r is decided (its history gets this path once)
                     self._history.setdefault(keys[r], deque(maxlen=self.window)).append(len(path))
+                    pending.discard(r)
                 else:
                     want[r] = self._chunk(kids[r], path[stop], best_chunk(self._history.get(keys[r], ()), n - stop))
-            if not any(want):
+            if not pending:
                 break
         self.steps += 1
         self.nodes += b * n

@@ -74,11 +74,14 @@ def test_equals_greedy_verify_on_full_logits(kind):
         B, N = (1 + seed % 4, 2 + seed % 13)
         t, tree, full = _case(seed, B, N, kind, ragged=seed % 2 == 1, nan=seed % 7 == 0)
         keys = [f"r{r}" for r in range(B)]  # the same keys every case: the chunk history carries over
+        before = [list(verifier._history.get(k, ())) for k in keys]
         got = verifier(t, None, tree, keys)
         want = ops.greedy_verify(tree.tokens, tree.parents, full)
         for a, w, name in zip(got, want, ("accepted", "num_accepted", "out_tokens")):
             assert a.dtype == w.dtype and torch.equal(a, w), f"{kind} seed {seed}: {name} {a} != {w}"
         assert all(c <= 64 for c in t.calls)
+        for k, h, n in zip(keys, before, want[1].tolist()):  # each row's path recorded once
+            assert list(verifier._history[k]) == (h + [n + 1])[-4:], (kind, seed, k)
     assert verifier.steps == 60 and verifier.rows < verifier.nodes  # the history cut the rows computed
 
 
