@@ -37,7 +37,7 @@ from specdec.drafters.base import Draft, Drafter, StepContext
 from specdec.drafters.guard import DraftGuard
 from specdec.engine_rows import EngineRows
 from specdec.kv_rows import make_rows
-from specdec.lazy_verify import MAX_ROWS, LazyGreedyVerify
+from specdec.lazy_verify import LazyGreedyVerify
 from specdec.metrics import MetricsRecorder, static_memory_bytes
 from specdec.request import QueueFull, Request, RequestOutput, RequestParams
 from specdec.sampling import make_generator
@@ -378,10 +378,10 @@ class Engine(EngineRows):
 
     def _greedy_only(self, tree, reqs: Sequence[Request], consulted: bool) -> bool:
         """Whether this step may verify with :class:`~specdec.lazy_verify.LazyGreedyVerify` (which runs it when
-        its plan expects a saving): a tree beyond the root of at most 64 rows in all, every row greedy and
+        its plan expects a saving, on trees of at most 64 rows in all): a tree beyond the root, every row greedy and
         uncoupled, a target whose head may run on any rows (``HFCausalLM.lazy_head``), and no drafter reading
         the logits of every node (``observe_verify``)."""
-        return tree.size > 1 and tree.tokens.numel() <= MAX_ROWS and getattr(self.target, "lazy_head", False) and \
+        return tree.size > 1 and getattr(self.target, "lazy_head", False) and \
             not (consulted and self.drafter.reads_verify_logits) and \
             all(r.sampling.greedy and r.coupling is None for r in reqs)
 

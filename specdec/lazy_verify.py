@@ -4,8 +4,8 @@ A greedy verification reads the target's argmax at the nodes of the accepted pat
 after it, nothing else: from the root, the first child (index order) whose token equals the argmax at
 the current node is accepted, and the argmax at the last accepted node is the step's new token
 (:func:`specdec.ops.greedy_verify`). On a CPU the LM head is a large part of a verify pass (49,152 x
-576 for the bundled model: a fifth of an 8-node pass), and most rows of a tree or a long chain are
-never read. :class:`LazyGreedyVerify` runs the target without its head
+576 for the bundled model: a fifth of an 8-node pass in ``step_parts_2026-12-07``), and most rows of a
+tree or a long chain are never read. :class:`LazyGreedyVerify` runs the target without its head
 (:meth:`~specdec.HFCausalLM.forward_hidden`), then the head on as few rows as the walk needs:
 
 * first the first c nodes of every row (index order: a chain's first-child path, a tree's top levels;
@@ -23,10 +23,13 @@ on the full logits, integer for integer (tests/test_lazy_verify.py).
 The chunk length follows each request's recent accepted paths: the length that minimises the expected
 head cost over its last ``window`` path lengths, a head call of m rows costing
 ``1 + 0.1 * max(0, m - 3)`` calls of one row (its weight is read once per call; up to 3 rows cost what
-one does on the CPU's integer tiles) and each further round one more call; the first call takes the
+one does on the CPU's integer tiles; 0.1 a row rounds up ``lazy_verify_2026-12-07``: rows 3 -> 8 added 0.41 ms
+and 3 -> 16 1.57 ms against a one-row head of 1.56 ms in ``step_parts_2026-12-07``) and each further round
+one more call; the first call takes the
 longest chunk a row asks for and at least 3 rows. Later calls of fewer than 3 rows are padded with
 further unread nodes (index order), which cost nothing extra. The Engine runs a step lazily only where
-that expected cost, plus the lazy path's own overhead (0.2 calls), is below the full pass's head
+that expected cost, plus the lazy path's own overhead (0.2 calls: a margin over the 0.04 ms a lazy 8-node
+pass cost beyond its head calls in ``lazy_verify_2026-12-07``), is below the full pass's head
 (:meth:`LazyGreedyVerify.plan`): never for trees of 3 nodes or fewer, nor for requests without history
 or whose paths often run long; the full pass's paths feed the history too.
 """
@@ -102,7 +105,7 @@ class LazyGreedyVerify:
         self._history.pop(key, None)
 
     def observe(self, keys: Sequence[Hashable], num_accepted: Sequence[int]) -> None:
-        """Record the paths of a greedy step verified with the full pass (num_accepted + 1 nodes read per row)."""
+        """Record the paths of a greedy step (num_accepted + 1 nodes read per row); the lazy path records its own."""
         for k, a in zip(keys, num_accepted):
             self._history.setdefault(k, deque(maxlen=self.window)).append(int(a) + 1)
 
@@ -153,8 +156,7 @@ class LazyGreedyVerify:
         goes_on = [next((v for v in range(c, n) if pars[r][v] == ends[r][0] and toks[r][v] == ends[r][1]), -1)
                    for r in range(b)]
         if all(v < 0 for v in goes_on):
-            for r in range(b):
-                self._history.setdefault(keys[r], deque(maxlen=self.window)).append(nums[r] + 1)
+            self.observe(keys, nums)
             self.steps += 1
             self.nodes += b * n
             if c < n:
@@ -181,9 +183,8 @@ class LazyGreedyVerify:
         real = [{v for ch in k for v in ch} for k in kids]          # the nodes that are not padding
         read: List[set] = [set(range(c)) for _ in range(b)]          # nodes whose logits are in the buffer
         pending = {r for r in range(b) if goes_on[r] >= 0}
-        for r in range(b):
-            if r not in pending:  # decided by the first call
-                self._history.setdefault(keys[r], deque(maxlen=self.window)).append(nums[r] + 1)
+        done = [r for r in range(b) if r not in pending]  # decided by the first call
+        self.observe([keys[r] for r in done], [nums[r] for r in done])
         want = [self._chunk(kids[r], goes_on[r], best_chunk(self._history.get(keys[r], ()), n - nums[r] - 1))
                 if r in pending else [] for r in range(b)]
         while True:
@@ -205,7 +206,7 @@ class LazyGreedyVerify:
                 path = acc[r][:nums[r] + 1]
                 stop = next((i for i, v in enumerate(path) if v not in read[r]), -1)
                 if stop < 0:   # the whole path read: row r is decided (its history gets this path once)
-                    self._history.setdefault(keys[r], deque(maxlen=self.window)).append(len(path))
+                    self.observe([keys[r]], [nums[r]])
                     pending.discard(r)
                 else:
                     want[r] = self._chunk(kids[r], path[stop], best_chunk(self._history.get(keys[r], ()), n - stop))

@@ -130,6 +130,7 @@ std::atomic<int64_t> g_block_prefetch{kQ8BlockPrefetch};
 std::atomic<int64_t> g_stream_prefetch{kQ8StreamPrefetch};
 std::atomic<int64_t> g_prefetch_level{1};
 std::atomic<bool> g_parallel_quantize{true};
+std::atomic<int64_t> g_many_q8{kQ8ManyRowsQ8}, g_many_q4{kQ8ManyRowsQ4};
 
 bool tier_supported(int t) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -198,7 +199,6 @@ bool set_q8act_group_pairs(bool on) { return g_group_pairs.exchange(on); }
 
 bool set_q8act_parallel_quantize(bool on) { return g_parallel_quantize.exchange(on); }
 
-std::atomic<int64_t> g_many_q8{kQ8ManyRowsQ8}, g_many_q4{kQ8ManyRowsQ4};
 std::tuple<int64_t, int64_t> set_q8act_many_rows(int64_t q8_rows, int64_t q4_rows) {
   TORCH_CHECK(q8_rows >= 1 && q8_rows <= 9 && q4_rows >= 1 && q4_rows <= 9,
               "set_q8act_many_rows: q8_rows and q4_rows must be in 1..9 (9: never, tiles hold at most 8 rows), got ",

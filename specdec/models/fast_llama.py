@@ -77,16 +77,22 @@ def _linear_spec(module: torch.nn.Module, fast_linear: bool, dtype: torch.dtype)
     return None
 
 
+def _invariant(fn: Callable) -> Callable:
+    fn.batch_invariant = True  # ops.linear / ops.qlinear: a row's bits whatever rows share the call (<= 64)
+    return fn
+
+
 def _linear_fn(module: torch.nn.Module, fast_linear: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     """A direct call for a linear layer: ops.linear on its tensors when we know the type
-    (nn.Linear only with fast_linear, as HFCausalLM's option says; F.linear otherwise)."""
+    (nn.Linear only with fast_linear, as HFCausalLM's option says; F.linear otherwise); the ops calls are
+    marked ``batch_invariant``."""
     from specdec.models.quant import GroupQuantLinear, Int8Linear
 
     if type(module) is torch.nn.Linear:
         w, b = module.weight, module.bias
         if not fast_linear or w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return lambda x: F.linear(x, w, b)
-        return lambda x: ops.linear(x, w, b)
+        return _invariant(lambda x: ops.linear(x, w, b))
     if type(module) is GroupQuantLinear:  # its tensors bound once, not read from the module on every call
         d, m, b, bits, act = module.scales, module.mins, module.bias, module.bits, module.act
         bound = [None if act == "q8" else module.qweight]  # q8: the CPU's packed copy, made at the first call only
@@ -96,20 +102,11 @@ def _linear_fn(module: torch.nn.Module, fast_linear: bool) -> Callable[[torch.Te
                 bound[0] = module.op_weight()
             return ops.qlinear(x, bound[0], d, m, b if b is None or b.dtype == x.dtype else b.to(x.dtype), bits,
                                act=act)
-        return call
+        return _invariant(call)
     if type(module) is Int8Linear:
         qw, sc, b = module.qweight, module.scale, module.bias
-        return lambda x: ops.linear(x, qw, b if b is None or b.dtype == x.dtype else b.to(x.dtype), sc)
+        return _invariant(lambda x: ops.linear(x, qw, b if b is None or b.dtype == x.dtype else b.to(x.dtype), sc))
     return module  # e.g. torch.ao dynamic-quantized Linear: its own forward
-
-
-def _batch_invariant(module: torch.nn.Module, fast_linear: bool) -> bool:
-    """Whether :func:`_linear_fn` calls ``module`` through ops.linear / ops.qlinear (batch invariant up to 64 rows)."""
-    from specdec.models.quant import GroupQuantLinear, Int8Linear
-
-    if type(module) is torch.nn.Linear:
-        return bool(fast_linear) and module.weight.dtype in (torch.float32, torch.float16, torch.bfloat16)
-    return type(module) in (GroupQuantLinear, Int8Linear)
 
 
 class _Layer:
@@ -212,7 +209,7 @@ class LlamaRunner:
         self.lm_head = _linear_fn(model.lm_head, fast_linear)
         #: whether lm_head is one of specdec's batch-invariant ops (a row's logits the same bits whatever rows
         #: share the call, up to 64): then the head may run on any subset of a pass's rows (HFCausalLM.head_logits)
-        self.head_batch_invariant = _batch_invariant(model.lm_head, fast_linear)
+        self.head_batch_invariant = getattr(self.lm_head, "batch_invariant", False)
         self.layers = layers
         self.hq, self.hkv, self.head_dim = heads
         self.rope = RotaryTable(self.rotary, self.head_dim)  # the rotary module's values, by table lookup

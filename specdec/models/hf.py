@@ -31,6 +31,7 @@ from specdec import ops
 from specdec._check import check_int
 from specdec.cache import StaticKVCache
 from specdec.paged_cache import PagedKVCache, PagedKVView
+from specdec.models.hf_generic import forward_generic
 from specdec.models.hf_prefill import check_prefill, prefill_group, prefill_groups
 from specdec.models.hidden import HiddenKVCache, enable_capture, write_hidden
 from specdec.models.hf_attention import (
@@ -39,15 +40,12 @@ from specdec.models.hf_attention import (
     CALL_KWARG,
     FAST_LINEAR,
     AttentionCall,
-    StaticCacheBridge,
-    additive_mask,
     config_windows,
     hook_blocker,
     install_fast_linear,
     probe_generic,
     probe_tokens,
     selects_positions,
-    visibility,
 )
 
 try:
@@ -382,7 +380,7 @@ class HFCausalLM:
         B, N = tokens.shape
         call = AttentionCall(cache=cache, tree_mask=tree_mask, kv_offset=kv_offset)
         if not self.hooked:
-            return self._forward_generic(call, tokens, depths, logits_to_keep)
+            return forward_generic(self, call, tokens, depths, logits_to_keep)
         if self._min_window is not None and cache.capacity > self._min_window:
             # Sliding-window model whose cache can outgrow the window: one host read per call.
             max_len = int(cache.lens.max())
@@ -430,36 +428,6 @@ class HFCausalLM:
             return logits
         from transformers.modeling_utils import slice_logits_to_keep
         return slice_logits_to_keep(logits, logits_to_keep)
-
-    def _forward_generic(self, call: AttentionCall, tokens, depths, logits_to_keep) -> torch.Tensor:
-        cache = call.cache
-        B, N = tokens.shape
-        off = call.kv_offset
-        total = int(cache.lens.max()) + off + N  # host read: the generic path sizes its mask and K/V views
-        dtype = self.model.get_input_embeddings().weight.dtype
-        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            dtype = self.dtype
-        layout = self._generic_windows
-        window = layout["window"]
-        if window is not None and total <= window:
-            window = None  # every position inside the window: the plain mask is exact for all layers
-        if window is not None and off:
-            raise ValueError(f"HFCausalLM.forward: kv_offset > 0 past the sliding window ({window}) is not "
-                             f"supported on the generic path; draft with a chain or spine tree")
-        full = additive_mask(visibility(cache.lens, depths, call.tree_mask, total, None), dtype)
-        if window is None:
-            mask = full
-        else:
-            sliding = additive_mask(visibility(cache.lens, depths, call.tree_mask, total, window), dtype)
-            mask = {"full_attention": full, "sliding_attention": sliding} if layout["mixed"] else sliding
-        positions = cache.lens.to(torch.long).unsqueeze(1) + depths.to(torch.long)
-        kwargs = {}
-        if selects_positions(logits_to_keep) and self._keep_logits:
-            kwargs["logits_to_keep"] = logits_to_keep
-        bridge = StaticCacheBridge(cache, total, off)
-        out = self.model(input_ids=tokens.clamp(min=0), position_ids=positions, attention_mask=mask,
-                         use_cache=True, **{self._cache_kwarg: bridge}, **kwargs)
-        return self._select_logits(out.logits, logits_to_keep).float()
 
     def __repr__(self) -> str:
         path = "hooked" if self.hooked else "generic fallback"
