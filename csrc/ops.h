@@ -30,6 +30,22 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::
                       const std::optional<at::Tensor>& weight_scale);
 at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits);
+// argmax over the last dim of linear / qlinear's result (x's dtype; torch.argmax's semantics), int64 [...]:
+// csrc/cpu/head_argmax.h. q8act: qlinear_q8act's product (the CPU packed layout or the usual one).
+at::Tensor linear_argmax_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                             const std::optional<at::Tensor>& weight_scale);
+at::Tensor qlinear_argmax_float_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                                    const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
+                                    int64_t bits);
+at::Tensor qlinear_argmax_q8act_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                                    const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
+                                    int64_t bits);
+inline at::Tensor qlinear_argmax_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                                     const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
+                                     int64_t bits, bool q8act) {
+  return q8act ? qlinear_argmax_q8act_cpu(x, qweight, scales, mins, bias, bits)
+               : qlinear_argmax_float_cpu(x, qweight, scales, mins, bias, bits);
+}
 namespace cpu {
 // Prefill-size linears on the CPU (AVX2; float32 weights at kLinearBlasRows < M <= kLinearGemmRows,
 // half, int8 and group-quantized weights at M > kLinearBlasRows): csrc/include/specdec/cpu_gemm.h's
@@ -81,6 +97,15 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std:
                        const std::optional<at::Tensor>& weight_scale);
 at::Tensor qlinear_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits);
+// The first index of each row's maximum of y [..., V] (float32 / float16 / bfloat16; torch.argmax's semantics),
+// int64 [...] (csrc/cuda/sampling.cu); linear_argmax / qlinear_argmax on CUDA: the product materialised by the
+// CUDA linear / qlinear kernels, then this (csrc/cuda/linear.cu).
+at::Tensor argmax_rows_cuda(const at::Tensor& y);
+at::Tensor linear_argmax_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                              const std::optional<at::Tensor>& weight_scale);
+at::Tensor qlinear_argmax_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                               const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
+                               int64_t bits, bool q8act);
 at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& residual,
                                                     const at::Tensor& weight, double eps);

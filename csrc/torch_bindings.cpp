@@ -49,6 +49,11 @@ TORCH_LIBRARY(specdec, m) {
   // qlinear with activations quantized per row and block of 32 to int8 (csrc/include/specdec/cpu_q8act.h)
   m.def("qlinear_q8act(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int bits) -> Tensor");
   m.def("quantize_q8(Tensor x) -> (Tensor, Tensor)");
+  // argmax over the last dim of linear's / qlinear's (q8act: qlinear_q8act's) result, without the logits on the
+  // CPU (vocabulary slabs); int64 [...]
+  m.def("linear_argmax(Tensor x, Tensor weight, Tensor? bias, Tensor? weight_scale) -> Tensor");
+  m.def("qlinear_argmax(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int bits, "
+        "bool q8act) -> Tensor");
   // the CPU tiers' packed weight layout for qlinear_q8act (made once per model; csrc/include/specdec/cpu_q8act.h)
   m.def("pack_q8act(Tensor qweight, Tensor scales, Tensor? mins, int bits) -> Tensor");
   // The fused small ops of a Llama-style layer (transformers' rounding steps, one call each).
@@ -77,6 +82,8 @@ TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("qlinear", &specdec::qlinear_cpu);
   m.impl("qlinear_q8act", &specdec::qlinear_q8act_cpu);
   m.impl("quantize_q8", &specdec::quantize_q8_cpu);
+  m.impl("linear_argmax", &specdec::linear_argmax_cpu);
+  m.impl("qlinear_argmax", &specdec::qlinear_argmax_cpu);
   m.impl("pack_q8act", &specdec::pack_q8act_cpu);
   m.impl("rms_norm", &specdec::rms_norm_cpu);
   m.impl("add_rms_norm", &specdec::add_rms_norm_cpu);
@@ -96,6 +103,8 @@ TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
   m.impl("qlinear", &specdec::qlinear_cuda);
   m.impl("qlinear_q8act", &specdec::qlinear_q8act_cuda);
   m.impl("quantize_q8", &specdec::quantize_q8_cuda);
+  m.impl("linear_argmax", &specdec::linear_argmax_cuda);
+  m.impl("qlinear_argmax", &specdec::qlinear_argmax_cuda);
   m.impl("pack_q8act", &specdec::pack_q8act_cpu);  // refuses CUDA tensors with a message naming the layout
   m.impl("rms_norm", &specdec::rms_norm_cuda);
   m.impl("add_rms_norm", &specdec::add_rms_norm_cuda);

@@ -333,7 +333,11 @@ class Engine(EngineRows):
         with clock.phase("verify"):
             greedy = self._greedy_only(tree, reqs, consulted)
             chunk = self.lazy_verify.plan(uids, tree.size) if greedy else None
-            if chunk is not None:   # greedy: the LM head along the accepted path only
+            argmax = tree.size == 1 and self._argmax_step(reqs, consulted)
+            if argmax:  # a greedy plain step: the head's argmax op, no logits and no verification op
+                out = self.target.forward_argmax(cache, tree.tokens, tree.depths)   # [b, 1]
+                accepted = num = None
+            elif chunk is not None:   # greedy: the LM head along the accepted path only
                 accepted, num, out = self.lazy_verify(self.target, cache, tree, uids, chunk)
             else:
                 logits = self.target.forward(cache, tree.tokens, tree.depths, tree.attention_mask())   # [b, N, V]
@@ -347,7 +351,9 @@ class Engine(EngineRows):
                 cache.commit(accepted, num)                # ops.kv_commit; lens += num + 1
         # THE host sync of the step: accepted counts and tokens, to append them and check stops (on the CPU two
         # host reads: each tensor operation right after the target's forward costs several times its warm price)
-        if out.device.type == "cpu":
+        if argmax:
+            host = [[0, t] for t in out.view(b).tolist()]
+        elif out.device.type == "cpu":
             host = [[n] + o for n, o in zip(num.tolist(), out.tolist())]
         else:
             host = torch.cat([num.view(b, 1).to(torch.int64), out], dim=1).tolist()
@@ -356,9 +362,13 @@ class Engine(EngineRows):
         if greedy and chunk is None:  # the paths the lazy head's plan learns from
             self.lazy_verify.observe(uids, num_host)
         if consulted:
+            if argmax:  # nothing was drafted: every row accepted the root alone
+                accepted, num = torch.zeros(b, 1, dtype=torch.int32), torch.zeros(b, dtype=torch.int32)
             with clock.phase("commit"):
                 drafter.accept(accepted, num, num_host)    # drafter rollback (kv_commit)
-        if out.device.type == "cpu":  # next roots [b], from the host values
+        if argmax:
+            self._roots = out.view(b)
+        elif out.device.type == "cpu":  # next roots [b], from the host values
             self._roots = torch.tensor([h[1 + h[0]] for h in host], dtype=torch.int64)
         else:
             self._roots = out.gather(1, num.view(b, 1).to(torch.int64)).view(b)
@@ -382,6 +392,14 @@ class Engine(EngineRows):
         uncoupled, a target whose head may run on any rows (``HFCausalLM.lazy_head``), and no drafter reading
         the logits of every node (``observe_verify``)."""
         return tree.size > 1 and getattr(self.target, "lazy_head", False) and \
+            not (consulted and self.drafter.reads_verify_logits) and \
+            all(r.sampling.greedy and r.coupling is None for r in reqs)
+
+    def _argmax_step(self, reqs: Sequence[Request], consulted: bool) -> bool:
+        """Whether a root-only step takes the target's argmax head (``HFCausalLM.forward_argmax``): every row
+        greedy and uncoupled, a target whose :attr:`~specdec.models.hf.HFCausalLM.greedy_head` allows it, and no
+        drafter reading the logits of the step (``observe_verify``)."""
+        return getattr(self.target, "greedy_head", False) and \
             not (consulted and self.drafter.reads_verify_logits) and \
             all(r.sampling.greedy and r.coupling is None for r in reqs)
 

@@ -24,6 +24,8 @@ __all__ = [
     "kv_commit",
     "linear",
     "qlinear",
+    "linear_argmax",
+    "qlinear_argmax",
     "quantize_q8",
     "pack_q8act",
     "rms_norm",
@@ -268,6 +270,28 @@ def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: 
     if act != "q8":
         raise ValueError(f"qlinear: act must be None (float activations) or 'q8' (quantized activations), got {act!r}")
     return _ops.qlinear_q8act(x, qweight, scales, mins, bias, int(bits))
+
+
+def linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                  weight_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``torch.argmax(linear(x, weight, bias, weight_scale), dim=-1)``, int64 [...]: the first index of each
+    row's maximum of :func:`linear`'s result (x's dtype; a NaN counts as the maximum, the first one wins), the
+    same integers bit for bit. A greedy row needs only this: on the CPU, at decode / verify sizes (<= 64 rows),
+    the vocabulary goes in slabs of 1,024 columns through linear's own kernel into a small buffer and the
+    [M, N] logits are never written; CUDA materialises them and takes one block per row. N >= 1.
+    """
+    return _ops.linear_argmax(x, weight, bias, weight_scale)
+
+
+def qlinear_argmax(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor] = None,
+                   bias: Optional[torch.Tensor] = None, bits: int = 4, act: Optional[str] = None) -> torch.Tensor:
+    """``torch.argmax(qlinear(x, qweight, scales, mins, bias, bits, act), dim=-1)``, int64 [...], as
+    :func:`linear_argmax` does for :func:`linear` (act="q8": the quantized-activation product, the CPU's packed
+    weight taking the slabs up to 64 rows)."""
+    if act not in (None, "q8"):
+        raise ValueError(f"qlinear_argmax: act must be None (float activations) or 'q8' (quantized activations), "
+                         f"got {act!r}")
+    return _ops.qlinear_argmax(x, qweight, scales, mins, bias, int(bits), act == "q8")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

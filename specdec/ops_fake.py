@@ -78,3 +78,13 @@ def _decoder_layer_fake(x, h, weights, scales, mins, biases, bits, post_norm_wei
                         kv_offset, scale, num_heads, num_kv_heads):
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
+@torch.library.register_fake("specdec::linear_argmax")
+def _linear_argmax_fake(x, weight, bias, weight_scale):
+    return x.new_empty(x.shape[:-1], dtype=torch.int64)
+
+
+@torch.library.register_fake("specdec::qlinear_argmax")
+def _qlinear_argmax_fake(x, qweight, scales, mins, bias, bits, q8act):
+    return x.new_empty(x.shape[:-1], dtype=torch.int64)

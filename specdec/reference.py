@@ -350,6 +350,23 @@ def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: 
     return y.to(x.dtype)
 
 
+def linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                  weight_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """First index of each row's maximum of :func:`linear` (NaN counts as the maximum), int64 [...]."""
+    return _argmax_rows(linear(x, weight, bias, weight_scale))
+
+
+def qlinear_argmax(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor],
+                   bias: Optional[torch.Tensor], bits: int, act: Optional[str] = None) -> torch.Tensor:
+    """First index of each row's maximum of :func:`qlinear`, int64 [...]."""
+    return _argmax_rows(qlinear(x, qweight, scales, mins, bias, bits, act))
+
+
+def _argmax_rows(y: torch.Tensor) -> torch.Tensor:
+    rows = y.reshape(-1, y.shape[-1])
+    return torch.tensor([_argmax_first(r) for r in rows], dtype=torch.int64).view(y.shape[:-1])
+
+
 # --------------------------------------------------------------------------- fused small ops
 # The unfused torch expressions of transformers' Llama modules, step by step in the
 # tensor's dtype (each op rounds where torch rounds). rope's kernels are bit-identical to

@@ -79,6 +79,8 @@ ARGS: Dict[str, Sequence[str]] = {
     "linear": ("x", "weight", "bias", "weight_scale"),
     "qlinear": ("x", "qweight", "scales", "mins", "bias", "bits", "K"),
     "qlinear_q8act": ("x", "qweight", "scales", "mins", "bias", "bits", "K"),
+    "linear_argmax": ("x", "weight", "bias", "weight_scale"),
+    "qlinear_argmax": ("x", "qweight", "scales", "mins", "bias", "bits", "K"),
     "quantize_q8": ("x", "K"),
     "pack_q8act": ("qweight", "scales", "mins", "bits", "K"),
     "rms_norm": ("x", "weight", "eps"),
@@ -1133,6 +1135,34 @@ def fuzz_qlinear_q8act(args, packed):
     run_property("qlinear_q8act", fn, args, check, list(args))
 
 
+def _argmax_check(product):
+    """The argmax ops' property: int64 [...], equal to torch.argmax of the same device's product exactly."""
+    def check(out, before):
+        want = torch.argmax(product(**snapshot(before)), dim=-1)
+        assert out.dtype == torch.int64 and out.shape == want.shape, (out.dtype, tuple(out.shape))
+        assert torch.equal(out, want), "the argmax differs from torch.argmax of the op's result"
+    return check
+
+
+@given(linear_case())
+def fuzz_linear_argmax(args):
+    run_property("linear_argmax", ops.linear_argmax, args, _argmax_check(ops.linear), list(args))
+
+
+@given(qlinear_case(), st.sampled_from((None, "q8", "q8_packed")))
+def fuzz_qlinear_argmax(args, act):
+    if act == "q8_packed":  # the CPU tiers' layout in place of the weight, where it packs (else the usual one)
+        act = "q8"
+        try:
+            args["qweight"] = place(ops.pack_q8act(args["qweight"].cpu(), args["scales"].cpu(),
+                                                   None if args["mins"] is None else args["mins"].cpu(),
+                                                   args["bits"]), "contig")
+        except RuntimeError:
+            pass
+    run_property("qlinear_argmax", lambda **kw: ops.qlinear_argmax(**kw, act=act), args,
+                 _argmax_check(lambda **kw: ops.qlinear(**kw, act=act)), list(args))
+
+
 @given(qlinear_case())
 def fuzz_pack_q8act(args):
     args = {k: args[k] for k in ("qweight", "scales", "mins", "bits")}
@@ -1408,6 +1438,8 @@ FUZZERS = {
     "linear": fuzz_linear,
     "qlinear": fuzz_qlinear,
     "qlinear_q8act": fuzz_qlinear_q8act,
+    "linear_argmax": fuzz_linear_argmax,
+    "qlinear_argmax": fuzz_qlinear_argmax,
     "quantize_q8": fuzz_quantize_q8,
     "pack_q8act": fuzz_pack_q8act,
     "rms_norm": fuzz_rms_norm,

@@ -28,7 +28,8 @@ from conftest import DEVICES
 
 HARNESS = Path(__file__).with_name("fuzz_ops.py")
 OPS = ("verify_attention", "append_kv", "rejection_sample", "greedy_verify", "kv_commit", "verify_attention_paged",
-       "append_kv_paged", "kv_commit_paged", "linear", "qlinear", "qlinear_q8act", "quantize_q8", "pack_q8act",
+       "append_kv_paged", "kv_commit_paged", "linear", "qlinear", "qlinear_q8act", "linear_argmax", "qlinear_argmax",
+       "quantize_q8", "pack_q8act",
        "rms_norm", "add_rms_norm", "rope", "silu_mul", "decoder_layer", "decoder_layer_paged")
 EXAMPLES = int(os.environ.get("SPECDEC_FUZZ_EXAMPLES", "300"))
 JOBS = max(1, int(os.environ.get("SPECDEC_FUZZ_JOBS", "1")))

@@ -239,3 +239,70 @@ def test_forward_hidden_and_head_logits_give_forward_bits(lms):
             target.forward_hidden(cache, tokens, depths, mask)
     finally:
         target.lazy_verify = True
+
+
+# ----------------------------------------------------------------------------- the argmax head of plain steps
+class _Counting:
+    """Counts a target's forward_argmax calls (the plain steps that took the head's argmax op)."""
+
+    def __init__(self, target):
+        self.target, self.calls, self.orig = target, 0, target.forward_argmax
+
+    def __enter__(self):
+        def counted(*a, **k):
+            self.calls += 1
+            return self.orig(*a, **k)
+        self.target.forward_argmax = counted
+        return self
+
+    def __exit__(self, *exc):
+        del self.target.forward_argmax
+
+
+@pytest.mark.parametrize("kv", ["dense", "paged"])
+def test_plain_steps_take_the_argmax_head(lms, kv):
+    """Greedy plain steps (no drafter, or one with nothing to propose) take forward_argmax and give the tokens of
+    the logits path; sampled rows and drafters that read the step's logits keep the full forward."""
+    target, _ = lms
+    assert target.greedy_head
+    prompts = _prompts(3, 5)
+    target.argmax_head = False
+    try:
+        assert not target.greedy_head
+        ref = SpeculativeDecoder(target, None, max_batch=3, max_len=160, kv_cache=kv).generate(
+            prompts, max_new_tokens=25).tokens
+        sampled_ref = SpeculativeDecoder(target, None, max_batch=3, max_len=160, kv_cache=kv).generate(
+            prompts, max_new_tokens=12, temperature=0.9, seed=3).tokens
+    finally:
+        target.argmax_head = True
+    with _Counting(target) as c:
+        got = SpeculativeDecoder(target, None, max_batch=3, max_len=160, kv_cache=kv).generate(
+            prompts, max_new_tokens=25).tokens
+    assert got == ref and c.calls >= 24
+    with _Counting(target) as c:  # lookup over random prompts: mostly nothing to propose, so plain steps
+        dec = SpeculativeDecoder(target, PromptLookup(ngram=3, k=4), max_batch=3, max_len=160, policy="fixed",
+                                 kv_cache=kv)
+        assert dec.generate(prompts, max_new_tokens=25).tokens == ref
+    assert c.calls > 0
+    with _Counting(target) as c:
+        sampled = SpeculativeDecoder(target, None, max_batch=3, max_len=160, kv_cache=kv).generate(
+            prompts, max_new_tokens=12, temperature=0.9, seed=3).tokens
+    assert sampled == sampled_ref and c.calls == 0
+    with _Counting(target) as c:  # TokenRecycling learns from every step's logits: never the argmax head
+        dec = SpeculativeDecoder(target, TokenRecycling(), max_batch=3, max_len=160, policy="fixed", kv_cache=kv)
+        assert dec.generate(prompts, max_new_tokens=25).tokens == ref
+    assert c.calls == 0
+
+
+def test_forward_argmax_equals_argmax_of_forward(lms):
+    target, _ = lms
+    prompt = _prompts(1, 6)[0]
+    tokens = torch.tensor([[5, 17, 29]])
+    depths = torch.tensor([[0, 1, 2]], dtype=torch.int32)
+    cache = target.new_cache(1, 64)
+    target.prefill(cache, [prompt])
+    lens = cache.lens.clone()
+    full = target.forward(cache, tokens, depths)
+    cache.lens.copy_(lens)
+    got = target.forward_argmax(cache, tokens, depths)
+    assert got.dtype == torch.int64 and got.shape == (1, 3) and torch.equal(got, torch.argmax(full, -1))

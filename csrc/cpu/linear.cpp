@@ -20,6 +20,7 @@
 #include <atomic>
 
 #include "checks.h"
+#include "cpu/head_argmax.h"
 #include "ops.h"
 #include "specdec/cpu_isa.h"
 
@@ -279,6 +280,90 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at:
   cpu::qlinear_raw(P);
   if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
   return y.view(out_shape);
+}
+
+// linear_argmax / qlinear_argmax (float activations): decode and verify sizes take the blocked argmax over the
+// few-row kernel's slabs (csrc/cpu/head_argmax.h); the shapes linear_cpu / qlinear_cpu send elsewhere (prefill
+// sizes: the GEMM tiles or BLAS; nothing to stream) take the argmax of their materialised result.
+at::Tensor linear_argmax_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                             const std::optional<at::Tensor>& weight_scale) {
+  const char* op = "linear_argmax";
+  cpu::checked_as(op, "linear", [&] { checks::linear(x, weight, bias, weight_scale); });
+  cpu::check_argmax_columns(op, weight.size(0));
+  const int64_t K = weight.size(1), N = weight.size(0), M = checks::linear_rows(x);
+  const std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end() - 1);
+  const bool quantized = weight.scalar_type() == at::kChar;
+  const cpu::WType wt = cpu::to_wtype(weight.scalar_type());
+  if (M == 0 || K == 0 || cpu::tiles_for(M, K, wt, x.scalar_type() == at::kFloat) || (!quantized && M > cpu::kBlasM))
+    return cpu::argmax_rows_cpu(linear_cpu(x, weight, bias, weight_scale)).view(out_shape);
+  const at::Tensor w = weight.contiguous();
+  at::Tensor x2 = x.reshape({M, K});
+  if (x2.scalar_type() != at::kFloat) x2 = x2.to(at::kFloat);
+  if (x2.stride(1) != 1) x2 = x2.contiguous();
+  std::optional<at::Tensor> b32, s32;
+  if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
+  if (weight_scale.has_value()) s32 = weight_scale->contiguous();
+  cpu::LinearParams P;
+  P.x = x2.data_ptr<float>();
+  P.x_stride = x2.stride(0);
+  P.M = M;
+  P.K = K;
+  P.wtype = wt;
+  const char* w0 = static_cast<const char*>(w.data_ptr());
+  const float* scale0 = s32.has_value() ? s32->data_ptr<float>() : nullptr;
+  const float* bias0 = b32.has_value() ? b32->data_ptr<float>() : nullptr;
+  at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
+  cpu::blocked_argmax(M, N, x.scalar_type(), [&](int64_t n0, int64_t n1, float* y, int64_t y_stride) {
+    cpu::LinearParams S = P;
+    S.w = w0 + n0 * K * cpu::wtype_size(wt);
+    S.scale = scale0 ? scale0 + n0 : nullptr;
+    S.bias = bias0 ? bias0 + n0 : nullptr;
+    S.N = n1 - n0;
+    S.y = y;
+    S.y_stride = y_stride;
+    cpu::linear_raw(S);
+  }, out.data_ptr<int64_t>());
+  return out.view(out_shape);
+}
+
+at::Tensor qlinear_argmax_float_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                                    const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
+                                    int64_t bits) {
+  const char* op = "qlinear_argmax";
+  cpu::checked_as(op, "qlinear", [&] { checks::qlinear(x, qweight, scales, mins, bias, bits); });
+  cpu::check_argmax_columns(op, qweight.size(0));
+  const int64_t K = x.size(-1), N = qweight.size(0), M = checks::linear_rows(x), G = K / cpu::kQGroup;
+  const std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end() - 1);
+  if (M == 0 || K == 0 || cpu::tiles_for(M))
+    return cpu::argmax_rows_cpu(qlinear_cpu(x, qweight, scales, mins, bias, bits)).view(out_shape);
+  const at::Tensor x2 = x.reshape({M, K}).to(at::kFloat).contiguous();
+  std::optional<at::Tensor> b32;
+  if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
+  cpu::QLinearParams P;
+  P.x = x2.data_ptr<float>();
+  P.x_stride = K;
+  P.xsum = nullptr;
+  P.M = M;
+  P.K = K;
+  P.bits = int(bits);
+  const int64_t row_bytes = bits == 8 ? K : K / 2;
+  const uint8_t* qw0 = static_cast<const uint8_t*>(qweight.data_ptr());
+  const uint16_t* sc0 = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const uint16_t* mn0 = mins.has_value() ? reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>()) : nullptr;
+  const float* bias0 = b32.has_value() ? b32->data_ptr<float>() : nullptr;
+  at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
+  cpu::blocked_argmax(M, N, x.scalar_type(), [&](int64_t n0, int64_t n1, float* y, int64_t y_stride) {
+    cpu::QLinearParams S = P;
+    S.qw = qw0 + n0 * row_bytes;
+    S.scales = sc0 + n0 * G;
+    S.mins = mn0 ? mn0 + n0 * G : nullptr;
+    S.bias = bias0 ? bias0 + n0 : nullptr;
+    S.N = n1 - n0;
+    S.y = y;
+    S.y_stride = y_stride;
+    cpu::qlinear_raw(S);
+  }, out.data_ptr<int64_t>());
+  return out.view(out_shape);
 }
 
 }  // namespace specdec

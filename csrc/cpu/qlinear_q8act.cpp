@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/head_argmax.h"
 #include "cpu/raw.h"
 #include "q8act.h"
 #include "specdec/cpu_isa.h"
@@ -226,6 +227,54 @@ std::string q8act_tiers() {
   return out;
 }
 
+namespace {
+
+void quantize_rows(int tier, const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* a, float* d, int32_t* R,
+                   float* s) {
+  if (M <= 0) return;
+  if (tier == kQ8Scalar) q8_quantize_scalar(x, x_stride, M, K, a, d, R, s);
+  else q8_quantize_avx2(x, x_stride, M, K, a, d, R, s);
+}
+
+// The product's parameters: Q's shapes, bias and output, the quantized activations, the packed weight and the
+// process-wide tuning switches (none changes a bit).
+Q8ActParams params_of(const QLinearParams& Q, const uint8_t* packed, const int8_t* a, const float* d,
+                      const int32_t* R, const float* s) {
+  Q8ActParams P;
+  P.a = a;
+  P.d = d;
+  P.R = R;
+  P.s = s;
+  P.packed = packed;
+  P.bias = Q.bias;
+  P.y = Q.y;
+  P.y_stride = Q.y_stride;
+  P.M = Q.M;
+  P.N = Q.N;
+  P.K = Q.K;
+  P.bits = Q.bits;
+  P.mins = Q.mins != nullptr;
+  P.prefetch = g_prefetch.load(std::memory_order_relaxed);
+  P.group_pairs = g_group_pairs.load(std::memory_order_relaxed);
+  P.many_rows_q8 = g_many_q8.load(std::memory_order_relaxed);
+  P.many_rows_q4 = g_many_q4.load(std::memory_order_relaxed);
+  P.block_prefetch = g_block_prefetch.load(std::memory_order_relaxed);
+  P.stream_prefetch = g_stream_prefetch.load(std::memory_order_relaxed);
+  P.prefetch_l1 = g_prefetch_level.load(std::memory_order_relaxed) == 1;
+  return P;
+}
+
+using Q8Rows = void (*)(const Q8ActParams&, int64_t, int64_t);
+
+Q8Rows rows_of_tier(int tier) {
+  return tier == kQ8Avx512Vnni ? &q8act_rows_avx512vnni
+         : tier == kQ8AvxVnni  ? &q8act_rows_avxvnni
+         : tier == kQ8Avx2     ? &q8act_rows_avx2
+                               : &q8act_rows_scalar;
+}
+
+}  // namespace
+
 void qlinear_q8act_raw(const float* x, int64_t x_stride, const QLinearParams& Q) {
   const int64_t M = Q.M, K = Q.K, G = K / kQ8Block, T = (Q.N + kQ8Rows - 1) / kQ8Rows;
   const int tier = active_tier();
@@ -248,36 +297,10 @@ void qlinear_q8act_raw(const float* x, int64_t x_stride, const QLinearParams& Q)
     packed = out;
   }
   auto quantize = [&](int64_t m0, int64_t m1) {  // rows m0..m1 of the activations
-    if (m1 <= m0) return;
-    const float* xm = x + m0 * x_stride;
-    if (tier == kQ8Scalar) q8_quantize_scalar(xm, x_stride, m1 - m0, K, a + m0 * K, d + m0 * G, R + m0 * G, s + m0 * G);
-    else q8_quantize_avx2(xm, x_stride, m1 - m0, K, a + m0 * K, d + m0 * G, R + m0 * G, s + m0 * G);
+    quantize_rows(tier, x + m0 * x_stride, x_stride, m1 - m0, K, a + m0 * K, d + m0 * G, R + m0 * G, s + m0 * G);
   };
-  Q8ActParams P;
-  P.a = a;
-  P.d = d;
-  P.R = R;
-  P.s = s;
-  P.packed = packed;
-  P.bias = Q.bias;
-  P.y = Q.y;
-  P.y_stride = Q.y_stride;
-  P.M = M;
-  P.N = Q.N;
-  P.K = K;
-  P.bits = Q.bits;
-  P.mins = mins;
-  P.prefetch = g_prefetch.load(std::memory_order_relaxed);
-  P.group_pairs = g_group_pairs.load(std::memory_order_relaxed);
-  P.many_rows_q8 = g_many_q8.load(std::memory_order_relaxed);
-  P.many_rows_q4 = g_many_q4.load(std::memory_order_relaxed);
-  P.block_prefetch = g_block_prefetch.load(std::memory_order_relaxed);
-  P.stream_prefetch = g_stream_prefetch.load(std::memory_order_relaxed);
-  P.prefetch_l1 = g_prefetch_level.load(std::memory_order_relaxed) == 1;
-  auto rows = tier == kQ8Avx512Vnni ? &q8act_rows_avx512vnni
-              : tier == kQ8AvxVnni  ? &q8act_rows_avxvnni
-              : tier == kQ8Avx2     ? &q8act_rows_avx2
-                                    : &q8act_rows_scalar;
+  const Q8ActParams P = params_of(Q, packed, a, d, R, s);
+  const Q8Rows rows = rows_of_tier(tier);
   // tasks of >= ~128K integer multiply-adds: a 576 x 576 decode-step weight splits over 2 threads
   const int64_t grain = std::max<int64_t>(1, (int64_t(128) << 10) / std::max<int64_t>(1, kQ8Rows * K * M));
 #ifdef _OPENMP
@@ -375,6 +398,52 @@ std::tuple<at::Tensor, at::Tensor> quantize_q8_cpu(const at::Tensor& x) {
   std::vector<int64_t> dshape = shape;
   dshape.back() = G;
   return {a.view(shape), d.view(dshape)};
+}
+
+at::Tensor qlinear_argmax_q8act_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                                    const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
+                                    int64_t bits) {
+  const char* op = "qlinear_argmax";
+  cpu::checked_as(op, "qlinear_q8act", [&] { checks::qlinear_q8act(x, qweight, scales, mins, bias, bits); });
+  const int64_t K = x.size(-1), N = scales.size(0), M = checks::linear_rows(x), G = K / cpu::kQ8Block;
+  cpu::check_argmax_columns(op, N);
+  const std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end() - 1);
+  // the blocked argmax over the CPU's packed layout, at decode and verify sizes; otherwise (the usual layout,
+  // packed per call, or more rows) the argmax of the materialised product
+  if (M == 0 || K == 0 || qweight.dim() != 3 || M > cpu::kArgmaxQ8Rows)
+    return cpu::argmax_rows_cpu(qlinear_q8act_cpu(x, qweight, scales, mins, bias, bits)).view(out_shape);
+  const at::Tensor x2 = x.reshape({M, K}).to(at::kFloat).contiguous();
+  std::optional<at::Tensor> b32;
+  if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
+  const int tier = cpu::active_tier();
+  std::vector<int8_t> a(M * K);
+  std::vector<float> d(M * G), s(M * G);
+  std::vector<int32_t> R(M * G);
+  cpu::quantize_rows(tier, x2.data_ptr<float>(), K, M, K, a.data(), d.data(), R.data(), s.data());
+  cpu::QLinearParams Q;
+  Q.bias = b32.has_value() ? b32->data_ptr<float>() : nullptr;
+  Q.mins = mins.has_value() ? reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>()) : nullptr;
+  Q.y = nullptr;
+  Q.y_stride = 0;
+  Q.M = M;
+  Q.N = N;
+  Q.K = K;
+  Q.bits = int(bits);
+  const uint8_t* packed = qweight.data_ptr<uint8_t>();
+  const cpu::Q8ActParams P = cpu::params_of(Q, packed, a.data(), d.data(), R.data(), s.data());
+  const cpu::Q8Rows rows = cpu::rows_of_tier(tier);
+  const int64_t blk = cpu::kQ8PackBytes(int(bits), mins.has_value());
+  at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
+  cpu::blocked_argmax(M, N, x.scalar_type(), [&](int64_t n0, int64_t n1, float* y, int64_t y_stride) {
+    cpu::Q8ActParams S = P;
+    S.packed = packed + (n0 / cpu::kQ8Rows) * G * blk;
+    S.bias = P.bias ? P.bias + n0 : nullptr;
+    S.N = n1 - n0;
+    S.y = y;
+    S.y_stride = y_stride;
+    rows(S, 0, (S.N + cpu::kQ8Rows - 1) / cpu::kQ8Rows);
+  }, out.data_ptr<int64_t>());
+  return out.view(out_shape);
 }
 
 }  // namespace specdec

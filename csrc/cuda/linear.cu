@@ -45,7 +45,9 @@
 
 #include "checks.h"
 #include "common.cuh"
+#include "cpu/head_argmax.h"
 #include "ops.h"
+#include "q8act.h"
 #include "specdec/cuda_plan.h"
 
 namespace specdec {
@@ -391,6 +393,29 @@ at::Tensor qlinear_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   else cuda::launch_q<4, false>(x32, qweight, scales, mp, bp, y, int(M), N, K);
   if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
   return y.view(out_shape);
+}
+
+// linear_argmax / qlinear_argmax on CUDA: the CUDA product (its kernel up to 64 rows, batch invariant; cuBLAS
+// above), then one block per row takes its argmax (argmax_rows_cuda). The logits are materialised here: a GPU
+// writes and rereads a [M, V] row block in microseconds; the slabs are the CPU's saving.
+at::Tensor linear_argmax_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                              const std::optional<at::Tensor>& weight_scale) {
+  cpu::checked_as("linear_argmax", "linear", [&] { checks::linear(x, weight, bias, weight_scale); });
+  cpu::check_argmax_columns("linear_argmax", weight.size(0));
+  return argmax_rows_cuda(linear_cuda(x, weight, bias, weight_scale));
+}
+
+at::Tensor qlinear_argmax_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                               const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
+                               int64_t bits, bool q8act) {
+  if (q8act) {
+    cpu::checked_as("qlinear_argmax", "qlinear_q8act", [&] { checks::qlinear_q8act(x, qweight, scales, mins, bias, bits); });
+    cpu::check_argmax_columns("qlinear_argmax", scales.size(0));
+    return argmax_rows_cuda(qlinear_q8act_cuda(x, qweight, scales, mins, bias, bits));
+  }
+  cpu::checked_as("qlinear_argmax", "qlinear", [&] { checks::qlinear(x, qweight, scales, mins, bias, bits); });
+  cpu::check_argmax_columns("qlinear_argmax", qweight.size(0));
+  return argmax_rows_cuda(qlinear_cuda(x, qweight, scales, mins, bias, bits));
 }
 
 }  // namespace specdec

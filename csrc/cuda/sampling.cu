@@ -507,6 +507,16 @@ __global__ void __launch_bounds__(kThreads) greedy_verify_kernel(const int64_t* 
   if (threadIdx.x == 0) num_accepted[b] = count;
 }
 
+// One block per row of y [M, V]: out[m] = the first index of the row's maximum (the first NaN when it has one).
+template <typename T>
+__global__ void __launch_bounds__(kThreads) argmax_rows_kernel(const T* __restrict__ y, int64_t* __restrict__ out,
+                                                               int V) {
+  __shared__ float s_v[kWarps];
+  __shared__ int s_i[kWarps], s_n[kWarps];
+  const int best = block_argmax<T>(y + int64_t(blockIdx.x) * V, V, s_v, s_i, s_n);
+  if (threadIdx.x == 0) out[blockIdx.x] = best;
+}
+
 SampleResult make_outputs(const at::Tensor& tokens) {
   const int64_t B = tokens.size(0), N = tokens.size(1);
   auto opts = tokens.options();
@@ -578,6 +588,25 @@ SampleResult greedy_verify_cuda(const at::Tensor& tokens_in, const at::Tensor& p
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return res;
+}
+
+at::Tensor argmax_rows_cuda(const at::Tensor& y_in) {
+  TORCH_CHECK(y_in.dim() >= 1 && y_in.size(-1) >= 1, "argmax_rows: y must be [..., V] with V >= 1, got ",
+              y_in.sizes());
+  const int64_t V = y_in.size(-1), M = y_in.numel() / V;
+  cuda::check_sizes("argmax_rows", M, 1, V);
+  const c10::cuda::CUDAGuard device_guard(y_in.device());
+  const std::vector<int64_t> shape(y_in.sizes().begin(), y_in.sizes().end() - 1);
+  at::Tensor out = at::empty({M}, y_in.options().dtype(at::kLong));
+  if (M == 0) return out.view(shape);
+  const at::Tensor y = y_in.reshape({M, V}).contiguous();
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  SPECDEC_DISPATCH_FLOAT(y.scalar_type(), "argmax_rows", T, [&] {
+    cuda::argmax_rows_kernel<T><<<unsigned(M), cuda::kThreads, 0, stream>>>(static_cast<const T*>(y.data_ptr()),
+                                                                           out.data_ptr<int64_t>(), int(V));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out.view(shape);
 }
 
 }  // namespace specdec

@@ -77,8 +77,9 @@ def _linear_spec(module: torch.nn.Module, fast_linear: bool, dtype: torch.dtype)
     return None
 
 
-def _invariant(fn: Callable) -> Callable:
+def _invariant(fn: Callable, argmax: Callable) -> Callable:
     fn.batch_invariant = True  # ops.linear / ops.qlinear: a row's bits whatever rows share the call (<= 64)
+    fn.argmax = argmax  # torch.argmax(fn(x), -1) without the logits (ops.linear_argmax / ops.qlinear_argmax)
     return fn
 
 
@@ -92,20 +93,22 @@ def _linear_fn(module: torch.nn.Module, fast_linear: bool) -> Callable[[torch.Te
         w, b = module.weight, module.bias
         if not fast_linear or w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return lambda x: F.linear(x, w, b)
-        return _invariant(lambda x: ops.linear(x, w, b))
+        return _invariant(lambda x: ops.linear(x, w, b), lambda x: ops.linear_argmax(x, w, b))
     if type(module) is GroupQuantLinear:  # its tensors bound once, not read from the module on every call
         d, m, b, bits, act = module.scales, module.mins, module.bias, module.bits, module.act
         bound = [None if act == "q8" else module.qweight]  # q8: the CPU's packed copy, made at the first call only
 
-        def call(x: torch.Tensor) -> torch.Tensor:
+        def args(x: torch.Tensor):
             if bound[0] is None:
                 bound[0] = module.op_weight()
-            return ops.qlinear(x, bound[0], d, m, b if b is None or b.dtype == x.dtype else b.to(x.dtype), bits,
-                               act=act)
-        return _invariant(call)
+            return x, bound[0], d, m, b if b is None or b.dtype == x.dtype else b.to(x.dtype), bits
+        return _invariant(lambda x: ops.qlinear(*args(x), act=act), lambda x: ops.qlinear_argmax(*args(x), act=act))
     if type(module) is Int8Linear:
         qw, sc, b = module.qweight, module.scale, module.bias
-        return _invariant(lambda x: ops.linear(x, qw, b if b is None or b.dtype == x.dtype else b.to(x.dtype), sc))
+
+        def bias(x: torch.Tensor):
+            return b if b is None or b.dtype == x.dtype else b.to(x.dtype)
+        return _invariant(lambda x: ops.linear(x, qw, bias(x), sc), lambda x: ops.linear_argmax(x, qw, bias(x), sc))
     return module  # e.g. torch.ao dynamic-quantized Linear: its own forward
 
 
@@ -210,6 +213,8 @@ class LlamaRunner:
         #: whether lm_head is one of specdec's batch-invariant ops (a row's logits the same bits whatever rows
         #: share the call, up to 64): then the head may run on any subset of a pass's rows (HFCausalLM.head_logits)
         self.head_batch_invariant = getattr(self.lm_head, "batch_invariant", False)
+        #: torch.argmax(lm_head(x), -1) without the logits (None: the head is not one of specdec's ops)
+        self.head_argmax: Optional[Callable[[torch.Tensor], torch.Tensor]] = getattr(self.lm_head, "argmax", None)
         self.layers = layers
         self.hq, self.hkv, self.head_dim = heads
         self.rope = RotaryTable(self.rotary, self.head_dim)  # the rotary module's values, by table lookup

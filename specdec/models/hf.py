@@ -141,6 +141,8 @@ class HFCausalLM:
         self._capture = None
         #: greedy verification may run the LM head along the accepted path only (see :attr:`lazy_head`)
         self.lazy_verify = True
+        #: greedy plain steps take the head's argmax op (forward_argmax) where greedy_head allows
+        self.argmax_head = True
 
     # ------------------------------------------------------------------ construction
     def _probe_hooked(self):
@@ -274,6 +276,19 @@ class HFCausalLM:
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [M, V] of hidden rows [M, H] from :meth:`forward_hidden` (the LM head, as forward runs it)."""
         return self._runner.lm_head(hidden).float()
+
+    @property
+    def greedy_head(self) -> bool:
+        """Whether :meth:`forward_argmax` may run: :attr:`lazy_head` with an LM head that has an argmax op
+        (``ops.linear_argmax`` / ``ops.qlinear_argmax``); ``argmax_head = False`` turns it off."""
+        return self.argmax_head and self.lazy_head and self._runner.head_argmax is not None
+
+    @torch.no_grad()
+    def forward_argmax(self, cache: StaticKVCache, tokens: torch.Tensor, depths: torch.Tensor,
+                       tree_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``torch.argmax(forward(...), -1)``, int64 [B, N], without the logits: the head's argmax op over the
+        vocabulary in slabs (the greedy rows of a plain step; needs :attr:`greedy_head`)."""
+        return self._runner.head_argmax(self.forward_hidden(cache, tokens, depths, tree_mask))
 
     @torch.no_grad()
     def forward_last(self, cache: StaticKVCache, tokens: torch.Tensor, depths: torch.Tensor,
