@@ -7,9 +7,10 @@ verification op, CPU: the op alone and greedy plain decoding end to end.
    --precision asked for), on M = 1 / 3 / 8 rows of real final hidden states: the head's logits then
    ``ops.greedy_verify`` of a root-only tree (what a greedy plain step ran before) against the argmax op; warm,
    interleaved, medians of per-round medians; the tokens equal.
-2. Greedy plain decoding in the Engine (one request of a 150-token prompt at a time), the target's
-   ``argmax_head`` on and off, interleaved round by round: per round the median step; the ratio on / off per
-   round, its median; the generated tokens equal.
+2. Greedy plain decoding in the Engine (one request of a 150-token prompt per round), two engines over the
+   same model, the target's ``argmax_head`` on and off, stepping in turn (each step follows the other engine's
+   pass, as cold as decoding runs it): per round the median step; the ratio on / off per round, its median;
+   the generated tokens equal.
 Writes benchmarks/results/argmax_head_<date>.json (load average recorded).
 """
 from __future__ import annotations
@@ -80,21 +81,26 @@ def _engine_part(model, rounds: int, new: int) -> dict:
     steps = {k: [] for k in engines}
     outputs = {k: [] for k in engines}
     for r in range(rounds + 1):  # round 0 warms up
-        for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
-            eng = engines[name]
-            eng.add_request(f"{name}{r}", [1 + (i * 37 + r) % 4000 for i in range(150)],
-                            RequestParams(max_new_tokens=new))
-            got = eng.step()  # admission and prefill
-            per, toks = [], []
-            while eng.has_unfinished():
+        order = list(engines) if r % 2 == 0 else list(engines)[::-1]
+        per, toks = {k: [] for k in order}, {k: [] for k in order}
+        for name in order:
+            engines[name].add_request(f"{name}{r}", [1 + (i * 37 + r) % 4000 for i in range(150)],
+                                      RequestParams(max_new_tokens=new))
+            engines[name].step()  # admission and prefill
+        while any(e.has_unfinished() for e in engines.values()):
+            for name in order:  # the two engines step by step in turn: each step follows the other's pass
+                eng = engines[name]
+                if not eng.has_unfinished():
+                    continue
                 t0 = time.perf_counter()
                 got = eng.step()
-                per.append(time.perf_counter() - t0)
+                per[name].append(time.perf_counter() - t0)
                 for o in got:
-                    toks += list(o.new_tokens)
-            if r:
-                steps[name].append(statistics.median(per) * 1e3)
-                outputs[name].append(toks)
+                    toks[name] += list(o.new_tokens)
+        if r:
+            for name in order:
+                steps[name].append(statistics.median(per[name]) * 1e3)
+                outputs[name].append(toks[name])
     same = outputs["argmax"] == outputs["logits"]
     ratio = statistics.median(a / b for a, b in zip(steps["argmax"], steps["logits"]))
     res = {"step_ms": {k: round(statistics.median(v), 4) for k, v in steps.items()}, "ratio_argmax_to_logits":
@@ -128,8 +134,9 @@ def main() -> None:
            "cpu": cpu_name(), "threads": a.threads, "precision": a.precision, "act": act, "rounds": a.rounds,
            "new_tokens": a.new, "loadavg": load, "head": op, "plain_decoding": engine,
            "notes": "head: warm calls on real final hidden states, interleaved, medians of per-round medians; "
-                    "plain decoding: Engine, no drafter, greedy, one 150-token prompt at a time, argmax_head on / "
-                    "off interleaved; ratio = median over rounds of (step with the argmax op / step with logits)"}
+                    "plain decoding: two Engines, no drafter, greedy, one 150-token prompt per round each, "
+                    "argmax_head on / off stepping in turn; ratio = median over rounds of (step with the argmax op "
+                    "/ step with logits)"}
     suffix = "" if (a.precision, act) == ("q4_1", "q8") else f"_{a.precision}" + ("_floatact" if act is None and
                                                                                   a.precision != "fp32" else "")
     path = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / f"argmax_head{suffix}_{res['date']}.json"
