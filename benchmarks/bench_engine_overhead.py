@@ -4,7 +4,8 @@
 
 The bundled model (q4_1, q8 activations), no drafter, one request of a 150-token prompt at a time, dense and
 paged KV interleaved round by round. Per step: the wall time of ``Engine.step()`` and of the target's forward
-inside it (``HFCausalLM.forward``, timed around the call); their difference is the engine's own work (plan,
+inside it (``HFCausalLM.forward``, or ``forward_argmax`` where a greedy plain step takes the head's argmax op,
+timed around the call); their difference is the engine's own work (plan,
 verification, commit, the host read, emission, metrics and the scheduler's record). Reported: medians over
 rounds of the per-round medians, ms, and the overhead as a fraction of the step. Writes
 benchmarks/results/engine_overhead_<date>.json (load average recorded).
@@ -27,6 +28,15 @@ sys.path.insert(0, str(ROOT))
 from specdec.bench.record import cpu_name, git_commit, loadavg  # noqa: E402
 
 
+def _timed(inner, spent):
+    def timed(*args, **kw):
+        t0 = time.perf_counter()
+        out = inner(*args, **kw)
+        spent.append(time.perf_counter() - t0)
+        return out
+    return timed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
@@ -45,14 +55,8 @@ def main() -> None:
     for kv in layouts:
         lm = specdec.HFCausalLM(model)
         spent = forwards[kv] = []
-        inner = lm.forward
-
-        def timed(*args, _inner=inner, _spent=spent, **kw):
-            t0 = time.perf_counter()
-            out = _inner(*args, **kw)
-            _spent.append(time.perf_counter() - t0)
-            return out
-        lm.forward = timed
+        for name in ("forward", "forward_argmax"):  # greedy plain steps take forward_argmax where the head allows
+            setattr(lm, name, _timed(getattr(lm, name), spent))
         engines[kv] = Engine(lm, None, max_batch=1, max_len=1024, kv_cache=kv)
     rows = {kv: {"step": [], "forward": [], "overhead": []} for kv in layouts}
     load = [loadavg()]

@@ -135,7 +135,7 @@ stage_command() {
          CMD=("$PY" "$LOGDIR/shards.py" "$LOGDIR/ops" "${OPS_K:-(cuda or device_mismatch) and not inductor}"
               "tests/test_ops_attention.py tests/test_ops_kv_commit.py tests/test_ops_paged.py tests/test_ops_paged_layouts.py tests/test_compat_devices.py"
               "tests/test_ops_linear.py tests/test_cuda_fixes.py tests/test_batch_invariance.py"
-              "tests/test_ops_sampling.py tests/test_statistical.py tests/test_ops_fused.py"
+              "tests/test_ops_sampling.py tests/test_statistical.py tests/test_ops_fused.py tests/test_ops_argmax.py"
               "tests/test_ops_qlinear.py tests/test_ops_qlinear_q8act.py tests/test_ops_decoder_layer.py tests/test_ops_decoder_layer_paged.py tests/test_ops_errors.py tests/test_ops_compile.py")
          ;;
     graphs) CMD=("${pytest[@]}" -k cuda tests/test_graphs.py) ;;
