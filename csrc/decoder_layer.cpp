@@ -30,6 +30,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <string>
 #include <tuple>
@@ -211,15 +212,18 @@ std::tuple<at::Tensor, at::Tensor> run_cpu_f32(const Slots& S, const Dims& d, co
                                                at::Tensor& v_cache, const at::Tensor& cache_lens,
                                                const at::Tensor& cos_in, const at::Tensor& sin_in,
                                                const std::optional<at::Tensor>& tree_mask, int64_t kv_offset,
-                                               double scale, const std::optional<at::Tensor>& block_tables) {
+                                               double scale, const std::optional<at::Tensor>& block_tables,
+                                               const at::Tensor* out_pair) {
   const int64_t B = d.B, N = d.N, H = d.H, D = d.D, nq = d.nq, nkv = d.nkv, I = d.inter, M = B * N;
   const bool seven = S.n == 7;
   // workspace: projections, roped q / k, attention, o, the mid residual and norm, gate / up, act, down
   const int64_t sizes[] = {M * (nq + 2 * nkv), M * nq, M * nkv, M * nq, M * H, M * H, M * H, M * 2 * I, M * I, M * H};
   int64_t total = 0;
   for (int64_t z : sizes) total += z;
-  at::Tensor ws = at::empty({total}, x.options());
-  float* p = ws.data_ptr<float>();
+  // the workspace never leaves the call: one per thread, grown when a call needs more (no allocation per layer)
+  thread_local std::vector<float> ws;
+  if (ws.size() < size_t(total)) ws.resize(size_t(total));
+  float* p = ws.data();
   float* proj = p; p += sizes[0];
   float* qr = p; p += sizes[1];
   float* kr = p; p += sizes[2];
@@ -230,7 +234,9 @@ std::tuple<at::Tensor, at::Tensor> run_cpu_f32(const Slots& S, const Dims& d, co
   float* gu = p; p += sizes[7];
   float* act = p; p += sizes[8];
   float* dn = p;
-  at::Tensor out_x = at::empty(x.sizes(), x.options()), out_h = at::empty(x.sizes(), x.options());
+  // the outputs: the caller's pair (DecoderStack: two pairs per forward, layers alternating) or new tensors
+  at::Tensor out_x = out_pair ? out_pair[0] : at::empty(x.sizes(), x.options());
+  at::Tensor out_h = out_pair ? out_pair[1] : at::empty(x.sizes(), x.options());
   const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
   const at::Tensor lens_t = cache_lens.contiguous();
   const int32_t* lens = lens_t.data_ptr<int32_t>();
@@ -323,7 +329,7 @@ std::tuple<at::Tensor, at::Tensor> run(const Kernels& K, const at::Tensor& x, co
                                        const at::Tensor& cache_lens, const at::Tensor& cos, const at::Tensor& sin,
                                        const std::optional<at::Tensor>& tree_mask, int64_t kv_offset, double scale,
                                        int64_t hq, int64_t hkv, const std::optional<at::Tensor>& block_tables,
-                                       bool validate = true) {
+                                       bool validate = true, const at::Tensor* out_pair = nullptr) {
   // validate = false: only DecoderStack, for a layer whose weights it has checked with these activations'
   // dtype and device, whose x / h are the previous layer's outputs and whose caches it compared with the
   // first layer's (which got every check with the same lens, cos / sin and mask)
@@ -403,7 +409,7 @@ std::tuple<at::Tensor, at::Tensor> run(const Kernels& K, const at::Tensor& x, co
   const Dims dims{B, N, H, hq, hkv, D, nq, nkv, inter};
   if (cpu_f32_path(S, dims, x, h, post_norm_weight, next_norm_weight, k_cache, v_cache))
     return run_cpu_f32(S, dims, x, h, post_norm_weight, post_norm_eps, next_norm_weight, next_norm_eps, k_cache,
-                       v_cache, cache_lens, cos, sin, tree_mask, kv_offset, scale, block_tables);
+                       v_cache, cache_lens, cos, sin, tree_mask, kv_offset, scale, block_tables, out_pair);
   at::Tensor q, k, v;
   if (n == 7) {
     q = project(K, S, 0, x);
@@ -489,6 +495,13 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer_paged(const at::Tensor& x, cons
 namespace specdec {
 namespace {
 
+// Whether DecoderStack's float32 CPU layers write into two output pairs per forward (true, the default) or
+// allocate theirs per layer (false; for A/Bs, the same bits): specdec._C.set_stack_buffers.
+std::atomic<bool>& stack_buffers() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
 // torch.classes.specdec.DecoderStack: the layers of a model, held once, run by one call per forward.
 // Each layer is exactly decoder_layer / decoder_layer_paged (the same function, arguments and checks),
 // so the results are those of the per-layer calls bit for bit; what the stack saves is the Python
@@ -555,6 +568,15 @@ struct DecoderStack : torch::CustomClassHolder {
     const bool trusted = checked && checked_dtype == x.scalar_type() && checked_device == x.device();
     if (trusted)  // before any layer writes its cache
       for (int64_t l = 1; l < L; ++l) same_as_first(k_caches, v_caches, l);
+    // The float32 CPU layers write their (x, h) into two pairs made once per forward, alternating: layer l reads
+    // one pair and writes the other (a layer's inputs are dead once it has run); the last layer's pair is
+    // returned, new to this forward. The same kernels and bits as one pair per layer (decoder_layer's).
+    at::Tensor pairs[2][2];
+    const bool reuse = x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 3 &&
+                       stack_buffers().load(std::memory_order_relaxed);
+    if (reuse)
+      for (auto& pair : pairs)
+        for (auto& t : pair) t = at::empty(x.sizes(), x.options());
     for (int64_t l = 0; l < L; ++l) {
       for (size_t i = 0; i < capture.size(); ++i)
         if (capture[i] == l) out[2 + i] = h.clone();
@@ -562,7 +584,7 @@ struct DecoderStack : torch::CustomClassHolder {
       const Layer& Y = layers[l];
       std::tie(x, h) = run(kernels_for(x), x, h, Y.weights, Y.scales, Y.mins, Y.biases, Y.bits, Y.post_w, Y.post_eps,
                            Y.next_w, Y.next_eps, k_caches[l], v_caches[l], cache_lens, cos, sin, tree_mask,
-                           kv_offset, Y.scale, hq, hkv, block_tables, full);
+                           kv_offset, Y.scale, hq, hkv, block_tables, full, reuse ? pairs[l % 2] : nullptr);
     }
     checked = true;
     checked_dtype = x.scalar_type();
@@ -574,6 +596,9 @@ struct DecoderStack : torch::CustomClassHolder {
 };
 
 }  // namespace
+
+bool set_stack_buffers(bool on) { return stack_buffers().exchange(on); }
+
 }  // namespace specdec
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {

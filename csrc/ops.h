@@ -115,6 +115,9 @@ at::Tensor silu_mul_cuda(const at::Tensor& gate, const at::Tensor& up);
 #endif
 
 // ---------------------------------------------------------------- composite (csrc/decoder_layer.cpp)
+// Whether DecoderStack's float32 CPU layers write into two output pairs per forward, alternating (true, the
+// default), or allocate their outputs per layer (false); the same bits either way; returns the previous value.
+bool set_stack_buffers(bool on);
 // One Llama-style decoder layer from the ops above, registered for CPU and CUDA: the inputs'
 // device picks the backend's kernels.
 std::tuple<at::Tensor, at::Tensor> decoder_layer(

@@ -192,6 +192,10 @@ PYBIND11_MODULE(_C, m) {
         "From how many activation rows qlinear_q8act's AVX-512 VNNI tiles count as many (the block prefetch) rather "
         "than few (the stream prefetch), for Q8_0 and for Q4 weights (defaults 4 and 6; 9: never). Returns the "
         "previous pair. The same bits either way; for A/Bs.");
+  m.def("set_stack_buffers", &specdec::set_stack_buffers, pybind11::arg("on"),
+        "Whether DecoderStack's float32 CPU layers write their outputs into two pairs of tensors made once per "
+        "forward, alternating (True, the default), or allocate them per layer (False). Returns the previous value. "
+        "The same bits either way; for A/Bs.");
   m.def("set_fused_row_elems", &specdec::cpu::set_fused_row_elems, pybind11::arg("elems"),
         "Elements per task of the CPU rms_norm / add_rms_norm / rope (rows of H elements: elems / H rows per task; "
         "default 32768: one-row decode steps and small verify passes on the calling thread). Returns the previous "

@@ -155,3 +155,31 @@ def test_stack_checks_later_layers_caches_after_the_first_forward():
     a = st.forward(x, x, cache.k, cache.v, cache.lens, cos, sin, None, 0, [], None)
     b = fresh.forward(x, x, c2.k, c2.v, c2.lens, cos, sin, None, 0, [], None)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_stack_output_buffers_are_new_to_each_forward():
+    """The float32 CPU layers alternate two output pairs made per forward (specdec._C.set_stack_buffers): a
+    forward's results stay intact through the next forward, and the switch changes no bit."""
+    from specdec import _C
+
+    torch.set_num_threads(1)
+    lm = HFCausalLM(_model("q4_1+q8"))
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, V, (7,), generator=g).tolist()
+    tokens = torch.randint(0, V, (1, 3), generator=g)
+    depths = torch.arange(3)[None]
+    results = {}
+    for on in (True, False):
+        was = _C.set_stack_buffers(on)
+        try:
+            cache = lm.new_cache(1, 40)
+            lm.prefill(cache, [prompt])
+            first = lm.forward_hidden(cache, tokens, depths)
+            kept = first.clone()
+            second = lm.forward_hidden(cache, tokens, depths)  # the next positions: other values
+            assert torch.equal(first, kept) and not torch.equal(first, second)
+            assert first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
+            results[on] = (kept, second)
+        finally:
+            _C.set_stack_buffers(was)
+    assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
