@@ -176,6 +176,7 @@ def test_stack_output_buffers_are_new_to_each_forward():
             lm.prefill(cache, [prompt])
             first = lm.forward_hidden(cache, tokens, depths)
             kept = first.clone()
+            cache.lens += 3
             second = lm.forward_hidden(cache, tokens, depths)  # the next positions: other values
             assert torch.equal(first, kept) and not torch.equal(first, second)
             assert first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
