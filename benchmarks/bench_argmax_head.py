@@ -68,15 +68,18 @@ def _op_part(lm, rounds: int, reps: int) -> dict:
     return out
 
 
-def _engine_part(model, rounds: int, new: int) -> dict:
+def _engine_part(model, rounds: int, new: int, prompts=None) -> dict:
     import specdec
-    from specdec import Engine, RequestParams
+    from specdec import Engine, PromptLookup, RequestParams
 
     engines, lms = {}, {}
     for name, on in (("argmax", True), ("logits", False)):
         lm = lms[name] = specdec.HFCausalLM(model)
         lm.argmax_head = on
-        engines[name] = Engine(lm, None, max_batch=1, max_len=1024)
+        # prompts given: prompt lookup (k 10, fixed policy: both engines draft alike), its greedy chains verified
+        # by the argmax head + greedy_verify on the argmaxes, or by the logits (or the lazy head where it plans so)
+        engines[name] = Engine(lm, PromptLookup(ngram=3, k=10) if prompts else None, max_batch=1, max_len=1024,
+                               policy="fixed" if prompts else "goodput")
     assert lms["argmax"].greedy_head and not lms["logits"].greedy_head
     steps = {k: [] for k in engines}
     outputs = {k: [] for k in engines}
@@ -84,8 +87,8 @@ def _engine_part(model, rounds: int, new: int) -> dict:
         order = list(engines) if r % 2 == 0 else list(engines)[::-1]
         per, toks = {k: [] for k in order}, {k: [] for k in order}
         for name in order:
-            engines[name].add_request(f"{name}{r}", [1 + (i * 37 + r) % 4000 for i in range(150)],
-                                      RequestParams(max_new_tokens=new))
+            prompt = prompts[r % len(prompts)] if prompts else [1 + (i * 37 + r) % 4000 for i in range(150)]
+            engines[name].add_request(f"{name}{r}", prompt, RequestParams(max_new_tokens=new))
             engines[name].step()  # admission and prefill
         while any(e.has_unfinished() for e in engines.values()):
             for name in order:  # the two engines step by step in turn: each step follows the other's pass
@@ -105,7 +108,8 @@ def _engine_part(model, rounds: int, new: int) -> dict:
     ratio = statistics.median(a / b for a, b in zip(steps["argmax"], steps["logits"]))
     res = {"step_ms": {k: round(statistics.median(v), 4) for k, v in steps.items()}, "ratio_argmax_to_logits":
            round(ratio, 4), "rounds_ms": steps, "tokens_equal": same}
-    print(f"plain decoding: step {res['step_ms']['argmax']:.3f} ms with the argmax head, "
+    what = "lookup, grounded" if prompts else "plain decoding"
+    print(f"{what}: step {res['step_ms']['argmax']:.3f} ms with the argmax head, "
           f"{res['step_ms']['logits']:.3f} ms with the logits; ratio {ratio:.4f}; tokens equal: {same}")
     return res
 
@@ -118,6 +122,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--precision", default="q4_1", choices=["q4_1", "q8_0", "fp32"])
     ap.add_argument("--act", default="q8", choices=["q8", "none"])
+    ap.add_argument("--lookup", action="store_true",
+                    help="the Engine part with prompt lookup on the grounded prompts (speculative greedy steps)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -125,20 +131,27 @@ def main() -> None:
     from specdec.models import load_bundled
 
     act = None if a.act == "none" or a.precision == "fp32" else a.act
-    model, _ = load_bundled("smollm2-135m", precision=a.precision, act=act)
+    model, tok = load_bundled("smollm2-135m", precision=a.precision, act=act)
+    prompts = None
+    if a.lookup:
+        from specdec.bench.workloads import PROMPT_SETS, chat_ids
+
+        prompts = [chat_ids(tok, t) for t in PROMPT_SETS["grounded"]]
     load = [loadavg()]
     op = _op_part(specdec.HFCausalLM(model), a.rounds, a.reps)
-    engine = _engine_part(model, a.rounds, a.new)
+    engine = _engine_part(model, a.rounds, a.new, prompts)
     load.append(loadavg())
     res = {"benchmark": "argmax_head", "date": _dt.date.today().isoformat(), "commit": git_commit(),
            "cpu": cpu_name(), "threads": a.threads, "precision": a.precision, "act": act, "rounds": a.rounds,
-           "new_tokens": a.new, "loadavg": load, "head": op, "plain_decoding": engine,
+           "new_tokens": a.new, "loadavg": load, "head": op,
+           ("lookup_grounded" if a.lookup else "plain_decoding"): engine,
            "notes": "head: warm calls on real final hidden states, interleaved, medians of per-round medians; "
                     "plain decoding: two Engines, no drafter, greedy, one 150-token prompt per round each, "
                     "argmax_head on / off stepping in turn; ratio = median over rounds of (step with the argmax op "
                     "/ step with logits)"}
     suffix = "" if (a.precision, act) == ("q4_1", "q8") else f"_{a.precision}" + ("_floatact" if act is None and
                                                                                   a.precision != "fp32" else "")
+    suffix += "_lookup" if a.lookup else ""
     path = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / f"argmax_head{suffix}_{res['date']}.json"
     path.write_text(json.dumps(res, indent=1))
     print(f"wrote {path}")

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <cstdlib>
 #include <sstream>
 #include <vector>
@@ -258,13 +259,25 @@ void rejection_sample(const at::Tensor& tokens, const at::Tensor& parents, const
 
 void greedy_verify(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& target_logits) {
   const char* op = "greedy_verify";
-  TORCH_CHECK(target_logits.dim() == 3, op, ": target_logits must be [B, N, V], got ", target_logits.sizes());
+  if (target_logits.scalar_type() == at::kLong) {  // the argmax at every node, already taken: int64 [B, N]
+    check_tree(op, tokens, parents, std::numeric_limits<int64_t>::max());
+    TORCH_CHECK(target_logits.dim() == 2 && target_logits.sizes() == tokens.sizes(), op,
+                ": int64 target_logits (the argmax at each node) must be [B, N] = ", tokens.sizes(), ", got ",
+                target_logits.sizes());
+    TORCH_CHECK(target_logits.is_contiguous(), op, ": target_logits must be contiguous, got strides ",
+                target_logits.strides());
+    check_same_device(op, "target_logits", target_logits, tokens);
+    return;
+  }
+  TORCH_CHECK(target_logits.dim() == 3, op, ": target_logits must be [B, N, V] (or int64 [B, N]: the argmax at "
+              "each node), got ", target_logits.sizes());
   check_tree(op, tokens, parents, target_logits.size(2));
   const int64_t B = tokens.size(0), N = tokens.size(1);
   TORCH_CHECK(target_logits.size(0) == B && target_logits.size(1) == N && target_logits.size(2) >= 1, op,
               ": target_logits must be [B, N, V] with B = ", B, ", N = ", N, ", got ", target_logits.sizes());
   TORCH_CHECK(is_float_dtype(target_logits.scalar_type()), op,
-              ": target_logits must be float32, float16 or bfloat16, got ", target_logits.scalar_type());
+              ": target_logits must be float32, float16 or bfloat16 (or int64 [B, N]: the argmax at each node), got ",
+              target_logits.scalar_type());
   TORCH_CHECK(target_logits.is_contiguous(), op, ": target_logits must be contiguous, got strides ",
               target_logits.strides());
   check_same_device(op, "target_logits", target_logits, tokens);

@@ -32,6 +32,7 @@ from typing import Deque, Dict, Hashable, Iterator, List, Optional, Sequence, Tu
 
 import torch
 
+from specdec import ops
 from specdec._check import check_token_ids, is_int
 from specdec.drafters.base import Draft, Drafter, StepContext
 from specdec.drafters.guard import DraftGuard
@@ -333,10 +334,14 @@ class Engine(EngineRows):
         with clock.phase("verify"):
             greedy = self._greedy_only(tree, reqs, consulted)
             chunk = self.lazy_verify.plan(uids, tree.size) if greedy else None
-            argmax = tree.size == 1 and self._argmax_step(reqs, consulted)
-            if argmax:  # a greedy plain step: the head's argmax op, no logits and no verification op
+            argmax = (tree.size == 1 or (greedy and chunk is None)) and self._argmax_step(reqs, consulted)
+            plain = argmax and tree.size == 1
+            if plain:  # a greedy plain step: the head's argmax op, no logits and no verification op
                 out = self.target.forward_argmax(cache, tree.tokens, tree.depths)   # [b, 1]
                 accepted = num = None
+            elif argmax:  # a greedy tree verified whole: the argmax at every node, walked by the op
+                best = self.target.forward_argmax(cache, tree.tokens, tree.depths, tree.attention_mask())
+                accepted, num, out = ops.greedy_verify(tree.tokens, tree.parents, best)
             elif chunk is not None:   # greedy: the LM head along the accepted path only
                 accepted, num, out = self.lazy_verify(self.target, cache, tree, uids, chunk)
             else:
@@ -351,7 +356,7 @@ class Engine(EngineRows):
                 cache.commit(accepted, num)                # ops.kv_commit; lens += num + 1
         # THE host sync of the step: accepted counts and tokens, to append them and check stops (on the CPU two
         # host reads: each tensor operation right after the target's forward costs several times its warm price)
-        if argmax:
+        if plain:
             host = [[0, t] for t in out.view(b).tolist()]
         elif out.device.type == "cpu":
             host = [[n] + o for n, o in zip(num.tolist(), out.tolist())]
@@ -362,11 +367,11 @@ class Engine(EngineRows):
         if greedy and chunk is None:  # the paths the lazy head's plan learns from
             self.lazy_verify.observe(uids, num_host)
         if consulted:
-            if argmax:  # nothing was drafted: every row accepted the root alone
+            if plain:  # nothing was drafted: every row accepted the root alone
                 accepted, num = torch.zeros(b, 1, dtype=torch.int32), torch.zeros(b, dtype=torch.int32)
             with clock.phase("commit"):
                 drafter.accept(accepted, num, num_host)    # drafter rollback (kv_commit)
-        if argmax:
+        if plain:
             self._roots = out.view(b)
         elif out.device.type == "cpu":  # next roots [b], from the host values
             self._roots = torch.tensor([h[1 + h[0]] for h in host], dtype=torch.int64)
@@ -396,9 +401,11 @@ class Engine(EngineRows):
             all(r.sampling.greedy and r.coupling is None for r in reqs)
 
     def _argmax_step(self, reqs: Sequence[Request], consulted: bool) -> bool:
-        """Whether a root-only step takes the target's argmax head (``HFCausalLM.forward_argmax``): every row
-        greedy and uncoupled, a target whose :attr:`~specdec.models.hf.HFCausalLM.greedy_head` allows it, and no
-        drafter reading the logits of the step (``observe_verify``)."""
+        """Whether a step takes the target's argmax head (``HFCausalLM.forward_argmax``; a root-only step, or a
+        greedy tree that :class:`~specdec.lazy_verify.LazyGreedyVerify` leaves to a full pass, whose argmaxes
+        ``ops.greedy_verify`` then walks): every row greedy and uncoupled, a target whose
+        :attr:`~specdec.models.hf.HFCausalLM.greedy_head` allows it, and no drafter reading the logits of the
+        step (``observe_verify``)."""
         return getattr(self.target, "greedy_head", False) and \
             not (consulted and self.drafter.reads_verify_logits) and \
             all(r.sampling.greedy and r.coupling is None for r in reqs)

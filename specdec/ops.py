@@ -206,7 +206,8 @@ def greedy_verify(tokens: torch.Tensor, parents: torch.Tensor, target_logits: to
     token equals the argmax at the current node (first maximal index; NaN counts as
     maximal, like ``torch.argmax``); stop when none does. Returns ``(accepted,
     num_accepted, out_tokens)`` as :func:`rejection_sample`; the last out token is
-    the argmax at the last accepted node.
+    the argmax at the last accepted node. target_logits may instead be int64 [B, N]: the
+    argmax at each node already taken (e.g. by :func:`qlinear_argmax`), walked the same way.
     """
     return _ops.greedy_verify(tokens, parents, target_logits)
 

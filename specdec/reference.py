@@ -255,8 +255,10 @@ def _argmax_first(row: torch.Tensor) -> int:
 
 def greedy_verify(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Greedy tree verification: accept the child whose token is the target argmax."""
+    """Greedy tree verification: accept the child whose token is the target argmax (target_logits int64 [B, N]:
+    the argmax at each node, already taken)."""
     B, N = tokens.shape
+    predicts = target_logits.dtype == torch.int64
     dev = tokens.device
     accepted = torch.full((B, N), -1, dtype=torch.int32, device=dev)
     num_accepted = torch.zeros(B, dtype=torch.int32, device=dev)
@@ -266,7 +268,7 @@ def greedy_verify(tokens: torch.Tensor, parents: torch.Tensor, target_logits: to
         path = [0]
         emitted: List[int] = []
         while True:
-            best = _argmax_first(target_logits[b, node])
+            best = int(target_logits[b, node]) if predicts else _argmax_first(target_logits[b, node])
             chosen = -1
             for c in _children(parents[b], node):
                 if int(tokens[b, c]) == best:

@@ -306,3 +306,28 @@ def test_forward_argmax_equals_argmax_of_forward(lms):
     cache.lens.copy_(lens)
     got = target.forward_argmax(cache, tokens, depths)
     assert got.dtype == torch.int64 and got.shape == (1, 3) and torch.equal(got, torch.argmax(full, -1))
+
+
+@pytest.mark.parametrize("make", [lambda d: DraftModel(d, k=3),
+                                  lambda d: DraftModel(d, k=2, top_k=2, tree="dynamic", node_budget=6)],
+                         ids=["chain", "dynamic_tree"])
+def test_full_greedy_passes_walk_the_argmax_head(lms, make):
+    """Greedy trees the lazy plan leaves to a full pass (mode "never") take forward_argmax and ops.greedy_verify
+    on its int64 argmaxes: the tokens of plain greedy decoding."""
+    target, weak = lms
+    prompts = _prompts(2, 7)
+    ref = SpeculativeDecoder(target, None, max_batch=2, max_len=160).generate(prompts, max_new_tokens=24).tokens
+    dec = SpeculativeDecoder(target, make(weak), max_batch=2, max_len=160, policy="fixed")
+    dec.engine.lazy_verify.mode = "never"
+    nodes = []
+    orig = target.forward_argmax
+
+    def counted(cache, tokens, depths, mask=None):
+        nodes.append(tokens.shape[1])
+        return orig(cache, tokens, depths, mask)
+    target.forward_argmax = counted
+    try:
+        assert dec.generate(prompts, max_new_tokens=24).tokens == ref
+    finally:
+        del target.forward_argmax
+    assert max(nodes) > 1 and dec.engine.lazy_verify.steps == 0

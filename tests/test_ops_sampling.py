@@ -642,3 +642,30 @@ def test_greedy_verify_argmax_of_edge_rows(device):
         want = [reference._argmax_first(rows[b]) for b in range(B)]
         assert out[:, 0].cpu().tolist() == want, V
         assert want == torch.argmax(rows, dim=1).tolist()
+
+
+@pytest.mark.parametrize("kind", TREE_KINDS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_verify_on_argmax_equals_on_logits(device, kind):
+    """int64 target_logits [B, N] (the argmax at each node, e.g. from ops.qlinear_argmax): the same integers as
+    the logits they come from, NaN rows included, and the reference's."""
+    for seed in range(6):
+        tokens, parents, logits = greedy_case(B7, N13, V111, kind, torch.float32, seed=700 + seed, ragged=seed % 2 == 1)
+        if seed % 3 == 2:
+            logits[0, 1, 5] = float("nan")
+        predicts = torch.argmax(logits, dim=-1)
+        want = ops.greedy_verify(tokens.to(device), parents.to(device), logits.to(device))
+        got = ops.greedy_verify(tokens.to(device), parents.to(device), predicts.to(device))
+        assert_same_outputs(got, want)
+        assert_same_outputs([t.cpu() for t in got], reference.greedy_verify(tokens, parents, predicts))
+
+
+def test_greedy_verify_on_argmax_errors():
+    tokens = torch.tensor([[3, 4, 5]])
+    parents = torch.tensor([[-1, 0, 0]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"^greedy_verify: int64 target_logits \(the argmax at each node\) must "
+                                           r"be \[B, N\]"):
+        ops.greedy_verify(tokens, parents, torch.zeros(1, 2, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match=r"^greedy_verify: target_logits must be float32, float16 or bfloat16 "
+                                           r"\(or int64"):
+        ops.greedy_verify(tokens, parents, torch.zeros(1, 3, 7, dtype=torch.int32))

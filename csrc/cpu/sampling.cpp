@@ -58,17 +58,21 @@ SampleResult greedy_verify_cpu(const at::Tensor& tokens_in, const at::Tensor& pa
                                const at::Tensor& target_logits) {
   checks::greedy_verify(tokens_in, parents_in, target_logits);
   const at::Tensor tokens = tokens_in.contiguous(), parents = parents_in.contiguous();
-  const int64_t B = tokens.size(0), N = tokens.size(1), V = target_logits.size(2);
+  const auto dtype = target_logits.scalar_type();
+  const int64_t B = tokens.size(0), N = tokens.size(1), V = dtype == at::kLong ? 1 : target_logits.size(2);
   SampleResult res = make_outputs(tokens);
   const int64_t* tok = tokens.data_ptr<int64_t>();
   const int32_t* par = parents.data_ptr<int32_t>();
-  const auto dtype = target_logits.scalar_type();
   const void* logits = target_logits.data_ptr();
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> first_child, next_sibling;
     for (int64_t b = begin; b < end; ++b) {
       const cpu::TreeOutputs out = outputs_of(res, b, N);
-      if (dtype == at::kFloat) {
+      if (dtype == at::kLong) {  // the argmax at each node, already taken (e.g. ops.qlinear_argmax)
+        const int64_t* best = static_cast<const int64_t*>(logits) + b * N;
+        cpu::greedy_walk(tok + b * N, par + b * N, N, [best](int64_t node) { return best[node]; }, first_child,
+                         next_sibling, out);
+      } else if (dtype == at::kFloat) {
         cpu::greedy_verify_request(tok + b * N, par + b * N, static_cast<const float*>(logits) + b * N * V, N, V,
                                    [](float x) { return x; }, first_child, next_sibling, out);
       } else if (dtype == at::kHalf) {

@@ -45,6 +45,7 @@
 
 #include <climits>
 #include <limits>
+#include <type_traits>
 
 #include "checks.h"
 #include "common.cuh"
@@ -465,6 +466,7 @@ __device__ int block_argmax(const T* __restrict__ row, int V, float* sv, int* si
   return nan_i != INT_MAX ? nan_i : bi;
 }
 
+// T = int64_t: logits holds the argmax at each node ([B, N], V = 1), read instead of taken.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) greedy_verify_kernel(const int64_t* __restrict__ tokens,  // [B, N]
                                                                  const int32_t* __restrict__ parents,  // [B, N]
@@ -488,7 +490,12 @@ __global__ void __launch_bounds__(kThreads) greedy_verify_kernel(const int64_t* 
   if (threadIdx.x == 0) acc_out[0] = 0;
   int node = 0, count = 0;
   while (true) {
-    const int best = block_argmax<T>(logits + (int64_t(b) * N + node) * V, V, s_v, s_i, s_n);
+    int64_t best;
+    if constexpr (std::is_same_v<T, int64_t>) {
+      best = logits[int64_t(b) * N + node];
+    } else {
+      best = block_argmax<T>(logits + (int64_t(b) * N + node) * V, V, s_v, s_i, s_n);
+    }
     // The first child (index order) whose token is the argmax.
     int cand = INT_MAX;
     for (int c = node + 1 + int(threadIdx.x); c < N; c += kThreads) {
@@ -573,13 +580,22 @@ SampleResult rejection_sample_cuda(const at::Tensor& tokens_in, const at::Tensor
 SampleResult greedy_verify_cuda(const at::Tensor& tokens_in, const at::Tensor& parents_in,
                                 const at::Tensor& target_logits) {
   checks::greedy_verify(tokens_in, parents_in, target_logits);
-  const int64_t B = tokens_in.size(0), N = tokens_in.size(1), V = target_logits.size(2);
+  const bool predicts = target_logits.scalar_type() == at::kLong;  // the argmax at each node, [B, N]
+  const int64_t B = tokens_in.size(0), N = tokens_in.size(1), V = predicts ? 1 : target_logits.size(2);
   cuda::check_sizes("greedy_verify", B, N, V);
   const c10::cuda::CUDAGuard device_guard(tokens_in.device());
   const at::Tensor tokens = tokens_in.contiguous(), parents = parents_in.contiguous();
   SampleResult res = cuda::make_outputs(tokens);
   if (B == 0) return res;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (predicts) {
+    cuda::greedy_verify_kernel<int64_t><<<unsigned(B), cuda::kThreads, 0, stream>>>(
+        tokens.data_ptr<int64_t>(), parents.data_ptr<int32_t>(), target_logits.data_ptr<int64_t>(),
+        std::get<0>(res).data_ptr<int32_t>(), std::get<1>(res).data_ptr<int32_t>(),
+        std::get<2>(res).data_ptr<int64_t>(), int(N), 1);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return res;
+  }
   SPECDEC_DISPATCH_FLOAT(target_logits.scalar_type(), "greedy_verify", T, [&] {
     cuda::greedy_verify_kernel<T><<<unsigned(B), cuda::kThreads, 0, stream>>>(
         tokens.data_ptr<int64_t>(), parents.data_ptr<int32_t>(), static_cast<const T*>(target_logits.data_ptr()),

@@ -164,11 +164,10 @@ inline int64_t argmax_row(const T* row, int64_t V, ToFloat to_float) {
   return best;
 }
 
-// One request of greedy_verify. logits: [N, V].
-template <typename T, typename ToFloat>
-inline void greedy_verify_request(const int64_t* tokens, const int32_t* parents, const T* logits, int64_t N,
-                                  int64_t V, ToFloat to_float, std::vector<int32_t>& first_child,
-                                  std::vector<int32_t>& next_sibling, TreeOutputs out) {
+// One request of greedy_verify given best(node), the target's argmax at a node.
+template <typename Best>
+inline void greedy_walk(const int64_t* tokens, const int32_t* parents, int64_t N, Best best_of,
+                        std::vector<int32_t>& first_child, std::vector<int32_t>& next_sibling, TreeOutputs out) {
   build_children(parents, N, first_child, next_sibling);
   for (int64_t i = 0; i < N; ++i) {
     out.accepted[i] = -1;
@@ -178,7 +177,7 @@ inline void greedy_verify_request(const int64_t* tokens, const int32_t* parents,
   int64_t count = 0;
   int64_t node = 0;
   while (true) {
-    const int64_t best = argmax_row(logits + node * V, V, to_float);
+    const int64_t best = best_of(node);
     int64_t chosen = -1;
     for (int32_t c = first_child[node]; c >= 0; c = next_sibling[c]) {
       if (tokens[c] == best) {
@@ -193,6 +192,15 @@ inline void greedy_verify_request(const int64_t* tokens, const int32_t* parents,
     node = chosen;
   }
   *out.num_accepted = int32_t(count);
+}
+
+// One request of greedy_verify. logits: [N, V].
+template <typename T, typename ToFloat>
+inline void greedy_verify_request(const int64_t* tokens, const int32_t* parents, const T* logits, int64_t N,
+                                  int64_t V, ToFloat to_float, std::vector<int32_t>& first_child,
+                                  std::vector<int32_t>& next_sibling, TreeOutputs out) {
+  greedy_walk(tokens, parents, N, [&](int64_t node) { return argmax_row(logits + node * V, V, to_float); },
+              first_child, next_sibling, out);
 }
 
 }  // namespace cpu
