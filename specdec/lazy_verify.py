@@ -100,6 +100,7 @@ class LazyGreedyVerify:
         self._history: Dict[Hashable, Deque[int]] = {}
         self.steps = self.rounds = self.rows = self.nodes = 0
         self._buf = None
+        self._pbuf = None
 
     def forget(self, key: Hashable) -> None:
         self._history.pop(key, None)
@@ -144,7 +145,10 @@ class LazyGreedyVerify:
         if chunk is None:
             chunk = max(best_chunk(self._history.get(k, ()), n) for k in keys)
         c = min(n, max(FREE_ROWS, int(chunk)))
-        lg = target.head_logits(hidden[:, :c].reshape(b * c, hidden.shape[-1])).view(b, c, -1)
+        # the head's argmax op where the target has one (int64 argmaxes, which the op walks as it walks logits)
+        head = target.head_argmax if getattr(target, "greedy_head", False) else target.head_logits
+        lg = head(hidden[:, :c].reshape(b * c, hidden.shape[-1]))
+        lg = lg.view(b, c) if lg.dtype == torch.int64 else lg.view(b, c, -1)
         self.rounds += 1
         self.rows += b * c
         accepted, num, out = ops.greedy_verify(tokens[:, :c], parents[:, :c], lg)
@@ -163,11 +167,11 @@ class LazyGreedyVerify:
                 accepted = torch.cat([accepted, accepted.new_full((b, n - c), -1)], dim=1)
                 out = torch.cat([out, out.new_full((b, n - c), -1)], dim=1)
             return accepted, num, out
-        logits = self._logits(b, n, lg.shape[-1])
+        logits = self._logits(b, n, None if lg.dtype == torch.int64 else lg.shape[-1])
         logits[:, :c] = lg
-        return self._go_on(target, tree, keys, hidden, logits, c, toks, pars, acc, nums, goes_on)
+        return self._go_on(head, tree, keys, hidden, logits, c, toks, pars, acc, nums, goes_on)
 
-    def _go_on(self, target, tree, keys, hidden, logits, c, toks, pars, acc, nums, goes_on):
+    def _go_on(self, head, tree, keys, hidden, logits, c, toks, pars, acc, nums, goes_on):
         """Further head calls for the rows whose walk left the first c nodes: each from the node where it left,
         down its first children (chunk lengths from the history), until every row's path is read."""
         tokens, parents = tree.tokens, tree.parents
@@ -192,7 +196,7 @@ class LazyGreedyVerify:
             rows = [(r, v) for r in range(b) for v in want[r]]
             ri = torch.tensor([r for r, _ in rows], dtype=torch.int64, device=hidden.device)
             vi = torch.tensor([v for _, v in rows], dtype=torch.int64, device=hidden.device)
-            logits[ri, vi] = target.head_logits(hidden[ri, vi])
+            logits[ri, vi] = head(hidden[ri, vi])
             self.rounds += 1
             self.rows += len(rows)
             for r, v in rows:
@@ -216,13 +220,20 @@ class LazyGreedyVerify:
         self.nodes += b * n
         return accepted, num, out
 
-    def _logits(self, b: int, n: int, vocab: int) -> torch.Tensor:
-        """The [b, n, vocab] float32 buffer of a step's logits rows (one allocation kept across steps; rows not
-        computed this step hold earlier values: a walk that reaches one is cut there and continued)."""
-        need = b * n * vocab
-        if self._buf is None or self._buf.numel() < need:
-            self._buf = torch.zeros(need, dtype=torch.float32)
-        return self._buf[:need].view(b, n, vocab)
+    def _logits(self, b: int, n: int, vocab: Optional[int]) -> torch.Tensor:
+        """The [b, n, vocab] float32 buffer of a step's logits rows, or (vocab None: the head's argmax op) the
+        [b, n] int64 buffer of its argmaxes (one allocation each, kept across steps; rows not computed this step
+        hold earlier values: a walk that reaches one is cut there and continued)."""
+        need = b * n * (vocab or 1)
+        dtype = torch.float32 if vocab else torch.int64
+        buf = self._buf if vocab else self._pbuf
+        if buf is None or buf.numel() < need:
+            buf = torch.zeros(need, dtype=dtype)
+            if vocab:
+                self._buf = buf
+            else:
+                self._pbuf = buf
+        return buf[:need].view(b, n, vocab) if vocab else buf[:need].view(b, n)
 
     # ------------------------------------------------------------------ chunks
     @staticmethod

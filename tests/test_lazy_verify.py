@@ -36,13 +36,22 @@ class FakeTarget:
                 out[i, 3] = out[i, 7] = float("nan")
         return out
 
+    def head_argmax(self, x):  # the argmax op's answer (greedy_head: an ArgmaxTarget)
+        return torch.argmax(self.head_logits(x), dim=-1)
+
     def full(self):
         b, n, _ = self.hidden.shape
         return torch.stack([torch.stack([self.head_logits(self.hidden[r, v:v + 1])[0] for v in range(n)])
                             for r in range(b)])
 
 
-def _case(seed: int, B: int, N: int, kind: str, ragged: bool, nan: bool = False):
+class ArgmaxTarget(FakeTarget):
+    """A target with the head's argmax op: the verifier walks int64 argmaxes instead of logits rows."""
+
+    greedy_head = True
+
+
+def _case(seed: int, B: int, N: int, kind: str, ragged: bool, nan: bool = False, argmax: bool = False):
     g = gen(seed)
     tokens, parents, counts = make_trees(B, N, V, kind, g=g, ragged=ragged)
     H = 16
@@ -50,7 +59,7 @@ def _case(seed: int, B: int, N: int, kind: str, ragged: bool, nan: bool = False)
     if nan:
         hidden[0, 0, 0] = float("nan")
         hidden[B - 1, N // 2, 0] = float("nan")
-    t = FakeTarget(hidden, torch.randn(V, H, generator=g))
+    t = (ArgmaxTarget if argmax else FakeTarget)(hidden, torch.randn(V, H, generator=g))
     full = t.full()
     rng = random.Random(seed)
     for r in range(B):  # children take their parent's argmax often (long accepted paths), duplicates included
@@ -67,12 +76,13 @@ def _case(seed: int, B: int, N: int, kind: str, ragged: bool, nan: bool = False)
     return t, tree, full
 
 
+@pytest.mark.parametrize("argmax", [False, True], ids=["logits", "argmax_head"])
 @pytest.mark.parametrize("kind", ["chain", "random", "wide", "deep", "mixed"])
-def test_equals_greedy_verify_on_full_logits(kind):
+def test_equals_greedy_verify_on_full_logits(kind, argmax):
     verifier = LazyGreedyVerify(window=4)
     for seed in range(60):
         B, N = (1 + seed % 4, 2 + seed % 13)
-        t, tree, full = _case(seed, B, N, kind, ragged=seed % 2 == 1, nan=seed % 7 == 0)
+        t, tree, full = _case(seed, B, N, kind, ragged=seed % 2 == 1, nan=seed % 7 == 0, argmax=argmax)
         keys = [f"r{r}" for r in range(B)]  # the same keys every case: the chunk history carries over
         before = [list(verifier._history.get(k, ())) for k in keys]
         got = verifier(t, None, tree, keys)

@@ -277,6 +277,11 @@ class HFCausalLM:
         """Float32 logits [M, V] of hidden rows [M, H] from :meth:`forward_hidden` (the LM head, as forward runs it)."""
         return self._runner.lm_head(hidden).float()
 
+    @torch.no_grad()
+    def head_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``torch.argmax(head_logits(hidden), -1)``, int64 [M], by the head's argmax op (needs :attr:`greedy_head`)."""
+        return self._runner.head_argmax(hidden)
+
     @property
     def greedy_head(self) -> bool:
         """Whether :meth:`forward_argmax` may run: :attr:`lazy_head` with an LM head that has an argmax op
@@ -288,7 +293,7 @@ class HFCausalLM:
                        tree_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``torch.argmax(forward(...), -1)``, int64 [B, N], without the logits: the head's argmax op over the
         vocabulary in slabs (the greedy rows of a plain step; needs :attr:`greedy_head`)."""
-        return self._runner.head_argmax(self.forward_hidden(cache, tokens, depths, tree_mask))
+        return self.head_argmax(self.forward_hidden(cache, tokens, depths, tree_mask))
 
     @torch.no_grad()
     def forward_last(self, cache: StaticKVCache, tokens: torch.Tensor, depths: torch.Tensor,
