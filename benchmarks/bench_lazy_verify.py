@@ -8,6 +8,9 @@ The bundled model over a 150-token prefix, one process, every configuration inte
 * ``hidden N + head c``: ``forward_hidden`` of N nodes, then ``head_logits`` on c of its rows (what a
   greedy verification computes when its walk reads c rows in one head call: c = 3 when at most two drafted
   tokens are accepted, the padding's free rows; c = N when the whole chain is);
+* ``argmax N``: ``forward_argmax`` of N nodes (the head's argmax op on every row: no logits) and
+  ``ops.greedy_verify`` on its int64 argmaxes: a greedy full pass as the Engine runs it where the lazy plan
+  declines (``argmax 1``: a greedy decode step);
 * ``lazy N, a accepted``: the whole verification by LazyGreedyVerify on a chain whose first ``a`` drafted
   tokens are the target's own greedy tokens (so exactly a are accepted), the verifier's chunk history
   primed with paths of a + 1 nodes (as it would be after steps like this one): the pass, the head calls
@@ -49,6 +52,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     import specdec
+    from specdec import ops
     from specdec.lazy_verify import LazyGreedyVerify
     from specdec.models import load_bundled
     from specdec.tree import TokenTree
@@ -68,9 +72,10 @@ def main() -> None:
         logits = lm.forward(c2, torch.tensor([[t]]), torch.zeros(1, 1, dtype=torch.int32))[0]
         c2.lens += 1
     nodes = [int(x) for x in a.nodes.split(",")]
-    cases = {"full 1": ("full", 1, 0)}
+    cases = {"full 1": ("full", 1, 0), "argmax 1": ("argmax", 1, 0)}
     for n in nodes:
         cases[f"full {n}"] = ("full", n, 0)
+        cases[f"argmax {n}"] = ("argmax", n, 0)
         for c in sorted({3, n} if n > 3 else {n}):
             cases[f"hidden {n} + head {c}"] = ("hidden", n, c)
         for acc in sorted({0, min(2, n - 1), n - 1}):
@@ -90,11 +95,15 @@ def main() -> None:
             got = verifiers[k](lm, cache, trees[k], ["r"])[1]
             assert int(got[0]) == acc, (k, int(got[0]))
 
+    parents_of = {n: torch.arange(-1, n - 1, dtype=torch.int32)[None] for n in [1] + nodes}
+
     def run(key):
         kind, n, c = cases[key]
         tk, dep = torch.zeros(1, n, dtype=torch.long), torch.arange(n, dtype=torch.int32)[None]
         if kind == "full":
             lm.forward(cache, tk, dep)
+        elif kind == "argmax":
+            ops.greedy_verify(tk, parents_of[n], lm.forward_argmax(cache, tk, dep))
         elif kind == "hidden":
             h = lm.forward_hidden(cache, tk, dep)
             lm.head_logits(h[0, :c])
