@@ -206,13 +206,13 @@ PYBIND11_MODULE(_C, m) {
         "previous value. The same bits either way; for A/Bs.");
   m.def("set_q8act_block_prefetch", &specdec::cpu::set_q8act_block_prefetch, pybind11::arg("blocks"),
         "How many packed blocks ahead qlinear_q8act's AVX-512 VNNI tiles of many activation rows (Q8_0 from 4, Q4 "
-        "from 6) prefetch every line of a block (0: the one-line hint two blocks ahead; the default 8). Returns the "
-        "previous value. The same bits at any distance; for A/Bs.");
+        "from 6) prefetch every line of a block (0: the one-line hint two blocks ahead; the default 8 on AMD CPUs, "
+        "16 elsewhere). Returns the previous value. The same bits at any distance; for A/Bs.");
   m.def("set_q8act_stream_prefetch", &specdec::cpu::set_q8act_stream_prefetch, pybind11::arg("blocks"),
         "How many packed blocks ahead qlinear_q8act's AVX-512 VNNI tiles of few activation rows (Q8_0 below 4, Q4 "
         "below 6) prefetch every line of a block into L2, into the next weight group past a group's end (0: the "
-        "one-line hint two blocks ahead; the default 2). Returns the previous value. The same bits at any distance; "
-        "for A/Bs.");
+        "one-line hint two blocks ahead; the default 2 on AMD CPUs, 32 elsewhere). Returns the previous value. The "
+        "same bits at any distance; for A/Bs.");
   m.def("set_q8act_prefetch_level", &specdec::cpu::set_q8act_prefetch_level, pybind11::arg("level"),
         "The cache level qlinear_q8act's AVX2 / AVX-VNNI tiers prefetch their weight into: 1 (L1, the default) or 2 "
         "(L2). Returns the previous value. The same bits either way; for A/Bs.");

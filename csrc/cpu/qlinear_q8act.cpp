@@ -118,17 +118,19 @@ std::atomic<int64_t> g_prefetch{kQ8PrefetchBlocks};
 // Intel AVX-512 VNNI CPU (docs/benchmarks.md), slower on an AMD one (family 25: a decode step 0.79x, a two-row
 // pass 0.77x with one group at a time, benchmarks/results/q8act_pairs_ab_2026-12-07.json), where the weights
 // stream from DRAM; so off on AMD CPUs, on elsewhere.
-bool default_group_pairs() {
+bool amd_cpu() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();  // a static initializer may run before libgcc's own
-  return !__builtin_cpu_is("amd");
+  return __builtin_cpu_is("amd");
 #else
-  return true;
+  return false;
 #endif
 }
+bool default_group_pairs() { return !amd_cpu(); }
 std::atomic<bool> g_group_pairs{default_group_pairs()};
-std::atomic<int64_t> g_block_prefetch{kQ8BlockPrefetch};
-std::atomic<int64_t> g_stream_prefetch{kQ8StreamPrefetch};
+// The AVX-512 VNNI tiles' prefetch distances: measured best per CPU vendor (cpu_q8act.h); the same bits at any.
+std::atomic<int64_t> g_block_prefetch{amd_cpu() ? kQ8BlockPrefetch : kQ8BlockPrefetchOther};
+std::atomic<int64_t> g_stream_prefetch{amd_cpu() ? kQ8StreamPrefetch : kQ8StreamPrefetchOther};
 std::atomic<int64_t> g_prefetch_level{1};
 std::atomic<bool> g_parallel_quantize{true};
 std::atomic<int64_t> g_many_q8{kQ8ManyRowsQ8}, g_many_q4{kQ8ManyRowsQ4};

@@ -53,13 +53,20 @@ constexpr int64_t kQ8Rows = 16;  // weight rows per packed group
 // the weight stream, prefetch every line of the block this many blocks ahead, past a group's end into the next
 // group's (set_q8act_block_prefetch; 0: the one-line hint two blocks ahead that the other tiles take). 8: verify
 // passes of 6-16 nodes 0.92-0.95x the distance of 2 (AMD family 25, benchmarks/results/q8act_block_prefetch_*).
+// On other CPUs 16 (an Intel Xeon with AVX-512 VNNI and a 480 MiB L3: 6- / 8-node passes 0.92x / 0.95x the
+// distance of 8, benchmarks/results/q8act_block_prefetch_2026-12-08.json).
 constexpr int64_t kQ8BlockPrefetch = 8;
+constexpr int64_t kQ8BlockPrefetchOther = 16;
 // The first tile size (activation rows) that takes the many-row prefetch, per weight format
 // (set_q8act_many_rows). From 3 / 4 rows instead, 4- and 5-node verify passes ran 0.98x / 1.05x and 0.90x / 0.95x
 // in two runs (benchmarks/results/q8act_many_*_2026-12-07.json), within the host's noise then: these stay.
 constexpr int64_t kQ8ManyRowsQ8 = 4;
 constexpr int64_t kQ8ManyRowsQ4 = 6;
-constexpr int64_t kQ8StreamPrefetch = 2;  // set_q8act_stream_prefetch
+// set_q8act_stream_prefetch: 2 blocks on AMD CPUs (family 25: 8 blocks made a decode step 1.30x slower), 32
+// elsewhere (the Intel Xeon above: a decode step 0.78x, a 3-node pass 0.62x the distance of 2;
+// benchmarks/results/q8act_stream_prefetch_2026-12-08.json)
+constexpr int64_t kQ8StreamPrefetch = 2;
+constexpr int64_t kQ8StreamPrefetchOther = 32;
 constexpr int64_t kQ8PrefetchBlocks = 16;  // the AVX2 tier's default prefetch distance (set_q8act_prefetch)
 
 // Bytes per (group of 16 rows, block) of the packed layout, and the offset of its scales.
