@@ -1,7 +1,7 @@
 """The CPU kernels' software prefetch distances (and other switches of theirs) in whole forwards.
 
     python benchmarks/bench_prefetch.py
-        [--knob attention|q8act|q8act_stream|q8act_block|q8act_many|q8act_pquant|q8act_level|fused_rows]
+        [--knob attention|q8act|q8act_stream|q8act_block|q8act_many|q8act_pquant|q8act_level|fused_rows|q8act_amx]
         [--tier TIER]
         [--rounds 8] [--reps 30] [--prefixes 150,600,1500] [--nodes 1,8] [--distances 0,1,2,4] [--baseline B]
         [--threads 2] [--out FILE]
@@ -47,7 +47,8 @@ from specdec.bench.record import cpu_name, git_commit, loadavg  # noqa: E402
 KNOBS = {"attention": ("set_attention_prefetch", 0), "q8act": ("set_q8act_prefetch", 16),
          "q8act_stream": ("set_q8act_stream_prefetch", 0), "q8act_block": ("set_q8act_block_prefetch", 0),
          "q8act_level": ("set_q8act_prefetch_level", 1), "q8act_many": ("set_q8act_many_rows", 46),
-         "q8act_pquant": ("set_q8act_parallel_quantize", 0), "fused_rows": ("set_fused_row_elems", 32768)}
+         "q8act_pquant": ("set_q8act_parallel_quantize", 0), "fused_rows": ("set_fused_row_elems", 32768),
+         "q8act_amx": ("set_q8act_amx_rows", 0)}
 
 
 def main() -> None:

@@ -64,6 +64,10 @@ int64_t set_q8act_stream_prefetch(int64_t blocks);
 // The cache level the AVX2 / AVX-VNNI tiers' prefetch (set_q8act_prefetch) fills: 1 (L1, the default) or 2 (L2);
 // the same bits either way. Returns the previous value.
 int64_t set_q8act_prefetch_level(int64_t level);
+// From how many activation rows the AVX-512 VNNI tier takes AMX where the CPU has it (0: never); the same bits
+// either way. Returns the previous value. q8act_amx(): whether this CPU and OS run the AMX path.
+int64_t set_q8act_amx_rows(int64_t rows);
+bool q8act_amx();
 }  // namespace cpu
 
 namespace checks {

@@ -213,6 +213,10 @@ PYBIND11_MODULE(_C, m) {
         "below 6) prefetch every line of a block into L2, into the next weight group past a group's end (0: the "
         "one-line hint two blocks ahead; the default 2 on AMD CPUs, 32 elsewhere). Returns the previous value. The "
         "same bits at any distance; for A/Bs.");
+  m.def("set_q8act_amx_rows", &specdec::cpu::set_q8act_amx_rows, pybind11::arg("rows"),
+        "From how many activation rows qlinear_q8act's AVX-512 VNNI tier multiplies on AMX tiles where the CPU and "
+        "OS have AMX-INT8 (0: never). Returns the previous value. The same bits either way.");
+  m.def("q8act_amx", &specdec::cpu::q8act_amx, "Whether this CPU and OS run qlinear_q8act's AMX path.");
   m.def("set_q8act_prefetch_level", &specdec::cpu::set_q8act_prefetch_level, pybind11::arg("level"),
         "The cache level qlinear_q8act's AVX2 / AVX-VNNI tiers prefetch their weight into: 1 (L1, the default) or 2 "
         "(L2). Returns the previous value. The same bits either way; for A/Bs.");

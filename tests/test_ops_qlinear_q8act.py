@@ -353,6 +353,30 @@ def test_stream_prefetch_does_not_change_the_bits(fmt, tier):
         _C.set_q8act_group_pairs(pairs)
 
 
+@pytest.mark.parametrize("fmt", list(FMTS))
+def test_amx_path_gives_the_reference_bits(fmt):
+    """The AVX-512 VNNI tier's AMX path (set_q8act_amx_rows; off by default) on every format, rows in and past one
+    16-row tile, weight groups in threes and their remainders, with and without bias: the reference's bits."""
+    if "avx512_vnni" not in TIERS or not _C.q8act_amx():
+        pytest.skip("this CPU or OS does not run AMX-INT8")
+    was_tier, was = _C.set_q8act_tier("avx512_vnni"), _C.set_q8act_amx_rows(1)
+    try:
+        for N in (16, 37, 83):
+            qw, d, m, packed, x, want = _switch_case(fmt, N, 40, 3, 96)
+            bias = torch.randn(N, generator=gen(4))
+            want_b = reference_q8act.qlinear_q8act(x, qw, d, m, bias, FMTS[fmt])
+            for rows in (1, 2, 5, 8, 15, 16, 17, 33, 40):
+                got = ops.qlinear(x[:rows], packed, d, m, None, FMTS[fmt], act="q8")
+                assert torch.equal(got, want[:rows]), (N, rows)
+                got = ops.qlinear(x[:rows], packed, d, m, bias, FMTS[fmt], act="q8")
+                assert torch.equal(got, want_b[:rows]), (N, rows, "bias")
+        with pytest.raises(RuntimeError, match=r"set_q8act_amx_rows: rows must be in 0\.\.65"):
+            _C.set_q8act_amx_rows(-1)
+    finally:
+        _C.set_q8act_amx_rows(was)
+        _C.set_q8act_tier(was_tier)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 def test_more_rows_than_a_grid_dimension_holds(device, fmt):

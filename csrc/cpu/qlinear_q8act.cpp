@@ -132,6 +132,7 @@ std::atomic<bool> g_group_pairs{default_group_pairs()};
 std::atomic<int64_t> g_block_prefetch{amd_cpu() ? kQ8BlockPrefetch : kQ8BlockPrefetchOther};
 std::atomic<int64_t> g_stream_prefetch{amd_cpu() ? kQ8StreamPrefetch : kQ8StreamPrefetchOther};
 std::atomic<int64_t> g_prefetch_level{1};
+std::atomic<int64_t> g_amx_rows{kQ8AmxRows};
 std::atomic<bool> g_parallel_quantize{true};
 std::atomic<int64_t> g_many_q8{kQ8ManyRowsQ8}, g_many_q4{kQ8ManyRowsQ4};
 
@@ -217,6 +218,13 @@ int64_t set_q8act_stream_prefetch(int64_t blocks) {
   return exchange_blocks(g_stream_prefetch, blocks, 64, "set_q8act_stream_prefetch");
 }
 
+int64_t set_q8act_amx_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 0 && rows <= 65, "set_q8act_amx_rows: rows must be in 0..65 (0: never AMX), got ", rows);
+  return g_amx_rows.exchange(rows);
+}
+
+bool q8act_amx() { return amx_available(); }
+
 int64_t set_q8act_prefetch_level(int64_t level) {
   TORCH_CHECK(level == 1 || level == 2, "set_q8act_prefetch_level: level must be 1 (L1) or 2 (L2), got ", level);
   return g_prefetch_level.exchange(level);
@@ -263,6 +271,7 @@ Q8ActParams params_of(const QLinearParams& Q, const uint8_t* packed, const int8_
   P.block_prefetch = g_block_prefetch.load(std::memory_order_relaxed);
   P.stream_prefetch = g_stream_prefetch.load(std::memory_order_relaxed);
   P.prefetch_l1 = g_prefetch_level.load(std::memory_order_relaxed) == 1;
+  P.amx_rows = g_amx_rows.load(std::memory_order_relaxed);
   return P;
 }
 

@@ -131,6 +131,7 @@ inline void rows_t(const Q8ActParams& P, int64_t t_begin, int64_t t_end) {
 }  // namespace
 
 void q8act_rows_avx512vnni(const Q8ActParams& P, int64_t t_begin, int64_t t_end) {
+  if (P.amx_rows > 0 && P.M >= P.amx_rows && amx_available()) return q8act_rows_amx(P, t_begin, t_end);
   if (P.bits == 8) rows_t<8, false>(P, t_begin, t_end);
   else if (P.mins) rows_t<4, true>(P, t_begin, t_end);
   else rows_t<4, false>(P, t_begin, t_end);

@@ -67,6 +67,8 @@ constexpr int64_t kQ8ManyRowsQ4 = 6;
 // benchmarks/results/q8act_stream_prefetch_2026-12-08.json)
 constexpr int64_t kQ8StreamPrefetch = 2;
 constexpr int64_t kQ8StreamPrefetchOther = 32;
+// set_q8act_amx_rows: the AVX-512 VNNI tier's AMX path from this many activation rows (0: never)
+constexpr int64_t kQ8AmxRows = 0;
 constexpr int64_t kQ8PrefetchBlocks = 16;  // the AVX2 tier's default prefetch distance (set_q8act_prefetch)
 
 // Bytes per (group of 16 rows, block) of the packed layout, and the offset of its scales.
@@ -93,6 +95,7 @@ struct Q8ActParams {
   bool group_pairs = true;  // AVX-512 VNNI, Q4 weights, one or two rows: two groups of 16 rows per tile
   int64_t block_prefetch = kQ8BlockPrefetch;  // AVX-512 VNNI many-row tiles: every line this many blocks ahead
   int64_t stream_prefetch = kQ8StreamPrefetch;  // AVX-512 VNNI few-row tiles: every line into L2 this many ahead
+  int64_t amx_rows = 0;  // AVX-512 VNNI tier: from this many activation rows, AMX where the CPU has it (0: never)
 };
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -132,6 +135,10 @@ void q8act_rows_scalar(const Q8ActParams& P, int64_t t_begin, int64_t t_end);
 void q8act_rows_avx2(const Q8ActParams& P, int64_t t_begin, int64_t t_end);
 void q8act_rows_avxvnni(const Q8ActParams& P, int64_t t_begin, int64_t t_end);
 void q8act_rows_avx512vnni(const Q8ActParams& P, int64_t t_begin, int64_t t_end);
+// AMX (csrc/cpu/qlinear_q8act_amx.cpp): the AVX-512 VNNI tier's path from P.amx_rows activation rows; the same
+// bits. amx_available(): the CPU has AMX-TILE and AMX-INT8 and the OS grants the tile state (asked once).
+void q8act_rows_amx(const Q8ActParams& P, int64_t t_begin, int64_t t_end);
+bool amx_available();
 
 // The offset folded into the codes of the packed layout: P = dot - (R << q8_offset_shift) (Q4_1: none).
 inline int q8_offset_shift(const Q8ActParams& P) { return P.bits == 8 ? 7 : (P.mins ? -1 : 3); }
