@@ -206,6 +206,35 @@ bool avx512_active() { return has_avx512() && g_avx512.load(std::memory_order_re
 
 }  // namespace cpu
 
+namespace {
+// linear's operands as its kernels take them (x as float32 rows, bias float32, the weight contiguous), held
+// alive with their LinearParams (x, weight, scale, bias, M, K and the weight type; N and the output are the
+// caller's).
+struct LinearCall {
+  at::Tensor w, x2;
+  std::optional<at::Tensor> b32, s32;
+  cpu::LinearParams P{};
+  LinearCall(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+             const std::optional<at::Tensor>& weight_scale, int64_t M) {
+    const int64_t K = weight.size(1);
+    w = weight.contiguous();
+    x2 = x.reshape({M, K});
+    if (x2.scalar_type() != at::kFloat) x2 = x2.to(at::kFloat);
+    if (x2.stride(1) != 1) x2 = x2.contiguous();
+    if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
+    if (weight_scale.has_value()) s32 = weight_scale->contiguous();
+    P.w = w.data_ptr();
+    P.scale = s32.has_value() ? s32->data_ptr<float>() : nullptr;
+    P.bias = b32.has_value() ? b32->data_ptr<float>() : nullptr;
+    P.K = K;
+    P.wtype = cpu::to_wtype(w.scalar_type());
+    P.x_stride = x2.stride(0);
+    P.M = M;
+    P.x = x2.data_ptr<float>();
+  }
+};
+}  // namespace
+
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                       const std::optional<at::Tensor>& weight_scale) {
   checks::linear(x, weight, bias, weight_scale);
@@ -223,28 +252,12 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::
     return at::linear(x, weight, bias);
   }
 
-  const at::Tensor w = weight.contiguous();
-  at::Tensor x2 = x.reshape({M, K});
-  if (x2.scalar_type() != at::kFloat) x2 = x2.to(at::kFloat);
-  if (x2.stride(1) != 1) x2 = x2.contiguous();
-  std::optional<at::Tensor> b32, s32;
-  if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
-  if (weight_scale.has_value()) s32 = weight_scale->contiguous();
-
   const bool direct = x.scalar_type() == at::kFloat;
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-
-  cpu::LinearParams P;
-  P.w = w.data_ptr();
-  P.scale = s32.has_value() ? s32->data_ptr<float>() : nullptr;
-  P.bias = b32.has_value() ? b32->data_ptr<float>() : nullptr;
+  const LinearCall C(x, weight, bias, weight_scale, M);
+  cpu::LinearParams P = C.P;
   P.N = N;
-  P.K = K;
-  P.wtype = cpu::to_wtype(w.scalar_type());
-  P.x_stride = x2.stride(0);
   P.y_stride = N;
-  P.M = M;
-  P.x = x2.data_ptr<float>();
   P.y = y.data_ptr<float>();
   if (gemm) cpu::run_gemm(N, K, [&](int64_t n0, int64_t n1, float* scratch) { cpu::gemm_linear_rows_avx2(P, n0, n1, scratch); });
   else cpu::linear_raw(P);
@@ -296,28 +309,15 @@ at::Tensor linear_argmax_cpu(const at::Tensor& x, const at::Tensor& weight, cons
   const cpu::WType wt = cpu::to_wtype(weight.scalar_type());
   if (M == 0 || K == 0 || cpu::tiles_for(M, K, wt, x.scalar_type() == at::kFloat) || (!quantized && M > cpu::kBlasM))
     return cpu::argmax_rows_cpu(linear_cpu(x, weight, bias, weight_scale)).view(out_shape);
-  const at::Tensor w = weight.contiguous();
-  at::Tensor x2 = x.reshape({M, K});
-  if (x2.scalar_type() != at::kFloat) x2 = x2.to(at::kFloat);
-  if (x2.stride(1) != 1) x2 = x2.contiguous();
-  std::optional<at::Tensor> b32, s32;
-  if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
-  if (weight_scale.has_value()) s32 = weight_scale->contiguous();
-  cpu::LinearParams P;
-  P.x = x2.data_ptr<float>();
-  P.x_stride = x2.stride(0);
-  P.M = M;
-  P.K = K;
-  P.wtype = wt;
-  const char* w0 = static_cast<const char*>(w.data_ptr());
-  const float* scale0 = s32.has_value() ? s32->data_ptr<float>() : nullptr;
-  const float* bias0 = b32.has_value() ? b32->data_ptr<float>() : nullptr;
+  const LinearCall C(x, weight, bias, weight_scale, M);
+  const cpu::LinearParams& P = C.P;
+  const char* w0 = static_cast<const char*>(P.w);
   at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
   cpu::blocked_argmax(M, N, x.scalar_type(), [&](int64_t n0, int64_t n1, float* y, int64_t y_stride) {
     cpu::LinearParams S = P;
     S.w = w0 + n0 * K * cpu::wtype_size(wt);
-    S.scale = scale0 ? scale0 + n0 : nullptr;
-    S.bias = bias0 ? bias0 + n0 : nullptr;
+    S.scale = P.scale ? P.scale + n0 : nullptr;
+    S.bias = P.bias ? P.bias + n0 : nullptr;
     S.N = n1 - n0;
     S.y = y;
     S.y_stride = y_stride;
