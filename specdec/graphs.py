@@ -123,6 +123,11 @@ class GraphedForward:
             raise AttributeError(name)
         return getattr(self.lm, name)
 
+    # The wrapper serves forward through its buckets: the wrapped model's headless and argmax forwards
+    # (forward_hidden, forward_argmax) would bypass them, so the engine is told they are not there.
+    lazy_head = False
+    greedy_head = False
+
     def __repr__(self) -> str:
         return (f"GraphedForward({self.lm!r}, buckets={len(self._buckets)}/{self.max_graphs}, "
                 f"capture={self.capture}, captures={self.captures}, replays={self.replays})")

@@ -292,7 +292,7 @@ CASES = [
          "rejection_sample: uniforms[0, 3] = nan must lie in [0, 1]", "value"),
     # ---------------------------------------------------------------- greedy_verify
     Case("target_logits_rank", "greedy_verify", _edit("target_logits", lambda t: t[:, :, 0]),
-         "greedy_verify: target_logits must be [B, N, V], got [2, 4]"),
+         "greedy_verify: target_logits must be [B, N, V] (or int64 [B, N]: the argmax at each node), got [2, 4]"),
     Case("target_logits_shape", "greedy_verify", _set(target_logits=lambda: torch.randn(2, 5, 7)),
          "greedy_verify: target_logits must be [B, N, V] with B = 2, N = 4, got [2, 5, 7]"),
     Case("target_logits_empty_vocab", "greedy_verify",
@@ -300,7 +300,8 @@ CASES = [
               target_logits=lambda: torch.randn(2, 1, 0)),
          "greedy_verify: target_logits must be [B, N, V] with B = 2, N = 1, got [2, 1, 0]"),
     Case("target_logits_dtype", "greedy_verify", _edit("target_logits", lambda t: t.double()),
-         "greedy_verify: target_logits must be float32, float16 or bfloat16, got Double"),
+         "greedy_verify: target_logits must be float32, float16 or bfloat16 (or int64 [B, N]: the argmax at each "
+         "node), got Double"),
     Case("target_logits_noncontig", "greedy_verify", _edit("target_logits", _noncontig),
          "greedy_verify: target_logits must be contiguous, got strides [28, 1, 4]"),
     # ---------------------------------------------------------------- kv_commit

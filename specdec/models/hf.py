@@ -141,7 +141,8 @@ class HFCausalLM:
         self._capture = None
         #: greedy verification may run the LM head along the accepted path only (see :attr:`lazy_head`)
         self.lazy_verify = True
-        #: greedy plain steps take the head's argmax op (forward_argmax) where greedy_head allows
+        #: greedy steps (plain ones, trees verified whole, the lazy walk) take the head's argmax op where
+        #: greedy_head allows (forward_argmax / head_argmax: no logits)
         self.argmax_head = True
 
     # ------------------------------------------------------------------ construction
