@@ -116,8 +116,9 @@ class Engine(EngineRows):
         self.counters = dict(requests_added=0, requests_finished=0, requests_aborted=0, steps=0,
                              generated_tokens=0, drafted_tokens=0, accepted_tokens=0, drafter_errors=0, preemptions=0)
         self._guard = DraftGuard(name, drafter_errors, self.vocab_size, self.max_nodes, self.counters)
-        #: greedy steps verified with the LM head along the accepted path (where _greedy_only and its plan allow)
+        #: greedy steps verified with the LM head along the accepted path (where _greedy_rows and its plan allow)
         self.lazy_verify = LazyGreedyVerify()
+        self._zeros: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}   # _root_only's tensors per batch size
 
     @staticmethod
     def _check_args(name, target, drafter, max_batch, max_len, policy, max_waiting, drafter_errors) -> None:
@@ -332,9 +333,12 @@ class Engine(EngineRows):
                 draft, consulted = self._guard.propose(drafter, ctx)
         tree = draft.tree
         with clock.phase("verify"):
-            greedy = self._greedy_only(tree, reqs, consulted)
+            # greedy rows and a target whose head runs on any rows: the lazy walk where its plan expects a saving
+            # (trees of <= 64 rows in all), else the head's argmax op (a plain step, or a tree verified whole)
+            rows_greedy = self._greedy_rows(reqs, consulted)
+            greedy = rows_greedy and tree.size > 1 and getattr(self.target, "lazy_head", False)
             chunk = self.lazy_verify.plan(uids, tree.size) if greedy else None
-            argmax = (tree.size == 1 or (greedy and chunk is None)) and self._argmax_step(reqs, consulted)
+            argmax = rows_greedy and chunk is None and getattr(self.target, "greedy_head", False)
             plain = argmax and tree.size == 1
             if plain:  # a greedy plain step: the head's argmax op, no logits and no verification op
                 out = self.target.forward_argmax(cache, tree.tokens, tree.depths)   # [b, 1]
@@ -367,8 +371,8 @@ class Engine(EngineRows):
         if greedy and chunk is None:  # the paths the lazy head's plan learns from
             self.lazy_verify.observe(uids, num_host)
         if consulted:
-            if plain:  # nothing was drafted: every row accepted the root alone
-                accepted, num = torch.zeros(b, 1, dtype=torch.int32), torch.zeros(b, dtype=torch.int32)
+            if plain:  # nothing was drafted: every row accepted the root alone (zeros kept per batch size)
+                accepted, num = self._root_only(b)
             with clock.phase("commit"):
                 drafter.accept(accepted, num, num_host)    # drafter rollback (kv_commit)
         if plain:
@@ -391,24 +395,21 @@ class Engine(EngineRows):
         self._t_prev = t_now
         return finished
 
-    def _greedy_only(self, tree, reqs: Sequence[Request], consulted: bool) -> bool:
-        """Whether this step may verify with :class:`~specdec.lazy_verify.LazyGreedyVerify` (which runs it when
-        its plan expects a saving, on trees of at most 64 rows in all): a tree beyond the root, every row greedy and
-        uncoupled, a target whose head may run on any rows (``HFCausalLM.lazy_head``), and no drafter reading
-        the logits of every node (``observe_verify``)."""
-        return tree.size > 1 and getattr(self.target, "lazy_head", False) and \
-            not (consulted and self.drafter.reads_verify_logits) and \
+    def _greedy_rows(self, reqs: Sequence[Request], consulted: bool) -> bool:
+        """Whether the step's verification needs only the target's argmax at each node: every row greedy and
+        uncoupled, and no drafter reading the logits of every node (``observe_verify``). Then
+        :class:`~specdec.lazy_verify.LazyGreedyVerify` may run the head along the accepted path
+        (``HFCausalLM.lazy_head``), or the head's argmax op every node (``HFCausalLM.greedy_head``)."""
+        return not (consulted and self.drafter.reads_verify_logits) and \
             all(r.sampling.greedy and r.coupling is None for r in reqs)
 
-    def _argmax_step(self, reqs: Sequence[Request], consulted: bool) -> bool:
-        """Whether a step takes the target's argmax head (``HFCausalLM.forward_argmax``; a root-only step, or a
-        greedy tree that :class:`~specdec.lazy_verify.LazyGreedyVerify` leaves to a full pass, whose argmaxes
-        ``ops.greedy_verify`` then walks): every row greedy and uncoupled, a target whose
-        :attr:`~specdec.models.hf.HFCausalLM.greedy_head` allows it, and no drafter reading the logits of the
-        step (``observe_verify``)."""
-        return getattr(self.target, "greedy_head", False) and \
-            not (consulted and self.drafter.reads_verify_logits) and \
-            all(r.sampling.greedy and r.coupling is None for r in reqs)
+    def _root_only(self, b: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(accepted [b, 1], num_accepted [b]) int32 zeros of a root-only step, made once per batch size (a
+        drafter's accept reads them)."""
+        z = self._zeros.get(b)
+        if z is None:
+            z = self._zeros[b] = (torch.zeros(b, 1, dtype=torch.int32), torch.zeros(b, dtype=torch.int32))
+        return z
 
     def _emit_step(self, reqs: Sequence[Request], host: List[List[int]], drafted: Sequence[int],
                    deltas) -> Tuple[List[int], List[int]]:

@@ -45,8 +45,16 @@ void blocked_argmax(int64_t M, int64_t N, at::ScalarType out_dtype, const Argmax
   if (M <= 0) return;
   TORCH_CHECK(N >= 1, "blocked_argmax: no column to take an argmax over");
   const int64_t slabs = (N + kArgmaxSlab - 1) / kArgmaxSlab;
-  std::vector<int64_t> idx(slabs * M);  // per slab and row: the column of its first maximum (or first NaN)
-  std::vector<float> val(slabs * M);    // ... and its value
+  // per slab and row: the column of its first maximum (or first NaN) and its value (the calling thread's, kept
+  // across calls: the tasks below write disjoint entries)
+  thread_local std::vector<int64_t> idx;
+  thread_local std::vector<float> val;
+  if (idx.size() < size_t(slabs * M)) {
+    idx.resize(size_t(slabs * M));
+    val.resize(size_t(slabs * M));
+  }
+  int64_t* const idx_p = idx.data();  // the tasks write through these (a thread_local named in the lambda would be
+  float* const val_p = val.data();    // the executing thread's own)
   at::parallel_for(0, slabs, 1, [&](int64_t s0, int64_t s1) {
     thread_local std::vector<float> buf;
     if (buf.size() < size_t(M * kArgmaxSlab)) buf.resize(M * kArgmaxSlab);
@@ -57,8 +65,8 @@ void blocked_argmax(int64_t M, int64_t N, at::ScalarType out_dtype, const Argmax
         float* row = buf.data() + m * kArgmaxSlab;
         round_to(row, n, out_dtype);
         const int64_t j = argmax_f32(row, n);
-        idx[s * M + m] = n0 + j;
-        val[s * M + m] = row[j];
+        idx_p[s * M + m] = n0 + j;
+        val_p[s * M + m] = row[j];
       }
     }
   });

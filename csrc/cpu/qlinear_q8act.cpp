@@ -427,10 +427,15 @@ at::Tensor qlinear_argmax_q8act_cpu(const at::Tensor& x, const at::Tensor& qweig
   std::optional<at::Tensor> b32;
   if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
   const int tier = cpu::active_tier();
-  std::vector<int8_t> a(M * K);
-  std::vector<float> d(M * G), s(M * G);
-  std::vector<int32_t> R(M * G);
-  cpu::quantize_rows(tier, x2.data_ptr<float>(), K, M, K, a.data(), d.data(), R.data(), s.data());
+  // the quantized activations (codes [M, K], then R, d, s [M, G]): one scratch per calling thread, kept across
+  // calls as qlinear_q8act_raw keeps its own
+  thread_local std::vector<int32_t> scratch;
+  if (scratch.size() < size_t(M * K / 4 + 3 * M * G)) scratch.resize(size_t(M * K / 4 + 3 * M * G));
+  int8_t* a = reinterpret_cast<int8_t*>(scratch.data());
+  int32_t* R = scratch.data() + M * K / 4;
+  float* d = reinterpret_cast<float*>(R + M * G);
+  float* s = d + M * G;
+  cpu::quantize_rows(tier, x2.data_ptr<float>(), K, M, K, a, d, R, s);
   cpu::QLinearParams Q;
   Q.bias = b32.has_value() ? b32->data_ptr<float>() : nullptr;
   Q.mins = mins.has_value() ? reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>()) : nullptr;
@@ -441,7 +446,7 @@ at::Tensor qlinear_argmax_q8act_cpu(const at::Tensor& x, const at::Tensor& qweig
   Q.K = K;
   Q.bits = int(bits);
   const uint8_t* packed = qweight.data_ptr<uint8_t>();
-  const cpu::Q8ActParams P = cpu::params_of(Q, packed, a.data(), d.data(), R.data(), s.data());
+  const cpu::Q8ActParams P = cpu::params_of(Q, packed, a, d, R, s);
   const cpu::Q8Rows rows = cpu::rows_of_tier(tier);
   const int64_t blk = cpu::kQ8PackBytes(int(bits), mins.has_value());
   at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));

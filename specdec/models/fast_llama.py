@@ -37,79 +37,12 @@ import torch.nn.functional as F
 from transformers.modeling_utils import slice_logits_to_keep
 
 from specdec import ops, paged_ops
+from specdec.models.lean_linear import Q8ACT, Spec, as_dtype, linear_fn, linear_spec, quant_bits
 from specdec.models.rotary_table import RotaryTable
 
 __all__ = ["LlamaRunner", "build"]
 
 _SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-
-
-# A projection as ops.decoder_layer takes it: (weight, scale(s), mins, bias, bits); bits 0 = ops.linear
-# (float weight, or int8 with a per-row scale), 4 / 8 = ops.qlinear; | 32: act="q8" (quantized activations).
-_Spec = Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor], int]
-
-
-_Q8ACT = 32  # the bits flag of a quantized-activation projection (ops.decoder_layer's convention)
-
-
-def _bits(module) -> int:
-    """A GroupQuantLinear's bits as ops.decoder_layer takes them (| 32 with act="q8")."""
-    return module.bits | (_Q8ACT if getattr(module, "act", None) == "q8" else 0)
-
-
-def _as_dtype(b: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    return b if b is None or b.dtype == dtype else b.to(dtype)
-
-
-def _linear_spec(module: torch.nn.Module, fast_linear: bool, dtype: torch.dtype) -> Optional[_Spec]:
-    """The tensors of a linear layer whose type we know (None: call it as a module / F.linear)."""
-    from specdec.models.quant import GroupQuantLinear, Int8Linear
-
-    if type(module) is torch.nn.Linear:
-        w, b = module.weight, module.bias
-        if not fast_linear or w.dtype not in (torch.float32, torch.float16, torch.bfloat16) or w.dtype != dtype:
-            return None
-        return (w, None, None, b, 0)
-    if type(module) is GroupQuantLinear:
-        return (module.op_weight(), module.scales, module.mins, _as_dtype(module.bias, dtype), _bits(module))
-    if type(module) is Int8Linear:
-        return (module.qweight, module.scale, None, _as_dtype(module.bias, dtype), 0)
-    return None
-
-
-def _invariant(fn: Callable, argmax: Callable) -> Callable:
-    fn.batch_invariant = True  # ops.linear / ops.qlinear: a row's bits whatever rows share the call (<= 64)
-    fn.argmax = argmax  # torch.argmax(fn(x), -1) without the logits (ops.linear_argmax / ops.qlinear_argmax)
-    return fn
-
-
-def _linear_fn(module: torch.nn.Module, fast_linear: bool) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A direct call for a linear layer: ops.linear on its tensors when we know the type
-    (nn.Linear only with fast_linear, as HFCausalLM's option says; F.linear otherwise); the ops calls are
-    marked ``batch_invariant``."""
-    from specdec.models.quant import GroupQuantLinear, Int8Linear
-
-    if type(module) is torch.nn.Linear:
-        w, b = module.weight, module.bias
-        if not fast_linear or w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            return lambda x: F.linear(x, w, b)
-        return _invariant(lambda x: ops.linear(x, w, b), lambda x: ops.linear_argmax(x, w, b))
-    if type(module) is GroupQuantLinear:  # its tensors bound once, not read from the module on every call
-        d, m, b, bits, act = module.scales, module.mins, module.bias, module.bits, module.act
-        bound = [None if act == "q8" else module.qweight]  # q8: the CPU's packed copy, made at the first call only
-
-        def args(x: torch.Tensor):
-            if bound[0] is None:
-                bound[0] = module.op_weight()
-            return x, bound[0], d, m, b if b is None or b.dtype == x.dtype else b.to(x.dtype), bits
-        return _invariant(lambda x: ops.qlinear(*args(x), act=act), lambda x: ops.qlinear_argmax(*args(x), act=act))
-    if type(module) is Int8Linear:
-        qw, sc, b = module.qweight, module.scale, module.bias
-
-        def bias(x: torch.Tensor):
-            return b if b is None or b.dtype == x.dtype else b.to(x.dtype)
-        return _invariant(lambda x: ops.linear(x, qw, bias(x), sc), lambda x: ops.linear_argmax(x, qw, bias(x), sc))
-    return module  # e.g. torch.ao dynamic-quantized Linear: its own forward
 
 
 class _Layer:
@@ -131,7 +64,7 @@ def _adjacent(parts: List[torch.Tensor]) -> Optional[torch.Tensor]:
                                    first.stride())
 
 
-def _merged_spec(modules) -> Optional[_Spec]:
+def _merged_spec(modules) -> Optional[Spec]:
     """One projection for several quantized linears of the same input (q / k / v, gate / up): their
     buffers are concatenated along N once and each module's buffers become views of the merged
     ones (no extra memory; the modules compute what they did). None when they are not all
@@ -143,7 +76,7 @@ def _merged_spec(modules) -> Optional[_Spec]:
         return None
     if kind is GroupQuantLinear:
         names = ("qweight", "scales", "mins", "bias")
-        if len({(_bits(m), m.in_features, m.mins is None, m.bias is None) for m in modules}) != 1:
+        if len({(quant_bits(m), m.in_features, m.mins is None, m.bias is None) for m in modules}) != 1:
             return None
     else:
         names = ("qweight", "scale", "bias")
@@ -166,24 +99,24 @@ def _merged_spec(modules) -> Optional[_Spec]:
             setattr(m, name, whole[start:start + t.shape[0]])  # a view: the model keeps working unchanged
             start += t.shape[0]
     if kind is GroupQuantLinear:
-        bits, qw = _bits(modules[0]), merged["qweight"]
-        if bits & _Q8ACT:  # the CPU's packed layout of the merged weight, kept on the first module
-            qw = q8act_weight(modules[0], qw, merged["scales"], merged["mins"], bits & ~_Q8ACT, slot="merged")
+        bits, qw = quant_bits(modules[0]), merged["qweight"]
+        if bits & Q8ACT:  # the CPU's packed layout of the merged weight, kept on the first module
+            qw = q8act_weight(modules[0], qw, merged["scales"], merged["mins"], bits & ~Q8ACT, slot="merged")
             for m in modules:  # their own packed copies (a module forward made them) would only take memory
                 q8act_forget(m)
         return (qw, merged["scales"], merged["mins"], merged["bias"], bits)
     return (merged["qweight"], merged["scale"], None, merged["bias"], 0)
 
 
-def _spec_fn(spec: Optional[_Spec]) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+def _spec_fn(spec: Optional[Spec]) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
     """A call of one projection (the bias in the input's dtype, as the modules do)."""
     if spec is None:
         return None
     w, s, m, b, bits = spec
     if bits:
-        act = "q8" if bits & _Q8ACT else None
+        act = "q8" if bits & Q8ACT else None
         return lambda x: ops.qlinear(x, w, s, m, b if b is None or b.dtype == x.dtype else b.to(x.dtype),
-                                     bits & ~_Q8ACT, act=act)
+                                     bits & ~Q8ACT, act=act)
     return lambda x: ops.linear(x, w, b if b is None or b.dtype == x.dtype else b.to(x.dtype), s)
 
 
@@ -209,7 +142,7 @@ class LlamaRunner:
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
         self.norm_w, self.norm_eps = inner.norm.weight, float(inner.norm.variance_epsilon)
-        self.lm_head = _linear_fn(model.lm_head, fast_linear)
+        self.lm_head = linear_fn(model.lm_head, fast_linear)
         #: whether lm_head is one of specdec's batch-invariant ops (a row's logits the same bits whatever rows
         #: share the call, up to 64): then the head may run on any subset of a pass's rows (HFCausalLM.head_logits)
         self.head_batch_invariant = getattr(self.lm_head, "batch_invariant", False)
@@ -431,8 +364,8 @@ def _make_layer(model: torch.nn.Module, layer: torch.nn.Module, hd: int, fast_li
     L = _Layer()
     L.ln1_w, L.ln1_eps = norms[0].weight, float(norms[0].variance_epsilon)
     L.ln2_w, L.ln2_eps = norms[1].weight, float(norms[1].variance_epsilon)
-    L.q, L.k, L.v, L.o = (_linear_fn(m, fast_linear) for m in (att.q_proj, att.k_proj, att.v_proj, att.o_proj))
-    L.gate, L.up, L.down = (_linear_fn(m, fast_linear) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    L.q, L.k, L.v, L.o = (linear_fn(m, fast_linear) for m in (att.q_proj, att.k_proj, att.v_proj, att.o_proj))
+    L.gate, L.up, L.down = (linear_fn(m, fast_linear) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
     qkv = _merged_spec([att.q_proj, att.k_proj, att.v_proj]) if fused_ops else None
     gate_up = _merged_spec([mlp.gate_proj, mlp.up_proj]) if fused_ops else None
     L.qkv, L.gate_up = _spec_fn(qkv), _spec_fn(gate_up)
@@ -440,14 +373,14 @@ def _make_layer(model: torch.nn.Module, layer: torch.nn.Module, hd: int, fast_li
     if fused_ops and fused_layers:  # the whole layer as one ops.decoder_layer call, when every projection is known
         dtype = model.get_input_embeddings().weight.dtype
         if qkv is not None and gate_up is not None:
-            specs = [qkv, _linear_spec(att.o_proj, fast_linear, dtype), gate_up,
-                     _linear_spec(mlp.down_proj, fast_linear, dtype)]
+            specs = [qkv, linear_spec(att.o_proj, fast_linear, dtype), gate_up,
+                     linear_spec(mlp.down_proj, fast_linear, dtype)]
         else:
-            specs = [_linear_spec(m, fast_linear, dtype) for m in (att.q_proj, att.k_proj, att.v_proj,
+            specs = [linear_spec(m, fast_linear, dtype) for m in (att.q_proj, att.k_proj, att.v_proj,
                                                                     att.o_proj, mlp.gate_proj, mlp.up_proj,
                                                                     mlp.down_proj)]
         if all(sp is not None for sp in specs):
-            specs = [(w, sc, mn, _as_dtype(b, dtype), bits) for w, sc, mn, b, bits in specs]
+            specs = [(w, sc, mn, as_dtype(b, dtype), bits) for w, sc, mn, b, bits in specs]
             L.fused = tuple(list(col) for col in zip(*specs))  # weights, scales, mins, biases, bits
     L.scale = float(getattr(att, "scaling", hd ** -0.5))
     return L

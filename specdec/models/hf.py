@@ -32,6 +32,7 @@ from specdec._check import check_int
 from specdec.cache import StaticKVCache
 from specdec.paged_cache import PagedKVCache, PagedKVView
 from specdec.models.hf_generic import forward_generic
+from specdec.models.hf_head import HeadForwards
 from specdec.models.hf_prefill import check_prefill, prefill_group, prefill_groups
 from specdec.models.hidden import HiddenKVCache, enable_capture, write_hidden
 from specdec.models.hf_attention import (
@@ -56,7 +57,7 @@ except ImportError as exc:  # pragma: no cover - transformers is a dependency of
 __all__ = ["HFCausalLM"]
 
 
-class HFCausalLM:
+class HFCausalLM(HeadForwards):
     """Adapter of a transformers causal LM to specdec's cache and tree verification.
 
     Parameters
@@ -252,49 +253,6 @@ class HFCausalLM:
         return self._forward(cache, tokens, depths, tree_mask, logits_to_keep=0, kv_offset=kv_offset)
 
     __call__ = forward
-
-    @property
-    def lazy_head(self) -> bool:
-        """Whether :meth:`forward_hidden` + :meth:`head_logits` may stand for :meth:`forward`: the lean forward on
-        the CPU with a batch-invariant LM head (``ops.linear`` / ``ops.qlinear``), so the logits of any subset of a
-        pass's rows (up to 64) are the bits the whole pass gives them. A greedy verification then computes the
-        head only along the accepted path (:mod:`specdec.lazy_verify`); ``lazy_verify = False`` turns that off."""
-        r = self._runner
-        return self.lazy_verify and r is not None and r.head_batch_invariant and self.device.type == "cpu"
-
-    @torch.no_grad()
-    def forward_hidden(self, cache: StaticKVCache, tokens: torch.Tensor, depths: torch.Tensor,
-                       tree_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """:meth:`forward` without the LM head: the final normed hidden states [B, N, H] (model dtype), whose rows
-        :meth:`head_logits` turns into the logits forward returns (needs :attr:`lazy_head`)."""
-        if not self.lazy_head:
-            raise ValueError("HFCausalLM.forward_hidden: needs the lean forward on the CPU with a batch-invariant LM "
-                             "head and lazy_verify on (see HFCausalLM.lazy_head)")
-        self._check_call(cache, tokens, depths, tree_mask, 0)
-        return self._forward(cache, tokens, depths, tree_mask, logits_to_keep=0, head=False)
-
-    @torch.no_grad()
-    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [M, V] of hidden rows [M, H] from :meth:`forward_hidden` (the LM head, as forward runs it)."""
-        return self._runner.lm_head(hidden).float()
-
-    @torch.no_grad()
-    def head_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``torch.argmax(head_logits(hidden), -1)``, int64 [M], by the head's argmax op (needs :attr:`greedy_head`)."""
-        return self._runner.head_argmax(hidden)
-
-    @property
-    def greedy_head(self) -> bool:
-        """Whether :meth:`forward_argmax` may run: :attr:`lazy_head` with an LM head that has an argmax op
-        (``ops.linear_argmax`` / ``ops.qlinear_argmax``); ``argmax_head = False`` turns it off."""
-        return self.argmax_head and self.lazy_head and self._runner.head_argmax is not None
-
-    @torch.no_grad()
-    def forward_argmax(self, cache: StaticKVCache, tokens: torch.Tensor, depths: torch.Tensor,
-                       tree_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``torch.argmax(forward(...), -1)``, int64 [B, N], without the logits: the head's argmax op over the
-        vocabulary in slabs (the greedy rows of a plain step; needs :attr:`greedy_head`)."""
-        return self.head_argmax(self.forward_hidden(cache, tokens, depths, tree_mask))
 
     @torch.no_grad()
     def forward_last(self, cache: StaticKVCache, tokens: torch.Tensor, depths: torch.Tensor,
