@@ -18,7 +18,9 @@ tree or a long chain are never read. :class:`LazyGreedyVerify` runs the target w
 
 Because the head is batch invariant (a row's logits are the same bits in any call of up to 64 rows),
 the argmax at every node read is the one the full pass gives: the outputs equal ``ops.greedy_verify``
-on the full logits, integer for integer (tests/test_lazy_verify.py).
+on the full logits, integer for integer (tests/test_lazy_verify.py). Where the target has the head's argmax op
+(``HFCausalLM.greedy_head``) the head calls return each row's argmax (int64) instead of its logits, and the op
+walks those.
 
 The chunk length follows each request's recent accepted paths: the length that minimises the expected
 head cost over its last ``window`` path lengths, a head call of m rows costing

@@ -41,9 +41,9 @@ void rope_f32(const float* x, int64_t x_stride, const float* cos, const float* s
               int64_t Hh, int64_t D);
 // out = silu(g) * u, n float32 values.
 void silu_mul_f32(const float* g, const float* u, float* out, int64_t n);
-// out[r, :n] = silu(g[r * stride :][:n]) * u[r * stride :][:n] for r < rows (rows split over threads).
 // Elements per task (rows of H: elems / H rows) of the CPU rms_norm / add_rms_norm / rope; returns the previous value.
 int64_t set_fused_row_elems(int64_t elems);
+// out[r, :n] = silu(g[r * stride :][:n]) * u[r * stride :][:n] for r < rows (rows split over threads).
 void silu_mul_rows_f32(const float* g, const float* u, int64_t stride, float* out, int64_t rows, int64_t n);
 
 }  // namespace cpu
